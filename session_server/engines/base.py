@@ -1,0 +1,87 @@
+"""The engine seam: one required coroutine per adapter.
+
+Session code talks to engines only through `EngineAdapter.generate`; every
+SGLang/vLLM field name lives inside its adapter module (sglang.py, vllm.py).
+Adapters translate third-party and wire errors into the tree in
+`session_server.errors` at this boundary.
+
+`GenerateResult` is deliberately *raw*: ids and logprobs are kept exactly as the
+engine sent them (possibly bools, strings, NaN) so that `trajectory.validate`
+sees the real values and can reject them field by field. Adapters only
+normalise the *shape* (where the ids are, what the finish reason is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Engine-neutral sampling parameters (None = engine default, but max tokens is always set)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str  # fixed width, prefix-free (SGLang aborts by rid prefix)
+    input_ids: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    top_logprobs: int = 0
+    dp_rank: int | None = None
+    lora: str | None = None
+    cache_salt: str | None = None
+    return_routed_experts: bool = False
+    timeout_s: float = 600.0  # deadline measured from dispatch
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One engine answer, shape-normalised but value-raw (see module doc)."""
+
+    request_id: Any
+    output_ids: Sequence[Any]
+    logprobs: Sequence[Any]
+    finish_reason: FinishReason
+    matched_stop: int | str | None
+    prompt_tokens: Any
+    completion_tokens: Any
+    cached_tokens: Any
+    weight_version: Any = None
+    # SGLang sends ids twice (output_ids and inside the logprob triples); the
+    # second copy lets validation cross-check them. None when the engine has one copy.
+    output_ids_echo: Sequence[Any] | None = None
+    top_logprobs: Sequence[Any] | None = None  # per token: list of (id, logprob); raw
+    routed_experts: bytes | None = None  # raw payload, stored as-is, never decoded here
+    abort_message: str | None = None
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """One engine endpoint (one base URL, possibly several DP ranks)."""
+
+    protocol: str  # "sglang" | "vllm"
+    base_url: str
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Run one generation; raise `session_server.errors.EngineError` subclasses on failure."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        ...

@@ -1,0 +1,116 @@
+"""Every error the service can answer with, and the one map to HTTP status.
+
+    ServiceError                         (status, type)
+    ├── BadRequest                       400 invalid_request
+    │   └── HistoryMismatch              400 history_mismatch (cannot reconcile messages)
+    ├── Unauthorized                     401 unauthorized
+    ├── SessionNotFound                  404 session_not_found
+    ├── SessionBusy                      409 session_busy
+    ├── SessionClosed                    409 session_closed
+    ├── PayloadTooLarge                  413 payload_too_large
+    ├── OverCapacity                     429 over_capacity
+    ├── InternalInvariant                500 internal_error (logged at ERROR)
+    ├── EngineError                      engine side; adapters raise these
+    │   ├── UpstreamInvalid              502 upstream_invalid (bad engine output)
+    │   ├── UpstreamHTTPError            502 upstream_error (engine 4xx/5xx)
+    │   ├── UpstreamTransportError       502 upstream_unreachable (connect/reset)
+    │   │                                 `.transient` and `.produced_tokens` drive retries
+    │   └── UpstreamTimeout              504 upstream_timeout
+    ├── NoHealthyEngine                  503 no_healthy_engine
+    └── PausedTooLong                    503 paused (deadline passed while paused)
+
+`trajectory.errors.ValidationError` maps to UpstreamInvalid at the turn pipeline.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.type)
+        self.message = message or self.type
+
+    def to_body(self) -> dict[str, dict[str, str]]:
+        return {"error": {"type": self.type, "message": self.message}}
+
+
+class BadRequest(ServiceError):
+    status, type = 400, "invalid_request"
+
+
+class HistoryMismatch(BadRequest):
+    type = "history_mismatch"
+
+
+class Unauthorized(ServiceError):
+    status, type = 401, "unauthorized"
+
+
+class SessionNotFound(ServiceError):
+    status, type = 404, "session_not_found"
+
+
+class SessionBusy(ServiceError):
+    status, type = 409, "session_busy"
+
+
+class SessionClosed(ServiceError):
+    status, type = 409, "session_closed"
+
+
+class PayloadTooLarge(ServiceError):
+    status, type = 413, "payload_too_large"
+
+
+class OverCapacity(ServiceError):
+    status, type = 429, "over_capacity"
+
+
+class InternalInvariant(ServiceError):
+    status, type = 500, "internal_error"
+
+
+class EngineError(ServiceError):
+    """Raised by engine adapters; `engine` names the base URL."""
+
+    status, type = 502, "upstream_error"
+
+    def __init__(self, message: str = "", *, engine: str = "") -> None:
+        super().__init__(message)
+        self.engine = engine
+
+
+class UpstreamInvalid(EngineError):
+    type = "upstream_invalid"
+
+
+class UpstreamHTTPError(EngineError):
+    def __init__(self, message: str = "", *, engine: str = "", http_status: int = 0) -> None:
+        super().__init__(message, engine=engine)
+        self.http_status = http_status
+
+
+class UpstreamTransportError(EngineError):
+    """Connection refused/reset/closed. `transient` is True when retrying is safe
+    (nothing reached the engine or nothing was produced)."""
+
+    type = "upstream_unreachable"
+
+    def __init__(self, message: str = "", *, engine: str = "", transient: bool = True) -> None:
+        super().__init__(message, engine=engine)
+        self.transient = transient
+
+
+class UpstreamTimeout(EngineError):
+    status, type = 504, "upstream_timeout"
+
+
+class NoHealthyEngine(ServiceError):
+    status, type = 503, "no_healthy_engine"
+
+
+class PausedTooLong(ServiceError):
+    status, type = 503, "paused"

@@ -1,0 +1,155 @@
+"""The codec contract: what every chat-template family provides.
+
+A codec turns OpenAI-style messages into prompt token ids for the *first* turn,
+and for every later turn returns only the *new* prompt tokens, never touching
+tokens that are already committed (in particular the tokens the model sampled).
+
+Guarantee of `bridge` (the TITO equation). Let `C` be the committed token ids of
+a branch whose last turn was closed by `close_turn`, `H` its message history and
+`N` the new messages. If `bridge` returns `BridgeResult(r)` then
+
+    C + r.prompt_ids
+
+is what the model must see next, where `r.prompt_ids` is exactly the rendering
+of `N` plus the generation prompt as the template places it after the previous
+assistant turn, and `C` is unchanged. When the codec cannot *prove* this (the
+template is not append-only for this step), it returns a `BridgeRefusal`: a
+value, never a guess and never a silent re-tokenization.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+Message = Mapping[str, Any]
+"""An OpenAI chat message as a plain mapping (role, content, tool_calls, ...)."""
+
+
+class HistoryPolicy(str, enum.Enum):
+    """What to do when the template would rewrite earlier turns (DESIGN.md s5)."""
+
+    APPEND = "append"  # keep what the model saw; bridge the new messages anyway
+    TEMPLATE = "template"  # follow the template: refuse, so the caller forks a branch
+
+
+class RefusalReason(str, enum.Enum):
+    """Why a bridge could not be proven append-only."""
+
+    HISTORY_REWRITE = "history_rewrite"  # template re-renders earlier turns (Qwen3 user after reasoning)
+    NOT_APPEND_ONLY = "not_append_only"  # render(B) is not a prefix of render(B + new)
+    UNSUPPORTED_MESSAGE = "unsupported_message"  # role/shape the family cannot place here
+    RENDER_FAILED = "render_failed"  # the template raised (e.g. Llama 3.1: two tool calls)
+
+
+@dataclass(frozen=True)
+class BridgeResult:
+    """New prompt tokens (mask 0) to append after the committed tokens."""
+
+    prompt_ids: list[int]
+    rewrites_history: bool = False  # a full re-render would differ before this point (diagnostic)
+
+
+@dataclass(frozen=True)
+class BridgeRefusal:
+    """The codec refuses to bridge; the caller forks a branch or answers 400."""
+
+    reason: RefusalReason
+    detail: str
+
+
+class ToolCallParseStatus(str, enum.Enum):
+    """Parse status of the sampled text, kept as data (never raised)."""
+
+    OK = "ok"  # no tool-call markup, or every call parsed
+    INVALID_JSON = "invalid_json"  # a tool call body is not valid JSON
+    INVALID_FORMAT = "invalid_format"  # markup present but malformed (unclosed tag, missing name)
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    id: str  # call_<hex>
+    name: str
+    arguments: str  # JSON string, as OpenAI clients expect
+
+
+@dataclass(frozen=True)
+class ParsedAssistant:
+    """An assistant message recovered from sampled ids (DESIGN.md s6)."""
+
+    content: str | None
+    reasoning_content: str | None
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    status: ToolCallParseStatus = ToolCallParseStatus.OK
+    status_detail: str = ""
+
+    def to_message(self) -> dict[str, Any]:
+        """The OpenAI assistant message; tool_calls only when present."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.name, "arguments": tc.arguments},
+                }
+                for tc in self.tool_calls
+            ]
+        return msg
+
+
+@runtime_checkable
+class ChatCodec(Protocol):
+    """One chat-template family. Special-token ids are resolved at construction."""
+
+    family: str
+    vocab_size: int
+    eot_ids: tuple[int, ...]  # tokens that close an assistant turn when sampled
+    stop_token_ids: tuple[int, ...]  # ids the engine should stop on (EOT, EOS, GLM role tokens)
+    generation_prompt_ids: tuple[int, ...]
+
+    def render_first(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Whole prompt of turn 0 (or of a forked branch), generation prompt included."""
+        ...
+
+    def close_turn(self, sampled_ids: Sequence[int]) -> list[int]:
+        """Mask-0 repair tokens that close a turn whose last sampled token is not an
+        end-of-turn token (finish length/abort/stop string); empty when already closed."""
+        ...
+
+    def bridge(
+        self,
+        history: Sequence[Message],
+        committed_tail: Sequence[int],
+        new_messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        policy: HistoryPolicy = HistoryPolicy.APPEND,
+    ) -> BridgeResult | BridgeRefusal:
+        """New prompt ids for `new_messages` after the committed history (see module doc).
+
+        `history` is the branch's committed messages (last one is the assistant
+        message we returned); `committed_tail` the last few committed token ids
+        (at least the closed previous turn's final tokens), used to drop a
+        boundary token the model already sampled (GLM role tokens)."""
+        ...
+
+    def parse_assistant(self, sampled_ids: Sequence[int]) -> ParsedAssistant:
+        """Reasoning, content and tool calls from the sampled ids; never raises on bad markup."""
+        ...
+
+    def canonical_assistant_ids(self, message: Message) -> list[int]:
+        """The ids the template renders for `message` after the generation prompt,
+        through its end-of-turn/stop token: what a model sampling canonically emits."""
+        ...
