@@ -16,6 +16,7 @@
     │   ├── UpstreamTransportError       502 upstream_unreachable (connect/reset)
     │   │                                 `.transient` and `.produced_tokens` drive retries
     │   └── UpstreamTimeout              504 upstream_timeout
+    │   └── EngineAborted                503 engine_aborted (abort with nothing to resume)
     ├── NoHealthyEngine                  503 no_healthy_engine
     └── PausedTooLong                    503 paused (deadline passed while paused)
 
@@ -106,6 +107,10 @@ class UpstreamTransportError(EngineError):
 
 class UpstreamTimeout(EngineError):
     status, type = 504, "upstream_timeout"
+
+
+class EngineAborted(EngineError):
+    status, type = 503, "engine_aborted"
 
 
 class NoHealthyEngine(ServiceError):

@@ -1,0 +1,287 @@
+"""App factory: lifespan (pool, engines, sweeper), routes, and the one error map.
+
+Handlers read raw bytes and hand parsing/serialization to the CPU pool, so the
+event loop only moves bytes; `/health` answers without touching any session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from transformers import AutoTokenizer
+
+from trajectory import export
+from trajectory.codec import load_codec
+from trajectory.codec.base import HistoryPolicy
+
+from .api.models import SessionCreate, parse_json_model
+from .api.responses import completion_body, stream_chunks
+from .context import ServerContext, Settings, log
+from .engines import make_adapter
+from .errors import BadRequest, PayloadTooLarge, ServiceError
+from .metrics import Metrics
+from .offload import CpuPool
+from .routing.pool import EnginePool
+from .sessions import Session, SessionConfig, SessionStore
+from .turns import TurnRunner
+
+JSON = "application/json"
+
+
+@dataclass
+class AppConfig:
+    """What `serve` (or a test) decides before the app starts."""
+
+    tokenizer: str | Any  # path/name for AutoTokenizer.from_pretrained, or a tokenizer object
+    engines: Sequence[str] = ()  # "URL", "sglang=URL" or "vllm=URL"
+    settings: Settings = field(default_factory=Settings)
+    family: str | None = None  # force a codec family instead of detecting it
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(content=orjson.dumps(body), status_code=status, media_type=JSON)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def session_view(s: Session) -> dict[str, Any]:
+    """Summary of a session: O(branches + turns of the active branch) (small)."""
+    active = s.tree.active
+    traj = active.trajectory
+    return {
+        "session_id": s.id,
+        "state": s.state.value,
+        "busy": s.inflight is not None,
+        "home": s.home,
+        "metadata": s.config.metadata,
+        "history_policy": s.config.history_policy.value,
+        "active_branch": active.id,
+        "turns": len(traj.turns),
+        "tokens": len(traj),
+        "sampled_tokens": sum(t.output_end - t.output_start for t in traj.turns),
+        "branches": [
+            {
+                "id": b.id,
+                "parent_id": b.parent_id,
+                "fork_checkpoint": b.fork_checkpoint,
+                "reason": b.reason,
+                "turns": len(b.trajectory.turns),
+                "tokens": len(b.trajectory),
+            }
+            for b in s.tree.branches()
+        ],
+        "diagnostics": list(s.diagnostics),
+        "turns_discarded": s.turns_discarded,
+    }
+
+
+def create_app(config: AppConfig) -> FastAPI:
+    settings = config.settings
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = CpuPool(settings.cpu_workers)
+        tok = config.tokenizer
+        if isinstance(tok, str):
+            tok = await pool.run(AutoTokenizer.from_pretrained, tok)
+        codec = await pool.run(load_codec, tok, family=config.family)
+        engines = EnginePool()
+        for i, spec in enumerate(config.engines):
+            adapter, dp_size = await make_adapter(spec)
+            engines.add(f"e{i}", adapter, dp_size)
+        ctx = ServerContext(
+            settings=settings,
+            store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
+            pool=pool,
+            metrics=Metrics(),
+            codec=codec,
+            tokenizer=tok,
+            engines=engines,
+        )
+        state["ctx"] = ctx
+        state["runner"] = TurnRunner(ctx)
+        sweeper = asyncio.create_task(_sweep(ctx), name="tito-ttl-sweeper")
+        log.info("session server ready: family=%s engines=%d", getattr(codec, "family", "?"), len(engines.engines))
+        try:
+            yield
+        finally:
+            await _shutdown(ctx, sweeper)
+
+    app = FastAPI(title="TITO session server", lifespan=lifespan)
+
+    def ctx_of() -> ServerContext:
+        return state["ctx"]
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> Response:
+        if "ctx" in state:
+            state["ctx"].metrics.errors_total.labels(type=exc.type).inc()
+        if exc.status >= 500:
+            log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status, exc.type, exc.message)
+        return _json(exc.to_body(), exc.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        if "ctx" in state:
+            state["ctx"].metrics.errors_total.labels(type="internal_error").inc()
+        return _json({"error": {"type": "internal_error", "message": type(exc).__name__}}, 500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(content=b'{"status":"ok"}', media_type=JSON)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        ctx = ctx_of()
+        ctx.metrics.sessions_active.set(len(ctx.store))
+        return Response(content=ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/sessions")
+    async def create_session(request: Request) -> Response:
+        ctx = ctx_of()
+        body = await _read_body(request, ctx.settings.max_body_bytes)
+        spec: SessionCreate = await ctx.pool.run(parse_json_model, body, SessionCreate)
+        cfg = SessionConfig(
+            ttl_s=spec.ttl_s or ctx.settings.default_ttl_s,
+            metadata=spec.metadata,
+            max_context_tokens=spec.max_context_tokens,
+            sampling=spec.sampling,
+            lora=spec.lora,
+            chat_template_kwargs=spec.chat_template_kwargs,
+            history_policy=HistoryPolicy(spec.history_policy),
+        )
+        s = ctx.store.create(cfg)
+        base = str(request.base_url).rstrip("/")
+        return _json({"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1"}, 201)
+
+    @app.post("/sessions/{sid}/v1/chat/completions")
+    async def chat(sid: str, request: Request) -> Response:
+        ctx = ctx_of()
+        ctx.store.get(sid)  # 404 before reading a body for an unknown session
+        body = await _read_body(request, ctx.settings.max_body_bytes)
+        req, out = await state["runner"].run(sid, body)
+        top_k = req.top_logprobs or 0
+        if req.stream:
+            frames = await ctx.pool.run(
+                stream_chunks, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
+            )
+            return StreamingResponse(_iter(frames), media_type="text/event-stream")
+        payload = await ctx.pool.run(
+            completion_body, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
+        )
+        return Response(content=payload, media_type=JSON)
+
+    @app.get("/sessions/{sid}")
+    async def get_session(sid: str) -> Response:
+        s = ctx_of().store.get(sid)
+        return _json(session_view(s))
+
+    @app.get("/sessions/{sid}/trajectory")
+    async def get_trajectory(sid: str, format: str = "json") -> Response:
+        ctx = ctx_of()
+        s = ctx.store.get(sid)
+        return await _trajectory_response(ctx, s, format)
+
+    @app.delete("/sessions/{sid}")
+    async def delete_session(sid: str, return_trajectory: bool = False, format: str = "json") -> Response:
+        ctx = ctx_of()
+        s = ctx.store.get(sid)
+        resp = await _trajectory_response(ctx, s, format) if return_trajectory else None
+        ctx.store.close(sid)
+        ctx.engines.forget(s.id, s.home)
+        return resp if resp is not None else Response(status_code=204)
+
+    @app.get("/engines")
+    async def list_engines() -> Response:
+        ctx = ctx_of()
+        return _json(
+            {
+                "engines": [
+                    {
+                        "id": e.id,
+                        "protocol": e.adapter.protocol,
+                        "base_url": e.adapter.base_url,
+                        "dp_size": e.dp_size,
+                        "healthy": e.healthy,
+                    }
+                    for e in ctx.engines.engines.values()
+                ],
+                "targets": [
+                    {"id": t.id, "in_flight": t.in_flight, "sessions": len(t.sessions)}
+                    for t in ctx.engines.targets.values()
+                ],
+            }
+        )
+
+    return app
+
+
+async def _iter(frames: list[bytes]) -> AsyncIterator[bytes]:
+    for f in frames:
+        yield f
+
+
+def _trajectory_payload(s: Session, fmt: str) -> tuple[bytes, str]:
+    meta = {"session_id": s.id, "metadata": s.config.metadata, "history_policy": s.config.history_policy.value}
+    if fmt == "npz":
+        return export.to_npz_bytes(s.tree, metadata=meta), "application/octet-stream"
+    return orjson.dumps(export.to_dict(s.tree, metadata=meta), option=orjson.OPT_SERIALIZE_NUMPY), JSON
+
+
+async def _trajectory_response(ctx: ServerContext, s: Session, fmt: str) -> Response:
+    if fmt not in ("json", "npz"):
+        raise BadRequest("format must be 'json' or 'npz'")
+    async with s.lock:  # a commit must not mutate the branches while the pool reads them
+        payload, media = await ctx.pool.run(_trajectory_payload, s, fmt)
+    return Response(content=payload, media_type=media)
+
+
+async def _sweep(ctx: ServerContext) -> None:
+    """Background TTL expiry; never touches a session with a chat in flight."""
+    while True:
+        await asyncio.sleep(ctx.settings.sweep_interval_s)
+        for sid in ctx.store.expire():
+            ctx.metrics.sessions_expired_total.inc()
+            log.info("session %s expired", sid)
+
+
+async def _shutdown(ctx: ServerContext, sweeper: asyncio.Task[None]) -> None:
+    """1. stop the sweeper; 2. wait for in-flight turns (bounded); 3. close engines; 4. stop the pool."""
+    sweeper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sweeper
+    deadline = time.monotonic() + ctx.settings.drain_timeout_s
+    while time.monotonic() < deadline:
+        busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)
+        if busy == 0:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)
+        log.warning("shutdown: %d turns still in flight after %.1fs drain", busy, ctx.settings.drain_timeout_s)
+    for adapter in ctx.engines.adapters():
+        with contextlib.suppress(Exception):
+            await adapter.aclose()
+    ctx.pool.shutdown()

@@ -1,0 +1,42 @@
+"""Settings and the process-wide context every route and the turn pipeline share."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from trajectory.codec.base import ChatCodec
+
+from .metrics import Metrics
+from .offload import CpuPool
+from .routing.pool import EnginePool
+from .sessions import SessionStore
+
+log = logging.getLogger("session_server")
+
+
+@dataclass
+class Settings:
+    cpu_workers: int | None = None
+    default_max_tokens: int = 1024
+    turn_timeout_s: float = 600.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_sessions: int = 100_000
+    default_ttl_s: float = 3600.0
+    sweep_interval_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    clamp_logprob_sentinel: bool = False
+    admin_token: str | None = None
+
+
+@dataclass
+class ServerContext:
+    settings: Settings
+    store: SessionStore
+    pool: CpuPool
+    metrics: Metrics
+    codec: ChatCodec
+    tokenizer: Any
+    engines: EnginePool
+    extra: dict[str, Any] = field(default_factory=dict)

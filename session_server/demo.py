@@ -1,0 +1,128 @@
+"""`session-server demo`: simulated engines + the server + a tool-using agent, offline.
+
+The agent is the real `openai` client. Everything runs on 127.0.0.1 in one
+process; the demo tokenizer is built by the project's own code (a small BPE with
+Qwen3's special tokens and chat template), so no hub download is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from .app import AppConfig
+from .context import Settings
+from .harness import running_server
+from .sim import running_sim
+from .sim.tokenizers import cached_tokenizer_dir
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_docs",
+            "description": "Search the documentation.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    },
+]
+
+
+def run_tool(name: str, arguments: str) -> str:
+    """The demo environment: deterministic fake tools."""
+    try:
+        args = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return json.dumps({"error": "arguments are not valid JSON"})
+    if name == "get_weather":
+        return json.dumps({"city": args.get("city"), "temperature_c": 21, "sky": "clear", "ok": True})
+    if name == "search_docs":
+        return json.dumps({"query": args.get("query"), "hits": ["TITO keeps sampled ids verbatim."], "ok": True})
+    return json.dumps({"error": f"unknown tool {name}", "ok": False})
+
+
+async def run_agent(base_url: str, *, max_turns: int) -> dict[str, Any]:
+    """One episode through the stock openai client; returns what the agent saw."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful assistant. Use tools when they help."},
+        {"role": "user", "content": "What's the weather in Paris, and what does the documentation say about TITO?"},
+    ]
+    calls: list[str] = []
+    latencies: list[float] = []
+    finish = None
+    try:
+        for _ in range(max_turns):
+            t0 = time.perf_counter()
+            resp = await client.chat.completions.create(
+                model="demo", messages=messages, tools=TOOLS, max_tokens=256, logprobs=True
+            )
+            latencies.append(time.perf_counter() - t0)
+            choice = resp.choices[0]
+            msg = choice.message.model_dump(exclude_none=True)
+            messages.append(msg)
+            finish = choice.finish_reason
+            if not choice.message.tool_calls:
+                break
+            for tc in choice.message.tool_calls:
+                calls.append(f"{tc.function.name}({tc.function.arguments})")
+                messages.append(
+                    {"role": "tool", "tool_call_id": tc.id, "content": run_tool(tc.function.name, tc.function.arguments)}
+                )
+    finally:
+        await client.close()
+    return {"messages": messages, "tool_calls": calls, "latencies_s": latencies, "finish_reason": finish}
+
+
+def _summary(traj: dict[str, Any], episode: dict[str, Any]) -> str:
+    branch = traj["branches"][-1]
+    ids = np.asarray(branch["token_ids"])
+    mask = np.asarray(branch["loss_mask"])
+    lines = [
+        "TITO session server demo (simulated engine, offline)",
+        f"  turns: {len(branch['turns'])}   tokens: {len(ids)}   sampled (mask=1): {int(mask.sum())}"
+        f"   prompt/tool/glue (mask=0): {int((mask == 0).sum())}",
+        f"  final finish_reason: {episode['finish_reason']}",
+        "  per turn: prompt_start output_start output_end finish cached latency",
+    ]
+    for t, lat in zip(branch["turns"], episode["latencies_s"], strict=False):
+        lines.append(
+            f"    turn {t['index']}: {t['prompt_start']:>6} {t['output_start']:>6} {t['output_end']:>6}"
+            f"  {t['finish_reason']:<10} cached={t['cached_tokens']:<6} {lat * 1000:7.1f} ms"
+        )
+    lines.append(f"  tool calls: {', '.join(episode['tool_calls']) or 'none'}")
+    return "\n".join(lines)
+
+
+async def run_demo(*, out_dir: str = "demo_output", turns: int = 8, protocol: str = "sglang") -> int:
+    tok_dir = cached_tokenizer_dir("qwen3")
+    async with running_sim(protocol, str(tok_dir), seed=7, dp=2, latency_ms=1.0) as engine_url:
+        config = AppConfig(tokenizer=str(tok_dir), engines=[f"{protocol}={engine_url}"], settings=Settings())
+        async with running_server(config) as server_url, httpx.AsyncClient(base_url=server_url) as http:
+            created = (await http.post("/sessions", json={"metadata": {"demo": True}})).json()
+            episode = await run_agent(created["base_url"], max_turns=turns)
+            traj = (await http.get(f"/sessions/{created['session_id']}/trajectory")).json()
+            view = (await http.get(f"/sessions/{created['session_id']}")).json()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "trajectory.json"
+    path.write_text(json.dumps(traj))
+    print(_summary(traj, episode))
+    print(f"  home target: {view['home']}   branches: {len(view['branches'])}")
+    print(f"  trajectory written to {path}")
+    return 0

@@ -1,0 +1,144 @@
+"""Shared HTTP plumbing for the engine adapters (the engine data plane).
+
+Owns: the aiohttp session/connector factory (a per-engine connection cap and a
+keep-alive shorter than the engine's, so we never reuse a socket the engine is
+about to close), the one place where aiohttp exceptions become
+`session_server.errors` engine errors, the retry-with-backoff-and-jitter helper
+for transient failures, and `raise_nofile_limit` for start-up.
+
+Error mapping (`request_bytes`):
+
+    aiohttp ServerTimeoutError / asyncio.TimeoutError -> UpstreamTimeout
+    aiohttp ClientConnectorError (connect refused, DNS) -> UpstreamTransportError(transient=True)
+        nothing was sent, so a retry cannot duplicate work
+    ServerDisconnectedError, ClientOSError (reset), ClientPayloadError
+                                                      -> UpstreamTransportError(transient=False)
+        the request may have reached the engine and produced tokens
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import resource
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import aiohttp
+
+from session_server.errors import UpstreamTimeout, UpstreamTransportError
+
+T = TypeVar("T")
+
+# uvicorn (SGLang and vLLM both serve through it) closes idle keep-alive
+# connections after 5 s; closing ours earlier avoids the reuse-after-close race.
+ENGINE_KEEPALIVE_S = 5.0
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Per-engine connection settings."""
+
+    max_connections: int = 256 + 8  # generate cap plus headroom for the control plane
+    keepalive_s: float = ENGINE_KEEPALIVE_S - 1.0
+    connect_timeout_s: float = 10.0
+
+
+def make_session(limits: ConnectionLimits | None = None) -> aiohttp.ClientSession:
+    """One pooled aiohttp session per engine; must be called inside a running loop."""
+    limits = limits or ConnectionLimits()
+    connector = aiohttp.TCPConnector(
+        limit=limits.max_connections,
+        limit_per_host=0,
+        keepalive_timeout=limits.keepalive_s,
+        ttl_dns_cache=300,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout_s),
+        auto_decompress=True,
+        raise_for_status=False,
+    )
+
+
+@dataclass(frozen=True)
+class HTTPReply:
+    status: int
+    body: bytes
+    content_type: str
+
+
+async def request_bytes(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    engine: str,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+    params: Mapping[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> HTTPReply:
+    """Send one request and read the whole body, translating aiohttp errors at the boundary."""
+    hdrs = dict(headers or {})
+    if body is not None:
+        hdrs.setdefault("Content-Type", "application/json")
+    timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+    try:
+        async with session.request(
+            method, url, data=body, headers=hdrs, params=params, timeout=timeout
+        ) as resp:
+            data = await resp.read()
+            return HTTPReply(resp.status, data, resp.content_type)
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout(f"{method} {url}: no answer within {timeout_s} s", engine=engine) from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamTransportError(
+            f"{method} {url}: cannot connect: {exc}", engine=engine, transient=True
+        ) from exc
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+        raise UpstreamTransportError(
+            f"{method} {url}: engine closed the connection: {exc}", engine=engine, transient=False
+        ) from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamTransportError(
+            f"{method} {url}: {type(exc).__name__}: {exc}", engine=engine, transient=False
+        ) from exc
+
+
+async def retry_transient(
+    op: Callable[[], Awaitable[T]],
+    *,
+    retries: int,
+    base_delay_s: float = 0.05,
+    max_delay_s: float = 2.0,
+    rng: random.Random | None = None,
+) -> T:
+    """Run `op`, retrying only `UpstreamTransportError(transient=True)` with exponential
+    backoff and full jitter (so a restarted engine is not hit by a synchronized herd)."""
+    rng = rng or random.Random()
+    attempt = 0
+    while True:
+        try:
+            return await op()
+        except UpstreamTransportError as exc:
+            if not exc.transient or attempt >= retries:
+                raise
+            cap = min(max_delay_s, base_delay_s * (2**attempt))
+            attempt += 1
+            await asyncio.sleep(rng.uniform(0.0, cap))
+
+
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit; 10K agents plus engine
+    sockets exhaust the usual 1024. Returns the (soft, hard) now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            # Some platforms cap below the reported hard limit; keep what we have.
+            return soft, hard
+    return resource.getrlimit(resource.RLIMIT_NOFILE)

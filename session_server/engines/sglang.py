@@ -1,0 +1,405 @@
+"""SGLang native `/generate` adapter, its pure response parsers, and SGLang's control plane.
+
+Every SGLang field name lives here. Version drift handled (ENGINES.md, SOURCES.md):
+ids and logprobs come from `meta_info.output_token_logprobs` triples
+`[logprob, id, text|null]`; `output_ids` (absent before ~0.4.10, prefixed by up to
+5 prompt tokens in 0.4.10-0.5.4) is only an echo, sliced to its last
+`completion_tokens`; `finish_reason` is an object, a bare string (2024-05) or
+null (mid-stream); a JSON list body (batch or n>1) is refused; unknown
+`meta_info` keys are ignored; `routed_experts` stays `msgspec.Raw`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from session_server.engines.base import GenerateRequest, GenerateResult
+from session_server.engines.http import (
+    ConnectionLimits,
+    HTTPReply,
+    make_session,
+    request_bytes,
+    retry_transient,
+)
+from session_server.errors import UpstreamHTTPError, UpstreamInvalid
+
+__all__ = ["SGLangAdapter", "parse_sglang_generate", "parse_sglang_stream"]
+
+
+class _Meta(msgspec.Struct):
+    id: Any = None
+    finish_reason: Any = None
+    prompt_tokens: Any = None
+    completion_tokens: Any = None
+    cached_tokens: Any = None
+    weight_version: Any = None
+    output_token_logprobs: Any = None
+    output_top_logprobs: Any = None
+    routed_experts: msgspec.Raw = msgspec.Raw()
+
+
+class _Generate(msgspec.Struct):
+    text: Any = None
+    output_ids: Any = None
+    meta_info: _Meta | None = None
+    error: Any = None
+
+
+_DECODER = msgspec.json.Decoder(_Generate | list[Any])
+
+
+def _raw_or_none(raw: msgspec.Raw) -> bytes | None:
+    data = bytes(raw)
+    return None if data in (b"", b"null") else data
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _error_message(err: Any) -> str:
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)
+
+
+def _finish(fr: Any, *, engine: str, request_id: str) -> tuple[str, int | str | None, str | None]:
+    """(finish, matched, abort_message); raises for engine-side errors and unknown shapes."""
+    if isinstance(fr, str):  # SGLang <= 2024-05: a bare string
+        fr = {"type": fr}
+    if not isinstance(fr, dict):
+        raise UpstreamInvalid(
+            f"sglang {request_id}: finish_reason {fr!r} is not a final finish reason", engine=engine
+        )
+    kind = fr.get("type")
+    if kind == "stop":
+        matched = fr.get("matched")
+        return "stop", matched if isinstance(matched, int | str) else None, None
+    if kind == "length":
+        return "length", None, None
+    if kind == "abort":
+        message = fr.get("message")
+        status = fr.get("status_code")
+        if _is_int(status) and status >= 400:
+            raise UpstreamHTTPError(
+                f"sglang {request_id}: aborted with {status}: {message}",
+                engine=engine,
+                http_status=status,
+            )
+        return "abort", None, None if message is None else str(message)
+    raise UpstreamInvalid(f"sglang {request_id}: unknown finish_reason {fr!r}", engine=engine)
+
+
+def _top_logprobs(raw: Any, n: int) -> list[Any] | None:
+    """Per token: list of (id, logprob) from `output_top_logprobs` triples; raw values kept."""
+    if not isinstance(raw, list):
+        return None
+    out: list[Any] = []
+    for entry in raw[:n] if n else raw:
+        if isinstance(entry, list):
+            out.append([(t[1], t[0]) if isinstance(t, list) and len(t) >= 2 else t for t in entry])
+        else:
+            out.append(entry)
+    return out
+
+
+def _from_struct(
+    resp: _Generate, *, request_id: str, engine: str, require_logprobs: bool, final: bool = True
+) -> GenerateResult:
+    if resp.error is not None and resp.meta_info is None:
+        raise UpstreamHTTPError(
+            f"sglang {request_id}: {_error_message(resp.error)}", engine=engine, http_status=200
+        )
+    meta = resp.meta_info
+    if meta is None:
+        raise UpstreamInvalid(f"sglang {request_id}: response has no meta_info", engine=engine)
+    if final:
+        finish, matched, abort_message = _finish(
+            meta.finish_reason, engine=engine, request_id=request_id
+        )
+    else:
+        finish, matched, abort_message = "abort", None, None
+    ct = meta.completion_tokens
+    echo: list[Any] | None = None
+    if isinstance(resp.output_ids, list):
+        echo = resp.output_ids
+        # 0.4.10-0.5.4 prepend the last 5 prompt tokens: keep the last completion_tokens.
+        if _is_int(ct) and 0 <= ct <= len(echo):
+            echo = echo[len(echo) - ct :]
+    elif resp.output_ids is not None:
+        raise UpstreamInvalid(f"sglang {request_id}: output_ids is not a list", engine=engine)
+
+    triples = meta.output_token_logprobs
+    if isinstance(triples, list):
+        ids: list[Any] = []
+        lps: list[Any] = []
+        for t in triples:
+            if not isinstance(t, list) or len(t) < 2:
+                raise UpstreamInvalid(
+                    f"sglang {request_id}: malformed logprob entry {t!r}", engine=engine
+                )
+            lps.append(t[0])
+            ids.append(t[1])
+        output_ids: Sequence[Any] = ids
+        logprobs: Sequence[Any] = lps
+    elif triples is None and not require_logprobs and echo is not None:
+        output_ids, logprobs, echo = echo, [], None
+    else:
+        raise UpstreamInvalid(
+            f"sglang {request_id}: no output_token_logprobs"
+            + ("" if require_logprobs else " and no output_ids"),
+            engine=engine,
+        )
+    return GenerateResult(
+        request_id=meta.id,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=finish,  # type: ignore[arg-type]
+        matched_stop=matched,
+        prompt_tokens=meta.prompt_tokens,
+        completion_tokens=ct,
+        cached_tokens=meta.cached_tokens,
+        weight_version=meta.weight_version,
+        output_ids_echo=echo,
+        top_logprobs=_top_logprobs(meta.output_top_logprobs, 0),
+        routed_experts=_raw_or_none(meta.routed_experts),
+        abort_message=abort_message,
+    )
+
+
+def _decode(body: bytes, *, request_id: str, engine: str) -> _Generate:
+    try:
+        resp = _DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise UpstreamInvalid(f"sglang {request_id}: malformed JSON: {exc}", engine=engine) from exc
+    if isinstance(resp, list):
+        raise UpstreamInvalid(
+            f"sglang {request_id}: got a list of {len(resp)} results (batch or n>1)", engine=engine
+        )
+    return resp
+
+
+def parse_sglang_generate(
+    body: bytes, *, request_id: str, engine: str = "", require_logprobs: bool = True
+) -> GenerateResult:
+    """Parse one non-streaming `/generate` body (HTTP 200). Pure; no I/O.
+
+    `require_logprobs=False` accepts bodies without `output_token_logprobs` (the
+    adapter always asks for them, captured docs samples never did); then ids come
+    from `output_ids` and `logprobs` is empty, which validation rejects downstream."""
+    resp = _decode(body, request_id=request_id, engine=engine)
+    return _from_struct(resp, request_id=request_id, engine=engine, require_logprobs=require_logprobs)
+
+
+def parse_sglang_stream(body: bytes | str, *, request_id: str, engine: str = "") -> GenerateResult:
+    """Parse a whole cumulative SSE `/generate` stream: the last frame before `[DONE]` is the result."""
+    text = body.decode() if isinstance(body, bytes) else body
+    last: _Generate | None = None
+    done = False
+    for line in text.splitlines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            done = True
+            break
+        frame = _decode(payload.encode(), request_id=request_id, engine=engine)
+        if frame.error is not None:
+            raise UpstreamHTTPError(
+                f"sglang {request_id}: stream error: {_error_message(frame.error)}", engine=engine
+            )
+        last = frame
+    if last is None or not done:
+        raise UpstreamInvalid(f"sglang {request_id}: stream ended without [DONE]", engine=engine)
+    return _from_struct(last, request_id=request_id, engine=engine, require_logprobs=True)
+
+
+def _http_error(reply: HTTPReply, *, what: str, engine: str) -> UpstreamHTTPError:
+    message = reply.body[:500].decode(errors="replace")
+    try:
+        decoded = msgspec.json.decode(reply.body)
+        if isinstance(decoded, dict) and "error" in decoded:
+            message = _error_message(decoded["error"])
+        elif isinstance(decoded, dict) and "message" in decoded:
+            message = str(decoded["message"])
+    except msgspec.DecodeError:
+        pass
+    return UpstreamHTTPError(
+        f"{what}: HTTP {reply.status}: {message}", engine=engine, http_status=reply.status
+    )
+
+
+def build_sglang_payload(request: GenerateRequest) -> dict[str, Any]:
+    """The `/generate` body for one request (exposed for tests and the simulator's log)."""
+    s = request.sampling
+    sp: dict[str, Any] = {
+        "max_new_tokens": request.max_tokens,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    for key, value in (
+        ("temperature", s.temperature),
+        ("top_p", s.top_p),
+        ("top_k", s.top_k),
+        ("min_p", s.min_p),
+        ("sampling_seed", s.seed),
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+        ("repetition_penalty", s.repetition_penalty),
+    ):
+        if value is not None:
+            sp[key] = value
+    if s.stop:
+        sp["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        sp["stop_token_ids"] = list(s.stop_token_ids)
+    payload: dict[str, Any] = {
+        "rid": request.request_id,
+        "input_ids": list(request.input_ids),
+        "sampling_params": sp,
+        "return_logprob": True,
+        "stream": False,
+    }
+    if request.top_logprobs:
+        payload["top_logprobs_num"] = request.top_logprobs
+    if request.dp_rank is not None:
+        payload["data_parallel_rank"] = request.dp_rank
+    if request.lora is not None:
+        payload["lora_path"] = request.lora
+    if request.cache_salt is not None:
+        payload["extra_key"] = request.cache_salt
+    if request.return_routed_experts:
+        payload["return_routed_experts"] = True
+    return payload
+
+
+class SGLangAdapter:
+    """One SGLang server (all its DP ranks) behind `EngineAdapter`."""
+
+    protocol = "sglang"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        max_concurrency: int = 256,
+        limits: ConnectionLimits | None = None,
+        retries: int = 2,
+        control_timeout_s: float = 30.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_concurrency = max_concurrency
+        self.retries = retries
+        self.control_timeout_s = control_timeout_s
+        self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._session: Any = None
+
+    def _http(self) -> Any:
+        if self._session is None:
+            self._session = make_session(self._limits)
+        return self._session
+
+    async def _call(
+        self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None
+    ) -> HTTPReply:
+        data = None if body is None else msgspec.json.encode(body)
+
+        async def once() -> HTTPReply:
+            return await request_bytes(
+                self._http(),
+                method,
+                self.base_url + path,
+                engine=self.base_url,
+                body=data,
+                timeout_s=timeout_s or self.control_timeout_s,
+            )
+
+        return await retry_transient(once, retries=self.retries)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """POST /generate; deadline `request.timeout_s` from dispatch (after the concurrency cap)."""
+        body = msgspec.json.encode(build_sglang_payload(request))
+        async with self._sem:
+            deadline = time.monotonic() + request.timeout_s
+
+            async def once() -> HTTPReply:
+                return await request_bytes(
+                    self._http(),
+                    "POST",
+                    self.base_url + "/generate",
+                    engine=self.base_url,
+                    body=body,
+                    timeout_s=max(0.001, deadline - time.monotonic()),
+                )
+
+            reply = await retry_transient(once, retries=self.retries)
+        if reply.status != 200:
+            raise _http_error(reply, what=f"sglang {request.request_id}", engine=self.base_url)
+        return parse_sglang_generate(reply.body, request_id=request.request_id, engine=self.base_url)
+
+    # --- control plane -------------------------------------------------------------
+
+    async def _json(self, method: str, path: str, body: Any = None) -> Any:
+        reply = await self._call(method, path, body)
+        if reply.status != 200:
+            raise _http_error(reply, what=f"sglang {path}", engine=self.base_url)
+        if not reply.body:
+            return None
+        try:
+            return msgspec.json.decode(reply.body)
+        except msgspec.DecodeError:
+            return reply.body.decode(errors="replace")
+
+    async def health(self) -> bool:
+        """GET /health: an empty 200 when serving; anything else (or no answer) is unhealthy."""
+        try:
+            reply = await self._call("GET", "/health", timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - a health probe answers a bool, never raises
+            return False
+        return reply.status == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._json("GET", "/get_model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        """`/get_server_info` (newer builds also serve `/server_info`); carries `dp_size`."""
+        try:
+            return await self._json("GET", "/get_server_info")
+        except UpstreamHTTPError as exc:
+            if exc.http_status != 404:
+                raise
+            return await self._json("GET", "/server_info")
+
+    async def dp_size(self) -> int:
+        info = await self.server_info()
+        size = info.get("dp_size") if isinstance(info, dict) else None
+        return size if _is_int(size) and size > 0 else 1
+
+    async def get_load(self) -> Any:
+        return await self._json("GET", "/get_load")
+
+    async def pause(self, mode: str = "abort") -> None:
+        """POST /pause_generation {mode}; modes: abort, retract, in_place."""
+        await self._json("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._json("POST", "/continue_generation", {})
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request (rids match by prefix: use fixed-width ids) or all when rid is None."""
+        await self._json("POST", "/abort_request", {"rid": rid} if rid else {"abort_all": True})
+
+    async def flush_cache(self) -> None:
+        await self._json("POST", "/flush_cache")
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,455 @@
+"""vLLM token-in adapter, its pure response parsers, and vLLM's (dev-mode) control plane.
+
+Every vLLM field name lives here. The token-in endpoint `/inference/v1/generate`
+is used when `probe()` finds it (it is opt-in on the server), else `/v1/completions`
+with a token-id prompt. Version drift handled (ENGINES.md): logprob entries as
+`{"token": "token_id:123", "logprob"}` or `{"token_id": 123, "logprob", ...}`;
+`prompt_token_ids` inside the completions choice; `usage` may be missing.
+
+Missing `usage` (documented choice): `completion_tokens = len(token_ids)`,
+`prompt_tokens = len(prompt_token_ids)` when the choice carries them, else None,
+and `cached_tokens` None; the validator decides whether None is acceptable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from session_server.engines.base import GenerateRequest, GenerateResult
+from session_server.engines.http import (
+    ConnectionLimits,
+    HTTPReply,
+    make_session,
+    request_bytes,
+    retry_transient,
+)
+from session_server.errors import UpstreamHTTPError, UpstreamInvalid
+
+__all__ = [
+    "VLLMAdapter",
+    "parse_vllm_completions",
+    "parse_vllm_generate",
+    "parse_vllm_logprob_content",
+]
+
+GENERATE_PATH = "/inference/v1/generate"
+COMPLETIONS_PATH = "/v1/completions"
+DP_RANK_HEADER = "X-data-parallel-rank"
+_TOKEN_ID_RE = re.compile(r"^token_id:(-?\d+)$")
+_ID_PREFIXES = ("cmpl-", "generate-tokens-")
+
+
+class _Choice(msgspec.Struct):
+    index: Any = None
+    text: Any = None
+    token_ids: Any = None
+    prompt_token_ids: Any = None
+    finish_reason: Any = None
+    stop_reason: Any = None
+    logprobs: Any = None
+    routed_experts: msgspec.Raw = msgspec.Raw()
+
+
+class _Envelope(msgspec.Struct):
+    id: Any = None
+    request_id: Any = None
+    choices: list[_Choice] | None = None
+    usage: Any = None
+    error: Any = None
+
+
+_DECODER = msgspec.json.Decoder(_Envelope | list[Any])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _token_id(token: Any) -> Any:
+    """`"token_id:123"` -> 123; anything else is kept raw for the validator."""
+    if isinstance(token, str):
+        m = _TOKEN_ID_RE.match(token)
+        if m:
+            return int(m.group(1))
+    return token
+
+
+def parse_vllm_logprob_content(entries: Any, *, engine: str = "", request_id: str = "") -> tuple[
+    list[Any], list[Any], list[Any]
+]:
+    """Chat-style logprob entries in either encoding -> (ids, logprobs, top per token)."""
+    if not isinstance(entries, list):
+        raise UpstreamInvalid(f"vllm {request_id}: logprobs content is not a list", engine=engine)
+    ids: list[Any] = []
+    lps: list[Any] = []
+    tops: list[Any] = []
+    for e in entries:
+        if not isinstance(e, dict) or "logprob" not in e:
+            raise UpstreamInvalid(f"vllm {request_id}: malformed logprob entry {e!r}", engine=engine)
+        ids.append(e["token_id"] if "token_id" in e else _token_id(e.get("token")))
+        lps.append(e["logprob"])
+        top = e.get("top_logprobs") or []
+        tops.append(
+            [
+                (t["token_id"] if "token_id" in t else _token_id(t.get("token")), t.get("logprob"))
+                for t in top
+                if isinstance(t, dict)
+            ]
+        )
+    return ids, lps, tops
+
+
+def _finish(fr: Any, *, engine: str, request_id: str) -> str:
+    if fr in ("stop", "length", "abort"):
+        return fr
+    if fr == "repetition":  # the engine's repetition detector stopped it: a stop without a match
+        return "stop"
+    if fr == "error":
+        raise UpstreamHTTPError(
+            f"vllm {request_id}: finish_reason error", engine=engine, http_status=500
+        )
+    raise UpstreamInvalid(f"vllm {request_id}: unknown finish_reason {fr!r}", engine=engine)
+
+
+def _decode(body: bytes, *, request_id: str, engine: str) -> tuple[_Envelope, _Choice]:
+    try:
+        resp = _DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise UpstreamInvalid(f"vllm {request_id}: malformed response: {exc}", engine=engine) from exc
+    if isinstance(resp, list):
+        raise UpstreamInvalid(f"vllm {request_id}: response is a JSON list", engine=engine)
+    if resp.error is not None:
+        err = resp.error
+        msg = err.get("message") if isinstance(err, dict) else err
+        code = err.get("code") if isinstance(err, dict) else None
+        raise UpstreamHTTPError(
+            f"vllm {request_id}: {msg}", engine=engine, http_status=code if _is_int(code) else 200
+        )
+    if not resp.choices or len(resp.choices) != 1:
+        n = 0 if not resp.choices else len(resp.choices)
+        raise UpstreamInvalid(f"vllm {request_id}: expected one choice, got {n}", engine=engine)
+    return resp, resp.choices[0]
+
+
+def _echoed_id(raw: Any) -> Any:
+    if isinstance(raw, str):
+        for prefix in _ID_PREFIXES:
+            if raw.startswith(prefix):
+                return raw[len(prefix) :]
+    return raw
+
+
+def _usage(usage: Any, token_ids: Sequence[Any], prompt_ids: Any) -> tuple[Any, Any, Any]:
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return usage.get("prompt_tokens"), usage.get("completion_tokens"), cached
+    prompt = len(prompt_ids) if isinstance(prompt_ids, list) else None
+    return prompt, len(token_ids), None
+
+
+def _routed(raw: msgspec.Raw) -> bytes | None:
+    data = bytes(raw)
+    return None if data in (b"", b"null") else data
+
+
+def _result(
+    env: _Envelope,
+    choice: _Choice,
+    *,
+    ids: list[Any],
+    lps: list[Any],
+    echo: list[Any] | None,
+    tops: list[Any] | None,
+    engine: str,
+    request_id: str,
+) -> GenerateResult:
+    finish = _finish(choice.finish_reason, engine=engine, request_id=request_id)
+    prompt, completion, cached = _usage(env.usage, ids, choice.prompt_token_ids)
+    matched = choice.stop_reason if isinstance(choice.stop_reason, int | str) else None
+    return GenerateResult(
+        request_id=_echoed_id(env.request_id if env.request_id is not None else env.id),
+        output_ids=ids,
+        logprobs=lps,
+        finish_reason=finish,  # type: ignore[arg-type]
+        matched_stop=matched,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached,
+        weight_version=None,
+        output_ids_echo=echo,
+        top_logprobs=tops,
+        routed_experts=_routed(choice.routed_experts),
+    )
+
+
+def parse_vllm_generate(body: bytes, *, request_id: str, engine: str = "") -> GenerateResult:
+    """Parse one non-streaming `/inference/v1/generate` body (HTTP 200). Pure; no I/O."""
+    env, choice = _decode(body, request_id=request_id, engine=engine)
+    if not isinstance(choice.token_ids, list):
+        raise UpstreamInvalid(f"vllm {request_id}: choice has no token_ids", engine=engine)
+    lp = choice.logprobs
+    content = lp.get("content") if isinstance(lp, dict) else lp
+    if content is None:
+        raise UpstreamInvalid(f"vllm {request_id}: no logprobs in the choice", engine=engine)
+    echo, lps, tops = parse_vllm_logprob_content(content, engine=engine, request_id=request_id)
+    return _result(
+        env, choice, ids=choice.token_ids, lps=lps, echo=echo, tops=tops,
+        engine=engine, request_id=request_id,
+    )
+
+
+def parse_vllm_completions(body: bytes, *, request_id: str, engine: str = "") -> GenerateResult:
+    """Parse one non-streaming `/v1/completions` body requested with a token-id prompt,
+    `return_token_ids` and `return_tokens_as_token_ids`. Pure; no I/O."""
+    env, choice = _decode(body, request_id=request_id, engine=engine)
+    if not isinstance(choice.token_ids, list):
+        raise UpstreamInvalid(
+            f"vllm {request_id}: choice has no token_ids (return_token_ids unsupported?)",
+            engine=engine,
+        )
+    lp = choice.logprobs
+    if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list):
+        raise UpstreamInvalid(f"vllm {request_id}: no logprobs in the choice", engine=engine)
+    tokens = lp.get("tokens")
+    echo = [_token_id(t) for t in tokens] if isinstance(tokens, list) else None
+    tops_raw = lp.get("top_logprobs")
+    tops = None
+    if isinstance(tops_raw, list):
+        tops = [
+            [(_token_id(k), v) for k, v in m.items()] if isinstance(m, dict) else m
+            for m in tops_raw
+        ]
+    return _result(
+        env, choice, ids=choice.token_ids, lps=lp["token_logprobs"], echo=echo, tops=tops,
+        engine=engine, request_id=request_id,
+    )
+
+
+def _sampling(request: GenerateRequest) -> dict[str, Any]:
+    s = request.sampling
+    sp: dict[str, Any] = {
+        "max_tokens": request.max_tokens,
+        "logprobs": max(1, request.top_logprobs),
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+    }
+    for key, value in (
+        ("temperature", s.temperature),
+        ("top_p", s.top_p),
+        ("top_k", s.top_k),
+        ("min_p", s.min_p),
+        ("seed", s.seed),
+        ("presence_penalty", s.presence_penalty),
+        ("frequency_penalty", s.frequency_penalty),
+        ("repetition_penalty", s.repetition_penalty),
+    ):
+        if value is not None:
+            sp[key] = value
+    if s.stop:
+        sp["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        sp["stop_token_ids"] = list(s.stop_token_ids)
+    return sp
+
+
+def build_vllm_generate_payload(request: GenerateRequest, model: str) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "request_id": request.request_id,
+        "model": request.lora or model,
+        "token_ids": list(request.input_ids),
+        "sampling_params": _sampling(request),
+        "stream": False,
+    }
+    if request.cache_salt is not None:
+        payload["cache_salt"] = request.cache_salt
+    return payload
+
+
+def build_vllm_completions_payload(request: GenerateRequest, model: str) -> dict[str, Any]:
+    payload = _sampling(request)
+    payload.update(
+        {
+            "model": request.lora or model,
+            "prompt": list(request.input_ids),
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "request_id": request.request_id,
+            "stream": False,
+        }
+    )
+    if request.cache_salt is not None:
+        payload["cache_salt"] = request.cache_salt
+    return payload
+
+
+def _http_error(reply: HTTPReply, *, what: str, engine: str) -> UpstreamHTTPError:
+    message = reply.body[:500].decode(errors="replace")
+    try:
+        decoded = msgspec.json.decode(reply.body)
+        if isinstance(decoded, dict):
+            err = decoded.get("error", decoded.get("message", decoded))
+            message = str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    except msgspec.DecodeError:
+        pass
+    return UpstreamHTTPError(
+        f"{what}: HTTP {reply.status}: {message}", engine=engine, http_status=reply.status
+    )
+
+
+class VLLMAdapter:
+    """One vLLM server behind `EngineAdapter` (token-in generate, else completions)."""
+
+    protocol = "vllm"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        endpoint: str = "auto",  # "auto" | "generate" | "completions"
+        max_concurrency: int = 256,
+        limits: ConnectionLimits | None = None,
+        retries: int = 2,
+        control_timeout_s: float = 30.0,
+    ) -> None:
+        if endpoint not in ("auto", "generate", "completions"):
+            raise ValueError(f"endpoint must be auto, generate or completions, not {endpoint!r}")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.endpoint: str | None = None if endpoint == "auto" else endpoint
+        self.max_concurrency = max_concurrency
+        self.retries = retries
+        self.control_timeout_s = control_timeout_s
+        self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._session: Any = None
+        self._probe_lock = asyncio.Lock()
+
+    def _http(self) -> Any:
+        if self._session is None:
+            self._session = make_session(self._limits)
+        return self._session
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> HTTPReply:
+        data = None if body is None else msgspec.json.encode(body)
+
+        async def once() -> HTTPReply:
+            return await request_bytes(
+                self._http(),
+                method,
+                self.base_url + path,
+                engine=self.base_url,
+                body=data,
+                params=params,
+                timeout_s=timeout_s or self.control_timeout_s,
+            )
+
+        return await retry_transient(once, retries=self.retries)
+
+    async def probe(self) -> str:
+        """Find the served model (`/v1/models`) and whether `/inference/v1/generate` exists.
+
+        The endpoint probe posts an empty body: a validation error (400/422) proves the
+        route exists without generating anything; 404/405 means it is not enabled."""
+        async with self._probe_lock:
+            if self.model is None:
+                reply = await self._call("GET", "/v1/models")
+                if reply.status != 200:
+                    raise _http_error(reply, what="vllm /v1/models", engine=self.base_url)
+                try:
+                    data = msgspec.json.decode(reply.body)
+                    self.model = str(data["data"][0]["id"])
+                except (msgspec.DecodeError, KeyError, IndexError, TypeError) as exc:
+                    raise UpstreamInvalid(
+                        f"vllm /v1/models: unexpected body {reply.body[:200]!r}", engine=self.base_url
+                    ) from exc
+            if self.endpoint is None:
+                reply = await self._call("POST", GENERATE_PATH, {})
+                self.endpoint = "completions" if reply.status in (404, 405) else "generate"
+            return self.endpoint
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        if self.endpoint is None or self.model is None:
+            await self.probe()
+        assert self.model is not None
+        if self.endpoint == "generate":
+            path, payload = GENERATE_PATH, build_vllm_generate_payload(request, self.model)
+        else:
+            path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(request, self.model)
+        body = msgspec.json.encode(payload)
+        headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
+        async with self._sem:
+            deadline = time.monotonic() + request.timeout_s
+
+            async def once() -> HTTPReply:
+                return await request_bytes(
+                    self._http(),
+                    "POST",
+                    self.base_url + path,
+                    engine=self.base_url,
+                    body=body,
+                    headers=headers,
+                    timeout_s=max(0.001, deadline - time.monotonic()),
+                )
+
+            reply = await retry_transient(once, retries=self.retries)
+        if reply.status != 200:
+            raise _http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
+        parse = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
+        return parse(reply.body, request_id=request.request_id, engine=self.base_url)
+
+    # --- control plane (dev mode) -----------------------------------------------------
+
+    async def _checked(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        reply = await self._call(method, path, body, **kw)
+        if reply.status != 200:
+            raise _http_error(reply, what=f"vllm {path}", engine=self.base_url)
+        try:
+            return msgspec.json.decode(reply.body) if reply.body else None
+        except msgspec.DecodeError:
+            return reply.body.decode(errors="replace")
+
+    async def health(self) -> bool:
+        try:
+            reply = await self._call("GET", "/health", timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - a health probe answers a bool, never raises
+            return False
+        return reply.status == 200
+
+    async def pause(self, mode: str = "abort", *, clear_cache: bool = False) -> None:
+        """POST /pause?mode=abort|wait|keep (query parameters, not a body)."""
+        params = {"mode": mode}
+        if clear_cache:
+            params["clear_cache"] = "true"
+        await self._checked("POST", "/pause", params=params)
+
+    async def resume(self) -> None:
+        await self._checked("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        data = await self._checked("GET", "/is_paused")
+        return bool(isinstance(data, dict) and data.get("is_paused"))
+
+    async def abort(self, request_ids: Sequence[str] = ()) -> None:
+        """POST /abort_requests; an empty list aborts everything."""
+        await self._checked("POST", "/abort_requests", {"request_ids": list(request_ids)})
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,55 @@
+"""Run the server in-process on a free 127.0.0.1 port (tests, benchmarks, demo).
+
+One implementation for everybody that needs a live server: it binds loopback
+only, waits until the server answers, and always shuts it down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from .app import AppConfig, create_app
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def running_server(config: AppConfig, *, log_level: str = "warning") -> AsyncIterator[str]:
+    """Serve `create_app(config)` until the block exits; yields the base URL."""
+    app: FastAPI = create_app(config)
+    port = free_port()
+    uv_config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        loop="none",
+        http="httptools",
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        backlog=4096,
+    )
+    server = uvicorn.Server(uv_config)
+    # _serve, not serve: the embedding process keeps its own signal handlers
+    task = asyncio.create_task(server._serve(), name=f"tito-server-{port}")
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # re-raise a start-up failure
+                raise RuntimeError("server exited during start-up")
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=15)

@@ -1,0 +1,34 @@
+"""Prometheus metrics of one server process (own registry, so tests can build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PHASES = ("claim", "parse", "prepare", "render", "route", "generate", "validate", "commit", "respond", "total")
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.turn_phase_seconds = Histogram(
+            "tito_turn_phase_seconds", "Turn latency by pipeline phase", ["phase"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.turns_in_flight = Gauge("tito_turns_in_flight", "Chat turns currently in flight", registry=r)
+        self.turns_total = Counter("tito_turns_total", "Completed turns by outcome", ["outcome"], registry=r)
+        self.errors_total = Counter("tito_errors_total", "Errors answered, by error type", ["type"], registry=r)
+        self.tokens_in_total = Counter("tito_prompt_tokens_total", "New prompt tokens appended", registry=r)
+        self.tokens_out_total = Counter("tito_sampled_tokens_total", "Sampled tokens committed", registry=r)
+        self.cached_tokens_total = Counter("tito_cached_tokens_total", "Prompt tokens the engine reported cached", registry=r)
+        self.sessions_active = Gauge("tito_sessions", "Sessions in the store", registry=r)
+        self.sessions_expired_total = Counter("tito_sessions_expired_total", "Sessions removed by TTL", registry=r)
+        self.branches_total = Counter("tito_branches_total", "Branches created, by reason", ["reason"], registry=r)
+        self.engine_retries_total = Counter("tito_engine_retries_total", "Engine request retries", ["engine"], registry=r)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        self.turn_phase_seconds.labels(phase=phase).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,41 @@
+"""The bounded CPU pool: where work proportional to a body or a context runs.
+
+JSON parsing, validation, rendering and serialization all happen here so the
+event loop stays free to answer `/health` and to move bytes. The pool is bounded
+(`--cpu-workers`, default `min(16, cpu_count)`); callers await its futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def default_cpu_workers() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+class CpuPool:
+    """A named, bounded ThreadPoolExecutor with an awaitable `run`."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or default_cpu_workers()
+        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="tito-cpu")
+
+    async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `fn` in the pool, carrying the caller's contextvars."""
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.copy_context()
+        call = functools.partial(ctx.run, fn, *args, **kwargs)
+        return await loop.run_in_executor(self._executor, call)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

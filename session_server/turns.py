@@ -1,0 +1,388 @@
+"""The pipeline of one chat turn (DESIGN.md s3): the one place that sequences the phases.
+
+    claim -> parse (pool) -> prepare (lock) -> render delta (pool) -> route
+          -> generate (no lock) -> validate + parse output (pool) -> commit (lock)
+          -> respond (pool)
+
+The claim is released in a `finally` on every path (errors, cancellation, client
+disconnect), and only by the request that made it. Branch changes decided at
+prepare (rollback, fork) are applied at commit, so a failed turn leaves the
+session exactly as it was.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message
+from trajectory.errors import ValidationError
+from trajectory.history import reconcile
+from trajectory.messages import messages_equal, normalize_message
+from trajectory.validate import Expectations, ValidGeneration, validate_generation
+
+from .api.models import ChatRequest, parse_json_model
+from .context import ServerContext, log
+from .engines.base import GenerateRequest, GenerateResult, SamplingParams
+from .errors import (
+    BadRequest,
+    EngineAborted,
+    HistoryMismatch,
+    InternalInvariant,
+    UpstreamInvalid,
+    UpstreamTransportError,
+)
+from .sessions import Claim, Session
+
+_TAIL_TOKENS = 16
+
+
+@dataclass
+class Prepared:
+    """What prepare decided and snapshotted under the lock."""
+
+    kind: str  # first | append | rollback | fork
+    branch_id: int
+    base_len: int  # active branch length at prepare (checked again at commit)
+    checkpoint: int  # rollback target (0 otherwise)
+    context_ids: np.ndarray  # committed ids kept as context (int32 copy)
+    history: list[Message]
+    tail: list[int]
+    new_messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+    last_weight_version: Any
+
+
+@dataclass
+class TurnOutput:
+    """Everything the response needs after a successful commit."""
+
+    request_id: str
+    message: dict[str, Any]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    sampled_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: Sequence[Any] | None
+    turn_index: int
+    branch_id: int
+    timings_s: dict[str, float] = field(default_factory=dict)
+
+
+class _Timer:
+    def __init__(self, ctx: ServerContext) -> None:
+        self._ctx = ctx
+        self._t0 = self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self._last
+        self._ctx.metrics.observe_phase(phase, now - self._last)
+        self._last = now
+
+    def total(self) -> None:
+        self.phases["total"] = time.perf_counter() - self._t0
+        self._ctx.metrics.observe_phase("total", self.phases["total"])
+
+
+def _checkpoint_message_counts(turns: Sequence[Any]) -> list[int]:
+    counts = [0]
+    for t in turns:
+        counts.append(counts[-1] + len(t.request_messages) + (1 if t.assistant_message else 0))
+    return counts
+
+
+def _tools_key(tools: list[dict[str, Any]] | None) -> bytes:
+    return orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS)
+
+
+class TurnRunner:
+    """Runs chat turns against the shared context; one instance per app."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    async def run(self, session_id: str, body: bytes) -> tuple[ChatRequest, TurnOutput]:
+        ctx = self.ctx
+        timer = _Timer(ctx)
+        session, claim = ctx.store.claim(session_id)
+        ctx.metrics.turns_in_flight.inc()
+        try:
+            timer.lap("claim")
+            req: ChatRequest = await ctx.pool.run(parse_json_model, body, ChatRequest)
+            timer.lap("parse")
+            async with session.lock:
+                prep = self._prepare(session, req)
+            timer.lap("prepare")
+            prompt_ids, prep = await self._render(session, prep)
+            timer.lap("render")
+            out = await self._generate_validate_commit(session, claim, req, prep, prompt_ids, timer)
+            timer.total()
+            out.timings_s = dict(timer.phases)
+            ctx.metrics.turns_total.labels(outcome="committed").inc()
+            return req, out
+        finally:
+            ctx.metrics.turns_in_flight.dec()
+            ctx.store.release(session, claim)
+
+    # -- prepare (under the session lock; synchronous, O(messages) + one memcpy) --
+
+    def _prepare(self, session: Session, req: ChatRequest) -> Prepared:
+        tree = session.tree
+        branch = tree.active
+        traj = branch.trajectory
+        turns = traj.turns
+        history = traj.messages()
+        request_msgs = [normalize_message(m) for m in req.messages]
+        plan = reconcile(history, _checkpoint_message_counts(turns), request_msgs, messages_equal)
+        kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
+        tools = req.tools or None
+        if kind in ("append", "rollback") and _tools_key(tools) != _tools_key(
+            session.tools_by_branch.get(branch.id)
+        ):
+            kind, checkpoint, new = "fork", 0, request_msgs  # new tools change the system prompt
+        if kind in ("append", "rollback") and not new:
+            raise BadRequest("no new message after the committed history: nothing to respond to")
+        if kind == "append":
+            keep = len(traj)
+            hist = history
+        elif kind == "rollback":
+            keep = traj.checkpoints[checkpoint]
+            hist = history[: _checkpoint_message_counts(turns)[checkpoint]]
+        else:
+            keep, hist = 0, []
+        context_ids = np.array(traj.token_ids[:keep], dtype=np.int32, copy=True)
+        kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
+        return Prepared(
+            kind=kind,
+            branch_id=branch.id,
+            base_len=len(traj),
+            checkpoint=checkpoint,
+            context_ids=context_ids,
+            history=hist,
+            tail=[int(x) for x in context_ids[-_TAIL_TOKENS:]],
+            new_messages=new,
+            tools=tools,
+            template_kwargs=kwargs,
+            last_weight_version=self._last_weight_version(session),
+        )
+
+    @staticmethod
+    def _last_weight_version(session: Session) -> Any:
+        turns = session.tree.active.trajectory.turns
+        for t in reversed(turns):
+            if t.weight_spans:
+                return t.weight_spans[-1][2]
+        return None
+
+    # -- render (pool; O(new tokens)) --
+
+    async def _render(self, session: Session, prep: Prepared) -> tuple[list[int], Prepared]:
+        codec = self.ctx.codec
+        if prep.kind in ("first", "fork"):
+            ids = await self.ctx.pool.run(
+                codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
+            )
+            return list(ids), prep
+        result = await self.ctx.pool.run(
+            codec.bridge,
+            prep.history,
+            prep.tail,
+            prep.new_messages,
+            tools=prep.tools,
+            template_kwargs=prep.template_kwargs,
+            policy=session.config.history_policy,
+        )
+        if isinstance(result, BridgeRefusal):
+            if session.config.history_policy is HistoryPolicy.TEMPLATE:
+                # follow the template: a new branch rendered from the whole request
+                full = prep.history + prep.new_messages
+                session.note("fork", reason=result.reason.value, detail=result.detail)
+                prep.kind, prep.checkpoint, prep.new_messages = "fork", 0, full
+                prep.context_ids = np.zeros(0, dtype=np.int32)
+                prep.tail, prep.history = [], []
+                ids = await self.ctx.pool.run(
+                    codec.render_first, full, tools=prep.tools, template_kwargs=prep.template_kwargs
+                )
+                return list(ids), prep
+            raise HistoryMismatch(
+                f"cannot prove the committed tokens stay a prefix ({result.reason.value}: {result.detail}); "
+                "create the session with history_policy='template' to fork instead"
+            )
+        if result.rewrites_history:
+            session.note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw")
+        return list(result.prompt_ids), prep
+
+    # -- generate, validate, commit --
+
+    def _sampling(self, session: Session, req: ChatRequest) -> SamplingParams:
+        d = session.config.sampling
+
+        def pick(name: str) -> Any:
+            v = getattr(req, name)
+            return v if v is not None else d.get(name)
+
+        stop = req.stop_list() or tuple(d.get("stop") or ())
+        return SamplingParams(
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            seed=pick("seed"),
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.ctx.codec.stop_token_ids),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
+        )
+
+    def _budget(self, session: Session, req: ChatRequest, prompt_len: int) -> int:
+        budget = req.budget() or session.config.sampling.get("max_tokens") or self.ctx.settings.default_max_tokens
+        limit = session.config.max_context_tokens
+        if limit is not None:
+            room = limit - prompt_len
+            if room <= 0:
+                raise BadRequest(f"context of {prompt_len} tokens reaches max_context_tokens={limit}")
+            budget = min(budget, room)
+        return int(budget)
+
+    async def _dispatch(self, session: Session, greq: GenerateRequest) -> tuple[GenerateResult, str]:
+        """Send to the session's home; one re-home on a transient transport failure."""
+        engines = self.ctx.engines
+        attempts = 2 if len(engines.engines) > 1 else 1
+        for attempt in range(attempts):
+            target = engines.select(session.id, session.home)
+            session.home = target.id
+            engine = engines.engine_of(target)
+            pinned = GenerateRequest(**{**greq.__dict__, "dp_rank": target.dp_rank if engine.dp_size > 1 else None})
+            target.in_flight += 1
+            try:
+                return await engine.adapter.generate(pinned), target.id
+            except UpstreamTransportError as exc:
+                engines.mark_failed(engine.id)
+                if not exc.transient or attempt == attempts - 1:
+                    raise
+                log.warning("engine %s unreachable, re-homing session %s", engine.id, session.id)
+            finally:
+                target.in_flight -= 1
+        raise AssertionError("unreachable")
+
+    def _check_output(self, result: GenerateResult, expect: Expectations) -> tuple[ValidGeneration, Any, list[int]]:
+        """Validate, parse and compute repair tokens (pool)."""
+        try:
+            valid = validate_generation(result, expect)
+        except ValidationError as exc:
+            raise UpstreamInvalid(f"engine output rejected: {exc}") from exc
+        ids = valid.ids.tolist()
+        parsed = self.ctx.codec.parse_assistant(ids)
+        repair = list(self.ctx.codec.close_turn(ids))
+        return valid, parsed, repair
+
+    async def _generate_validate_commit(
+        self,
+        session: Session,
+        claim: Claim,
+        req: ChatRequest,
+        prep: Prepared,
+        prompt_ids: list[int],
+        timer: _Timer,
+    ) -> TurnOutput:
+        ctx = self.ctx
+        input_ids = np.concatenate([prep.context_ids, np.asarray(prompt_ids, dtype=np.int32)])
+        budget = self._budget(session, req, len(input_ids))
+        greq = GenerateRequest(
+            request_id=secrets.token_hex(16),
+            input_ids=input_ids,
+            max_tokens=budget,
+            sampling=self._sampling(session, req),
+            top_logprobs=req.top_logprobs or 0 if req.logprobs else 0,
+            lora=session.config.lora,
+            timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
+        )
+        timer.lap("route")
+        result, target_id = await self._dispatch(session, greq)
+        timer.lap("generate")
+        if result.finish_reason == "abort":
+            session.turns_discarded += 1
+            raise EngineAborted(result.abort_message or "the engine aborted the generation")
+        expect = Expectations(
+            request_id=greq.request_id,
+            prompt_len=len(input_ids),
+            vocab_size=ctx.codec.vocab_size,
+            max_tokens=budget,
+            stop_token_ids=frozenset(ctx.codec.stop_token_ids),
+            last_weight_version=prep.last_weight_version,
+            clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
+        )
+        valid, parsed, repair = await ctx.pool.run(self._check_output, result, expect)
+        timer.lap("validate")
+        message = parsed.to_message()
+        finish = valid.finish_reason
+        if finish == "stop" and parsed.tool_calls:
+            finish = "tool_calls"
+        async with session.lock:
+            try:
+                ctx.store.ensure_can_commit(session, claim)
+            except Exception:
+                session.turns_discarded += 1
+                raise
+            tree = session.tree
+            if tree.active.id != prep.branch_id or len(tree.active.trajectory) != prep.base_len:
+                log.error("session %s: branch moved between prepare and commit", session.id)
+                raise InternalInvariant(f"session {session.id}: branch moved during the turn")
+            if prep.kind == "rollback":
+                tree.rollback(prep.checkpoint)
+                ctx.metrics.branches_total.labels(reason="rollback").inc()
+            elif prep.kind == "fork":
+                tree.fork("history_rewrite")
+                ctx.metrics.branches_total.labels(reason="fork").inc()
+            branch = tree.active
+            if prep.kind in ("first", "rollback", "fork"):
+                session.tools_by_branch[branch.id] = prep.tools
+            extra: dict[str, Any] = {"request_id": greq.request_id, "parse_status": parsed.status.value}
+            if parsed.status_detail:
+                extra["parse_detail"] = parsed.status_detail
+            if result.routed_experts is not None:
+                extra["routed_experts_bytes"] = len(result.routed_experts)
+            record = branch.trajectory.commit_turn(
+                prompt_ids,
+                valid.ids,
+                valid.logprobs,
+                finish_reason=finish,
+                weight_version=valid.weight_version,
+                repair_ids=repair,
+                request_messages=prep.new_messages,
+                assistant_message=message,
+                engine=target_id,
+                cached_tokens=valid.cached_tokens,
+                extra=extra,
+            )
+            if repair:
+                session.note("repair", turn=record.index, tokens=len(repair), finish_reason=finish)
+        timer.lap("commit")
+        ctx.metrics.tokens_in_total.inc(len(prompt_ids))
+        ctx.metrics.tokens_out_total.inc(len(valid.ids))
+        ctx.metrics.cached_tokens_total.inc(valid.cached_tokens)
+        return TurnOutput(
+            request_id=greq.request_id,
+            message=message,
+            finish_reason=finish,
+            prompt_tokens=len(input_ids),
+            completion_tokens=len(valid.ids),
+            cached_tokens=valid.cached_tokens,
+            sampled_ids=valid.ids.tolist(),
+            logprobs=valid.logprobs.tolist(),
+            top_logprobs=result.top_logprobs,
+            turn_index=record.index,
+            branch_id=branch.id,
+        )

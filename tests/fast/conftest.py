@@ -1,0 +1,37 @@
+"""Shared fast-test fixtures: offline tokenizers of every chat-template family.
+
+Built once per test session (byte-level BPE trained in-process, no network) and
+loaded back through the real path, `AutoTokenizer.from_pretrained(str(path))`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from session_server.sim.tokenizers import FAMILIES, build_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """family -> directory of its saved offline tokenizer."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {family: build_tokenizer(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def load_tokenizer(tokenizer_dirs: dict[str, Path]) -> Callable[[str], Any]:
+    """`load_tokenizer(family)` -> a transformers tokenizer (cached per family)."""
+    from transformers import AutoTokenizer
+
+    cache: dict[str, Any] = {}
+
+    def _load(family: str) -> Any:
+        if family not in cache:
+            cache[family] = AutoTokenizer.from_pretrained(str(tokenizer_dirs[family]))
+        return cache[family]
+
+    return _load

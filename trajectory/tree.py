@@ -1,0 +1,158 @@
+"""A session's branches: linked `LinearTrajectory`s created by rollback and fork.
+
+Nothing a session committed is ever thrown away. A rollback (the agent re-sent
+an earlier prefix) or a fork (the history was rewritten) starts a new *active*
+branch; the old one stays in the tree for the trainer. A branch created at a
+checkpoint of its parent starts with a copy of the parent's prefix (tokens,
+mask, logprobs, turns and messages up to that checkpoint): O(prefix) once,
+which is fine because rollbacks and forks are rare, and it keeps every branch
+a self-contained trajectory that the hot path can append to in O(new tokens).
+
+Branch ids are small ints in creation order; branch 0 is the empty root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from trajectory.errors import BranchError, CheckpointError, InvariantError
+from trajectory.linear import LinearTrajectory
+
+ROOT_REASON = "root"
+ROLLBACK_REASON = "rollback"
+
+
+@dataclass(slots=True)
+class Branch:
+    """One branch: its trajectory and where it left its parent."""
+
+    id: int
+    parent_id: int | None  # None only for the root
+    fork_checkpoint: int  # checkpoint index on the parent
+    fork_index: int  # token position of that checkpoint on the parent
+    trajectory: LinearTrajectory
+    reason: str
+
+
+class TrajectoryTree:
+    """All branches of one session, with one active branch that turns append to."""
+
+    __slots__ = ("_branches", "_active", "metadata")
+
+    def __init__(self) -> None:
+        root = Branch(0, None, 0, 0, LinearTrajectory(), ROOT_REASON)
+        self._branches: dict[int, Branch] = {0: root}
+        self._active = 0
+        self.metadata: dict = {}  # carried by export when no explicit metadata is given
+
+    @classmethod
+    def from_branches(cls, branches: list[Branch], active_id: int) -> TrajectoryTree:
+        """Rebuild a tree (import); checks every invariant, raising `InvariantError`."""
+        tree = cls()
+        tree._branches = {}
+        for b in branches:
+            if b.id in tree._branches:
+                raise InvariantError(f"duplicate branch id {b.id}")
+            tree._branches[b.id] = b
+        if active_id not in tree._branches:
+            raise InvariantError(f"active branch {active_id} is not in the tree")
+        tree._active = active_id
+        tree.check_invariants()
+        return tree
+
+    @property
+    def active(self) -> Branch:
+        return self._branches[self._active]
+
+    @property
+    def active_id(self) -> int:
+        return self._active
+
+    def get(self, branch_id: int) -> Branch:
+        try:
+            return self._branches[branch_id]
+        except (KeyError, TypeError):
+            raise BranchError(f"unknown branch {branch_id!r}") from None
+
+    def branches(self) -> list[Branch]:
+        """Every branch, in creation order."""
+        return list(self._branches.values())
+
+    def __len__(self) -> int:
+        return len(self._branches)
+
+    def activate(self, branch_id: int) -> Branch:
+        """Make an existing branch the one turns append to."""
+        branch = self.get(branch_id)
+        self._active = branch.id
+        return branch
+
+    def branch_from(self, parent_id: int, checkpoint: int, reason: str) -> Branch:
+        """Start a new active branch holding the parent's prefix up to `checkpoint`."""
+        parent = self.get(parent_id)
+        try:
+            traj = parent.trajectory.copy_to_checkpoint(checkpoint)
+        except CheckpointError as exc:
+            raise CheckpointError(f"branch {parent_id}: {exc}") from None
+        new_id = max(self._branches) + 1
+        branch = Branch(
+            id=new_id,
+            parent_id=parent.id,
+            fork_checkpoint=int(checkpoint),
+            fork_index=parent.trajectory.checkpoints[checkpoint],
+            trajectory=traj,
+            reason=reason,
+        )
+        self._branches[new_id] = branch
+        self._active = new_id
+        return branch
+
+    def rollback(self, checkpoint: int) -> Branch:
+        """Continue from an earlier checkpoint of the active branch; the old branch is kept."""
+        return self.branch_from(self._active, checkpoint, ROLLBACK_REASON)
+
+    def fork(self, reason: str) -> Branch:
+        """A new empty active branch (a rewritten history, re-rendered from scratch)."""
+        return self.branch_from(self._active, 0, reason)
+
+    def check_invariants(self) -> None:
+        """Raise `InvariantError` unless every branch is valid and extends its parent's prefix."""
+        roots = [b for b in self._branches.values() if b.parent_id is None]
+        if len(roots) != 1:
+            raise InvariantError(f"a tree needs exactly one root, found {len(roots)}")
+        for b in self._branches.values():
+            try:
+                b.trajectory.check_invariants()
+            except InvariantError as exc:
+                raise InvariantError(f"branch {b.id}: {exc}") from None
+            if b.parent_id is None:
+                if b.fork_checkpoint != 0 or b.fork_index != 0:
+                    raise InvariantError(f"root branch {b.id} has a fork point")
+                continue
+            parent = self._branches.get(b.parent_id)
+            if parent is None or b.parent_id >= b.id:
+                raise InvariantError(f"branch {b.id} has an invalid parent {b.parent_id}")
+            self._check_prefix(parent, b)
+
+    @staticmethod
+    def _check_prefix(parent: Branch, child: Branch) -> None:
+        p, c, k = parent.trajectory, child.trajectory, child.fork_checkpoint
+        where = f"branch {child.id} (parent {parent.id}, checkpoint {k})"
+        if not 0 <= k <= p.num_turns or p.checkpoints[k] != child.fork_index:
+            raise InvariantError(f"{where}: fork point is not a checkpoint of the parent")
+        if k > c.num_turns or c.checkpoints[k] != child.fork_index:
+            raise InvariantError(f"{where}: fork point is not a checkpoint of the branch")
+        n = child.fork_index
+        if not (
+            np.array_equal(p.ids[:n], c.ids[:n])
+            and np.array_equal(p.mask[:n], c.mask[:n])
+            and np.array_equal(p.logprobs[:n].view(np.uint32), c.logprobs[:n].view(np.uint32))
+        ):
+            raise InvariantError(f"{where}: tokens before the fork differ from the parent's")
+        if p.turns[:k] != c.turns[:k]:
+            raise InvariantError(f"{where}: turns before the fork differ from the parent's")
+
+    def __repr__(self) -> str:
+        return f"TrajectoryTree(branches={len(self._branches)}, active={self._active})"

@@ -1,0 +1,263 @@
+"""Strict checks of one engine result before anything is committed (DESIGN.md s7).
+
+`validate_generation` takes any object shaped like the engine seam's
+`GenerateResult` (duck-typed through `GenerationLike`, so this pure library
+never imports the server) plus what the caller knows about the request
+(`Expectations`), and either returns a `ValidGeneration` with ids as int32 and
+logprobs as float32 arrays, or raises the first `ValidationError` found, naming
+the field and, for sequences, the offending index.
+
+Checks: token ids are ints (never bools) in ``[0, vocab)``; logprobs are real
+numbers (never bools), finite and ``<= 1e-6``, and not the ``-9999.0`` sentinel
+some engines use for "unavailable" (unless `clamp_sentinel`: then it becomes
+``SENTINEL_FLOOR`` and is counted); lengths agree with each other and with
+``completion_tokens``; the echoed ids equal the ids; usage counts are ints and
+consistent; the finish reason is consistent with the ids and budget; the
+request id echoes; the weight version never goes backwards.
+
+Speed: type checks run over the set of element *types* (one C-level pass via
+``set(map(type, ...))``), value checks are vectorised numpy; the slow per-item
+loop only runs to locate an error that is already known to exist.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from trajectory.errors import ValidationError
+from trajectory.linear import LOGPROB_MAX
+
+LOGPROB_SENTINEL = -9999.0
+SENTINEL_FLOOR = -100.0
+"""What a clamped sentinel becomes: far below any plausible sampled token's logprob,
+yet exp() of it is still a (subnormal) nonzero float32, so ratios stay finite."""
+
+FINISH_REASONS = frozenset({"stop", "length", "abort"})
+
+
+class GenerationLike(Protocol):
+    """The attributes of `session_server.engines.base.GenerateResult` that we check."""
+
+    request_id: Any
+    output_ids: Sequence[Any]
+    logprobs: Sequence[Any]
+    finish_reason: Any
+    matched_stop: Any
+    prompt_tokens: Any
+    completion_tokens: Any
+    cached_tokens: Any
+    weight_version: Any
+    output_ids_echo: Sequence[Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Expectations:
+    """What the caller sent and knows, against which the result is checked."""
+
+    request_id: str
+    prompt_len: int  # number of ids sent
+    vocab_size: int
+    max_tokens: int  # the budget of this request (the remaining one after an abort)
+    stop_token_ids: frozenset[int]  # ids that end a turn when finish is `stop` with no match
+    last_weight_version: Any = None  # the session's latest version, None when unknown
+    clamp_sentinel: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ValidGeneration:
+    """A result that passed every check, with normalised types."""
+
+    request_id: str
+    ids: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+    finish_reason: str
+    matched_stop: int | str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str | int | float | None
+    clamped: int  # sentinel logprobs clamped to SENTINEL_FLOOR
+
+
+def _is_int_type(t: type) -> bool:
+    return issubclass(t, int | np.integer) and not issubclass(t, bool | np.bool_)
+
+
+def _is_real_type(t: type) -> bool:
+    return issubclass(t, int | float | np.integer | np.floating) and not issubclass(t, bool | np.bool_)
+
+
+def _exact_int(value: Any, field: str) -> int:
+    if not _is_int_type(type(value)):
+        raise ValidationError(field, f"must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _first_index(values: Sequence[Any], bad: Any) -> int:
+    for i, v in enumerate(values):
+        if bad(v):
+            return i
+    return 0  # unreachable when the caller knows an element is bad
+
+
+def _ids_array(values: Any, field: str, vocab_size: int) -> np.ndarray:
+    """Ids as int64 after exact type and range checks."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise ValidationError(field, f"must be a flat array of ints, got dtype {values.dtype}")
+        arr = values.astype(np.int64, copy=False)
+    else:
+        if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+            raise ValidationError(field, f"must be a sequence of ints, got {type(values).__name__}")
+        types = set(map(type, values))
+        if not all(_is_int_type(t) for t in types):
+            i = _first_index(values, lambda v: not _is_int_type(type(v)))
+            raise ValidationError(field, f"must be an int, got {type(values[i]).__name__} {values[i]!r}", i)
+        try:
+            arr = np.array(values, dtype=np.int64)
+        except OverflowError:
+            i = _first_index(values, lambda v: not 0 <= v < vocab_size)
+            raise ValidationError(field, f"{values[i]!r} is outside [0, {vocab_size})", i) from None
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValidationError(field, f"{int(arr[i])} is outside [0, {vocab_size})", i)
+    return arr
+
+
+def _logprobs_array(values: Any, clamp_sentinel: bool) -> tuple[np.ndarray, int]:
+    field = "logprobs"
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iuf":
+            raise ValidationError(field, f"must be a flat array of numbers, got dtype {values.dtype}")
+        arr = values.astype(np.float64)
+    else:
+        if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+            raise ValidationError(field, f"must be a sequence of numbers, got {type(values).__name__}")
+        types = set(map(type, values))
+        if not all(_is_real_type(t) for t in types):
+            i = _first_index(values, lambda v: not _is_real_type(type(v)))
+            raise ValidationError(field, f"must be a number, got {type(values[i]).__name__} {values[i]!r}", i)
+        try:
+            arr = np.array(values, dtype=np.float64)
+        except OverflowError:  # an int too large for a float
+            i = _first_index(values, lambda v: not -1e308 < v < 1e308)
+            raise ValidationError(field, f"{values[i]!r} is not finite", i) from None
+    nonfinite = ~np.isfinite(arr)
+    if nonfinite.any():
+        i = int(np.argmax(nonfinite))
+        raise ValidationError(field, f"{arr[i]!r} is not finite", i)
+    positive = arr > LOGPROB_MAX
+    if positive.any():
+        i = int(np.argmax(positive))
+        raise ValidationError(field, f"{arr[i]!r} is above {LOGPROB_MAX}", i)
+    sentinel = arr == LOGPROB_SENTINEL
+    clamped = int(np.count_nonzero(sentinel))
+    if clamped:
+        if not clamp_sentinel:
+            i = int(np.argmax(sentinel))
+            raise ValidationError(field, f"{LOGPROB_SENTINEL} is the engine's 'unavailable' sentinel", i)
+        arr = np.where(sentinel, SENTINEL_FLOOR, arr)
+    out = arr.astype(np.float32)
+    underflow = ~np.isfinite(out)  # finite float64 below float32's range
+    if underflow.any():
+        i = int(np.argmax(underflow))
+        raise ValidationError(field, f"{arr[i]!r} does not fit float32", i)
+    return out, clamped
+
+
+def _as_number(version: Any) -> float | None:
+    if isinstance(version, bool):
+        return None
+    if isinstance(version, int | float):
+        number = float(version)
+    elif isinstance(version, str):
+        try:
+            number = float(version.strip())
+        except ValueError:
+            return None
+    else:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _check_weight_version(version: Any, last: Any) -> None:
+    if version is None:
+        return
+    if isinstance(version, bool) or not isinstance(version, str | int | float):
+        raise ValidationError("weight_version", f"must be a str or number, got {version!r}")
+    if last is None:
+        return
+    new_n, last_n = _as_number(version), _as_number(last)
+    # Opaque (non-numeric) versions cannot be ordered: a different one is taken as newer.
+    if new_n is not None and last_n is not None and new_n < last_n:
+        raise ValidationError("weight_version", f"went backwards from {last!r} to {version!r}")
+
+
+def validate_generation(result: GenerationLike, expect: Expectations) -> ValidGeneration:
+    """Check one engine result strictly; raise the first `ValidationError` found."""
+    if not isinstance(result.request_id, str) or result.request_id != expect.request_id:
+        raise ValidationError(
+            "request_id", f"expected {expect.request_id!r}, got {result.request_id!r}"
+        )
+    prompt_tokens = _exact_int(result.prompt_tokens, "prompt_tokens")
+    completion_tokens = _exact_int(result.completion_tokens, "completion_tokens")
+    cached_tokens = _exact_int(result.cached_tokens, "cached_tokens")
+
+    ids = _ids_array(result.output_ids, "output_ids", expect.vocab_size)
+    logprobs, clamped = _logprobs_array(result.logprobs, expect.clamp_sentinel)
+    n = int(ids.shape[0])
+    if logprobs.shape[0] != n:
+        raise ValidationError("logprobs", f"{logprobs.shape[0]} logprobs for {n} ids")
+    if completion_tokens != n:
+        raise ValidationError("completion_tokens", f"is {completion_tokens}, but {n} ids came back")
+    if result.output_ids_echo is not None:
+        echo = _ids_array(result.output_ids_echo, "output_ids_echo", expect.vocab_size)
+        m = min(n, int(echo.shape[0]))
+        differ = echo[:m] != ids[:m]
+        if differ.any():
+            i = int(np.argmax(differ))
+            raise ValidationError("output_ids_echo", f"{int(echo[i])} != {int(ids[i])}", i)
+        if echo.shape[0] != n:
+            raise ValidationError("output_ids_echo", f"{echo.shape[0]} echoed ids for {n} ids", m)
+
+    if prompt_tokens != expect.prompt_len:
+        raise ValidationError("prompt_tokens", f"is {prompt_tokens}, but {expect.prompt_len} ids were sent")
+    if not 0 <= cached_tokens <= prompt_tokens:
+        raise ValidationError("cached_tokens", f"{cached_tokens} is outside [0, {prompt_tokens}]")
+
+    finish = result.finish_reason
+    if finish not in FINISH_REASONS:
+        raise ValidationError("finish_reason", f"unknown finish reason {finish!r}")
+    if n > expect.max_tokens:
+        raise ValidationError("output_ids", f"{n} ids exceed max_tokens {expect.max_tokens}", expect.max_tokens)
+    if finish == "length" and n != expect.max_tokens:
+        raise ValidationError("finish_reason", f"'length' after {n} of {expect.max_tokens} tokens")
+    matched = result.matched_stop
+    if matched is not None and not (isinstance(matched, str) or _is_int_type(type(matched))):
+        raise ValidationError("matched_stop", f"must be an int, a str or None, got {matched!r}")
+    if finish == "stop":
+        if matched is not None and not isinstance(matched, str):
+            if n == 0 or int(ids[-1]) != int(matched):
+                raise ValidationError("matched_stop", f"the ids do not end with the matched token {matched}")
+        elif matched is None and (n == 0 or int(ids[-1]) not in expect.stop_token_ids):
+            raise ValidationError("finish_reason", "'stop' without a match must end with a stop token")
+    _check_weight_version(result.weight_version, expect.last_weight_version)
+
+    return ValidGeneration(
+        request_id=result.request_id,
+        ids=ids.astype(np.int32),
+        logprobs=logprobs,
+        finish_reason=finish,
+        matched_stop=int(matched) if matched is not None and not isinstance(matched, str) else matched,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
+        weight_version=result.weight_version,
+        clamped=clamped,
+    )
