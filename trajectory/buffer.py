@@ -102,7 +102,11 @@ class TokenBuffer:
 
     def _realloc(self, new_cap: int) -> None:
         n = self._len
-        for name, dtype in (("_ids", IDS_DTYPE), ("_logprobs", LOGPROBS_DTYPE), ("_mask", MASK_DTYPE)):
+        for name, dtype in (
+            ("_ids", IDS_DTYPE),
+            ("_logprobs", LOGPROBS_DTYPE),
+            ("_mask", MASK_DTYPE),
+        ):
             fresh = np.empty(new_cap, dtype=dtype)
             fresh[:n] = getattr(self, name)[:n]
             setattr(self, name, fresh)
@@ -125,7 +129,9 @@ class TokenBuffer:
         if logprobs is not None:
             lp_arr = np.asarray(logprobs)
             if lp_arr.shape != (k,):
-                raise InvariantError(f"{lp_arr.shape[0] if lp_arr.ndim else 0} logprobs for {k} ids")
+                raise InvariantError(
+                    f"{lp_arr.shape[0] if lp_arr.ndim else 0} logprobs for {k} ids"
+                )
         mask_arr = np.asarray(mask)
         if mask_arr.ndim != 0 and mask_arr.shape != (k,):
             raise InvariantError(f"mask of shape {mask_arr.shape} for {k} ids")

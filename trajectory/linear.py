@@ -52,7 +52,8 @@ class TurnRecord:
     output_end: int  # end of the sampled ids
     end: int  # after the repair tokens; equals the next checkpoint
     finish_reason: str
-    weight_spans: tuple[WeightSpan, ...]  # (start, end, version) covering [output_start, output_end)
+    # (start, end, version) covering [output_start, output_end) exactly
+    weight_spans: tuple[WeightSpan, ...]
     engine: str | None = None
     cached_tokens: int = 0
     repair_tokens: int = 0  # mask-0 closing tokens appended after the sampled ids
@@ -104,14 +105,19 @@ def _logprob_array(values: Sequence[float] | np.ndarray, n: int) -> np.ndarray:
     if arr.size == 0 and n == 0:
         return np.empty(0, dtype=np.float32)
     if arr.ndim != 1 or arr.dtype.kind not in "fiu":
-        raise InvariantError(f"sampled_logprobs must be a flat sequence of numbers, got {arr.dtype}")
+        raise InvariantError(
+            f"sampled_logprobs must be a flat sequence of numbers, got {arr.dtype}"
+        )
     if arr.shape[0] != n:
         raise InvariantError(f"{arr.shape[0]} sampled_logprobs for {n} sampled_ids")
-    out = arr.astype(np.float32)
+    with np.errstate(over="ignore"):  # overflow becomes inf, rejected just below
+        out = arr.astype(np.float32)
     bad = ~np.isfinite(out) | (out > LOGPROB_MAX)
     if bad.any():
         i = int(np.argmax(bad))
-        raise InvariantError(f"sampled_logprobs[{i}] = {arr[i]!r} is not a finite value <= {LOGPROB_MAX}")
+        raise InvariantError(
+            f"sampled_logprobs[{i}] = {arr[i]!r} is not a finite value <= {LOGPROB_MAX}"
+        )
     return out
 
 
@@ -135,8 +141,10 @@ def _normalise_spans(
         if len(span) != 3:
             raise InvariantError(f"weight_spans[{i}] must be (start, end, version), got {span!r}")
         start, end, version = span
-        if isinstance(start, bool) or isinstance(end, bool) or not (
-            isinstance(start, int | np.integer) and isinstance(end, int | np.integer)
+        if (
+            isinstance(start, bool)
+            or isinstance(end, bool)
+            or not (isinstance(start, int | np.integer) and isinstance(end, int | np.integer))
         ):
             raise InvariantError(f"weight_spans[{i}] bounds must be ints, got {span!r}")
         if start != pos or end <= start:
@@ -260,7 +268,11 @@ class LinearTrajectory:
         logprobs = _logprob_array(sampled_logprobs, n_sampled)
         if not isinstance(finish_reason, str) or not finish_reason:
             raise InvariantError(f"finish_reason must be a non-empty str, got {finish_reason!r}")
-        if isinstance(cached_tokens, bool) or not isinstance(cached_tokens, int | np.integer) or cached_tokens < 0:
+        if (
+            isinstance(cached_tokens, bool)
+            or not isinstance(cached_tokens, int | np.integer)
+            or cached_tokens < 0
+        ):
             raise InvariantError(f"cached_tokens must be an int >= 0, got {cached_tokens!r}")
         if engine is not None and not isinstance(engine, str):
             raise InvariantError(f"engine must be a str or None, got {engine!r}")
@@ -361,7 +373,9 @@ class LinearTrajectory:
                 raise InvariantError(f"logprobs[{int(np.argmax(off))}] is not 0.0 where mask is 0")
             bad = (mask == 1) & (~np.isfinite(lps) | (lps > LOGPROB_MAX))
             if bad.any():
-                raise InvariantError(f"logprobs[{int(np.argmax(bad))}] is not a valid sampled logprob")
+                raise InvariantError(
+                    f"logprobs[{int(np.argmax(bad))}] is not a valid sampled logprob"
+                )
         cps, counts = self._checkpoints, self._message_counts
         if len(cps) != len(self._turns) + 1 or cps[0] != 0:
             raise InvariantError(f"{len(cps)} checkpoints for {len(self._turns)} turns")
@@ -372,11 +386,15 @@ class LinearTrajectory:
             if t.index != i:
                 raise InvariantError(f"{where} has index {t.index}")
             if t.prompt_start != cps[i] or t.end != cps[i + 1]:
-                raise InvariantError(f"{where} [{t.prompt_start}, {t.end}) is not [{cps[i]}, {cps[i + 1]})")
+                raise InvariantError(
+                    f"{where} [{t.prompt_start}, {t.end}) is not [{cps[i]}, {cps[i + 1]})"
+                )
             if not (t.prompt_start <= t.output_start <= t.output_end <= t.end <= n):
                 raise InvariantError(f"{where} boundaries are not monotone within {n} tokens")
             if t.repair_tokens != t.end - t.output_end:
-                raise InvariantError(f"{where} records {t.repair_tokens} repair tokens, has {t.end - t.output_end}")
+                raise InvariantError(
+                    f"{where} records {t.repair_tokens} repair tokens, has {t.end - t.output_end}"
+                )
             if mask[t.prompt_start : t.output_start].any() or mask[t.output_end : t.end].any():
                 raise InvariantError(f"{where} has mask 1 outside its sampled ids")
             if not mask[t.output_start : t.output_end].all():
@@ -384,13 +402,17 @@ class LinearTrajectory:
             pos = t.output_start
             for s, e, _ in t.weight_spans:
                 if s != pos or e <= s:
-                    raise InvariantError(f"{where} weight spans do not cover its output contiguously")
+                    raise InvariantError(
+                        f"{where} weight spans do not cover its output contiguously"
+                    )
                 pos = e
             if pos != t.output_end:
                 raise InvariantError(f"{where} weight spans end at {pos}, output at {t.output_end}")
             added = len(t.request_messages) + (t.assistant_message is not None)
             if counts[i + 1] != counts[i] + added:
-                raise InvariantError(f"{where} adds {added} messages, counts say {counts[i + 1] - counts[i]}")
+                raise InvariantError(
+                    f"{where} adds {added} messages, counts say {counts[i + 1] - counts[i]}"
+                )
         if cps[-1] != n:
             raise InvariantError(f"last checkpoint {cps[-1]} is not the length {n}")
         if counts[-1] != len(self._messages):

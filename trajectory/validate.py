@@ -15,8 +15,8 @@ some engines use for "unavailable" (unless `clamp_sentinel`: then it becomes
 consistent; the finish reason is consistent with the ids and budget; the
 request id echoes; the weight version never goes backwards.
 
-Speed: type checks run over the set of element *types* (one C-level pass via
-``set(map(type, ...))``), value checks are vectorised numpy; the slow per-item
+Speed: type checks are C-level passes over the element *types*
+(``list(map(type, ...)).count(int)``, then the set of distinct types), value checks are vectorised numpy; the slow per-item
 loop only runs to locate an error that is already known to exist.
 """
 
@@ -89,7 +89,17 @@ def _is_int_type(t: type) -> bool:
 
 
 def _is_real_type(t: type) -> bool:
-    return issubclass(t, int | float | np.integer | np.floating) and not issubclass(t, bool | np.bool_)
+    return issubclass(t, int | float | np.integer | np.floating) and not issubclass(
+        t, bool | np.bool_
+    )
+
+
+def _all_types(values: Sequence[Any], common: type, allowed: Any) -> bool:
+    """Whether every element's exact type is allowed; one C-level pass in the common case."""
+    types = list(map(type, values))
+    if types.count(common) == len(types):
+        return True
+    return all(allowed(t) for t in set(types))
 
 
 def _exact_int(value: Any, field: str) -> int:
@@ -114,10 +124,11 @@ def _ids_array(values: Any, field: str, vocab_size: int) -> np.ndarray:
     else:
         if isinstance(values, str | bytes) or not isinstance(values, Sequence):
             raise ValidationError(field, f"must be a sequence of ints, got {type(values).__name__}")
-        types = set(map(type, values))
-        if not all(_is_int_type(t) for t in types):
+        if not _all_types(values, int, _is_int_type):
             i = _first_index(values, lambda v: not _is_int_type(type(v)))
-            raise ValidationError(field, f"must be an int, got {type(values[i]).__name__} {values[i]!r}", i)
+            raise ValidationError(
+                field, f"must be an int, got {type(values[i]).__name__} {values[i]!r}", i
+            )
         try:
             arr = np.array(values, dtype=np.int64)
         except OverflowError:
@@ -134,15 +145,20 @@ def _logprobs_array(values: Any, clamp_sentinel: bool) -> tuple[np.ndarray, int]
     field = "logprobs"
     if isinstance(values, np.ndarray):
         if values.ndim != 1 or values.dtype.kind not in "iuf":
-            raise ValidationError(field, f"must be a flat array of numbers, got dtype {values.dtype}")
+            raise ValidationError(
+                field, f"must be a flat array of numbers, got dtype {values.dtype}"
+            )
         arr = values.astype(np.float64)
     else:
         if isinstance(values, str | bytes) or not isinstance(values, Sequence):
-            raise ValidationError(field, f"must be a sequence of numbers, got {type(values).__name__}")
-        types = set(map(type, values))
-        if not all(_is_real_type(t) for t in types):
+            raise ValidationError(
+                field, f"must be a sequence of numbers, got {type(values).__name__}"
+            )
+        if not _all_types(values, float, _is_real_type):
             i = _first_index(values, lambda v: not _is_real_type(type(v)))
-            raise ValidationError(field, f"must be a number, got {type(values[i]).__name__} {values[i]!r}", i)
+            raise ValidationError(
+                field, f"must be a number, got {type(values[i]).__name__} {values[i]!r}", i
+            )
         try:
             arr = np.array(values, dtype=np.float64)
         except OverflowError:  # an int too large for a float
@@ -161,12 +177,15 @@ def _logprobs_array(values: Any, clamp_sentinel: bool) -> tuple[np.ndarray, int]
     if clamped:
         if not clamp_sentinel:
             i = int(np.argmax(sentinel))
-            raise ValidationError(field, f"{LOGPROB_SENTINEL} is the engine's 'unavailable' sentinel", i)
+            raise ValidationError(
+                field, f"{LOGPROB_SENTINEL} is the engine's 'unavailable' sentinel", i
+            )
         arr = np.where(sentinel, SENTINEL_FLOOR, arr)
-    out = arr.astype(np.float32)
-    underflow = ~np.isfinite(out)  # finite float64 below float32's range
-    if underflow.any():
-        i = int(np.argmax(underflow))
+    with np.errstate(over="ignore"):  # overflow becomes inf, rejected just below
+        out = arr.astype(np.float32)
+    beyond = ~np.isfinite(out)  # finite float64 values below float32's range
+    if beyond.any():
+        i = int(np.argmax(beyond))
         raise ValidationError(field, f"{arr[i]!r} does not fit float32", i)
     return out, clamped
 
@@ -191,6 +210,8 @@ def _check_weight_version(version: Any, last: Any) -> None:
         return
     if isinstance(version, bool) or not isinstance(version, str | int | float):
         raise ValidationError("weight_version", f"must be a str or number, got {version!r}")
+    if isinstance(version, float) and not math.isfinite(version):
+        raise ValidationError("weight_version", f"must be finite, got {version!r}")
     if last is None:
         return
     new_n, last_n = _as_number(version), _as_number(last)
@@ -205,9 +226,15 @@ def validate_generation(result: GenerationLike, expect: Expectations) -> ValidGe
         raise ValidationError(
             "request_id", f"expected {expect.request_id!r}, got {result.request_id!r}"
         )
-    prompt_tokens = _exact_int(result.prompt_tokens, "prompt_tokens")
+    # Counters an engine did not report (some vLLM versions omit `usage`) are None:
+    # nothing to cross-check then, but a reported value must be exact.
+    prompt_tokens = (
+        expect.prompt_len
+        if result.prompt_tokens is None
+        else _exact_int(result.prompt_tokens, "prompt_tokens")
+    )
     completion_tokens = _exact_int(result.completion_tokens, "completion_tokens")
-    cached_tokens = _exact_int(result.cached_tokens, "cached_tokens")
+    cached_tokens = 0 if result.cached_tokens is None else _exact_int(result.cached_tokens, "cached_tokens")
 
     ids = _ids_array(result.output_ids, "output_ids", expect.vocab_size)
     logprobs, clamped = _logprobs_array(result.logprobs, expect.clamp_sentinel)
@@ -227,7 +254,9 @@ def validate_generation(result: GenerationLike, expect: Expectations) -> ValidGe
             raise ValidationError("output_ids_echo", f"{echo.shape[0]} echoed ids for {n} ids", m)
 
     if prompt_tokens != expect.prompt_len:
-        raise ValidationError("prompt_tokens", f"is {prompt_tokens}, but {expect.prompt_len} ids were sent")
+        raise ValidationError(
+            "prompt_tokens", f"is {prompt_tokens}, but {expect.prompt_len} ids were sent"
+        )
     if not 0 <= cached_tokens <= prompt_tokens:
         raise ValidationError("cached_tokens", f"{cached_tokens} is outside [0, {prompt_tokens}]")
 
@@ -235,7 +264,9 @@ def validate_generation(result: GenerationLike, expect: Expectations) -> ValidGe
     if finish not in FINISH_REASONS:
         raise ValidationError("finish_reason", f"unknown finish reason {finish!r}")
     if n > expect.max_tokens:
-        raise ValidationError("output_ids", f"{n} ids exceed max_tokens {expect.max_tokens}", expect.max_tokens)
+        raise ValidationError(
+            "output_ids", f"{n} ids exceed max_tokens {expect.max_tokens}", expect.max_tokens
+        )
     if finish == "length" and n != expect.max_tokens:
         raise ValidationError("finish_reason", f"'length' after {n} of {expect.max_tokens} tokens")
     matched = result.matched_stop
@@ -244,9 +275,13 @@ def validate_generation(result: GenerationLike, expect: Expectations) -> ValidGe
     if finish == "stop":
         if matched is not None and not isinstance(matched, str):
             if n == 0 or int(ids[-1]) != int(matched):
-                raise ValidationError("matched_stop", f"the ids do not end with the matched token {matched}")
+                raise ValidationError(
+                    "matched_stop", f"the ids do not end with the matched token {matched}"
+                )
         elif matched is None and (n == 0 or int(ids[-1]) not in expect.stop_token_ids):
-            raise ValidationError("finish_reason", "'stop' without a match must end with a stop token")
+            raise ValidationError(
+                "finish_reason", "'stop' without a match must end with a stop token"
+            )
     _check_weight_version(result.weight_version, expect.last_weight_version)
 
     return ValidGeneration(
@@ -254,7 +289,9 @@ def validate_generation(result: GenerationLike, expect: Expectations) -> ValidGe
         ids=ids.astype(np.int32),
         logprobs=logprobs,
         finish_reason=finish,
-        matched_stop=int(matched) if matched is not None and not isinstance(matched, str) else matched,
+        matched_stop=int(matched)
+        if matched is not None and not isinstance(matched, str)
+        else matched,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         cached_tokens=cached_tokens,

@@ -1,0 +1,121 @@
+"""TrajectoryTree: rollback and fork keep every branch and every prefix invariant."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.fast.trajectory.test_linear import commit, turn_inputs
+from trajectory.errors import BranchError, CheckpointError, InvariantError
+from trajectory.tree import TrajectoryTree
+
+
+def _turn(tree: TrajectoryTree, i: int) -> None:
+    tree.active.trajectory.commit_turn(
+        [i],
+        [100 + i],
+        [-0.5],
+        finish_reason="stop",
+        request_messages=[{"role": "user", "content": str(i)}],
+        assistant_message={"role": "assistant", "content": str(i)},
+    )
+
+
+def test_rollback_keeps_old_branch() -> None:
+    tree = TrajectoryTree()
+    assert tree.active.id == 0 and tree.active.parent_id is None
+    for i in range(3):
+        _turn(tree, i)
+    old = tree.active
+    b = tree.rollback(1)
+    assert (b.id, b.parent_id, b.fork_checkpoint, b.fork_index, b.reason) == (
+        1,
+        0,
+        1,
+        2,
+        "rollback",
+    )
+    assert tree.active is b
+    assert b.trajectory.ids.tolist() == [0, 100] and b.trajectory.num_turns == 1
+    assert b.trajectory.messages() == old.trajectory.messages()[:2]
+    assert old.trajectory.num_turns == 3  # nothing lost
+    _turn(tree, 7)
+    assert b.trajectory.ids.tolist() == [0, 100, 7, 107]
+    assert old.trajectory.ids.tolist() == [0, 100, 1, 101, 2, 102]
+    tree.check_invariants()
+    assert [x.id for x in tree.branches()] == [0, 1] and tree.get(0) is old
+
+
+def test_fork_is_empty_child_of_active() -> None:
+    tree = TrajectoryTree()
+    _turn(tree, 0)
+    b = tree.fork("history_rewrite")
+    assert (b.parent_id, b.fork_checkpoint, b.fork_index, b.reason) == (0, 0, 0, "history_rewrite")
+    assert len(b.trajectory) == 0 and b.trajectory.messages() == []
+    tree.check_invariants()
+
+
+def test_branch_errors() -> None:
+    tree = TrajectoryTree()
+    _turn(tree, 0)
+    with pytest.raises(BranchError):
+        tree.branch_from(5, 0, "x")
+    with pytest.raises(BranchError):
+        tree.get(3)
+    with pytest.raises(CheckpointError):
+        tree.rollback(2)
+    assert len(tree) == 1
+
+
+def test_check_invariants_detects_a_rewritten_parent() -> None:
+    tree = TrajectoryTree()
+    _turn(tree, 0)
+    _turn(tree, 1)
+    tree.rollback(2)
+    tree.get(0).trajectory.rollback(1)  # the parent lost the child's prefix
+    with pytest.raises(InvariantError):
+        tree.check_invariants()
+
+
+def test_activate() -> None:
+    tree = TrajectoryTree()
+    _turn(tree, 0)
+    tree.fork("x")
+    assert tree.activate(0).id == 0 and tree.active_id == 0
+    with pytest.raises(BranchError):
+        tree.activate(9)
+
+
+_ops = st.lists(
+    st.one_of(
+        turn_inputs(),
+        st.tuples(st.just("rollback"), st.floats(0.0, 1.0)),
+        st.tuples(st.just("branch_from"), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+        st.tuples(st.just("fork")),
+        st.tuples(st.just("activate"), st.floats(0.0, 1.0)),
+    ),
+    max_size=15,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(_ops)
+def test_random_tree_operations_keep_invariants(ops: list) -> None:
+    tree = TrajectoryTree()
+    for op in ops:
+        if isinstance(op, dict):
+            commit(tree.active.trajectory, op)
+        elif op[0] == "rollback":
+            n = tree.active.trajectory.num_turns
+            tree.rollback(int(op[1] * n))
+        elif op[0] == "branch_from":
+            parent = tree.branches()[int(op[1] * (len(tree) - 1))]
+            k = int(op[2] * parent.trajectory.num_turns)
+            b = tree.branch_from(parent.id, k, "retry")
+            assert len(b.trajectory) == b.fork_index == parent.trajectory.checkpoints[k]
+        elif op[0] == "fork":
+            tree.fork("rewrite")
+        else:
+            tree.activate(tree.branches()[int(op[1] * (len(tree) - 1))].id)
+        tree.check_invariants()

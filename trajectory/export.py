@@ -1,0 +1,238 @@
+"""Export and import of a session's `TrajectoryTree` for trainers: JSON and npz.
+
+Both forms carry every branch (id, parent, fork point, reason), its tokens
+(``token_ids``, ``loss_mask``, ``logprobs`` with 0.0 where the mask is 0), its
+turns with every field (weight spans included) and its messages, plus the
+session metadata. Round trips are exact: float32 logprobs survive bit for bit
+(a float32 widened to a Python float prints and parses back to the same value).
+
+* `to_dict` / `from_dict`: a JSON-ready dict (plain lists, str keys).
+* `to_npz_bytes` / `from_npz_bytes`: ``numpy.savez_compressed`` with three typed
+  arrays per branch (``b{id}_token_ids`` int32, ``b{id}_loss_mask`` uint8,
+  ``b{id}_logprobs`` float32) and one uint8 array ``meta`` holding the UTF-8
+  JSON of everything else. Loaded with ``allow_pickle=False``.
+
+Import re-checks every invariant; anything malformed raises `ExportError`.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+
+from trajectory.buffer import TokenBuffer
+from trajectory.errors import ExportError, TrajectoryError
+from trajectory.linear import LinearTrajectory, TurnRecord, WeightSpan
+from trajectory.tree import Branch, TrajectoryTree
+
+FORMAT = "tito-trajectory"
+FORMAT_VERSION = 1
+_ARRAYS = (("token_ids", np.int32), ("loss_mask", np.uint8), ("logprobs", np.float32))
+
+
+def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
+    return {
+        "index": t.index,
+        "prompt_start": t.prompt_start,
+        "output_start": t.output_start,
+        "output_end": t.output_end,
+        "end": t.end,
+        "finish_reason": t.finish_reason,
+        "weight_version": t.weight_version,
+        "weight_spans": [[s, e, v] for s, e, v in t.weight_spans],
+        "engine": t.engine,
+        "cached_tokens": t.cached_tokens,
+        "repair_tokens": t.repair_tokens,
+        "request_messages": [dict(m) for m in t.request_messages],
+        "assistant_message": None if t.assistant_message is None else dict(t.assistant_message),
+        "extra": dict(t.extra),
+    }
+
+
+def _branch_meta(b: Branch) -> dict[str, Any]:
+    traj = b.trajectory
+    return {
+        "id": b.id,
+        "parent_id": b.parent_id,
+        "fork_checkpoint": b.fork_checkpoint,
+        "fork_index": b.fork_index,
+        "reason": b.reason,
+        "turns": [_turn_to_dict(t) for t in traj.turns],
+        "messages": [dict(m) for m in traj.messages()],
+    }
+
+
+def _header(tree: TrajectoryTree, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "active_branch": tree.active_id,
+        "metadata": dict(tree.metadata if metadata is None else metadata),
+    }
+
+
+def to_dict(tree: TrajectoryTree, *, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole tree as a JSON-ready dict (`metadata` defaults to `tree.metadata`)."""
+    out = _header(tree, metadata)
+    branches = []
+    for b in tree.branches():
+        d = _branch_meta(b)
+        traj = b.trajectory
+        d["token_ids"] = traj.ids.tolist()
+        d["loss_mask"] = traj.mask.tolist()
+        d["logprobs"] = traj.logprobs.tolist()
+        branches.append(d)
+    out["branches"] = branches
+    return out
+
+
+def to_npz_bytes(tree: TrajectoryTree, *, metadata: Mapping[str, Any] | None = None) -> bytes:
+    """The whole tree as compressed npz bytes (typed arrays + a JSON sidecar)."""
+    meta = _header(tree, metadata)
+    meta["branches"] = [_branch_meta(b) for b in tree.branches()]
+    try:
+        sidecar = orjson.dumps(meta, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as exc:
+        raise ExportError(f"turns, messages or metadata are not JSON-serialisable: {exc}") from exc
+    arrays: dict[str, np.ndarray] = {"meta": np.frombuffer(sidecar, dtype=np.uint8)}
+    for b in tree.branches():
+        traj = b.trajectory
+        arrays[f"b{b.id}_token_ids"] = traj.ids
+        arrays[f"b{b.id}_loss_mask"] = traj.mask
+        arrays[f"b{b.id}_logprobs"] = traj.logprobs
+    sink = io.BytesIO()
+    np.savez_compressed(sink, **arrays)  # type: ignore[arg-type]
+    return sink.getvalue()
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ExportError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    return None if value is None else _int(value, name)
+
+
+def _turn_from_dict(d: Mapping[str, Any], where: str) -> TurnRecord:
+    spans: list[WeightSpan] = []
+    for s in d["weight_spans"]:
+        if len(s) != 3:
+            raise ExportError(f"{where}: weight span {s!r} is not [start, end, version]")
+        spans.append((_int(s[0], f"{where} span start"), _int(s[1], f"{where} span end"), s[2]))
+    assistant = d["assistant_message"]
+    turn = TurnRecord(
+        index=_int(d["index"], f"{where} index"),
+        prompt_start=_int(d["prompt_start"], f"{where} prompt_start"),
+        output_start=_int(d["output_start"], f"{where} output_start"),
+        output_end=_int(d["output_end"], f"{where} output_end"),
+        end=_int(d["end"], f"{where} end"),
+        finish_reason=str(d["finish_reason"]),
+        weight_spans=tuple(spans),
+        engine=d["engine"],
+        cached_tokens=_int(d["cached_tokens"], f"{where} cached_tokens"),
+        repair_tokens=_int(d["repair_tokens"], f"{where} repair_tokens"),
+        request_messages=tuple(dict(m) for m in d["request_messages"]),
+        assistant_message=None if assistant is None else dict(assistant),
+        extra=dict(d["extra"]),
+    )
+    if d.get("weight_version") != turn.weight_version:
+        raise ExportError(f"{where}: weight_version disagrees with its spans")
+    return turn
+
+
+def _typed(values: Any, dtype: type, name: str) -> np.ndarray:
+    """A 1-D array of exactly `dtype`; lists must hold matching Python types."""
+    if isinstance(values, np.ndarray):
+        if values.dtype != dtype or values.ndim != 1:
+            raise ExportError(
+                f"{name} must be 1-D {np.dtype(dtype)}, got {values.dtype} {values.shape}"
+            )
+        return values
+    if not isinstance(values, list):
+        raise ExportError(f"{name} must be a list, got {type(values).__name__}")
+    want = float if dtype is np.float32 else int
+    types = set(map(type, values))
+    if not types <= ({int, float} if want is float else {int}):
+        raise ExportError(
+            f"{name} holds {sorted(t.__name__ for t in types)}, expected {want.__name__}"
+        )
+    info = np.iinfo(dtype) if want is int else None
+    if info is not None and values and not (info.min <= min(values) and max(values) <= info.max):
+        raise ExportError(f"{name} has values outside {np.dtype(dtype)}")
+    return np.array(values, dtype=dtype)
+
+
+def _branch(meta: Mapping[str, Any], arrays: Mapping[str, Any]) -> Branch:
+    where = f"branch {meta.get('id')!r}"
+    ids, mask, lps = (_typed(arrays[key], dtype, f"{where} {key}") for key, dtype in _ARRAYS)
+    if not ids.shape == mask.shape == lps.shape:
+        raise ExportError(f"{where}: token_ids, loss_mask and logprobs differ in length")
+    turns = [_turn_from_dict(t, f"{where} turn {i}") for i, t in enumerate(meta["turns"])]
+    traj = LinearTrajectory.from_parts(TokenBuffer.from_arrays(ids, lps, mask), turns)
+    if [dict(m) for m in meta["messages"]] != traj.messages():
+        raise ExportError(f"{where}: messages disagree with the turns' messages")
+    return Branch(
+        id=_int(meta["id"], f"{where} id"),
+        parent_id=_opt_int(meta["parent_id"], f"{where} parent_id"),
+        fork_checkpoint=_int(meta["fork_checkpoint"], f"{where} fork_checkpoint"),
+        fork_index=_int(meta["fork_index"], f"{where} fork_index"),
+        trajectory=traj,
+        reason=str(meta["reason"]),
+    )
+
+
+def _tree(d: Mapping[str, Any], arrays_of: Any) -> TrajectoryTree:
+    try:
+        if d.get("format") != FORMAT or d.get("version") != FORMAT_VERSION:
+            raise ExportError(
+                f"not a {FORMAT} v{FORMAT_VERSION} export: {d.get('format')!r} v{d.get('version')!r}"
+            )
+        branches = [_branch(b, arrays_of(b)) for b in d["branches"]]
+        tree = TrajectoryTree.from_branches(branches, _int(d["active_branch"], "active_branch"))
+        metadata = d.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise ExportError(f"metadata must be an object, got {type(metadata).__name__}")
+        tree.metadata = dict(metadata)
+        return tree
+    except ExportError:
+        raise
+    except (TrajectoryError, KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise ExportError(f"malformed trajectory export: {type(exc).__name__}: {exc}") from exc
+
+
+def from_dict(d: Mapping[str, Any]) -> TrajectoryTree:
+    """Rebuild a tree from `to_dict` output (possibly through a JSON round trip)."""
+    if not isinstance(d, Mapping):
+        raise ExportError(f"expected an object, got {type(d).__name__}")
+    return _tree(d, lambda b: b)
+
+
+def from_npz_bytes(data: bytes) -> TrajectoryTree:
+    """Rebuild a tree from `to_npz_bytes` output."""
+    try:
+        npz = np.load(io.BytesIO(data), allow_pickle=False)
+        files = {name: npz[name] for name in npz.files}
+        meta = orjson.loads(files.pop("meta").tobytes())
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        EOFError,
+        zipfile.BadZipFile,
+        orjson.JSONDecodeError,
+    ) as exc:
+        raise ExportError(f"not a trajectory npz: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise ExportError("npz sidecar is not a JSON object")
+
+    def arrays_of(b: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return {key: files[f"b{b['id']}_{key}"] for key, _ in _ARRAYS}
+
+    return _tree(meta, arrays_of)
