@@ -86,9 +86,17 @@ _GLM = (
 )
 
 _SPECS: dict[str, _FamilySpec] = {
-    "qwen3": _FamilySpec("qwen3.jinja", _QWEN3, None, "<|im_end|>", "<|endoftext|>", False, _QWEN_SPLIT),
+    "qwen3": _FamilySpec(
+        "qwen3.jinja", _QWEN3, None, "<|im_end|>", "<|endoftext|>", False, _QWEN_SPLIT
+    ),
     "llama3": _FamilySpec(
-        "llama3.jinja", _LLAMA, "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>", True, _LLAMA_SPLIT
+        "llama3.jinja",
+        _LLAMA,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        "<|end_of_text|>",
+        True,
+        _LLAMA_SPLIT,
     ),
     "llama3.1": _FamilySpec(
         "llama3.1_json_tools.jinja",
@@ -99,7 +107,9 @@ _SPECS: dict[str, _FamilySpec] = {
         True,
         _LLAMA_SPLIT,
     ),
-    "glm4moe": _FamilySpec("glm4moe.jinja", _GLM, None, "<|endoftext|>", "<|endoftext|>", False, _QWEN_SPLIT),
+    "glm4moe": _FamilySpec(
+        "glm4moe.jinja", _GLM, None, "<|endoftext|>", "<|endoftext|>", False, _QWEN_SPLIT
+    ),
 }
 
 
@@ -122,7 +132,9 @@ def _spec(family: str) -> _FamilySpec:
     try:
         return _SPECS[family]
     except KeyError:
-        raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}") from None
+        raise ValueError(
+            f"unknown tokenizer family {family!r}; expected one of {FAMILIES}"
+        ) from None
 
 
 def _corpus() -> list[str]:
@@ -176,9 +188,9 @@ def _corpus() -> list[str]:
             indent=4,
         ),
         '{"a": true, "b": false, "c": null, "d": 0, "e": [], "f": {}}',
-        "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": \"x\"}}\n</tool_call>",
+        '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>',
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
-        "<tool_response>\n{\"temperature\": 21}\n</tool_response>",
+        '<tool_response>\n{"temperature": 21}\n</tool_response>',
     ]
     digits = [" ".join(str(i) for i in range(0, 200)), "3.14159 2.71828 1e-5 -42 0x1F 100%"]
     spacing = ["\n\n", "\n", "  ", "    ", "\t", " \n ", "\r\n", "a  b   c    d", "x\n\ny\n\n\nz"]
@@ -225,8 +237,16 @@ def _generated_sentences() -> list[str]:
 
 
 def _build_backend(spec: _FamilySpec):  # -> tokenizers.Tokenizer
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from tokenizers import processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     # The real Llama 3 / Qwen2 split pattern (newline runs are one piece, so a prompt

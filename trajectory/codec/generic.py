@@ -1,0 +1,76 @@
+"""Codec for an unknown chat template: probe it, verify it, or refuse.
+
+Owns the self-check that makes an unrecognised template usable: after probing,
+a short conversation is played turn by turn (canonical sampling, close_turn,
+bridge) and must equal the template's own full render; otherwise the template
+is refused with `TemplateNotSupported`. Parsing is conservative: reasoning and
+Hermes tool calls only when the template itself mentions their markers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trajectory.codec.base import BridgeResult, ParsedAssistant
+from trajectory.codec.parsing import parse_hermes, split_reasoning
+from trajectory.codec.probe import DUMMY_SYSTEM, encode, render_text
+from trajectory.codec.template import TemplateCodec
+from trajectory.errors import CodecError, TemplateNotSupported
+
+
+class GenericCodec(TemplateCodec):
+    """Template-driven codec for templates the registry does not know."""
+
+    family = "generic"
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        self._think = "</think>" in template
+        self._hermes = "<tool_call>" in template
+        verify_round_trip(self)
+
+    def parse_text(self, text: str) -> ParsedAssistant:
+        reasoning = None
+        if self._think:
+            reasoning, text = split_reasoning(text)
+            if reasoning is not None:
+                reasoning = reasoning.strip("\n") or None
+                text = text.lstrip("\n")
+        if self._hermes:
+            return parse_hermes(text, reasoning)
+        return ParsedAssistant(content=text, reasoning_content=reasoning)
+
+
+def verify_round_trip(codec: TemplateCodec) -> None:
+    """Play user/assistant/user incrementally; it must equal the full render at every
+    step the bridge calls append-only (a detected rewrite continues as a fork)."""
+    tok = codec.tokenizer
+    msgs: list[dict[str, Any]] = [
+        DUMMY_SYSTEM,
+        {"role": "user", "content": "What is two plus two?"},
+    ]
+    try:
+        ids = codec.render_first(msgs)
+        for reply, follow in (("It is four.", "And three plus three?"), ("It is six.", None)):
+            asst = {"role": "assistant", "content": reply}
+            sampled = codec.canonical_assistant_ids(asst)
+            ids += sampled + codec.close_turn(sampled)
+            msgs.append(asst)
+            if follow is None:
+                break
+            new = [{"role": "user", "content": follow}]
+            res = codec.bridge(msgs, ids[-8:], new)
+            if not isinstance(res, BridgeResult):
+                raise TemplateNotSupported(f"bridge refused a plain user turn: {res.detail}")
+            ids += res.prompt_ids
+            msgs += new
+            full = encode(tok, render_text(tok, msgs, add_generation_prompt=True))
+            if res.rewrites_history:
+                ids = full  # detected rewrite: continue as a fork from the re-render
+            elif full != ids:
+                raise TemplateNotSupported("incremental tokens differ from the full render")
+    except CodecError as exc:
+        if isinstance(exc, TemplateNotSupported):
+            raise
+        raise TemplateNotSupported(str(exc)) from exc

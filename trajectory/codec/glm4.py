@@ -1,0 +1,28 @@
+"""GLM-4 MoE codec: role tokens that double as stop tokens, XML tool arguments.
+
+Owns GLM parsing and documents GLM closing. GLM has no end-of-turn token: the
+model stops by sampling the next role token (`<|user|>` after a reply,
+`<|observation|>` after tool calls), which is also the first token the template
+renders for the next message. So `close_turn` returns [] (there is no EOT to
+repair), and `bridge` drops the delta's leading role token when it equals the
+last committed (sampled) token; after a turn cut short (no role token sampled)
+the bridge keeps it, so the role token is emitted exactly once either way.
+"""
+
+from __future__ import annotations
+
+from trajectory.codec.base import ParsedAssistant
+from trajectory.codec.parsing import parse_glm, split_reasoning
+from trajectory.codec.template import TemplateCodec
+
+
+class Glm4Codec(TemplateCodec):
+    """GLM-4 MoE (`[gMASK]<sop>`, `<|user|>`, `<|observation|>`, `<arg_key>`)."""
+
+    family = "glm4moe"
+
+    def parse_text(self, text: str) -> ParsedAssistant:
+        reasoning, rest = split_reasoning(text)
+        if reasoning is not None:
+            reasoning = reasoning.strip() or None
+        return parse_glm(rest, reasoning)

@@ -1,0 +1,214 @@
+"""Probing a chat template with its own tokenizer (DESIGN.md s5).
+
+Owns rendering/encoding helpers shared by every codec and `probe_template`,
+which derives, from probe conversations rendered by the tokenizer's own
+template: the end-of-turn token (EOT), the gap the template emits after it, the
+generation prompt, the boundary tokens of templates without an EOT (GLM: the
+next role token closes the turn), and which roles append without rewriting
+earlier turns. Nothing here is assumed: every derived value is checked against
+the template's own renders, and failures raise `TemplateNotSupported`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trajectory.errors import TemplateNotSupported
+from trajectory.messages import flatten_content, parse_arguments
+
+DUMMY_SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+DUMMY_USER = {"role": "user", "content": "Go."}
+_MARK = "Zq7mark"
+_PROBE_CALL = {
+    "id": "call_0probe",
+    "type": "function",
+    "function": {"name": "probe_fn", "arguments": {"x": 1}},
+}
+
+
+def render_form(msg: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as templates expect it: text content, tool-call arguments as objects.
+
+    OpenAI clients send arguments as JSON strings; GLM and Llama 3.1 templates
+    iterate or `tojson` them, so they are parsed here (a non-JSON string stays).
+    """
+    out = dict(msg)
+    out["content"] = flatten_content(msg.get("content"))
+    if msg.get("tool_calls"):
+        calls = []
+        for tc in msg["tool_calls"]:
+            tc = dict(tc)
+            if isinstance(tc.get("function"), Mapping):
+                fn = dict(tc["function"])
+                fn["arguments"] = parse_arguments(fn.get("arguments", {}))
+                tc["function"] = fn
+            calls.append(tc)
+        out["tool_calls"] = calls
+    elif "tool_calls" in out:
+        del out["tool_calls"]  # Llama 3.1 tests `'tool_calls' in message`
+    if out.get("reasoning_content") is None:
+        out.pop("reasoning_content", None)
+    return out
+
+
+def render_text(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The template's text for `messages` (tokenize=False; v5-safe)."""
+    out = tokenizer.apply_chat_template(
+        [render_form(m) for m in messages],
+        tools=list(tools) if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **dict(template_kwargs or {}),
+    )
+    if not isinstance(out, str):
+        raise TemplateNotSupported(f"apply_chat_template(tokenize=False) returned {type(out)}")
+    return out
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Ids of already-rendered template text (the template places BOS itself)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
+    return len(a) <= len(b) and list(b[: len(a)]) == list(a)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the template does around an assistant turn, derived and verified."""
+
+    eot_ids: tuple[int, ...]  # rendered right after assistant content ((): none, GLM)
+    gap_ids: tuple[int, ...]  # rendered after the EOT, never sampled (ChatML "\n")
+    generation_prompt_ids: tuple[int, ...]
+    boundary_ids: tuple[int, ...]  # no-EOT templates: role tokens that close a turn
+    user_boundary_id: int | None  # the boundary token before a user turn
+    tool_boundary_id: int | None  # the boundary token before a tool turn
+    append_only_roles: frozenset[str]  # roles appendable after a reasoning turn
+    supports_tools: bool
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for tid, tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(tid))
+    return ids
+
+
+def _first_delta(tokenizer: Any, base: list[dict], new: list[dict], tools: Any) -> int | None:
+    """The first token the template emits after `base` when `new` follows; None if
+    the longer render does not extend the shorter one."""
+    short = encode(
+        tokenizer, render_text(tokenizer, base, tools=tools, add_generation_prompt=False)
+    )
+    long = encode(
+        tokenizer, render_text(tokenizer, base + new, tools=tools, add_generation_prompt=False)
+    )
+    if not is_prefix(short, long) or len(long) == len(short):
+        return None
+    return long[len(short)]
+
+
+def probe_template(tokenizer: Any) -> ProbeResult:
+    """Derive and verify EOT, gap, generation prompt and boundary tokens."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise TemplateNotSupported("tokenizer has no chat template")
+    special = _special_ids(tokenizer)
+    user = {"role": "user", "content": "Hello there."}
+    try:
+        base = [DUMMY_SYSTEM, user]
+        p_no = encode(tokenizer, render_text(tokenizer, base, add_generation_prompt=False))
+        p_gen = encode(tokenizer, render_text(tokenizer, base, add_generation_prompt=True))
+        if not is_prefix(p_no, p_gen) or len(p_gen) == len(p_no):
+            raise TemplateNotSupported("generation prompt does not extend the rendered prompt")
+        gen = tuple(p_gen[len(p_no) :])
+
+        asst = {"role": "assistant", "content": _MARK}
+        text = render_text(tokenizer, base + [asst], add_generation_prompt=False)
+        at = text.rfind(_MARK)
+        if at < 0:
+            raise TemplateNotSupported("assistant content is not rendered verbatim")
+        tail = encode(tokenizer, text[at + len(_MARK) :])
+        full = encode(tokenizer, text)
+        if tail and full[-len(tail) :] != tail:
+            raise TemplateNotSupported("end-of-turn tokens depend on the assistant content")
+        if tail and tail[0] in special:
+            eot, gap = (tail[0],), tuple(tail[1:])
+        elif not tail:
+            eot, gap = (), ()
+        else:
+            raise TemplateNotSupported(f"unexpected text after assistant content: {tail!r}")
+
+        supports_tools = _renders_tool_call(tokenizer, base)
+        boundary: list[int] = []
+        user_b = tool_b = None
+        if not eot:
+            user_b = _first_delta(
+                tokenizer, base + [asst], [{"role": "user", "content": "u"}], None
+            )
+            if supports_tools:
+                tool_b = _first_delta(
+                    tokenizer,
+                    base + [dict(asst, tool_calls=[_PROBE_CALL])],
+                    [{"role": "tool", "tool_call_id": "call_0probe", "content": "r"}],
+                    None,
+                )
+            for b in (user_b, tool_b):
+                if b is None or b not in special:
+                    raise TemplateNotSupported(
+                        "no end-of-turn token and no role token closes a turn"
+                    )
+                if b not in boundary:
+                    boundary.append(b)
+
+        roles = set()
+        reasoning_asst = {"role": "assistant", "content": "A", "reasoning_content": "R"}
+        follow = {
+            "user": {"role": "user", "content": "next"},
+            "tool": {"role": "tool", "tool_call_id": "call_0probe", "content": "r"},
+        }
+        for role, msg in follow.items():
+            prev = (
+                dict(reasoning_asst, tool_calls=[_PROBE_CALL]) if role == "tool" else reasoning_asst
+            )
+            if role == "tool" and not supports_tools:
+                continue
+            a = render_text(tokenizer, base + [prev], add_generation_prompt=False)
+            b = render_text(tokenizer, base + [prev, msg], add_generation_prompt=True)
+            if b.startswith(a):
+                roles.add(role)
+    except TemplateNotSupported:
+        raise
+    except Exception as exc:  # the template raised on a plain probe conversation
+        raise TemplateNotSupported(f"template failed on a probe conversation: {exc}") from exc
+    return ProbeResult(
+        eot_ids=eot,
+        gap_ids=gap,
+        generation_prompt_ids=gen,
+        boundary_ids=tuple(boundary),
+        user_boundary_id=user_b,
+        tool_boundary_id=tool_b,
+        append_only_roles=frozenset(roles),
+        supports_tools=supports_tools,
+    )
+
+
+def _renders_tool_call(tokenizer: Any, base: list[dict]) -> bool:
+    """Whether the template renders an assistant tool call at all (its name appears)."""
+    msg = {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]}
+    try:
+        text = render_text(tokenizer, base + [msg], add_generation_prompt=False)
+    except Exception:
+        return False
+    return "probe_fn" in text and json.dumps(1) in text

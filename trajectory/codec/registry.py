@@ -1,0 +1,103 @@
+"""Family detection and the exact data each known family must probe to.
+
+Owns mapping a tokenizer to a codec family: first by the exact (sha256) text
+of the packaged public templates, then by unambiguous markers in the template.
+For every known family the probed EOT, gap and generation prompt are checked
+against the exact strings below, so a look-alike template that behaves
+differently is refused instead of being handled with the wrong assumptions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from trajectory.codec.probe import ProbeResult
+from trajectory.errors import TemplateNotSupported
+
+
+@dataclass(frozen=True)
+class FamilyData:
+    """What a family's template must produce, as text (decoded, specials kept)."""
+
+    template_file: str
+    eot: str  # "" when the family has no end-of-turn token
+    gap: str
+    generation_prompt: str
+    boundary: tuple[str, ...]  # role tokens that close a turn (no-EOT families)
+
+
+FAMILY_DATA: dict[str, FamilyData] = {
+    "qwen3": FamilyData("qwen3.jinja", "<|im_end|>", "\n", "<|im_start|>assistant\n", ()),
+    "llama3": FamilyData(
+        "llama3.jinja", "<|eot_id|>", "", "<|start_header_id|>assistant<|end_header_id|>\n\n", ()
+    ),
+    "llama3.1": FamilyData(
+        "llama3.1_json_tools.jinja",
+        "<|eot_id|>",
+        "",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        (),
+    ),
+    "glm4moe": FamilyData(
+        "glm4moe.jinja", "", "", "<|assistant|>", ("<|user|>", "<|observation|>")
+    ),
+}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.strip().encode("utf-8")).hexdigest()
+
+
+def _known_digests() -> dict[str, str]:
+    out = {}
+    root = resources.files("session_server.sim").joinpath("assets", "templates")
+    for family, data in FAMILY_DATA.items():
+        try:
+            out[_digest(root.joinpath(data.template_file).read_text(encoding="utf-8"))] = family
+        except (FileNotFoundError, ModuleNotFoundError):
+            continue
+    return out
+
+
+def detect_family(tokenizer: Any) -> str | None:
+    """The family of the tokenizer's chat template, or None when unknown."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not template:
+        return None
+    exact = _known_digests().get(_digest(template))
+    if exact is not None:
+        return exact
+    if "[gMASK]" in template and "<arg_key>" in template:
+        return "glm4moe"
+    if "<|start_header_id|>" in template and "<|eot_id|>" in template:
+        return "llama3.1" if '"parameters"' in template else "llama3"
+    if "<|im_start|>" in template and "<think>" in template and "<tool_call>" in template:
+        return "qwen3"
+    return None
+
+
+def validate_probe(family: str, tokenizer: Any, probe: ProbeResult) -> None:
+    """Raise `TemplateNotSupported` unless the probe matches the family's exact data."""
+    data = FAMILY_DATA[family]
+
+    def text(ids: tuple[int, ...]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    got = {
+        "eot": text(probe.eot_ids),
+        "gap": text(probe.gap_ids),
+        "generation_prompt": text(probe.generation_prompt_ids),
+        "boundary": tuple(text((b,)) for b in probe.boundary_ids),
+    }
+    want = {
+        "eot": data.eot,
+        "gap": data.gap,
+        "generation_prompt": data.generation_prompt,
+        "boundary": data.boundary,
+    }
+    for key, value in want.items():
+        if got[key] != value:
+            raise TemplateNotSupported(f"{family}: probed {key} {got[key]!r}, expected {value!r}")

@@ -1,0 +1,252 @@
+"""The template-driven codec every family builds on (DESIGN.md s5).
+
+Owns render_first, close_turn, bridge and canonical_assistant_ids, all derived
+from the tokenizer's own chat template via `probe_template` and re-verified on
+every bridge. Families subclass it only to parse sampled text and to pin
+render-time details (e.g. Llama 3.1's date).
+
+Bridge (the TITO step): with `B = [dummy system, previous assistant with its real
+tool_calls (reasoning left out)]`, ids(B) must be a prefix of ids(B + new + generation prompt); the
+delta is ids(B + new)[len(ids(B)) - len(gap):], which starts with the gap. For
+templates without an EOT (GLM) the delta starts with the next role token; when
+the model already sampled that token as its stop token (last committed id), it
+is dropped so it is not duplicated.
+
+History rewrites are detected separately, on the real history `H`: when the
+text of render(H) is not a prefix of render(H + new), the template would
+re-render earlier turns (Qwen3/GLM drop earlier reasoning on a new user turn).
+TEMPLATE policy refuses (HISTORY_REWRITE); APPEND policy still returns the
+B-based delta, which is verified independently of the rewritten region, with
+`rewrites_history=True`. Committed tokens are never changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trajectory.codec.base import (
+    BridgeRefusal,
+    BridgeResult,
+    HistoryPolicy,
+    Message,
+    ParsedAssistant,
+    RefusalReason,
+)
+from trajectory.codec.probe import (
+    DUMMY_SYSTEM,
+    DUMMY_USER,
+    ProbeResult,
+    encode,
+    is_prefix,
+    probe_template,
+    render_text,
+)
+from trajectory.errors import CodecError
+
+
+class TemplateCodec:
+    """A `ChatCodec` driven by the tokenizer's chat template; subclasses parse."""
+
+    family: str = "generic"
+    extra_stop_tokens: tuple[str, ...] = ()  # stop ids beyond the probed EOT/boundaries
+
+    def __init__(self, tokenizer: Any, probe: ProbeResult | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.probe = probe if probe is not None else probe_template(tokenizer)
+        self.vocab_size = len(tokenizer)
+        self.eot_ids = self.probe.eot_ids + self._ids_of(self.extra_eot_tokens())
+        self.generation_prompt_ids = self.probe.generation_prompt_ids
+        stops = list(self.eot_ids) + list(self.probe.boundary_ids)
+        stops += self._ids_of(self.extra_stop_tokens)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            stops.append(eos)
+        self.stop_token_ids = tuple(dict.fromkeys(stops))
+
+    # -- helpers -----------------------------------------------------------------
+
+    def extra_eot_tokens(self) -> tuple[str, ...]:
+        """Alternative end-of-turn tokens the model may sample (e.g. Llama `<|eom_id|>`)."""
+        return ()
+
+    def _ids_of(self, tokens: Sequence[str]) -> tuple[int, ...]:
+        out = []
+        for t in tokens:
+            tid = self.tokenizer.convert_tokens_to_ids(t)
+            if isinstance(tid, int) and tid != getattr(self.tokenizer, "unk_token_id", None):
+                out.append(tid)
+        return tuple(out)
+
+    def _internal_kwargs(self, template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Template kwargs for comparison renders (never for the prompt itself)."""
+        return dict(template_kwargs or {})
+
+    def _render(self, messages, *, tools, gen: bool, template_kwargs) -> str:
+        return render_text(
+            self.tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=gen,
+            template_kwargs=template_kwargs,
+        )
+
+    def _ids(self, messages, *, tools, gen: bool, template_kwargs) -> list[int]:
+        return encode(
+            self.tokenizer,
+            self._render(messages, tools=tools, gen=gen, template_kwargs=template_kwargs),
+        )
+
+    # -- ChatCodec ---------------------------------------------------------------
+
+    def render_first(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Whole prompt of turn 0 (or a fork), generation prompt included."""
+        if not messages:
+            raise CodecError("render_first needs at least one message")
+        try:
+            return self._ids(messages, tools=tools, gen=True, template_kwargs=template_kwargs)
+        except Exception as exc:
+            raise CodecError(f"{self.family}: template failed to render: {exc}") from exc
+
+    def close_turn(self, sampled_ids: Sequence[int]) -> list[int]:
+        """EOT repair ids when the turn did not end on an EOT.
+
+        Templates without an EOT (GLM) return []: the next role token closes the
+        turn and the bridge emits it, unless the model already sampled it."""
+        if not self.probe.eot_ids:
+            return []
+        if sampled_ids and sampled_ids[-1] in self.eot_ids:
+            return []
+        return [self.probe.eot_ids[0]]
+
+    def bridge(
+        self,
+        history: Sequence[Message],
+        committed_tail: Sequence[int],
+        new_messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        policy: HistoryPolicy = HistoryPolicy.APPEND,
+    ) -> BridgeResult | BridgeRefusal:
+        """New prompt ids for `new_messages` (see module doc); never a guess."""
+        if not history or history[-1].get("role") != "assistant":
+            return BridgeRefusal(
+                RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn"
+            )
+        if not new_messages:
+            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
+        if any(m.get("role") not in ("user", "tool", "system", "assistant") for m in new_messages):
+            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "unknown role in new messages")
+        if self.probe.eot_ids and committed_tail and committed_tail[-1] not in self.eot_ids:
+            return BridgeRefusal(
+                RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)"
+            )
+        kw = self._internal_kwargs(template_kwargs)
+        new = list(new_messages)
+        if policy == HistoryPolicy.TEMPLATE:
+            # exact: the whole history, O(context); this policy forks on a rewrite anyway
+            window = list(history)
+        else:
+            # diagnostic only (the delta below does not depend on it): the last turn
+            # after a dummy query, so per-turn cost stays O(new tokens)
+            window = [DUMMY_SYSTEM, DUMMY_USER, dict(history[-1])]
+        try:
+            h_text = self._render(window, tools=tools, gen=False, template_kwargs=kw)
+            hn_text = self._render(window + new, tools=tools, gen=True, template_kwargs=kw)
+            # Reasoning is left out of the base: templates show it only after the
+            # last user turn (GLM, Qwen3), so it would itself flip on a user append;
+            # the delta lies after the assistant turn and is verified below.
+            prev = {k: v for k, v in history[-1].items() if k != "reasoning_content"}
+            base = [DUMMY_SYSTEM, prev]
+            ids_b = self._ids(base, tools=tools, gen=False, template_kwargs=kw)
+            ids_bn = self._ids(base + new, tools=tools, gen=True, template_kwargs=kw)
+        except Exception as exc:
+            return BridgeRefusal(RefusalReason.RENDER_FAILED, f"template raised: {exc}")
+        rewrites = not hn_text.startswith(h_text)
+        if rewrites and policy == HistoryPolicy.TEMPLATE:
+            return BridgeRefusal(
+                RefusalReason.HISTORY_REWRITE,
+                "the template re-renders earlier turns when these messages are appended",
+            )
+        gap = list(self.probe.gap_ids)
+        if not is_prefix(ids_b, ids_bn) or len(ids_bn) == len(ids_b):
+            return BridgeRefusal(
+                RefusalReason.NOT_APPEND_ONLY, "render(B) is not a prefix of render(B + new)"
+            )
+        if gap and ids_b[-len(gap) :] != gap:
+            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "base render does not end in gap")
+        if self.probe.eot_ids:
+            at = len(ids_b) - len(gap) - 1
+            if at < 0 or ids_b[at] not in self.eot_ids:
+                return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "base render lacks the EOT")
+        delta = ids_bn[len(ids_b) - len(gap) :]
+        if self.probe.boundary_ids and committed_tail:
+            last = committed_tail[-1]
+            if delta and last == delta[0]:
+                delta = delta[1:]  # the model sampled this role token as its stop token
+            elif last in self.probe.boundary_ids:
+                rewrites = True  # sampled a different role token; a re-render lacks it
+        return BridgeResult(prompt_ids=list(delta), rewrites_history=rewrites)
+
+    def canonical_assistant_ids(
+        self, message: Message, *, template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Ids the template renders for `message` after the generation prompt, through
+        its EOT (GLM: through the role token the model samples to stop)."""
+        kw = self._internal_kwargs(template_kwargs)
+        base = [DUMMY_SYSTEM, DUMMY_USER]
+        try:
+            p_text = self._render(base, tools=None, gen=True, template_kwargs=kw)
+            f_text = self._render(base + [message], tools=None, gen=False, template_kwargs=kw)
+        except Exception as exc:
+            raise CodecError(f"{self.family}: cannot render assistant message: {exc}") from exc
+        if not f_text.startswith(p_text):
+            raise CodecError(f"{self.family}: assistant render does not extend the prompt")
+        p_ids, f_ids = encode(self.tokenizer, p_text), encode(self.tokenizer, f_text)
+        if is_prefix(p_ids, f_ids):
+            ids = f_ids[len(p_ids) :]
+        else:  # the prompt's last token merges with the reply; the model samples after it
+            ids = encode(self.tokenizer, f_text[len(p_text) :])
+        gap = list(self.probe.gap_ids)
+        if gap:
+            if ids[-len(gap) :] != gap:
+                raise CodecError(f"{self.family}: assistant render does not end in the gap")
+            ids = ids[: -len(gap)]
+        if self.probe.eot_ids:
+            if not ids or ids[-1] not in self.eot_ids:
+                raise CodecError(f"{self.family}: assistant render does not end in the EOT")
+            return ids
+        stop = self.probe.tool_boundary_id if message.get("tool_calls") else None
+        stop = stop if stop is not None else self.probe.user_boundary_id
+        if stop is None:
+            raise CodecError(f"{self.family}: no stop token for this assistant message")
+        return ids + [stop]
+
+    def parse_assistant(self, sampled_ids: Sequence[int]) -> ParsedAssistant:
+        """Decode (special tokens kept), drop the final stop token, parse the text."""
+        ids = list(sampled_ids)
+        if ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]
+        try:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        except Exception as exc:  # ids outside the vocabulary
+            from trajectory.codec.base import ToolCallParseStatus
+
+            return ParsedAssistant(
+                content="",
+                reasoning_content=None,
+                status=ToolCallParseStatus.INVALID_FORMAT,
+                status_detail=f"undecodable ids: {exc}",
+            )
+        return self.parse_text(text)
+
+    def parse_text(self, text: str) -> ParsedAssistant:
+        """Family grammar; the generic codec keeps the text as content."""
+        return ParsedAssistant(content=text, reasoning_content=None)

@@ -1,0 +1,81 @@
+"""Message normalisation and tolerant matching of OpenAI chat messages.
+
+Owns deciding whether a message a client sends back is "the same" as the one we
+stored (DESIGN.md s5, message matching): role, content (content parts flattened
+to text), tool_calls (arguments compared as parsed JSON, ids compared),
+tool_call_id and name. `reasoning_content` is compared only when both sides
+carry it, because clients routinely drop it or echo it back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["flatten_content", "messages_equal", "normalize_message", "parse_arguments"]
+
+
+def flatten_content(content: Any) -> str:
+    """Content as text: strings as-is, text parts joined, None as empty."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Mapping):
+        return str(content.get("text", "")) if content.get("type", "text") == "text" else ""
+    if isinstance(content, (list, tuple)):
+        out = []
+        for part in content:
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") == "text":
+                out.append(str(part.get("text", "")))
+        return "".join(out)
+    return str(content)
+
+
+def parse_arguments(arguments: Any) -> Any:
+    """Tool-call arguments as a JSON value; a string that is not JSON stays a string."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _normalize_tool_call(tc: Mapping[str, Any]) -> dict[str, Any]:
+    fn = tc.get("function") if isinstance(tc.get("function"), Mapping) else tc
+    return {
+        "id": tc.get("id"),
+        "name": fn.get("name"),
+        "arguments": parse_arguments(fn.get("arguments", {})),
+    }
+
+
+def normalize_message(msg: Mapping[str, Any]) -> dict[str, Any]:
+    """A canonical, comparable form of one message (see module doc)."""
+    out: dict[str, Any] = {
+        "role": msg.get("role"),
+        "content": flatten_content(msg.get("content")),
+    }
+    tool_calls = msg.get("tool_calls") or []
+    if tool_calls:
+        out["tool_calls"] = [_normalize_tool_call(tc) for tc in tool_calls]
+    for key in ("tool_call_id", "name"):
+        if msg.get(key) is not None:
+            out[key] = msg[key]
+    reasoning = msg.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning != "":
+        out["reasoning_content"] = reasoning
+    return out
+
+
+def messages_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """True when `a` and `b` are the same message up to tolerated client differences."""
+    na, nb = normalize_message(a), normalize_message(b)
+    if "reasoning_content" not in na or "reasoning_content" not in nb:
+        na.pop("reasoning_content", None)
+        nb.pop("reasoning_content", None)
+    return na == nb
