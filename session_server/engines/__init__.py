@@ -1,0 +1,57 @@
+"""Engine adapters behind one seam (`EngineAdapter`), and `make_adapter` for a URL spec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from session_server.engines.base import (
+    EngineAdapter,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+)
+from session_server.engines.http import ConnectionLimits, raise_nofile_limit, retry_transient
+from session_server.engines.probe import detect_protocol, parse_engine_spec
+from session_server.engines.sglang import (
+    SGLangAdapter,
+    parse_sglang_generate,
+    parse_sglang_stream,
+)
+from session_server.engines.vllm import (
+    VLLMAdapter,
+    parse_vllm_completions,
+    parse_vllm_generate,
+    parse_vllm_logprob_content,
+)
+
+__all__ = [
+    "ConnectionLimits",
+    "EngineAdapter",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "SGLangAdapter",
+    "SamplingParams",
+    "VLLMAdapter",
+    "detect_protocol",
+    "make_adapter",
+    "parse_engine_spec",
+    "parse_sglang_generate",
+    "parse_sglang_stream",
+    "parse_vllm_completions",
+    "parse_vllm_generate",
+    "parse_vllm_logprob_content",
+    "raise_nofile_limit",
+    "retry_transient",
+]
+
+
+async def make_adapter(spec: str, **kwargs: Any) -> SGLangAdapter | VLLMAdapter:
+    """An adapter for `sglang=URL`, `vllm=URL` (forced) or a bare URL (protocol detected)."""
+    protocol, url = parse_engine_spec(spec)
+    if protocol is None:
+        protocol = await detect_protocol(url)
+    if protocol == "sglang":
+        return SGLangAdapter(url, **kwargs)
+    return VLLMAdapter(url, **kwargs)

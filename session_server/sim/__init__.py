@@ -1,0 +1,26 @@
+"""Simulated SGLang/vLLM engines (wire-faithful) for tests, benchmarks and the demo."""
+
+from __future__ import annotations
+
+from session_server.sim.cache import PrefixCache
+from session_server.sim.sampler import Cursor, ScriptedPolicy, SimModel, sim_model_from_tokenizer
+from session_server.sim.server import (
+    FAULT_KINDS,
+    SimEngine,
+    load_sim_model,
+    run_sim_engine,
+    running_sim,
+)
+
+__all__ = [
+    "FAULT_KINDS",
+    "Cursor",
+    "PrefixCache",
+    "ScriptedPolicy",
+    "SimEngine",
+    "SimModel",
+    "load_sim_model",
+    "run_sim_engine",
+    "running_sim",
+    "sim_model_from_tokenizer",
+]

@@ -1,0 +1,297 @@
+"""The simulator's deterministic policy: a scripted agent whose output depends only on
+(seed, token context).
+
+How one request is answered (`ScriptedPolicy.start`):
+1. the current assistant turn starts after the *last* occurrence of the generation
+   prompt ids (no occurrence: the whole context is the prompt);
+2. the *planned response* is drawn from a hash of (seed, context before that point):
+   while fewer tool turns have happened than the episode's script asks for
+   (1-3, drawn from the episode's first prompt), reasoning plus one or two tool
+   calls; then reasoning plus a final answer. It is an assistant message dict
+   rendered to ids by the injected `render` (in practice the codec's
+   `canonical_assistant_ids`), optionally re-segmented non-canonically;
+3. tokens already sampled after the turn start are skipped, so resubmitting
+   prompt + partial continues identically (abort/resubmit relies on this);
+   after the plan the model emits EOS.
+Logprobs are a hash of (seed, context digest, position, token), in (-5, 0].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Cursor", "ScriptedPolicy", "SimModel", "sim_model_from_tokenizer"]
+
+_WORDS = (
+    "the", "file", "config", "test", "value", "check", "list", "run", "error", "output",
+    "path", "need", "first", "then", "read", "update", "function", "result", "so", "we",
+    "should", "look", "at", "call", "tool", "answer", "data", "line", "fix", "it",
+)
+_TOOLS = (
+    ("read_file", "path", ("src/app.py", "README.md", "setup.cfg", "tests/test_core.py")),
+    ("run_shell", "command", ("ls -la", "pytest -q", "git status", "cat setup.py")),
+    ("search", "query", ("config loader", "retry logic", "parse error", "unit tests")),
+)
+
+
+@dataclass(frozen=True)
+class SimModel:
+    """What the policy needs from a tokenizer + chat template."""
+
+    generation_prompt_ids: tuple[int, ...]
+    render: Callable[[dict[str, Any]], list[int]]  # assistant message -> ids through its EOT
+    decode: Callable[[Sequence[int]], str]
+    vocab_size: int
+    eos_ids: tuple[int, ...]  # ids that end generation unless ignore_eos (EOT first)
+    # id -> several smaller ids decoding to the same bytes, or None if it cannot be split
+    splitter: Callable[[int], list[int] | None] | None = None
+    name: str = "sim-model"
+
+
+def _h(*parts: bytes | int | str) -> int:
+    m = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        if isinstance(p, int):
+            p = p.to_bytes(16, "little", signed=True)
+        elif isinstance(p, str):
+            p = p.encode()
+        m.update(p)
+        m.update(b"|")
+    return int.from_bytes(m.digest(), "little")
+
+
+def _digest(ids: np.ndarray) -> bytes:
+    return hashlib.blake2b(ids.astype(np.int64).tobytes(), digest_size=16).digest()
+
+
+def _occurrences(ctx: np.ndarray, pattern: tuple[int, ...]) -> np.ndarray:
+    """Start positions of `pattern` in `ctx` (vectorised; contexts reach 100K tokens)."""
+    n, m = len(ctx), len(pattern)
+    if m == 0 or n < m:
+        return np.empty(0, dtype=np.int64)
+    hits = np.flatnonzero(ctx[: n - m + 1] == pattern[0])
+    for j in range(1, m):
+        if len(hits) == 0:
+            break
+        hits = hits[ctx[hits + j] == pattern[j]]
+    return hits
+
+
+@dataclass
+class Cursor:
+    """The continuation of one context: token i and its logprob are pure functions."""
+
+    planned: list[int]
+    offset: int  # tokens of the planned turn already present in the context
+    diverged: bool  # the context's partial turn is not the plan: close the turn
+    key: bytes
+    seed: int
+    eos: int
+    vocab_size: int
+    message: dict[str, Any] = field(default_factory=dict)
+
+    def token(self, i: int) -> int:
+        p = self.offset + i
+        if self.diverged or p >= len(self.planned):
+            return self.eos
+        return self.planned[p]
+
+    def logprob(self, i: int, token: int) -> float:
+        u = _h(self.seed, self.key, self.offset + i, token) / 2**64  # [0, 1)
+        return -5.0 * u  # (-5, 0]
+
+    def top(self, i: int, token: int, k: int) -> list[tuple[int, float]]:
+        """k alternatives, sampled token first, descending logprobs."""
+        lp = self.logprob(i, token)
+        out = [(token, lp)]
+        for j in range(1, k):
+            alt = _h(self.seed, self.key, self.offset + i, "alt", j) % self.vocab_size
+            if alt == token:
+                alt = (alt + 1) % self.vocab_size
+            out.append((alt, lp - 0.5 * j))
+        return out
+
+
+class ScriptedPolicy:
+    """Deterministic scripted agent over a `SimModel` (see module docstring)."""
+
+    def __init__(self, model: SimModel, *, seed: int = 0, noncanonical: bool = False) -> None:
+        self.model = model
+        self.seed = seed
+        self.noncanonical = noncanonical and model.splitter is not None
+        self._plans: dict[bytes, tuple[list[int], dict[str, Any]]] = {}
+
+    def _message(self, h: int, tool_turns_done: int, script_len: int) -> dict[str, Any]:
+        words = [_WORDS[(h >> (3 * i)) % len(_WORDS)] for i in range(6 + h % 7)]
+        reasoning = " ".join(words).capitalize() + "."
+        if tool_turns_done < script_len:
+            calls = []
+            for j in range(1 + (h >> 40) % 2):
+                name, arg, values = _TOOLS[(h >> (44 + 2 * j)) % len(_TOOLS)]
+                value = values[(h >> (50 + 2 * j)) % len(values)]
+                calls.append(
+                    {
+                        "id": f"call_{_h(self.seed, h, j) % 16**8:08x}",
+                        "type": "function",
+                        "function": {"name": name, "arguments": json.dumps({arg: value})},
+                    }
+                )
+            return {"role": "assistant", "content": "", "reasoning_content": reasoning,
+                    "tool_calls": calls}
+        answer = " ".join(_WORDS[(h >> (2 * i + 7)) % len(_WORDS)] for i in range(4 + h % 5))
+        return {"role": "assistant", "content": f"Done: {answer}.", "reasoning_content": reasoning}
+
+    def _resegment(self, ids: list[int], key: bytes) -> list[int]:
+        """Split some tokens into smaller ones that decode to the same bytes."""
+        assert self.model.splitter is not None
+        out: list[int] = []
+        for pos, t in enumerate(ids):
+            parts = self.model.splitter(t) if _h(self.seed, key, "split", pos) % 3 == 0 else None
+            out.extend(parts if parts else [t])
+        return out
+
+    def plan(self, prefix: np.ndarray, turn_starts: np.ndarray) -> tuple[list[int], dict[str, Any]]:
+        """Planned ids (through EOT) of the turn that follows `prefix`."""
+        key = _digest(prefix)
+        cached = self._plans.get(key)
+        if cached is not None:
+            return cached
+        g = len(self.model.generation_prompt_ids)
+        first = int(turn_starts[0]) + g if len(turn_starts) else len(prefix)
+        episode_h = _h(self.seed, _digest(prefix[:first]))
+        script_len = 1 + episode_h % 3
+        tool_turns_done = max(0, len(turn_starts) - 1)
+        h = _h(self.seed, key)
+        message = self._message(h, tool_turns_done, script_len)
+        try:
+            ids = list(self.model.render(message))
+        except Exception:
+            # Some templates (Llama 3.1) render one tool call per turn: script one instead.
+            if len(message.get("tool_calls") or ()) < 2:
+                raise
+            message = {**message, "tool_calls": message["tool_calls"][:1]}
+            ids = list(self.model.render(message))
+        if len(ids) <= 1:
+            # The template drops reasoning and tool calls (Llama 3): say it in content.
+            message = {"role": "assistant", "content": message["reasoning_content"]}
+            ids = list(self.model.render(message))
+        if self.noncanonical:
+            ids = self._resegment(ids, key)
+        if len(self._plans) > 4096:
+            self._plans.clear()
+        self._plans[key] = (ids, message)
+        return ids, message
+
+    def start(self, context: Sequence[int]) -> Cursor:
+        ctx = np.asarray(context, dtype=np.int64)
+        gp = self.model.generation_prompt_ids
+        starts = _occurrences(ctx, gp)
+        turn_start = int(starts[-1]) + len(gp) if len(starts) else len(ctx)
+        prefix = ctx[:turn_start]
+        planned, message = self.plan(prefix, starts)
+        already = ctx[turn_start:]
+        n = len(already)
+        diverged = n > len(planned) or (n > 0 and not np.array_equal(already, planned[:n]))
+        return Cursor(
+            planned=planned,
+            offset=n,
+            diverged=diverged,
+            key=_digest(prefix),
+            seed=self.seed,
+            eos=self.model.eos_ids[0],
+            vocab_size=self.model.vocab_size,
+            message=message,
+        )
+
+
+def sim_model_from_tokenizer(tokenizer: Any, *, name: str | None = None) -> SimModel:
+    """A `SimModel` from a transformers tokenizer with a chat template.
+
+    Uses the project codec (`trajectory.codec.load_codec(...).canonical_assistant_ids`)
+    when it is available, else renders through the tokenizer's own chat template:
+    render([user, assistant]) minus render([user] + generation prompt)."""
+    user = [{"role": "user", "content": "hi"}]
+
+    def chat(msgs: list[dict[str, Any]], gen: bool) -> list[int]:
+        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    with_gen = chat(user, True)
+    without = chat(user, False)
+    if with_gen[: len(without)] != without:
+        raise ValueError("chat template: generation prompt is not a suffix of the prompt")
+    gen_ids = tuple(with_gen[len(without) :])
+    special = set(tokenizer.all_special_ids)
+
+    codec = _codec(tokenizer)
+    render = None if codec is None else codec.canonical_assistant_ids
+    if render is None:
+
+        def render(message: dict[str, Any]) -> list[int]:
+            msg = dict(message)
+            if msg.get("tool_calls"):
+                msg["tool_calls"] = [
+                    {**tc, "function": {**tc["function"],
+                                        "arguments": json.loads(tc["function"]["arguments"])}}
+                    for tc in msg["tool_calls"]
+                ]
+            full = chat([*user, msg], False)
+            if full[: len(with_gen)] != with_gen:
+                raise ValueError("chat template does not extend the generation prompt")
+            rest = full[len(with_gen) :]
+            # stop after the last special token (the EOT); trailing newlines are template glue
+            last = max((i for i, t in enumerate(rest) if t in special), default=len(rest) - 1)
+            return rest[: last + 1]
+
+    probe = render({"role": "assistant", "content": "ok"})
+    eos = [probe[-1]]
+    for t in (codec.stop_token_ids if codec is not None else ()):
+        if int(t) not in eos:
+            eos.append(int(t))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+
+    def splitter(token_id: int) -> list[int] | None:
+        if token_id in special:
+            return None
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str) or len(piece) < 2:
+            return None
+        mid = len(piece) // 2
+        for k in sorted(range(1, len(piece)), key=lambda k: abs(k - mid)):
+            a, b = vocab.get(piece[:k]), vocab.get(piece[k:])
+            if a is not None and b is not None:
+                return [a, b]
+        return None
+
+    return SimModel(
+        generation_prompt_ids=gen_ids,
+        render=render,
+        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
+        vocab_size=len(tokenizer),
+        eos_ids=tuple(eos),
+        splitter=splitter,
+        name=name or str(getattr(tokenizer, "name_or_path", "") or "sim-model"),
+    )
+
+
+def _codec(tokenizer: Any) -> Any:
+    """The project codec for this tokenizer, or None (unknown family / codec absent)."""
+    try:
+        from trajectory.codec import load_codec  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        codec = load_codec(tokenizer)
+    except Exception:  # noqa: BLE001 - unknown family: fall back to the chat template
+        return None
+    return codec
