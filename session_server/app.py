@@ -108,7 +108,9 @@ def create_app(config: AppConfig) -> FastAPI:
         codec = await pool.run(load_codec, tok, family=config.family)
         engines = EnginePool()
         for i, spec in enumerate(config.engines):
-            adapter, dp_size = await make_adapter(spec)
+            adapter = await make_adapter(spec)
+            dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
+            dp_size = await dp_probe() if dp_probe is not None else 1
             engines.add(f"e{i}", adapter, dp_size)
         ctx = ServerContext(
             settings=settings,

@@ -51,6 +51,7 @@ def _sim_engine(args: argparse.Namespace) -> int:
         seed=args.seed,
         dp=args.dp,
         latency_ms=args.latency_ms,
+        request_latency_ms=args.request_latency_ms,
         noncanonical=args.noncanonical,
         padding=args.padding,
     )
@@ -92,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--dp", type=int, default=1)
     e.add_argument("--latency-ms", type=float, default=0.0, help="latency per sampled token")
+    e.add_argument("--request-latency-ms", type=float, default=0.0, help="fixed latency per request")
     e.add_argument("--noncanonical", action="store_true", help="emit non-canonical segmentations")
-    e.add_argument("--padding", choices=("base64", "lists"), default=None, help="routed-experts-like payload")
+    e.add_argument("--padding", choices=("base64", "floats"), default=None, help="routed-experts-like payload")
     e.set_defaults(func=_sim_engine)
 
     d = sub.add_parser("demo", help="sim engines + server + an openai-client agent, offline")

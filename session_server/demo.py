@@ -21,23 +21,22 @@ from .harness import running_server
 from .sim import running_sim
 from .sim.tokenizers import cached_tokenizer_dir
 
+def _tool(name: str, description: str, arg: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": {arg: {"type": "string"}}, "required": [arg]},
+        },
+    }
+
+
+# The tools the simulated agent's script calls (session_server/sim/sampler.py).
 TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search_docs",
-            "description": "Search the documentation.",
-            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
-        },
-    },
+    _tool("read_file", "Read a file of the repository.", "path"),
+    _tool("run_shell", "Run a shell command in the sandbox.", "command"),
+    _tool("search", "Search the repository.", "query"),
 ]
 
 
@@ -47,11 +46,13 @@ def run_tool(name: str, arguments: str) -> str:
         args = json.loads(arguments or "{}")
     except json.JSONDecodeError:
         return json.dumps({"error": "arguments are not valid JSON"})
-    if name == "get_weather":
-        return json.dumps({"city": args.get("city"), "temperature_c": 21, "sky": "clear", "ok": True})
-    if name == "search_docs":
-        return json.dumps({"query": args.get("query"), "hits": ["TITO keeps sampled ids verbatim."], "ok": True})
-    return json.dumps({"error": f"unknown tool {name}", "ok": False})
+    if name == "read_file":
+        return f"# {args.get('path')}\ndef main():\n    return 42\n"
+    if name == "run_shell":
+        return f"$ {args.get('command')}\nok: 3 passed, 0 failed"
+    if name == "search":
+        return json.dumps({"query": args.get("query"), "hits": ["src/app.py:12", "tests/test_core.py:40"]})
+    return json.dumps({"error": f"unknown tool {name}"})
 
 
 async def run_agent(base_url: str, *, max_turns: int) -> dict[str, Any]:
@@ -61,7 +62,7 @@ async def run_agent(base_url: str, *, max_turns: int) -> dict[str, Any]:
     client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a careful assistant. Use tools when they help."},
-        {"role": "user", "content": "What's the weather in Paris, and what does the documentation say about TITO?"},
+        {"role": "user", "content": "The tests fail after the config change. Find out why and fix it."},
     ]
     calls: list[str] = []
     latencies: list[float] = []

@@ -95,13 +95,6 @@ class _Timer:
         self._ctx.metrics.observe_phase("total", self.phases["total"])
 
 
-def _checkpoint_message_counts(turns: Sequence[Any]) -> list[int]:
-    counts = [0]
-    for t in turns:
-        counts.append(counts[-1] + len(t.request_messages) + (1 if t.assistant_message else 0))
-    return counts
-
-
 def _tools_key(tools: list[dict[str, Any]] | None) -> bytes:
     return orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS)
 
@@ -141,10 +134,10 @@ class TurnRunner:
         tree = session.tree
         branch = tree.active
         traj = branch.trajectory
-        turns = traj.turns
         history = traj.messages()
+        counts = traj.checkpoint_message_counts
         request_msgs = [normalize_message(m) for m in req.messages]
-        plan = reconcile(history, _checkpoint_message_counts(turns), request_msgs, messages_equal)
+        plan = reconcile(history, counts, request_msgs, messages_equal)
         kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
         tools = req.tools or None
         if kind in ("append", "rollback") and _tools_key(tools) != _tools_key(
@@ -158,10 +151,10 @@ class TurnRunner:
             hist = history
         elif kind == "rollback":
             keep = traj.checkpoints[checkpoint]
-            hist = history[: _checkpoint_message_counts(turns)[checkpoint]]
+            hist = history[: counts[checkpoint]]
         else:
             keep, hist = 0, []
-        context_ids = np.array(traj.token_ids[:keep], dtype=np.int32, copy=True)
+        context_ids = np.array(traj.ids[:keep], dtype=np.int32, copy=True)
         kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
         return Prepared(
             kind=kind,
@@ -305,7 +298,7 @@ class TurnRunner:
             input_ids=input_ids,
             max_tokens=budget,
             sampling=self._sampling(session, req),
-            top_logprobs=req.top_logprobs or 0 if req.logprobs else 0,
+            top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             lora=session.config.lora,
             timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
         )

@@ -23,9 +23,10 @@ import random
 import resource
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
+import orjson
 
 from session_server.errors import UpstreamTimeout, UpstreamTransportError
 
@@ -142,3 +143,9 @@ def raise_nofile_limit() -> tuple[int, int]:
             # Some platforms cap below the reported hard limit; keep what we have.
             return soft, hard
     return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def encode_json(payload: Any) -> bytes:
+    """Request bodies: orjson serialises numpy id arrays natively, so the context
+    (up to 100K+ ids) is never turned into Python ints on the event loop."""
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)

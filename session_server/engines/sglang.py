@@ -22,6 +22,7 @@ from session_server.engines.base import GenerateRequest, GenerateResult
 from session_server.engines.http import (
     ConnectionLimits,
     HTTPReply,
+    encode_json,
     make_session,
     request_bytes,
     retry_transient,
@@ -309,7 +310,7 @@ class SGLangAdapter:
     async def _call(
         self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None
     ) -> HTTPReply:
-        data = None if body is None else msgspec.json.encode(body)
+        data = None if body is None else encode_json(body)
 
         async def once() -> HTTPReply:
             return await request_bytes(
@@ -325,7 +326,7 @@ class SGLangAdapter:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """POST /generate; deadline `request.timeout_s` from dispatch (after the concurrency cap)."""
-        body = msgspec.json.encode(build_sglang_payload(request))
+        body = encode_json(build_sglang_payload(request))
         async with self._sem:
             deadline = time.monotonic() + request.timeout_s
 

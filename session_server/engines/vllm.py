@@ -25,6 +25,7 @@ from session_server.engines.base import GenerateRequest, GenerateResult
 from session_server.engines.http import (
     ConnectionLimits,
     HTTPReply,
+    encode_json,
     make_session,
     request_bytes,
     retry_transient,
@@ -346,7 +347,7 @@ class VLLMAdapter:
         params: dict[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> HTTPReply:
-        data = None if body is None else msgspec.json.encode(body)
+        data = None if body is None else encode_json(body)
 
         async def once() -> HTTPReply:
             return await request_bytes(
@@ -391,7 +392,7 @@ class VLLMAdapter:
             path, payload = GENERATE_PATH, build_vllm_generate_payload(request, self.model)
         else:
             path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(request, self.model)
-        body = msgspec.json.encode(payload)
+        body = encode_json(payload)
         headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
         async with self._sem:
             deadline = time.monotonic() + request.timeout_s

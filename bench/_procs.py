@@ -1,0 +1,71 @@
+"""Start the server and simulated engines as separate processes for benchmarks.
+
+Benchmarks measure the server, so the simulator must not share its event loop
+or GIL: each runs as its own `session-server` process on a free 127.0.0.1 port,
+and is always terminated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+
+from session_server.harness import free_port
+
+CLI = [sys.executable, "-m", "session_server.cli"]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s")
+
+
+@contextlib.contextmanager
+def process(args: Sequence[str], url: str, log_path: Path | None = None) -> Iterator[str]:
+    out = open(log_path, "wb") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        _wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log_path:
+            out.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def sim_engine(protocol: str, tokenizer: str, *, dp: int = 1, latency_ms: float = 0.0, extra: Sequence[str] = ()) -> Iterator[str]:
+    port = free_port()
+    args = ["sim-engine", "--protocol", protocol, "--tokenizer", tokenizer, "--port", str(port),
+            "--dp", str(dp), "--latency-ms", str(latency_ms), *extra]
+    with process(args, f"http://127.0.0.1:{port}") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def server(engines: Sequence[str], tokenizer: str, *, extra: Sequence[str] = ()) -> Iterator[str]:
+    port = free_port()
+    args = ["serve", "--tokenizer", tokenizer, "--port", str(port), "--log-level", "warning", *extra]
+    for e in engines:
+        args += ["--engine", e]
+    with process(args, f"http://127.0.0.1:{port}") as url:
+        yield url

@@ -1,0 +1,117 @@
+"""Per-turn TITO cost against context length: it must track the new tokens only.
+
+For contexts of 1K, 10K and 100K tokens (a long first user message), run at
+least 50 further turns; each turn is the server's CPU work on the trajectory:
+reconcile the request with the committed history, bridge the new tool message
+(`codec.bridge`), close the sampled turn (`codec.close_turn`) and commit it
+(`LinearTrajectory.commit_turn`). Reports the p50 per context length, the
+100K/1K ratio (target <= 1.5), and the bytes per stored token of the 100K
+trajectory (target <= 12).
+
+    python bench/codec_overhead.py --json bench/results/codec_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
+from trajectory.codec import load_codec  # noqa: E402
+from trajectory.history import reconcile  # noqa: E402
+from trajectory.linear import LinearTrajectory  # noqa: E402
+from trajectory.messages import messages_equal  # noqa: E402
+
+CONTEXTS = (1000, 10000, 100000)
+
+
+def _long_text(tokenizer: Any, n_tokens: int) -> str:
+    words = ("alpha", "beta", "gamma", "delta", "config", "value", "result", "path", "error", "check")
+    chunk = " ".join(words[i % len(words)] + str(i % 97) for i in range(400))
+    per = len(tokenizer.encode(chunk, add_special_tokens=False))
+    return " ".join([chunk] * max(1, n_tokens // per))
+
+
+def _turn_message(i: int) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": f"step {i}: look at the next file",
+        "tool_calls": [{
+            "id": f"call_{i:08x}",
+            "type": "function",
+            "function": {"name": "read_file", "arguments": json.dumps({"path": f"src/m{i}.py"})},
+        }],
+    }
+
+
+def run_context(codec: Any, tokenizer: Any, context: int, turns: int) -> tuple[float, LinearTrajectory]:
+    traj = LinearTrajectory()
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": _long_text(tokenizer, context)},
+    ]
+    prompt = codec.render_first(msgs, tools=None, template_kwargs=None)
+    first = _turn_message(0)
+    sampled = codec.canonical_assistant_ids(first)
+    traj.commit_turn(prompt, sampled, [-0.1] * len(sampled), finish_reason="stop",
+                     repair_ids=codec.close_turn(sampled), request_messages=msgs, assistant_message=first)
+    request = [*msgs, first]
+    times = []
+    for i in range(1, turns + 1):
+        tool_msg = {"role": "tool", "tool_call_id": f"call_{i - 1:08x}", "content": f"def f{i}():\n    return {i}\n"}
+        request = [*request, tool_msg]
+        assistant = _turn_message(i)
+        sampled = codec.canonical_assistant_ids(assistant)  # what the engine returns (not timed)
+        t0 = time.perf_counter()
+        plan = reconcile(traj.messages(), traj.checkpoint_message_counts, request, messages_equal)
+        result = codec.bridge(traj.messages()[: len(request) - len(plan.new_messages)], traj.tail(16),
+                              plan.new_messages, tools=None, template_kwargs=None)
+        repair = codec.close_turn(sampled)
+        traj.commit_turn(result.prompt_ids, sampled, [-0.1] * len(sampled), finish_reason="tool_calls",
+                         repair_ids=repair, request_messages=plan.new_messages, assistant_message=assistant)
+        times.append(time.perf_counter() - t0)
+        request = [*request, assistant]
+    return float(np.percentile(np.array(times) * 1000, 50)), traj
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--turns", type=int, default=60)
+    ap.add_argument("--family", default="qwen3")
+    args = ap.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(str(cached_tokenizer_dir(args.family)))
+    codec = load_codec(tokenizer)
+    p50: dict[str, float] = {}
+    contexts: dict[str, int] = {}
+    traj = None
+    for ctx in CONTEXTS:
+        p50[str(ctx)], traj = run_context(codec, tokenizer, ctx, args.turns)
+        contexts[str(ctx)] = len(traj)
+        print(f"context {ctx:>6} (actual {len(traj)} tokens): per-turn p50 {p50[str(ctx)]:.3f} ms")
+    assert traj is not None
+    out = {
+        "family": args.family,
+        "turns": args.turns,
+        "p50_ms": p50,
+        "actual_context_tokens": contexts,
+        "ratio_100k_1k": p50["100000"] / p50["1000"],
+        "bytes_per_token": traj.buffer.bytes_per_token(),
+    }
+    print(f"ratio 100K/1K: {out['ratio_100k_1k']:.2f}  bytes/token: {out['bytes_per_token']:.2f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
