@@ -26,7 +26,7 @@ from .api.models import SessionCreate, parse_json_model
 from .api.responses import completion_body, stream_chunks
 from .context import ServerContext, Settings, log
 from .engines import make_adapter
-from .errors import BadRequest, PayloadTooLarge, ServiceError
+from .errors import BadRequest, EngineError, PayloadTooLarge, ServiceError
 from .metrics import Metrics
 from .offload import CpuPool
 from .routing.pool import EnginePool
@@ -109,9 +109,15 @@ def create_app(config: AppConfig) -> FastAPI:
         engines = EnginePool()
         for i, spec in enumerate(config.engines):
             adapter = await make_adapter(spec)
+            dp_size, healthy = 1, True
             dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
-            dp_size = await dp_probe() if dp_probe is not None else 1
-            engines.add(f"e{i}", adapter, dp_size)
+            if dp_probe is not None:
+                try:
+                    dp_size = await dp_probe()
+                except EngineError as exc:  # start anyway: an engine may come up later
+                    log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
+                    healthy = False
+            engines.add(f"e{i}", adapter, dp_size).healthy = healthy
         ctx = ServerContext(
             settings=settings,
             store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
@@ -121,8 +127,8 @@ def create_app(config: AppConfig) -> FastAPI:
             tokenizer=tok,
             engines=engines,
         )
-        state["ctx"] = ctx
-        state["runner"] = TurnRunner(ctx)
+        state["ctx"] = app.state.ctx = ctx
+        state["runner"] = app.state.runner = TurnRunner(ctx)
         sweeper = asyncio.create_task(_sweep(ctx), name="tito-ttl-sweeper")
         log.info("session server ready: family=%s engines=%d", getattr(codec, "family", "?"), len(engines.engines))
         try:

@@ -248,6 +248,9 @@ class SimEngine:
                 "output_ids": None if out is None else [int(t) for t in out.ids],
                 "finish_reason": None if out is None else out.finish,
                 "cached_tokens": None if out is None else out.cached_tokens,
+                "logprobs": None if out is None else [float(x) for x in out.lps],
+                "finished_s": time.monotonic(),
+                "e2e_s": None if out is None else out.e2e_s,
             }
         )
 

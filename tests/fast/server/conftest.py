@@ -1,0 +1,83 @@
+"""A live stack for server tests: simulated engine(s) + the server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from session_server.app import AppConfig
+from session_server.context import Settings
+from session_server.harness import running_server
+from session_server.sim import running_sim
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Fix the failing test."}], "max_tokens": 64}
+
+
+@dataclass
+class Stack:
+    url: str
+    engines: list[str]
+    http: httpx.AsyncClient
+    app_state: Any = None
+
+    async def session(self, **body: Any) -> str:
+        r = await self.http.post("/sessions", json=body)
+        assert r.status_code == 201, r.text
+        return str(r.json()["session_id"])
+
+    async def chat(self, sid: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
+        return await self.http.post(f"/sessions/{sid}/v1/chat/completions", json=body or CHAT, **kw)
+
+    async def trajectory(self, sid: str) -> dict[str, Any]:
+        r = await self.http.get(f"/sessions/{sid}/trajectory")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def engine_log(self, i: int = 0) -> list[dict[str, Any]]:
+        async with httpx.AsyncClient() as c:
+            return (await c.get(f"{self.engines[i]}/sim/requests")).json()
+
+    async def fault(self, kind: str, count: int = 1, i: int = 0) -> None:
+        async with httpx.AsyncClient() as c:
+            r = await c.post(f"{self.engines[i]}/sim/faults", json={"kind": kind, "count": count})
+            assert r.status_code == 200, r.text
+
+
+@contextlib.asynccontextmanager
+async def live_stack(
+    tokenizer_dir: Path,
+    protocol: str = "sglang",
+    *,
+    n_engines: int = 1,
+    dp: int = 1,
+    latency_ms: float = 0.0,
+    noncanonical: bool = False,
+    settings: Settings | None = None,
+    extra_engines: Sequence[str] = (),
+) -> AsyncIterator[Stack]:
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [
+            await stack.enter_async_context(
+                running_sim(protocol, str(tokenizer_dir), seed=3 + i, dp=dp, latency_ms=latency_ms, noncanonical=noncanonical)
+            )
+            for i in range(n_engines)
+        ]
+        config = AppConfig(
+            tokenizer=str(tokenizer_dir),
+            engines=[f"{protocol}={u}" for u in urls] + list(extra_engines),
+            settings=settings or Settings(),
+        )
+        url = await stack.enter_async_context(running_server(config))
+        http = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=60))
+        yield Stack(url, urls, http)
+
+
+@pytest.fixture
+def qwen3_dir(tokenizer_dirs: dict[str, Path]) -> Path:
+    return tokenizer_dirs["qwen3"]
