@@ -17,6 +17,10 @@ from fastapi import FastAPI
 from .app import AppConfig, create_app
 
 
+live_apps: dict[str, FastAPI] = {}
+"""Apps served by `running_server`, by base URL: tests reach `app.state` through it."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -48,8 +52,11 @@ async def running_server(config: AppConfig, *, log_level: str = "warning") -> As
                 task.result()  # re-raise a start-up failure
                 raise RuntimeError("server exited during start-up")
             await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        live_apps[url] = app
+        yield url
     finally:
+        live_apps.pop(f"http://127.0.0.1:{port}", None)
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, timeout=15)

@@ -262,8 +262,10 @@ class TurnRunner:
             try:
                 return await engine.adapter.generate(pinned), target.id
             except UpstreamTransportError as exc:
-                engines.mark_failed(engine.id)
-                if not exc.transient or attempt == attempts - 1:
+                if not exc.transient:
+                    raise  # dropped mid-request: not proof of death, and tokens may exist
+                engines.mark_failed(engine.id)  # refused before sending: it is not accepting
+                if attempt == attempts - 1:
                     raise
                 log.warning("engine %s unreachable, re-homing session %s", engine.id, session.id)
             finally:
