@@ -1,8 +1,12 @@
-"""Routing policy interface and the sticky least-loaded policy.
+"""The routing policy contract: what a policy sees, what it returns, and its hooks.
 
 A policy is a pure object: it sees immutable `TargetView`s and an injected clock
-value and returns a target id, so the same code runs in the server and in a
-discrete-event simulator. One required method, `select`.
+value (inside one `RoutingSignals`) and returns a target id, so the same code runs
+in the server (`pool.py`) and in the discrete-event simulator
+(`bench/routing_sim.py`). One required method, `select`; optional hooks have
+no-op defaults in `PolicyBase`. New signals are new optional fields of
+`RoutingSignals`, never new parameters. Each policy lives in its own module whose
+name equals the policy's `name` and its config tag (`factory.make_policy`).
 """
 
 from __future__ import annotations
@@ -12,24 +16,81 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+PREFIX_BLOCK_TOKENS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class TargetView:
+    """One (engine, dp_rank) target as a policy sees it at decision time."""
+
     id: str
     healthy: bool
     in_flight: int
     sessions: int
     resident_tokens: int = 0
+    pending_prefill_tokens: int = 0
+    kv_capacity_tokens: int | None = None
+    engine_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSignals:
+    """Everything a policy may use for one decision; every signal past `targets` is optional.
+
+    `context_tokens` is the full prompt length of this turn; `prefix_hashes` is
+    `prefix_block_hashes(prompt_ids)` (only `cache_aware` reads it).
+    """
+
+    session_id: str
+    home: str | None
+    targets: Sequence[TargetView]
+    now_s: float = 0.0
+    context_tokens: int | None = None
+    prefix_hashes: Sequence[int] | None = None
 
 
 class RoutingPolicy(Protocol):
     name: str
 
-    def select(
-        self, session_id: str, home: str | None, targets: Sequence[TargetView], now_s: float
-    ) -> str | None:
+    def select(self, signals: RoutingSignals) -> str | None:
         """Target id for this session's next turn, or None when no target is healthy."""
         ...
+
+    def on_turn_complete(self, session_id: str, target_id: str, now_s: float) -> None:
+        """A turn routed to `target_id` finished (successfully or not)."""
+        ...
+
+    def on_target_added(self, target_id: str) -> None: ...
+
+    def on_target_removed(self, target_id: str) -> None: ...
+
+
+class PolicyBase:
+    """No-op defaults for the optional hooks; policies override what they need."""
+
+    name = "base"
+
+    def on_turn_complete(self, session_id: str, target_id: str, now_s: float) -> None:
+        return None
+
+    def on_target_added(self, target_id: str) -> None:
+        return None
+
+    def on_target_removed(self, target_id: str) -> None:
+        return None
+
+
+def healthy_targets(signals: RoutingSignals) -> list[TargetView]:
+    return [t for t in signals.targets if t.healthy]
+
+
+def home_if_healthy(signals: RoutingSignals) -> TargetView | None:
+    if signals.home is None:
+        return None
+    for t in signals.targets:
+        if t.id == signals.home:
+            return t if t.healthy else None
+    return None
 
 
 def rendezvous_score(session_id: str, target_id: str) -> int:
@@ -38,21 +99,26 @@ def rendezvous_score(session_id: str, target_id: str) -> int:
     return int.from_bytes(h, "big")
 
 
-class StickyLeastLoaded:
-    """Stay home while home is healthy; place by (in flight, sessions, rendezvous)."""
+def stable_hash(key: str) -> int:
+    """A process-independent 64-bit hash (Python's `hash` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
-    name = "sticky_least_loaded"
 
-    def select(
-        self, session_id: str, home: str | None, targets: Sequence[TargetView], now_s: float
-    ) -> str | None:
-        healthy = [t for t in targets if t.healthy]
-        if not healthy:
-            return None
-        if home is not None and any(t.id == home for t in healthy):
-            return home
-        best = min(
-            healthy,
-            key=lambda t: (t.in_flight, t.sessions, -rendezvous_score(session_id, t.id)),
-        )
-        return best.id
+def prefix_block_hashes(
+    token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOKENS
+) -> tuple[int, ...]:
+    """Chained hashes of whole `block_tokens` blocks: equal i-th hashes imply equal prefixes.
+
+    hash_i = H(hash_{i-1}, tokens[i*B:(i+1)*B]); a trailing partial block is not hashed.
+    """
+    out: list[int] = []
+    prev = b""
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        block = token_ids[start : start + block_tokens]
+        digest = hashlib.blake2b(
+            prev + b"".join(int(t).to_bytes(4, "little", signed=True) for t in block),
+            digest_size=8,
+        ).digest()
+        out.append(int.from_bytes(digest, "big"))
+        prev = digest
+    return tuple(out)
