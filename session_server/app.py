@@ -22,14 +22,15 @@ from trajectory import export
 from trajectory.codec import load_codec
 from trajectory.codec.base import HistoryPolicy
 
-from .api.models import SessionCreate, parse_json_model
+from .api.models import EngineAdd, SessionCreate, parse_json_model
 from .api.responses import completion_body, stream_chunks
 from .context import ServerContext, Settings, log
 from .engines import make_adapter
-from .errors import BadRequest, EngineError, PayloadTooLarge, ServiceError
+from .errors import BadRequest, EngineError, NotFound, PayloadTooLarge, ServiceError
 from .metrics import Metrics
 from .offload import CpuPool
-from .routing.pool import EnginePool
+from .routing import AdmissionConfig, PrefillAdmission, make_policy, probe_loop
+from .routing.pool import Engine, EnginePool
 from .sessions import Session, SessionConfig, SessionStore
 from .turns import TurnRunner
 
@@ -106,18 +107,9 @@ def create_app(config: AppConfig) -> FastAPI:
         if isinstance(tok, str):
             tok = await pool.run(AutoTokenizer.from_pretrained, tok)
         codec = await pool.run(load_codec, tok, family=config.family)
-        engines = EnginePool()
-        for i, spec in enumerate(config.engines):
-            adapter = await make_adapter(spec)
-            dp_size, healthy = 1, True
-            dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
-            if dp_probe is not None:
-                try:
-                    dp_size = await dp_probe()
-                except EngineError as exc:  # start anyway: an engine may come up later
-                    log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
-                    healthy = False
-            engines.add(f"e{i}", adapter, dp_size).healthy = healthy
+        engines = EnginePool(make_policy(settings.routing_policy))
+        for spec in config.engines:
+            await _add_engine(engines, spec, pool)
         ctx = ServerContext(
             settings=settings,
             store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
@@ -126,15 +118,24 @@ def create_app(config: AppConfig) -> FastAPI:
             codec=codec,
             tokenizer=tok,
             engines=engines,
+            admission=PrefillAdmission(
+                AdmissionConfig(settings.prefill_slots_per_engine, settings.large_prefill_tokens)
+            ),
         )
         state["ctx"] = app.state.ctx = ctx
         state["runner"] = app.state.runner = TurnRunner(ctx)
         sweeper = asyncio.create_task(_sweep(ctx), name="tito-ttl-sweeper")
+        stop_probe = asyncio.Event()
+        prober = asyncio.create_task(
+            probe_loop(engines, _probe, settings.health_probe_interval_s, 5.0, stop_probe),
+            name="tito-health-probe",
+        )
         log.info("session server ready: family=%s engines=%d", getattr(codec, "family", "?"), len(engines.engines))
         try:
             yield
         finally:
-            await _shutdown(ctx, sweeper)
+            stop_probe.set()
+            await _shutdown(ctx, sweeper, prober)
 
     app = FastAPI(title="TITO session server", lifespan=lifespan)
 
@@ -223,27 +224,85 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @app.get("/engines")
     async def list_engines() -> Response:
+        return _json(_engines_view(ctx_of().engines))
+
+    @app.post("/engines")
+    async def add_engine(request: Request) -> Response:
         ctx = ctx_of()
-        return _json(
-            {
-                "engines": [
-                    {
-                        "id": e.id,
-                        "protocol": e.adapter.protocol,
-                        "base_url": e.adapter.base_url,
-                        "dp_size": e.dp_size,
-                        "healthy": e.healthy,
-                    }
-                    for e in ctx.engines.engines.values()
-                ],
-                "targets": [
-                    {"id": t.id, "in_flight": t.in_flight, "sessions": len(t.sessions)}
-                    for t in ctx.engines.targets.values()
-                ],
-            }
-        )
+        body = await _read_body(request, 64 * 1024)
+        spec: EngineAdd = await ctx.pool.run(parse_json_model, body, EngineAdd)
+        eng = await _add_engine(ctx.engines, spec.url, ctx.pool, dp_size=spec.dp_size)
+        return _json({"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size}, 201)
+
+    @app.delete("/engines/{engine_id}")
+    async def remove_engine(engine_id: str) -> Response:
+        ctx = ctx_of()
+        eng = ctx.engines.remove(engine_id)
+        if eng is None:
+            raise NotFound(f"unknown engine {engine_id!r}")
+        with contextlib.suppress(Exception):
+            await eng.adapter.aclose()
+        return Response(status_code=204)
 
     return app
+
+
+async def _add_engine(
+    engines: EnginePool, spec: str, pool: CpuPool, *, dp_size: int | None = None
+) -> Engine:
+    """Build an adapter for `spec` (protocol forced or probed) and add its DP targets.
+
+    An engine that does not answer at start-up is added unhealthy: the active
+    probe brings it in when it comes up."""
+    adapter = await make_adapter(spec, offload=pool.run)
+    healthy = True
+    if dp_size is None:
+        dp_size = 1
+        dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
+        if dp_probe is not None:
+            try:
+                dp_size = await dp_probe()
+            except EngineError as exc:
+                log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
+                healthy = False
+    engine_id = f"e{engines.next_engine_number()}"
+    eng = engines.add(engine_id, adapter, dp_size)
+    eng.healthy = healthy
+    return eng
+
+
+async def _probe(engine: Engine) -> None:
+    """Active health probe: raises unless the engine answers healthy."""
+    if not await engine.adapter.health():
+        raise EngineError(f"{engine.adapter.base_url} reported unhealthy")
+
+
+def _engines_view(engines: EnginePool) -> dict[str, Any]:
+    return {
+        "policy": engines.policy.name,
+        "engines": [
+            {
+                "id": e.id,
+                "protocol": e.adapter.protocol,
+                "base_url": e.adapter.base_url,
+                "dp_size": e.dp_size,
+                "healthy": e.healthy,
+            }
+            for e in engines.engines.values()
+        ],
+        "targets": [
+            {
+                "id": t.id,
+                "in_flight": t.in_flight,
+                "sessions": len(t.sessions),
+                "resident_tokens": t.resident_tokens,
+                "pending_prefill_tokens": t.pending_prefill_tokens,
+            }
+            for t in engines.targets.values()
+        ],
+        "migrations": engines.migrations,
+        "rehomes": engines.rehomes,
+    }
 
 
 async def _iter(frames: list[bytes]) -> AsyncIterator[bytes]:
@@ -275,11 +334,12 @@ async def _sweep(ctx: ServerContext) -> None:
             log.info("session %s expired", sid)
 
 
-async def _shutdown(ctx: ServerContext, sweeper: asyncio.Task[None]) -> None:
-    """1. stop the sweeper; 2. wait for in-flight turns (bounded); 3. close engines; 4. stop the pool."""
-    sweeper.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await sweeper
+async def _shutdown(ctx: ServerContext, *background: asyncio.Task[None]) -> None:
+    """1. stop background tasks; 2. wait for in-flight turns (bounded); 3. close engines; 4. stop the pool."""
+    for task in background:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     deadline = time.monotonic() + ctx.settings.drain_timeout_s
     while time.monotonic() < deadline:
         busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)

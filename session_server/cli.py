@@ -8,6 +8,7 @@ import sys
 
 from .context import Settings
 from .offload import default_cpu_workers
+from .routing.factory import POLICY_NAMES
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -17,6 +18,10 @@ def _serve(args: argparse.Namespace) -> int:
     from .engines.http import raise_nofile_limit
 
     raise_nofile_limit()
+    # Pool threads run Python (render, validate, serialize) and hold the GIL; the
+    # event loop waits up to one switch interval (5 ms by default) to get it back,
+    # several times per request. A shorter interval keeps /health fast under load.
+    sys.setswitchinterval(args.switch_interval_ms / 1000.0)
     settings = Settings(
         cpu_workers=args.cpu_workers,
         default_max_tokens=args.default_max_tokens,
@@ -24,6 +29,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_mb * 1024 * 1024,
         max_sessions=args.max_sessions,
         default_ttl_s=args.ttl_s,
+        routing_policy=args.routing_policy,
+        prefill_slots_per_engine=args.prefill_slots,
+        large_prefill_tokens=args.large_prefill_tokens,
     )
     app = create_app(AppConfig(tokenizer=args.tokenizer, engines=args.engine, settings=settings, family=args.family))
     uvicorn.run(
@@ -82,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-mb", type=int, default=32)
     s.add_argument("--max-sessions", type=int, default=100_000)
     s.add_argument("--ttl-s", type=float, default=3600.0)
+    s.add_argument("--routing-policy", default="sticky_cost", choices=POLICY_NAMES)
+    s.add_argument("--prefill-slots", type=int, default=1, help="large uncached prefills in flight per engine")
+    s.add_argument("--large-prefill-tokens", type=int, default=16384)
     s.add_argument("--log-level", default="info")
+    s.add_argument("--switch-interval-ms", type=float, default=0.5, help="GIL switch interval")
     s.set_defaults(func=_serve)
 
     e = sub.add_parser("sim-engine", help="run a simulated SGLang or vLLM engine")

@@ -10,6 +10,7 @@ from trajectory.codec.base import ChatCodec
 
 from .metrics import Metrics
 from .offload import CpuPool
+from .routing.admission import PrefillAdmission
 from .routing.pool import EnginePool
 from .sessions import SessionStore
 
@@ -28,6 +29,10 @@ class Settings:
     drain_timeout_s: float = 30.0
     clamp_logprob_sentinel: bool = False
     admin_token: str | None = None
+    routing_policy: str = "sticky_cost"
+    prefill_slots_per_engine: int = 1
+    large_prefill_tokens: int = 16384
+    health_probe_interval_s: float = 2.0
 
 
 @dataclass
@@ -39,4 +44,5 @@ class ServerContext:
     codec: ChatCodec
     tokenizer: Any
     engines: EnginePool
+    admission: PrefillAdmission = field(default_factory=PrefillAdmission)
     extra: dict[str, Any] = field(default_factory=dict)

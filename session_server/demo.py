@@ -21,6 +21,7 @@ from .harness import running_server
 from .sim import running_sim
 from .sim.tokenizers import cached_tokenizer_dir
 
+
 def _tool(name: str, description: str, arg: str) -> dict[str, Any]:
     return {
         "type": "function",

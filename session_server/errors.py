@@ -5,6 +5,7 @@
     │   └── HistoryMismatch              400 history_mismatch (cannot reconcile messages)
     ├── Unauthorized                     401 unauthorized
     ├── SessionNotFound                  404 session_not_found
+    ├── NotFound                         404 not_found (e.g. unknown engine id)
     ├── SessionBusy                      409 session_busy
     ├── SessionClosed                    409 session_closed
     ├── PayloadTooLarge                  413 payload_too_large
@@ -52,6 +53,10 @@ class Unauthorized(ServiceError):
 
 class SessionNotFound(ServiceError):
     status, type = 404, "session_not_found"
+
+
+class NotFound(ServiceError):
+    status, type = 404, "not_found"
 
 
 class SessionBusy(ServiceError):

@@ -16,7 +16,6 @@ from fastapi import FastAPI
 
 from .app import AppConfig, create_app
 
-
 live_apps: dict[str, FastAPI] = {}
 """Apps served by `running_server`, by base URL: tests reach `app.state` through it."""
 

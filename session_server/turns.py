@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,9 +35,11 @@ from .errors import (
     EngineAborted,
     HistoryMismatch,
     InternalInvariant,
+    UpstreamHTTPError,
     UpstreamInvalid,
     UpstreamTransportError,
 )
+from .routing import prefix_block_hashes, record_failure
 from .sessions import Claim, Session
 
 _TAIL_TOKENS = 16
@@ -250,26 +252,41 @@ class TurnRunner:
         return int(budget)
 
     async def _dispatch(self, session: Session, greq: GenerateRequest) -> tuple[GenerateResult, str]:
-        """Send to the session's home; one re-home on a transient transport failure."""
-        engines = self.ctx.engines
+        """Send to the session's home; on a refused connection, re-home once and retry.
+
+        The engine deadline starts only after prefill admission: a large uncached
+        prefill waits here, in the server, for its engine's slot."""
+        ctx = self.ctx
+        engines = ctx.engines
+        n = len(greq.input_ids)
+        hashes = None
+        if engines.policy.name == "cache_aware":
+            hashes = prefix_block_hashes(np.asarray(greq.input_ids).tolist())
         attempts = 2 if len(engines.engines) > 1 else 1
         for attempt in range(attempts):
-            target = engines.select(session.id, session.home)
+            target = engines.select(session.id, session.home, context_tokens=n, prefix_hashes=hashes)
             session.home = target.id
             engine = engines.engine_of(target)
-            pinned = GenerateRequest(**{**greq.__dict__, "dp_rank": target.dp_rank if engine.dp_size > 1 else None})
+            pinned = replace(greq, dp_rank=target.dp_rank if engine.dp_size > 1 else None)
+            uncached = engines.uncached_tokens(session.id, target.id, n)
             target.in_flight += 1
+            result: GenerateResult | None = None
             try:
-                return await engine.adapter.generate(pinned), target.id
+                async with ctx.admission.acquire(engine.id, uncached):
+                    result = await engine.adapter.generate(pinned)
+                return result, target.id
             except UpstreamTransportError as exc:
-                if not exc.transient:
-                    raise  # dropped mid-request: not proof of death, and tokens may exist
-                engines.mark_failed(engine.id)  # refused before sending: it is not accepting
-                if attempt == attempts - 1:
-                    raise
-                log.warning("engine %s unreachable, re-homing session %s", engine.id, session.id)
+                record_failure(engines, engine.id, exc)
+                if not exc.transient or attempt == attempts - 1:
+                    raise  # a drop mid-request may have produced tokens: not blindly retried
+                log.warning("engine %s refused the connection; re-homing session %s", engine.id, session.id)
+            except UpstreamHTTPError as exc:
+                record_failure(engines, engine.id, exc, exc.http_status)
+                raise
             finally:
                 target.in_flight -= 1
+                total = n + len(result.output_ids) if result is not None else None
+                engines.on_turn_complete(target, session.id, ok=result is not None, total_tokens=total)
         raise AssertionError("unreachable")
 
     def _check_output(self, result: GenerateResult, expect: Expectations) -> tuple[ValidGeneration, Any, list[int]]:

@@ -97,3 +97,12 @@ def parse_json_model(body: bytes, model: type[BaseModel]) -> Any:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5]
         )
         raise BadRequest(f"invalid request: {errs}") from exc
+
+
+class EngineAdd(BaseModel):
+    """`POST /engines`: add an engine at runtime (protocol forced with `sglang=`/`vllm=`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=1)
+    dp_size: int | None = Field(default=None, ge=1)

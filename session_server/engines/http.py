@@ -46,6 +46,9 @@ class ConnectionLimits:
     connect_timeout_s: float = 10.0
 
 
+READ_BUFSIZE = 4 * 1024 * 1024
+
+
 def make_session(limits: ConnectionLimits | None = None) -> aiohttp.ClientSession:
     """One pooled aiohttp session per engine; must be called inside a running loop."""
     limits = limits or ConnectionLimits()
@@ -60,6 +63,9 @@ def make_session(limits: ConnectionLimits | None = None) -> aiohttp.ClientSessio
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=limits.connect_timeout_s),
         auto_decompress=True,
         raise_for_status=False,
+        # engine replies can be ~1.4 MB (routed experts): a large read buffer lets a
+        # body arrive in few loop wake-ups instead of pausing the socket every 64 KiB
+        read_bufsize=READ_BUFSIZE,
     )
 
 
@@ -149,3 +155,12 @@ def encode_json(payload: Any) -> bytes:
     """Request bodies: orjson serialises numpy id arrays natively, so the context
     (up to 100K+ ids) is never turned into Python ints on the event loop."""
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+Offload = Callable[..., Awaitable[Any]]
+"""Runs `fn(*args, **kwargs)` somewhere and awaits it (the server passes its CPU pool)."""
+
+
+async def run_inline(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """Default `Offload`: call on the event loop (fine for small replies and tests)."""
+    return fn(*args, **kwargs)

@@ -22,10 +22,12 @@ from session_server.engines.base import GenerateRequest, GenerateResult
 from session_server.engines.http import (
     ConnectionLimits,
     HTTPReply,
+    Offload,
     encode_json,
     make_session,
     request_bytes,
     retry_transient,
+    run_inline,
 )
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
 
@@ -293,11 +295,13 @@ class SGLangAdapter:
         limits: ConnectionLimits | None = None,
         retries: int = 2,
         control_timeout_s: float = 30.0,
+        offload: Offload = run_inline,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_concurrency = max_concurrency
         self.retries = retries
         self.control_timeout_s = control_timeout_s
+        self._offload = offload
         self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
         self._sem = asyncio.Semaphore(max_concurrency)
         self._session: Any = None
@@ -343,7 +347,10 @@ class SGLangAdapter:
             reply = await retry_transient(once, retries=self.retries)
         if reply.status != 200:
             raise _http_error(reply, what=f"sglang {request.request_id}", engine=self.base_url)
-        return parse_sglang_generate(reply.body, request_id=request.request_id, engine=self.base_url)
+        # a reply can carry a ~1.4 MB routed-experts payload: decode it off the event loop
+        return await self._offload(
+            parse_sglang_generate, reply.body, request_id=request.request_id, engine=self.base_url
+        )
 
     # --- control plane -------------------------------------------------------------
 

@@ -25,10 +25,12 @@ from session_server.engines.base import GenerateRequest, GenerateResult
 from session_server.engines.http import (
     ConnectionLimits,
     HTTPReply,
+    Offload,
     encode_json,
     make_session,
     request_bytes,
     retry_transient,
+    run_inline,
 )
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
 
@@ -319,6 +321,7 @@ class VLLMAdapter:
         limits: ConnectionLimits | None = None,
         retries: int = 2,
         control_timeout_s: float = 30.0,
+        offload: Offload = run_inline,
     ) -> None:
         if endpoint not in ("auto", "generate", "completions"):
             raise ValueError(f"endpoint must be auto, generate or completions, not {endpoint!r}")
@@ -328,6 +331,7 @@ class VLLMAdapter:
         self.max_concurrency = max_concurrency
         self.retries = retries
         self.control_timeout_s = control_timeout_s
+        self._offload = offload
         self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
         self._sem = asyncio.Semaphore(max_concurrency)
         self._session: Any = None
@@ -412,7 +416,8 @@ class VLLMAdapter:
         if reply.status != 200:
             raise _http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
         parse = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
-        return parse(reply.body, request_id=request.request_id, engine=self.base_url)
+        # a reply can carry a large routed-experts payload: decode it off the event loop
+        return await self._offload(parse, reply.body, request_id=request.request_id, engine=self.base_url)
 
     # --- control plane (dev mode) -----------------------------------------------------
 
