@@ -34,10 +34,11 @@ CONTEXTS = (1000, 10000, 100000)
 
 
 def _long_text(tokenizer: Any, n_tokens: int) -> str:
+    """Text of about `n_tokens` tokens (the bulk of the context)."""
     words = ("alpha", "beta", "gamma", "delta", "config", "value", "result", "path", "error", "check")
-    chunk = " ".join(words[i % len(words)] + str(i % 97) for i in range(400))
-    per = len(tokenizer.encode(chunk, add_special_tokens=False))
-    return " ".join([chunk] * max(1, n_tokens // per))
+    text = " ".join(words[i % len(words)] + str(i % 97) for i in range(n_tokens))
+    ids = tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
+    return str(tokenizer.decode(ids))
 
 
 def _turn_message(i: int) -> dict[str, Any]:
@@ -57,18 +58,21 @@ def run_context(codec: Any, tokenizer: Any, context: int, turns: int) -> tuple[f
     traj = LinearTrajectory()
     msgs: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a coding agent."},
-        {"role": "user", "content": _long_text(tokenizer, context)},
+        {"role": "user", "content": _long_text(tokenizer, context - 160)},
     ]
     prompt = codec.render_first(msgs, tools=None, template_kwargs=None)
     first = _turn_message(0)
     sampled = codec.canonical_assistant_ids(first)
     traj.commit_turn(prompt, sampled, [-0.1] * len(sampled), finish_reason="stop",
                      repair_ids=codec.close_turn(sampled), request_messages=msgs, assistant_message=first)
-    request = [*msgs, first]
+    base_request = [*msgs, first]
     times = []
     for i in range(1, turns + 1):
-        tool_msg = {"role": "tool", "tool_call_id": f"call_{i - 1:08x}", "content": f"def f{i}():\n    return {i}\n"}
-        request = [*request, tool_msg]
+        # every measured turn runs at the same context: roll back to checkpoint 1 (untimed)
+        if traj.num_turns > 1:
+            traj.rollback(1)
+        tool_msg = {"role": "tool", "tool_call_id": "call_00000000", "content": f"def f{i}():\n    return {i}\n"}
+        request = [*base_request, tool_msg]
         assistant = _turn_message(i)
         sampled = codec.canonical_assistant_ids(assistant)  # what the engine returns (not timed)
         t0 = time.perf_counter()
@@ -79,7 +83,6 @@ def run_context(codec: Any, tokenizer: Any, context: int, turns: int) -> tuple[f
         traj.commit_turn(result.prompt_ids, sampled, [-0.1] * len(sampled), finish_reason="tool_calls",
                          repair_ids=repair, request_messages=plan.new_messages, assistant_message=assistant)
         times.append(time.perf_counter() - t0)
-        request = [*request, assistant]
     return float(np.percentile(np.array(times) * 1000, 50)), traj
 
 
@@ -96,8 +99,8 @@ def main() -> int:
     traj = None
     for ctx in CONTEXTS:
         p50[str(ctx)], traj = run_context(codec, tokenizer, ctx, args.turns)
-        contexts[str(ctx)] = len(traj)
-        print(f"context {ctx:>6} (actual {len(traj)} tokens): per-turn p50 {p50[str(ctx)]:.3f} ms")
+        contexts[str(ctx)] = traj.checkpoints[1]
+        print(f"context {ctx:>6} (actual {contexts[str(ctx)]} tokens): per-turn p50 {p50[str(ctx)]:.3f} ms")
     assert traj is not None
     out = {
         "family": args.family,
