@@ -31,10 +31,11 @@ class PrefixCache:
     def used_tokens(self) -> int:
         return len(self._pages) * self.page_size
 
-    def _keys(self, ids: Sequence[int]) -> list[int]:
+    def _keys(self, ids: Sequence[int], salt: str | None) -> list[int]:
         ps = self.page_size
         keys: list[int] = []
-        parent = 0
+        # the salt roots the hash chain: pages cached under another salt never match
+        parent = 0 if salt is None else hash(("salt", salt))
         for start in range(0, len(ids) - ps + 1, ps):
             parent = hash((parent, tuple(ids[start : start + ps])))
             keys.append(parent)
@@ -44,10 +45,10 @@ class PrefixCache:
         for k in reversed(keys):
             self._pages.move_to_end(k)
 
-    def match(self, ids: Sequence[int]) -> int:
-        """Cached prefix length of `ids` (at most len(ids) - 1); counts as one query."""
+    def match(self, ids: Sequence[int], salt: str | None = None) -> int:
+        """Cached prefix length of `ids` under `salt` (at most len(ids) - 1); one query."""
         hit: list[int] = []
-        for k in self._keys(ids):
+        for k in self._keys(ids, salt):
             if k not in self._pages:
                 break
             hit.append(k)
@@ -57,9 +58,9 @@ class PrefixCache:
         self.hits_tokens += cached
         return cached
 
-    def insert(self, ids: Sequence[int]) -> None:
+    def insert(self, ids: Sequence[int], salt: str | None = None) -> None:
         """Cache every full page of `ids` (prompt + output after a request), then evict LRU."""
-        keys = self._keys(ids)
+        keys = self._keys(ids, salt)
         for k in keys:
             self._pages[k] = None
         self._touch(keys)

@@ -2,7 +2,8 @@
 
 Owns the endpoints and their shapes, DP-rank dispatch (pinned or round robin),
 per-rank prefix caches, per-token latency, pause modes, aborts, response padding,
-fault injection (`POST /sim/faults`) and the request log (`GET|DELETE /sim/requests`).
+fault injection (`POST /sim/faults`), the request log (`GET|DELETE /sim/requests`) and
+the reported weight version (`GET|POST /sim/weight_version`, what a weight update sets).
 Token choice is delegated to `sampler.ScriptedPolicy`. It says it is a simulator
 (`"simulated": true`) in its info endpoints; generate responses carry only real fields.
 
@@ -71,6 +72,10 @@ def _padding_payload(kind: str) -> msgspec.Raw:
     raise ValueError(f"padding must be 'floats' or 'base64', not {kind!r}")
 
 
+def _salt(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 @dataclass
 class _Job:
     rid: str
@@ -84,6 +89,7 @@ class _Job:
     path: str
     abort: asyncio.Event = field(default_factory=asyncio.Event)
     fault: str | None = None
+    cache_salt: str | None = None  # SGLang extra_key / vLLM cache_salt: a KV namespace
     rank: int = 0
     produced: int = 0
 
@@ -99,6 +105,7 @@ class _Outcome:
     cached_tokens: int
     abort_message: str | None = None
     e2e_s: float = 0.0
+    weight_version: str | None = None  # the engine's version when the output was finalised
 
 
 class SimEngine:
@@ -172,7 +179,7 @@ class SimEngine:
                 await self._wait_resumed(job)
             job.rank = job.pinned_rank if job.pinned_rank is not None else next(self._rr) % self.dp
             cache = self.caches[job.rank]
-            cached = cache.match(job.input_ids)
+            cached = cache.match(job.input_ids, job.cache_salt)
             cursor = self.policy.start(job.input_ids)
             out = _Outcome([], [], [] if job.top_k else None, "length", None, len(job.input_ids), cached)
             abort_at = None
@@ -206,8 +213,9 @@ class SimEngine:
                     break
             if job.abort.is_set() and not out.ids:
                 out.finish, out.abort_message = "abort", "Abort before prefill."
-            cache.insert([*job.input_ids, *out.ids])
+            cache.insert([*job.input_ids, *out.ids], job.cache_salt)
             out.e2e_s = time.monotonic() - t0
+            out.weight_version = self.weight_version
             return out
         finally:
             self.running.pop(job.rid, None)
@@ -241,6 +249,7 @@ class SimEngine:
                 "path": job.path,
                 "input_ids": job.input_ids,
                 "dp_rank": job.rank,
+                "cache_salt": job.cache_salt,
                 "pinned": job.pinned_rank is not None,
                 "sampling_params": job.params,
                 "fault": job.fault,
@@ -300,7 +309,7 @@ class SimEngine:
             "id": job.rid,
             "finish_reason": fr,
             "prompt_tokens": out.prompt_tokens,
-            "weight_version": self.weight_version,
+            "weight_version": out.weight_version if out.weight_version is not None else self.weight_version,
             "total_retractions": 0,
             "input_token_logprobs": [],
             "output_token_logprobs": triples,
@@ -342,6 +351,7 @@ class SimEngine:
             params=sp,
             path="/generate",
             fault=self._take_fault(),
+            cache_salt=_salt(body.get("extra_key")),
         )
         early = await self._pre_faults(request, job)
         if early is not None:
@@ -374,6 +384,7 @@ class SimEngine:
         if mode is None:
             return self._error(400, f"unknown pause mode {body.get('mode')!r}")
         self._pause(mode)
+        await self._settle_aborts()
         return _json({"success": True, "message": f"Generation paused ({body.get('mode', 'abort')})."})
 
     async def sglang_continue(self, request: web.Request) -> web.Response:
@@ -473,6 +484,7 @@ class SimEngine:
             params={k: v for k, v in sp.items() if k != ids_key},
             path=path,
             fault=self._take_fault(),
+            cache_salt=_salt(body.get("cache_salt")),
         )
 
     def _vllm_finish(self, job: _Job, out: _Outcome) -> tuple[str, Any]:
@@ -613,6 +625,7 @@ class SimEngine:
         if mode not in ("abort", "wait", "keep"):
             return _json({"error": f"Invalid mode {mode!r}: expected abort, wait or keep"}, 400)
         self._pause(mode)
+        await self._settle_aborts()
         if request.query.get("clear_cache", "").lower() == "true":
             for c in self.caches:
                 c.flush()
@@ -663,6 +676,13 @@ class SimEngine:
             for job in self.running.values():
                 job.abort.set()
 
+    async def _settle_aborts(self, timeout_s: float = 5.0) -> None:
+        """Answer an abort-mode pause once the aborted requests have emitted their partial
+        output, as the engines do: a weight update after the pause never shows in them."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(j.abort.is_set() for j in self.running.values()):
+            await asyncio.sleep(0.001)
+
     def _resume(self) -> None:
         self.paused = None
         self._resumed.set()
@@ -692,6 +712,19 @@ class SimEngine:
     async def sim_requests_clear(self, request: web.Request) -> web.Response:
         self.requests.clear()
         return _json({"cleared": True})
+
+    async def sim_weight_version(self, request: web.Request) -> web.Response:
+        """GET: the version responses report; POST {"version"}: set it (a weight update's effect)."""
+        if request.method == "POST":
+            try:
+                body = msgspec.json.decode(await request.read())
+                version = body["version"]
+            except (msgspec.DecodeError, KeyError, TypeError) as exc:
+                return _json({"error": f"expected {{version}}: {exc}"}, 400)
+            if isinstance(version, bool) or not isinstance(version, str | int | float):
+                return _json({"error": f"version must be a str or number, not {version!r}"}, 400)
+            self.weight_version = str(version)
+        return _json({"weight_version": self.weight_version})
 
     async def _on_shutdown(self, app: web.Application) -> None:
         self._closing.set()
@@ -726,6 +759,8 @@ class SimEngine:
         r.add_post("/sim/faults", self.sim_faults)
         r.add_delete("/sim/faults", self.sim_faults_clear)
         r.add_get("/sim/requests", self.sim_requests)
+        r.add_get("/sim/weight_version", self.sim_weight_version)
+        r.add_post("/sim/weight_version", self.sim_weight_version)
         r.add_delete("/sim/requests", self.sim_requests_clear)
         app.on_shutdown.append(self._on_shutdown)
         return app

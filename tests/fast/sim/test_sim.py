@@ -336,3 +336,14 @@ def test_every_family_scripts_a_closed_turn(family: str, load_tokenizer: Any) ->
         for noncanonical in (False, True):
             c = ScriptedPolicy(model, seed=seed, noncanonical=noncanonical).start(prompt)
             assert len(c.planned) > 1 and c.planned[-1] in model.eos_ids, (family, seed)
+
+
+def test_prefix_cache_is_namespaced_by_salt() -> None:
+    from session_server.sim.cache import PrefixCache
+
+    cache = PrefixCache(capacity_tokens=1000, page_size=1)
+    ids = list(range(50))
+    cache.insert(ids, "wv-1")
+    assert cache.match(ids + [99], "wv-1") == 50
+    assert cache.match(ids + [99], "wv-2") == 0
+    assert cache.match(ids + [99]) == 0
