@@ -73,7 +73,7 @@ async def _level(url: str, engine_port: int, n: int) -> dict[str, Any]:
                     if r.status != 200:
                         errors[str(r.status)] = errors.get(str(r.status), 0) + 1
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
                 return
             latencies.append(time.perf_counter() - t0)

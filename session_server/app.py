@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -22,9 +23,17 @@ from trajectory import export
 from trajectory.codec import load_codec
 from trajectory.codec.base import HistoryPolicy
 
-from .api.models import EngineAdd, SessionCreate, parse_json_model
+from .api.models import (
+    EngineAdd,
+    PauseRequest,
+    ResumeRequest,
+    SessionCreate,
+    WeightVersion,
+    parse_json_model,
+)
 from .api.responses import completion_body, stream_chunks
 from .context import ServerContext, Settings, log
+from .control import ControlPlane
 from .engines import make_adapter
 from .errors import BadRequest, EngineError, NotFound, PayloadTooLarge, ServiceError
 from .metrics import Metrics
@@ -92,6 +101,7 @@ def session_view(s: Session) -> dict[str, Any]:
             for b in s.tree.branches()
         ],
         "diagnostics": list(s.diagnostics),
+        "control": dataclasses.asdict(s.control_totals),
         "turns_discarded": s.turns_discarded,
     }
 
@@ -110,14 +120,21 @@ def create_app(config: AppConfig) -> FastAPI:
         engines = EnginePool(make_policy(settings.routing_policy))
         for spec in config.engines:
             await _add_engine(engines, spec, pool)
+        metrics = Metrics()
+        control = ControlPlane(
+            lambda: [e.adapter for e in engines.engines.values()],
+            registry=metrics.registry,
+            grace_s=settings.pause_grace_s,
+        )
         ctx = ServerContext(
             settings=settings,
             store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
             pool=pool,
-            metrics=Metrics(),
+            metrics=metrics,
             codec=codec,
             tokenizer=tok,
             engines=engines,
+            control=control,
             admission=PrefillAdmission(
                 AdmissionConfig(settings.prefill_slots_per_engine, settings.large_prefill_tokens)
             ),
@@ -221,6 +238,30 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.store.close(sid)
         ctx.engines.forget(s.id, s.home)
         return resp if resp is not None else Response(status_code=204)
+
+    @app.post("/control/pause")
+    async def pause(request: Request) -> Response:
+        ctx = ctx_of()
+        spec: PauseRequest = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), PauseRequest)
+        report = await ctx.control.pause(spec.mode, spec.lora)
+        return _json(report, 200 if report["ok"] else 207)
+
+    @app.post("/control/resume")
+    async def resume(request: Request) -> Response:
+        ctx = ctx_of()
+        spec: ResumeRequest = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), ResumeRequest)
+        report = await ctx.control.resume(spec.lora)
+        return _json(report, 200 if report["ok"] else 207)
+
+    @app.get("/control/state")
+    async def control_state() -> Response:
+        return _json(ctx_of().control.state())
+
+    @app.post("/control/weight_version")
+    async def weight_version(request: Request) -> Response:
+        ctx = ctx_of()
+        spec: WeightVersion = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), WeightVersion)
+        return _json(ctx.control.set_weight_version(spec.version))
 
     @app.get("/engines")
     async def list_engines() -> Response:

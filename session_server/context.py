@@ -8,6 +8,7 @@ from typing import Any
 
 from trajectory.codec.base import ChatCodec
 
+from .control import ControlPlane
 from .metrics import Metrics
 from .offload import CpuPool
 from .routing.admission import PrefillAdmission
@@ -33,6 +34,7 @@ class Settings:
     prefill_slots_per_engine: int = 1
     large_prefill_tokens: int = 16384
     health_probe_interval_s: float = 2.0
+    pause_grace_s: float = 0.05
 
 
 @dataclass
@@ -44,5 +46,6 @@ class ServerContext:
     codec: ChatCodec
     tokenizer: Any
     engines: EnginePool
+    control: ControlPlane
     admission: PrefillAdmission = field(default_factory=PrefillAdmission)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -55,6 +55,22 @@ class SessionConfig:
 
 
 @dataclass
+class ControlTotals:
+    """Per-session sums of what pauses cost this session's turns (session view)."""
+
+    aborts: int = 0
+    resubmits: int = 0
+    paused_wait_s: float = 0.0
+    version_mismatches: int = 0
+
+    def add(self, result: Any) -> None:
+        self.aborts += result.aborts
+        self.resubmits += result.resubmits
+        self.paused_wait_s += result.paused_wait_s
+        self.version_mismatches += result.version_mismatches
+
+
+@dataclass
 class Claim:
     session_id: str
     token: str
@@ -74,6 +90,7 @@ class Session:
         self.tools_by_branch: dict[int, Any] = {}  # tools each branch was rendered with
         self.diagnostics: list[dict[str, Any]] = []  # TITO mismatches, repairs, forks
         self.turns_discarded = 0  # completed generations not committed (closing, errors)
+        self.control_totals = ControlTotals()
 
     def transition(self, new: SessionState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -29,10 +29,10 @@ from trajectory.validate import Expectations, ValidGeneration, validate_generati
 
 from .api.models import ChatRequest, parse_json_model
 from .context import ServerContext, log
+from .control import ResilientResult, generate_resilient
 from .engines.base import GenerateRequest, GenerateResult, SamplingParams
 from .errors import (
     BadRequest,
-    EngineAborted,
     HistoryMismatch,
     InternalInvariant,
     UpstreamHTTPError,
@@ -251,11 +251,14 @@ class TurnRunner:
             budget = min(budget, room)
         return int(budget)
 
-    async def _dispatch(self, session: Session, greq: GenerateRequest) -> tuple[GenerateResult, str]:
+    async def _dispatch(
+        self, session: Session, greq: GenerateRequest, expect: Expectations
+    ) -> tuple[ResilientResult, str]:
         """Send to the session's home; on a refused connection, re-home once and retry.
 
         The engine deadline starts only after prefill admission: a large uncached
-        prefill waits here, in the server, for its engine's slot."""
+        prefill waits here, in the server, for its engine's slot. Pauses are
+        survived inside `generate_resilient` (abort, accumulate, resubmit)."""
         ctx = self.ctx
         engines = ctx.engines
         n = len(greq.input_ids)
@@ -270,10 +273,10 @@ class TurnRunner:
             pinned = replace(greq, dp_rank=target.dp_rank if engine.dp_size > 1 else None)
             uncached = engines.uncached_tokens(session.id, target.id, n)
             target.in_flight += 1
-            result: GenerateResult | None = None
+            result: ResilientResult | None = None
             try:
                 async with ctx.admission.acquire(engine.id, uncached):
-                    result = await engine.adapter.generate(pinned)
+                    result = await generate_resilient(engine.adapter, pinned, ctx.control, expect=expect)
                 return result, target.id
             except UpstreamTransportError as exc:
                 record_failure(engines, engine.id, exc)
@@ -321,12 +324,6 @@ class TurnRunner:
             lora=session.config.lora,
             timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
         )
-        timer.lap("route")
-        result, target_id = await self._dispatch(session, greq)
-        timer.lap("generate")
-        if result.finish_reason == "abort":
-            session.turns_discarded += 1
-            raise EngineAborted(result.abort_message or "the engine aborted the generation")
         expect = Expectations(
             request_id=greq.request_id,
             prompt_len=len(input_ids),
@@ -336,6 +333,9 @@ class TurnRunner:
             last_weight_version=prep.last_weight_version,
             clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
         )
+        timer.lap("route")
+        result, target_id = await self._dispatch(session, greq, expect)
+        timer.lap("generate")
         valid, parsed, repair = await ctx.pool.run(self._check_output, result, expect)
         timer.lap("validate")
         message = parsed.to_message()
@@ -366,12 +366,16 @@ class TurnRunner:
                 extra["parse_detail"] = parsed.status_detail
             if result.routed_experts is not None:
                 extra["routed_experts_bytes"] = len(result.routed_experts)
+            if result.aborts or result.resubmits or result.paused_wait_s:
+                extra["control"] = result.counters()
+                session.control_totals.add(result)
             record = branch.trajectory.commit_turn(
                 prompt_ids,
                 valid.ids,
                 valid.logprobs,
                 finish_reason=finish,
-                weight_version=valid.weight_version,
+                weight_spans=result.weight_spans or None,
+                weight_version=None if result.weight_spans else valid.weight_version,
                 repair_ids=repair,
                 request_messages=prep.new_messages,
                 assistant_message=message,

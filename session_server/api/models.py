@@ -106,3 +106,24 @@ class EngineAdd(BaseModel):
 
     url: str = Field(min_length=1)
     dp_size: int | None = Field(default=None, ge=1)
+
+
+class PauseRequest(BaseModel):
+    """`POST /control/pause`: how engines pause, and optionally only one LoRA adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "keep", "wait"] = "abort"
+    lora: str | None = None
+
+
+class ResumeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora: str | None = None
+
+
+class WeightVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(strict=True)

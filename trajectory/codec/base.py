@@ -28,14 +28,14 @@ Message = Mapping[str, Any]
 """An OpenAI chat message as a plain mapping (role, content, tool_calls, ...)."""
 
 
-class HistoryPolicy(str, enum.Enum):
+class HistoryPolicy(enum.StrEnum):
     """What to do when the template would rewrite earlier turns (DESIGN.md s5)."""
 
     APPEND = "append"  # keep what the model saw; bridge the new messages anyway
     TEMPLATE = "template"  # follow the template: refuse, so the caller forks a branch
 
 
-class RefusalReason(str, enum.Enum):
+class RefusalReason(enum.StrEnum):
     """Why a bridge could not be proven append-only."""
 
     HISTORY_REWRITE = "history_rewrite"  # template re-renders earlier turns (Qwen3 user after reasoning)
@@ -60,7 +60,7 @@ class BridgeRefusal:
     detail: str
 
 
-class ToolCallParseStatus(str, enum.Enum):
+class ToolCallParseStatus(enum.StrEnum):
     """Parse status of the sampled text, kept as data (never raised)."""
 
     OK = "ok"  # no tool-call markup, or every call parsed

@@ -81,10 +81,10 @@ async def test_engine_errors_are_502(qwen3_dir: Path, fault: str, status: int, e
 
 async def test_transport_error_to_dead_engine_is_502_and_not_busy(qwen3_dir: Path) -> None:
     dead = f"sglang=http://127.0.0.1:{free_port()}"
+    import httpx
+
     from session_server.app import AppConfig
     from session_server.harness import running_server
-
-    import httpx
 
     config = AppConfig(tokenizer=str(qwen3_dir), engines=[dead], settings=Settings())
     async with running_server(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
