@@ -34,6 +34,7 @@ from .api.models import (
 from .api.responses import completion_body, stream_chunks
 from .context import ServerContext, Settings, log
 from .control import ControlPlane
+from .decode_pool import DecodePool
 from .engines import make_adapter
 from .errors import BadRequest, EngineError, NotFound, PayloadTooLarge, ServiceError
 from .metrics import Metrics
@@ -117,9 +118,11 @@ def create_app(config: AppConfig) -> FastAPI:
         if isinstance(tok, str):
             tok = await pool.run(AutoTokenizer.from_pretrained, tok)
         codec = await pool.run(load_codec, tok, family=config.family)
+        decoder = DecodePool(pool, processes=settings.decode_processes)
+        await decoder.start()
         engines = EnginePool(make_policy(settings.routing_policy))
         for spec in config.engines:
-            await _add_engine(engines, spec, pool)
+            await _add_engine(engines, spec, decoder)
         metrics = Metrics()
         control = ControlPlane(
             lambda: [e.adapter for e in engines.engines.values()],
@@ -134,6 +137,7 @@ def create_app(config: AppConfig) -> FastAPI:
             codec=codec,
             tokenizer=tok,
             engines=engines,
+            decoder=decoder,
             control=control,
             admission=PrefillAdmission(
                 AdmissionConfig(settings.prefill_slots_per_engine, settings.large_prefill_tokens)
@@ -188,7 +192,7 @@ def create_app(config: AppConfig) -> FastAPI:
     async def create_session(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, ctx.settings.max_body_bytes)
-        spec: SessionCreate = await ctx.pool.run(parse_json_model, body, SessionCreate)
+        spec: SessionCreate = await ctx.pool.run_sized(len(body), parse_json_model, body, SessionCreate)
         cfg = SessionConfig(
             ttl_s=spec.ttl_s or ctx.settings.default_ttl_s,
             metadata=spec.metadata,
@@ -209,13 +213,15 @@ def create_app(config: AppConfig) -> FastAPI:
         body = await _read_body(request, ctx.settings.max_body_bytes)
         req, out = await state["runner"].run(sid, body)
         top_k = req.top_logprobs or 0
+        # per-token logprobs make a response proportional to the output: pool; else inline
+        size = len(out.sampled_ids) * 64 if req.logprobs else 0
         if req.stream:
-            frames = await ctx.pool.run(
-                stream_chunks, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
+            frames = await ctx.pool.run_sized(
+                size, stream_chunks, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
             )
             return StreamingResponse(_iter(frames), media_type="text/event-stream")
-        payload = await ctx.pool.run(
-            completion_body, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
+        payload = await ctx.pool.run_sized(
+            size, completion_body, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
         )
         return Response(content=payload, media_type=JSON)
 
@@ -272,7 +278,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx = ctx_of()
         body = await _read_body(request, 64 * 1024)
         spec: EngineAdd = await ctx.pool.run(parse_json_model, body, EngineAdd)
-        eng = await _add_engine(ctx.engines, spec.url, ctx.pool, dp_size=spec.dp_size)
+        eng = await _add_engine(ctx.engines, spec.url, ctx.decoder, dp_size=spec.dp_size)
         return _json({"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size}, 201)
 
     @app.delete("/engines/{engine_id}")
@@ -289,13 +295,13 @@ def create_app(config: AppConfig) -> FastAPI:
 
 
 async def _add_engine(
-    engines: EnginePool, spec: str, pool: CpuPool, *, dp_size: int | None = None
+    engines: EnginePool, spec: str, decoder: DecodePool, *, dp_size: int | None = None
 ) -> Engine:
     """Build an adapter for `spec` (protocol forced or probed) and add its DP targets.
 
     An engine that does not answer at start-up is added unhealthy: the active
     probe brings it in when it comes up."""
-    adapter = await make_adapter(spec, offload=pool.run)
+    adapter = await make_adapter(spec, offload=decoder.run)
     healthy = True
     if dp_size is None:
         dp_size = 1
@@ -393,4 +399,5 @@ async def _shutdown(ctx: ServerContext, *background: asyncio.Task[None]) -> None
     for adapter in ctx.engines.adapters():
         with contextlib.suppress(Exception):
             await adapter.aclose()
+    ctx.decoder.shutdown()
     ctx.pool.shutdown()

@@ -32,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
         routing_policy=args.routing_policy,
         prefill_slots_per_engine=args.prefill_slots,
         large_prefill_tokens=args.large_prefill_tokens,
+        decode_processes=args.decode_processes,
     )
     app = create_app(AppConfig(tokenizer=args.tokenizer, engines=args.engine, settings=settings, family=args.family))
     uvicorn.run(
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--routing-policy", default="sticky_cost", choices=POLICY_NAMES)
     s.add_argument("--prefill-slots", type=int, default=1, help="large uncached prefills in flight per engine")
     s.add_argument("--large-prefill-tokens", type=int, default=16384)
+    s.add_argument("--decode-processes", type=int, default=1, help="processes decoding large engine replies")
     s.add_argument("--log-level", default="info")
     s.add_argument("--switch-interval-ms", type=float, default=0.5, help="GIL switch interval")
     s.set_defaults(func=_serve)

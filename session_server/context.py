@@ -9,6 +9,7 @@ from typing import Any
 from trajectory.codec.base import ChatCodec
 
 from .control import ControlPlane
+from .decode_pool import DecodePool
 from .metrics import Metrics
 from .offload import CpuPool
 from .routing.admission import PrefillAdmission
@@ -35,6 +36,7 @@ class Settings:
     large_prefill_tokens: int = 16384
     health_probe_interval_s: float = 2.0
     pause_grace_s: float = 0.05
+    decode_processes: int = 1  # worker processes for large engine replies (0: threads only)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class ServerContext:
     codec: ChatCodec
     tokenizer: Any
     engines: EnginePool
+    decoder: DecodePool
     control: ControlPlane
     admission: PrefillAdmission = field(default_factory=PrefillAdmission)
     extra: dict[str, Any] = field(default_factory=dict)

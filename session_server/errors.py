@@ -27,6 +27,13 @@
 from __future__ import annotations
 
 
+def _rebuild(cls: type[ServiceError], message: str, state: dict[str, object]) -> ServiceError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
 class ServiceError(Exception):
     status: int = 500
     type: str = "internal_error"
@@ -34,6 +41,11 @@ class ServiceError(Exception):
     def __init__(self, message: str = "") -> None:
         super().__init__(message or self.type)
         self.message = message or self.type
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # keep keyword-only attributes (engine, http_status, transient) across a
+        # process boundary: engine replies may be decoded in a worker process
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
     def to_body(self) -> dict[str, dict[str, str]]:
         return {"error": {"type": self.type, "message": self.message}}

@@ -19,6 +19,10 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+INLINE_BYTES = 16 * 1024
+"""Bodies below this are parsed/serialized on the event loop (tens of microseconds)."""
+
+
 def default_cpu_workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
@@ -36,6 +40,13 @@ class CpuPool:
         ctx = contextvars.copy_context()
         call = functools.partial(ctx.run, fn, *args, **kwargs)
         return await loop.run_in_executor(self._executor, call)
+
+    async def run_sized(self, size: int, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Like `run`, but work on fewer than `INLINE_BYTES` runs on the loop: a pool
+        hop (submit, wake-up, GIL hand-back) costs more than parsing a small body."""
+        if size < INLINE_BYTES:
+            return fn(*args, **kwargs)
+        return await self.run(fn, *args, **kwargs)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -73,7 +74,7 @@ class ControlTotals:
 @dataclass
 class Claim:
     session_id: str
-    token: str
+    token: int
 
 
 class Session:
@@ -85,7 +86,7 @@ class Session:
         self.state = SessionState.ACTIVE
         self.tree = TrajectoryTree()
         self.lock = asyncio.Lock()
-        self.inflight: str | None = None  # claim token of the chat in flight
+        self.inflight: int | None = None  # claim token of the chat in flight
         self.home: str | None = None  # routing target id, set by the router
         self.tools_by_branch: dict[int, Any] = {}  # tools each branch was rendered with
         self.diagnostics: list[dict[str, Any]] = []  # TITO mismatches, repairs, forks
@@ -117,6 +118,7 @@ class SessionStore:
         self.default_ttl_s = default_ttl_s
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._claims = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -140,7 +142,7 @@ class SessionStore:
         s = self.get(session_id)
         if s.inflight is not None:
             raise SessionBusy(f"a chat is already in flight on session {session_id}")
-        token = secrets.token_hex(8)
+        token = next(self._claims)  # only needs to be unique in this process
         s.inflight = token
         s.last_used = self._clock()
         return s, Claim(session_id, token)

@@ -12,7 +12,6 @@ session exactly as it was.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -29,7 +28,7 @@ from trajectory.validate import Expectations, ValidGeneration, validate_generati
 
 from .api.models import ChatRequest, parse_json_model
 from .context import ServerContext, log
-from .control import ResilientResult, generate_resilient
+from .control import ResilientResult, generate_resilient, new_request_id
 from .engines.base import GenerateRequest, GenerateResult, SamplingParams
 from .errors import (
     BadRequest,
@@ -114,7 +113,7 @@ class TurnRunner:
         ctx.metrics.turns_in_flight.inc()
         try:
             timer.lap("claim")
-            req: ChatRequest = await ctx.pool.run(parse_json_model, body, ChatRequest)
+            req: ChatRequest = await ctx.pool.run_sized(len(body), parse_json_model, body, ChatRequest)
             timer.lap("parse")
             async with session.lock:
                 prep = self._prepare(session, req)
@@ -316,7 +315,7 @@ class TurnRunner:
         input_ids = np.concatenate([prep.context_ids, np.asarray(prompt_ids, dtype=np.int32)])
         budget = self._budget(session, req, len(input_ids))
         greq = GenerateRequest(
-            request_id=secrets.token_hex(16),
+            request_id=new_request_id(),
             input_ids=input_ids,
             max_tokens=budget,
             sampling=self._sampling(session, req),

@@ -1,0 +1,46 @@
+"""Large engine replies are decoded in a worker process, with errors intact."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from session_server.decode_pool import DecodePool
+from session_server.engines.sglang import parse_sglang_generate
+from session_server.errors import UpstreamHTTPError, UpstreamInvalid, UpstreamTransportError
+from session_server.offload import CpuPool
+
+
+def test_engine_errors_survive_pickling_with_their_attributes() -> None:
+    for err in (UpstreamHTTPError("boom", engine="http://e", http_status=503),
+                UpstreamTransportError("reset", engine="http://e", transient=False),
+                UpstreamInvalid("bad", engine="http://e")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and back.__dict__ == err.__dict__ and str(back) == str(err)
+
+
+def _body(padding: bytes) -> bytes:
+    return (b'{"text":"x","output_ids":[5,6],"meta_info":{"id":"r1","finish_reason":{"type":"stop","matched":6},'
+            b'"prompt_tokens":3,"completion_tokens":2,"cached_tokens":1,'
+            b'"output_token_logprobs":[[-0.5,5,null],[-0.25,6,null]],"routed_experts":' + padding + b"}}")
+
+
+async def test_large_reply_decoded_in_a_process_equals_inline_decode() -> None:
+    threads = CpuPool(1)
+    pool = DecodePool(threads, processes=1, large_reply_bytes=1024)
+    try:
+        await pool.start()
+        padding = b"[" + b",".join([b"[0.1,0.2,0.3]"] * 2000) + b"]"
+        big = _body(padding)
+        got = await pool.run(parse_sglang_generate, big, request_id="r1", engine="e")
+        assert got == parse_sglang_generate(big, request_id="r1", engine="e")
+        assert got.routed_experts == padding
+        with pytest.raises(UpstreamInvalid) as info:
+            await pool.run(parse_sglang_generate, big[:-1] + b"    ", request_id="r1", engine="e")
+        assert info.value.engine == "e"
+        small = _body(b"null")
+        assert (await pool.run(parse_sglang_generate, small, request_id="r1")).routed_experts is None
+    finally:
+        pool.shutdown()
+        threads.shutdown()
