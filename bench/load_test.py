@@ -30,9 +30,11 @@ from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Run the task."}], "max_tokens": 8}
 
 
-def _engine_connections(port: int) -> int:
-    """ESTABLISHED sockets whose local port is the engine's (its accepted connections)."""
-    n = 0
+def _engine_connections(port: int) -> tuple[int, int]:
+    """(server side, engine side): ESTABLISHED sockets whose remote port is the
+    engine's (the server's outbound connections) and whose local port is (the
+    engine's accepted ones, which can lag while it closes idle connections)."""
+    outbound = accepted = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -40,14 +42,17 @@ def _engine_connections(port: int) -> int:
             continue
         for line in lines:
             parts = line.split()
-            if int(parts[1].rsplit(":", 1)[1], 16) == port and parts[3] == "01":
-                n += 1
-    return n
+            if parts[3] != "01":
+                continue
+            outbound += int(parts[2].rsplit(":", 1)[1], 16) == port
+            accepted += int(parts[1].rsplit(":", 1)[1], 16) == port
+    return outbound, accepted
 
 
 async def _sample_conns(port: int, stop: asyncio.Event, peak: list[int]) -> None:
     while not stop.is_set():
-        peak[0] = max(peak[0], await asyncio.to_thread(_engine_connections, port))
+        outbound, accepted = await asyncio.to_thread(_engine_connections, port)
+        peak[0], peak[1] = max(peak[0], outbound), max(peak[1], accepted)
         await asyncio.sleep(0.05)
 
 
@@ -79,7 +84,7 @@ async def _level(url: str, engine_port: int, n: int) -> dict[str, Any]:
             latencies.append(time.perf_counter() - t0)
 
         stop = asyncio.Event()
-        peak = [0]
+        peak = [0, 0]
         sampler = asyncio.create_task(_sample_conns(engine_port, stop, peak))
         t0 = time.perf_counter()
         await asyncio.gather(*(chat(s) for s in sids))
@@ -102,6 +107,7 @@ async def _level(url: str, engine_port: int, n: int) -> dict[str, Any]:
         "p50_s": float(np.percentile(lat, 50)),
         "p99_s": float(np.percentile(lat, 99)),
         "peak_engine_connections": peak[0],
+        "peak_engine_accepted_connections": peak[1],
     }
 
 
@@ -125,7 +131,7 @@ def main() -> int:
                 results.append(r)
                 print(f"{n:>6} sessions: errors {r['errors']} {r['errors_by_kind']}  wall {r['wall_s']:.2f}s  "
                       f"{r['turns_per_s']:.0f} turns/s  p50 {r['p50_s']:.2f}s p99 {r['p99_s']:.2f}s  "
-                      f"peak engine conns {r['peak_engine_connections']}")
+                      f"peak engine conns {r['peak_engine_connections']} (engine side {r['peak_engine_accepted_connections']})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"engine_latency_s": args.engine_latency_s, "levels": results}, indent=2))
     return 0
