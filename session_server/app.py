@@ -319,9 +319,14 @@ async def _add_engine(
 
 
 async def _probe(engine: Engine) -> None:
-    """Active health probe: raises unless the engine answers healthy."""
+    """Active health probe: raises unless the engine answers healthy; also refreshes
+    the load the engine reports about itself, where it offers one (SGLang)."""
     if not await engine.adapter.health():
         raise EngineError(f"{engine.adapter.base_url} reported unhealthy")
+    get_load = getattr(engine.adapter, "get_load", None)
+    if get_load is not None:
+        with contextlib.suppress(EngineError):
+            engine.reported_load = await get_load()
 
 
 def _engines_view(engines: EnginePool) -> dict[str, Any]:
@@ -334,6 +339,7 @@ def _engines_view(engines: EnginePool) -> dict[str, Any]:
                 "base_url": e.adapter.base_url,
                 "dp_size": e.dp_size,
                 "healthy": e.healthy,
+                "reported_load": e.reported_load,
             }
             for e in engines.engines.values()
         ],

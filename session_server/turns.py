@@ -12,6 +12,7 @@ session exactly as it was.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -98,6 +99,14 @@ class _Timer:
 
 def _tools_key(tools: list[dict[str, Any]] | None) -> bytes:
     return orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS)
+
+
+async def _answers_health(adapter: Any, timeout_s: float = 2.0) -> bool:
+    """A quick liveness check after a connection dropped mid-request."""
+    try:
+        return bool(await asyncio.wait_for(adapter.health(), timeout_s))
+    except Exception:  # any failure to answer is a "no"
+        return False
 
 
 class TurnRunner:
@@ -278,10 +287,15 @@ class TurnRunner:
                     result = await generate_resilient(engine.adapter, pinned, ctx.control, expect=expect)
                 return result, target.id
             except UpstreamTransportError as exc:
-                record_failure(engines, engine.id, exc)
-                if not exc.transient or attempt == attempts - 1:
-                    raise  # a drop mid-request may have produced tokens: not blindly retried
-                log.warning("engine %s refused the connection; re-homing session %s", engine.id, session.id)
+                dead = record_failure(engines, engine.id, exc)
+                if not dead and not exc.transient and not await _answers_health(engine.adapter):
+                    engines.mark_failed(engine.id)  # the drop was the engine dying
+                    dead = True
+                if not dead or attempt == attempts - 1:
+                    raise
+                # nothing was received and nothing committed: a fresh generation on the
+                # new home is a valid sample of the same turn
+                log.warning("engine %s is down (%s); re-homing session %s", engine.id, exc, session.id)
             except UpstreamHTTPError as exc:
                 record_failure(engines, engine.id, exc, exc.http_status)
                 raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..engines.base import EngineAdapter
 from ..errors import NoHealthyEngine
@@ -28,6 +29,7 @@ class Engine:
     healthy: bool = True
     last_failure_s: float | None = None
     consecutive_errors: int = 0  # engine-side 5xx in a row; a success resets it
+    reported_load: Any = None  # what the engine says about its own load (SGLang /get_load)
 
 
 @dataclass

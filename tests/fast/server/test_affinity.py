@@ -108,3 +108,59 @@ async def test_engines_added_and_removed_at_runtime(qwen3_dir: Path) -> None:
             log = (await c.get(f"{second}/sim/requests")).json()
         assert_trajectory_matches_engine(traj["branches"][0], log, "runtime-added vllm engine")
         assert (await http.post("/engines", json={"url": "", "dp_size": 0})).status_code == 400
+
+
+async def test_home_engine_dying_mid_turn_is_retried_on_the_new_home(qwen3_dir: Path) -> None:
+    import asyncio
+
+    engine_ctx = [contextlib.AsyncExitStack(), contextlib.AsyncExitStack()]
+    urls = [await engine_ctx[i].enter_async_context(running_sim("sglang", str(qwen3_dir), seed=i, latency_ms=20))
+            for i in range(2)]
+    try:
+        config = AppConfig(tokenizer=str(qwen3_dir), engines=[f"sglang={u}" for u in urls],
+                           settings=Settings(health_probe_interval_s=3600))
+        async with running_server(config) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            msgs: list[dict[str, Any]] = [{"role": "user", "content": "Investigate."}]
+            chat = asyncio.create_task(
+                http.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": msgs, "max_tokens": 64}))
+            home = None
+            for _ in range(400):
+                view = (await http.get(f"/sessions/{sid}")).json()
+                if view["busy"] and view["home"]:
+                    home = view["home"]
+                    break
+                await asyncio.sleep(0.005)
+            assert home is not None
+            await asyncio.sleep(0.1)  # tokens are being generated on the home engine
+            await engine_ctx[int(home.split("/")[0].removeprefix("e"))].aclose()
+            r = await chat
+            assert r.status_code == 200, r.text
+            view = (await http.get(f"/sessions/{sid}")).json()
+            assert view["home"] != home and view["turns"] == 1
+            traj = (await http.get(f"/sessions/{sid}/trajectory")).json()["branches"][0]
+            assert traj["turns"][0]["engine"] == view["home"]
+    finally:
+        for ctx in engine_ctx:
+            await ctx.aclose()
+
+
+async def test_graceful_shutdown_drains_in_flight_turns(qwen3_dir: Path) -> None:
+    import asyncio
+
+    async with running_sim("sglang", str(qwen3_dir), latency_ms=10) as engine:
+        config = AppConfig(tokenizer=str(qwen3_dir), engines=[f"sglang={engine}"], settings=Settings())
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with running_server(config) as url:
+                sid = (await http.post(f"{url}/sessions", json={})).json()["session_id"]
+                chat = asyncio.create_task(http.post(
+                    f"{url}/sessions/{sid}/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "Go."}], "max_tokens": 64}))
+                for _ in range(400):
+                    if (await http.get(f"{url}/sessions/{sid}")).json()["busy"]:
+                        break
+                    await asyncio.sleep(0.005)
+            # the server has shut down: the in-flight turn was drained, not cut
+            r = await chat
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["finish_reason"] in ("stop", "tool_calls", "length")
