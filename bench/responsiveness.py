@@ -33,14 +33,19 @@ from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Run the task."}], "max_tokens": 16}
 
 
-def _poll_health_process(url: str, stop: Any, out: Any) -> None:
+def _poll_health_process(url: str, ready: Any, stop: Any, out: Any) -> None:
     """Poll /health in a closed loop (10 ms sleeps, one keep-alive connection) in its
-    own process, so client-side load never shows up as server latency."""
+    own process, so client-side load never shows up as server latency. The request
+    that opens the connection is not a sample (it measures TCP set-up); `ready` is
+    set once the connection is up, and the load starts only then."""
     os.setpriority(os.PRIO_PROCESS, 0, 0)  # the measurement itself runs at normal priority
 
     async def poll() -> list[tuple[float, float]]:
         samples: list[tuple[float, float]] = []
         async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/health") as r:
+                await r.read()
+            ready.set()
             t_start = time.perf_counter()
             while not stop.is_set():
                 t0 = time.perf_counter()
@@ -72,13 +77,15 @@ async def _one_chat(url: str, errors: dict[str, int]) -> bool:
 
 async def _measure(url: str, k: int, seconds: float, nice: int) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
+    ready, stop = ctx.Event(), ctx.Event()
     recv, send = ctx.Pipe(duplex=False)
-    poller = ctx.Process(target=_poll_health_process, args=(url, stop, send), daemon=True)
+    poller = ctx.Process(target=_poll_health_process, args=(url, ready, stop, send), daemon=True)
     poller.start()
     os.setpriority(os.PRIO_PROCESS, 0, nice)  # the load generator stands in for other machines
     errors: dict[str, int] = {}
-    await asyncio.sleep(1.0)  # the poller's start-up, then a baseline before the load
+    if not await asyncio.to_thread(ready.wait, 60):
+        raise RuntimeError("the /health poller did not start")
+    await asyncio.sleep(0.3)  # a baseline before the load
     t0 = time.perf_counter()
     ok = 0
     while time.perf_counter() - t0 < seconds:

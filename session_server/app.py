@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,8 @@ def create_app(config: AppConfig) -> FastAPI:
             probe_loop(engines, _probe, settings.health_probe_interval_s, 5.0, stop_probe),
             name="tito-health-probe",
         )
+        gc.collect()
+        gc.freeze()  # start-up objects (tokenizer, codec, templates) never need scanning again
         log.info("session server ready: family=%s engines=%d", getattr(codec, "family", "?"), len(engines.engines))
         try:
             yield
