@@ -36,9 +36,29 @@ class SamplingParams:
     repetition_penalty: float | None = None
 
 
+_OPTIONAL_SAMPLING = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)
+
+
+def optional_sampling_fields(s: SamplingParams, *, seed_key: str) -> dict[str, Any]:
+    """The sampling fields both engines name alike, only those set, plus the seed
+    under the engine's own name and the stop lists when non-empty."""
+    out: dict[str, Any] = {k: getattr(s, k) for k in _OPTIONAL_SAMPLING if getattr(s, k) is not None}
+    if s.seed is not None:
+        out[seed_key] = s.seed
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        out["stop_token_ids"] = list(s.stop_token_ids)
+    return out
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str  # fixed width, prefix-free (SGLang aborts by rid prefix)
+    # a numpy array in the server: bodies are written by orjson straight from it, so
+    # a 100K-token context never becomes 100K Python objects on the event loop
     input_ids: Sequence[int]
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)

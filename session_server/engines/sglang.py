@@ -18,7 +18,11 @@ from typing import Any
 
 import msgspec
 
-from session_server.engines.base import GenerateRequest, GenerateResult
+from session_server.engines.base import (
+    GenerateRequest,
+    GenerateResult,
+    optional_sampling_fields,
+)
 from session_server.engines.http import (
     ConnectionLimits,
     HTTPReply,
@@ -246,25 +250,10 @@ def build_sglang_payload(request: GenerateRequest) -> dict[str, Any]:
         "spaces_between_special_tokens": False,
         "no_stop_trim": True,
     }
-    for key, value in (
-        ("temperature", s.temperature),
-        ("top_p", s.top_p),
-        ("top_k", s.top_k),
-        ("min_p", s.min_p),
-        ("sampling_seed", s.seed),
-        ("presence_penalty", s.presence_penalty),
-        ("frequency_penalty", s.frequency_penalty),
-        ("repetition_penalty", s.repetition_penalty),
-    ):
-        if value is not None:
-            sp[key] = value
-    if s.stop:
-        sp["stop"] = list(s.stop)
-    if s.stop_token_ids:
-        sp["stop_token_ids"] = list(s.stop_token_ids)
+    sp.update(optional_sampling_fields(s, seed_key="sampling_seed"))
     payload: dict[str, Any] = {
         "rid": request.request_id,
-        "input_ids": list(request.input_ids),
+        "input_ids": request.input_ids,
         "sampling_params": sp,
         "return_logprob": True,
         "stream": False,

@@ -21,7 +21,11 @@ from typing import Any
 
 import msgspec
 
-from session_server.engines.base import GenerateRequest, GenerateResult
+from session_server.engines.base import (
+    GenerateRequest,
+    GenerateResult,
+    optional_sampling_fields,
+)
 from session_server.engines.http import (
     ConnectionLimits,
     HTTPReply,
@@ -243,22 +247,7 @@ def _sampling(request: GenerateRequest) -> dict[str, Any]:
         "skip_special_tokens": False,
         "include_stop_str_in_output": True,
     }
-    for key, value in (
-        ("temperature", s.temperature),
-        ("top_p", s.top_p),
-        ("top_k", s.top_k),
-        ("min_p", s.min_p),
-        ("seed", s.seed),
-        ("presence_penalty", s.presence_penalty),
-        ("frequency_penalty", s.frequency_penalty),
-        ("repetition_penalty", s.repetition_penalty),
-    ):
-        if value is not None:
-            sp[key] = value
-    if s.stop:
-        sp["stop"] = list(s.stop)
-    if s.stop_token_ids:
-        sp["stop_token_ids"] = list(s.stop_token_ids)
+    sp.update(optional_sampling_fields(s, seed_key="seed"))
     return sp
 
 
@@ -266,7 +255,7 @@ def build_vllm_generate_payload(request: GenerateRequest, model: str) -> dict[st
     payload: dict[str, Any] = {
         "request_id": request.request_id,
         "model": request.lora or model,
-        "token_ids": list(request.input_ids),
+        "token_ids": request.input_ids,
         "sampling_params": _sampling(request),
         "stream": False,
     }
@@ -280,7 +269,7 @@ def build_vllm_completions_payload(request: GenerateRequest, model: str) -> dict
     payload.update(
         {
             "model": request.lora or model,
-            "prompt": list(request.input_ids),
+            "prompt": request.input_ids,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "request_id": request.request_id,
