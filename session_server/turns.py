@@ -125,7 +125,9 @@ class TurnRunner:
             req: ChatRequest = await ctx.pool.run_sized(len(body), parse_json_model, body, ChatRequest)
             timer.lap("parse")
             async with session.lock:
-                prep = self._prepare(session, req)
+                # O(history): the agent resends every message. Pool work (inline when
+                # the body is small); the claim keeps other turns out meanwhile.
+                prep = await ctx.pool.run_sized(len(body), self._prepare, session, req)
             timer.lap("prepare")
             prompt_ids, prep = await self._render(session, prep)
             timer.lap("render")
@@ -138,7 +140,7 @@ class TurnRunner:
             ctx.metrics.turns_in_flight.dec()
             ctx.store.release(session, claim)
 
-    # -- prepare (under the session lock; synchronous, O(messages) + one memcpy) --
+    # -- prepare (under the session lock, in the pool: O(messages) + one memcpy) --
 
     def _prepare(self, session: Session, req: ChatRequest) -> Prepared:
         tree = session.tree
