@@ -21,14 +21,16 @@ from __future__ import annotations
 import asyncio
 import random
 import resource
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
+import msgspec
 import orjson
 
-from session_server.errors import UpstreamTimeout, UpstreamTransportError
+from session_server.errors import UpstreamHTTPError, UpstreamTimeout, UpstreamTransportError
 
 T = TypeVar("T")
 
@@ -164,3 +166,100 @@ Offload = Callable[..., Awaitable[Any]]
 async def run_inline(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """Default `Offload`: call on the event loop (fine for small replies and tests)."""
     return fn(*args, **kwargs)
+
+
+def http_error(reply: HTTPReply, *, what: str, engine: str) -> UpstreamHTTPError:
+    """An engine's non-200 answer as a typed error; both engines' error bodies
+    (`{"error": {"message"}}`, `{"error": "..."}`, `{"message": ...}`, text) read."""
+    message = reply.body[:500].decode(errors="replace")
+    try:
+        decoded = msgspec.json.decode(reply.body)
+        if isinstance(decoded, dict):
+            err = decoded.get("error", decoded.get("message", decoded))
+            message = str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    except msgspec.DecodeError:
+        pass
+    return UpstreamHTTPError(f"{what}: HTTP {reply.status}: {message}", engine=engine, http_status=reply.status)
+
+
+class EngineHTTP:
+    """The HTTP side every adapter shares: one pooled session, the per-engine
+    concurrency cap, deadlines measured from dispatch, retries of transient
+    errors, control-plane calls and the health probe. Adapters own the wire format."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        protocol: str,
+        max_concurrency: int = 256,
+        limits: ConnectionLimits | None = None,
+        retries: int = 2,
+        control_timeout_s: float = 30.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.protocol = protocol
+        self.max_concurrency = max_concurrency
+        self.retries = retries
+        self.control_timeout_s = control_timeout_s
+        self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = make_session(self._limits)
+        return self._session
+
+    async def generate(self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None) -> HTTPReply:
+        """POST a generation under the concurrency cap; the deadline starts once a slot is held."""
+        async with self._sem:
+            deadline = time.monotonic() + timeout_s
+
+            async def once() -> HTTPReply:
+                return await request_bytes(
+                    self.session(), "POST", self.base_url + path, engine=self.base_url, body=body,
+                    headers=headers, timeout_s=max(0.001, deadline - time.monotonic()),
+                )
+
+            return await retry_transient(once, retries=self.retries)
+
+    async def call(
+        self, method: str, path: str, body: Any = None, *,
+        params: Mapping[str, str] | None = None, timeout_s: float | None = None,
+    ) -> HTTPReply:
+        """A control-plane request (not under the generation cap)."""
+        data = None if body is None else encode_json(body)
+
+        async def once() -> HTTPReply:
+            return await request_bytes(
+                self.session(), method, self.base_url + path, engine=self.base_url, body=data,
+                params=params, timeout_s=timeout_s or self.control_timeout_s,
+            )
+
+        return await retry_transient(once, retries=self.retries)
+
+    async def call_json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        """`call`, then a 200 decoded as JSON (text when not JSON, None when empty)."""
+        reply = await self.call(method, path, body, **kw)
+        if reply.status != 200:
+            raise http_error(reply, what=f"{self.protocol} {path}", engine=self.base_url)
+        if not reply.body:
+            return None
+        try:
+            return msgspec.json.decode(reply.body)
+        except msgspec.DecodeError:
+            return reply.body.decode(errors="replace")
+
+    async def health(self) -> bool:
+        """GET /health: 200 when serving; anything else, or no answer, is unhealthy."""
+        try:
+            reply = await self.call("GET", "/health", timeout_s=5.0)
+        except Exception:  # a health probe answers a bool, never raises
+            return False
+        return reply.status == 200
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

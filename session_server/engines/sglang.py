@@ -11,8 +11,6 @@ null (mid-stream); a JSON list body (batch or n>1) is refused; unknown
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +23,10 @@ from session_server.engines.base import (
 )
 from session_server.engines.http import (
     ConnectionLimits,
-    HTTPReply,
+    EngineHTTP,
     Offload,
     encode_json,
-    make_session,
-    request_bytes,
-    retry_transient,
+    http_error,
     run_inline,
 )
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
@@ -226,21 +222,6 @@ def parse_sglang_stream(body: bytes | str, *, request_id: str, engine: str = "")
     return _from_struct(last, request_id=request_id, engine=engine, require_logprobs=True)
 
 
-def _http_error(reply: HTTPReply, *, what: str, engine: str) -> UpstreamHTTPError:
-    message = reply.body[:500].decode(errors="replace")
-    try:
-        decoded = msgspec.json.decode(reply.body)
-        if isinstance(decoded, dict) and "error" in decoded:
-            message = _error_message(decoded["error"])
-        elif isinstance(decoded, dict) and "message" in decoded:
-            message = str(decoded["message"])
-    except msgspec.DecodeError:
-        pass
-    return UpstreamHTTPError(
-        f"{what}: HTTP {reply.status}: {message}", engine=engine, http_status=reply.status
-    )
-
-
 def build_sglang_payload(request: GenerateRequest) -> dict[str, Any]:
     """The `/generate` body for one request (exposed for tests and the simulator's log)."""
     s = request.sampling
@@ -286,56 +267,19 @@ class SGLangAdapter:
         control_timeout_s: float = 30.0,
         offload: Offload = run_inline,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.max_concurrency = max_concurrency
-        self.retries = retries
-        self.control_timeout_s = control_timeout_s
+        self.http = EngineHTTP(
+            base_url, protocol=self.protocol, max_concurrency=max_concurrency, limits=limits,
+            retries=retries, control_timeout_s=control_timeout_s,
+        )
+        self.base_url = self.http.base_url
         self._offload = offload
-        self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
-        self._sem = asyncio.Semaphore(max_concurrency)
-        self._session: Any = None
-
-    def _http(self) -> Any:
-        if self._session is None:
-            self._session = make_session(self._limits)
-        return self._session
-
-    async def _call(
-        self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None
-    ) -> HTTPReply:
-        data = None if body is None else encode_json(body)
-
-        async def once() -> HTTPReply:
-            return await request_bytes(
-                self._http(),
-                method,
-                self.base_url + path,
-                engine=self.base_url,
-                body=data,
-                timeout_s=timeout_s or self.control_timeout_s,
-            )
-
-        return await retry_transient(once, retries=self.retries)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """POST /generate; deadline `request.timeout_s` from dispatch (after the concurrency cap)."""
         body = encode_json(build_sglang_payload(request))
-        async with self._sem:
-            deadline = time.monotonic() + request.timeout_s
-
-            async def once() -> HTTPReply:
-                return await request_bytes(
-                    self._http(),
-                    "POST",
-                    self.base_url + "/generate",
-                    engine=self.base_url,
-                    body=body,
-                    timeout_s=max(0.001, deadline - time.monotonic()),
-                )
-
-            reply = await retry_transient(once, retries=self.retries)
+        reply = await self.http.generate("/generate", body, timeout_s=request.timeout_s)
         if reply.status != 200:
-            raise _http_error(reply, what=f"sglang {request.request_id}", engine=self.base_url)
+            raise http_error(reply, what=f"sglang {request.request_id}", engine=self.base_url)
         # a reply can carry a ~1.4 MB routed-experts payload: decode it off the event loop
         return await self._offload(
             parse_sglang_generate, reply.body, request_id=request.request_id, engine=self.base_url
@@ -343,36 +287,21 @@ class SGLangAdapter:
 
     # --- control plane -------------------------------------------------------------
 
-    async def _json(self, method: str, path: str, body: Any = None) -> Any:
-        reply = await self._call(method, path, body)
-        if reply.status != 200:
-            raise _http_error(reply, what=f"sglang {path}", engine=self.base_url)
-        if not reply.body:
-            return None
-        try:
-            return msgspec.json.decode(reply.body)
-        except msgspec.DecodeError:
-            return reply.body.decode(errors="replace")
-
     async def health(self) -> bool:
-        """GET /health: an empty 200 when serving; anything else (or no answer) is unhealthy."""
-        try:
-            reply = await self._call("GET", "/health", timeout_s=5.0)
-        except Exception:  # noqa: BLE001 - a health probe answers a bool, never raises
-            return False
-        return reply.status == 200
+        """GET /health: an empty 200 when serving."""
+        return await self.http.health()
 
     async def model_info(self) -> dict[str, Any]:
-        return await self._json("GET", "/get_model_info")
+        return await self.http.call_json("GET", "/get_model_info")
 
     async def server_info(self) -> dict[str, Any]:
         """`/get_server_info` (newer builds also serve `/server_info`); carries `dp_size`."""
         try:
-            return await self._json("GET", "/get_server_info")
+            return await self.http.call_json("GET", "/get_server_info")
         except UpstreamHTTPError as exc:
             if exc.http_status != 404:
                 raise
-            return await self._json("GET", "/server_info")
+            return await self.http.call_json("GET", "/server_info")
 
     async def dp_size(self) -> int:
         info = await self.server_info()
@@ -380,23 +309,21 @@ class SGLangAdapter:
         return size if _is_int(size) and size > 0 else 1
 
     async def get_load(self) -> Any:
-        return await self._json("GET", "/get_load")
+        return await self.http.call_json("GET", "/get_load")
 
     async def pause(self, mode: str = "abort") -> None:
         """POST /pause_generation {mode}; modes: abort, retract, in_place."""
-        await self._json("POST", "/pause_generation", {"mode": mode})
+        await self.http.call_json("POST", "/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
-        await self._json("POST", "/continue_generation", {})
+        await self.http.call_json("POST", "/continue_generation", {})
 
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request (rids match by prefix: use fixed-width ids) or all when rid is None."""
-        await self._json("POST", "/abort_request", {"rid": rid} if rid else {"abort_all": True})
+        await self.http.call_json("POST", "/abort_request", {"rid": rid} if rid else {"abort_all": True})
 
     async def flush_cache(self) -> None:
-        await self._json("POST", "/flush_cache")
+        await self.http.call_json("POST", "/flush_cache")
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.http.aclose()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,12 +27,10 @@ from session_server.engines.base import (
 )
 from session_server.engines.http import (
     ConnectionLimits,
-    HTTPReply,
+    EngineHTTP,
     Offload,
     encode_json,
-    make_session,
-    request_bytes,
-    retry_transient,
+    http_error,
     run_inline,
 )
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
@@ -281,20 +278,6 @@ def build_vllm_completions_payload(request: GenerateRequest, model: str) -> dict
     return payload
 
 
-def _http_error(reply: HTTPReply, *, what: str, engine: str) -> UpstreamHTTPError:
-    message = reply.body[:500].decode(errors="replace")
-    try:
-        decoded = msgspec.json.decode(reply.body)
-        if isinstance(decoded, dict):
-            err = decoded.get("error", decoded.get("message", decoded))
-            message = str(err.get("message", err)) if isinstance(err, dict) else str(err)
-    except msgspec.DecodeError:
-        pass
-    return UpstreamHTTPError(
-        f"{what}: HTTP {reply.status}: {message}", engine=engine, http_status=reply.status
-    )
-
-
 class VLLMAdapter:
     """One vLLM server behind `EngineAdapter` (token-in generate, else completions)."""
 
@@ -314,46 +297,15 @@ class VLLMAdapter:
     ) -> None:
         if endpoint not in ("auto", "generate", "completions"):
             raise ValueError(f"endpoint must be auto, generate or completions, not {endpoint!r}")
-        self.base_url = base_url.rstrip("/")
+        self.http = EngineHTTP(
+            base_url, protocol=self.protocol, max_concurrency=max_concurrency, limits=limits,
+            retries=retries, control_timeout_s=control_timeout_s,
+        )
+        self.base_url = self.http.base_url
         self.model = model
         self.endpoint: str | None = None if endpoint == "auto" else endpoint
-        self.max_concurrency = max_concurrency
-        self.retries = retries
-        self.control_timeout_s = control_timeout_s
         self._offload = offload
-        self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
-        self._sem = asyncio.Semaphore(max_concurrency)
-        self._session: Any = None
         self._probe_lock = asyncio.Lock()
-
-    def _http(self) -> Any:
-        if self._session is None:
-            self._session = make_session(self._limits)
-        return self._session
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        params: dict[str, str] | None = None,
-        timeout_s: float | None = None,
-    ) -> HTTPReply:
-        data = None if body is None else encode_json(body)
-
-        async def once() -> HTTPReply:
-            return await request_bytes(
-                self._http(),
-                method,
-                self.base_url + path,
-                engine=self.base_url,
-                body=data,
-                params=params,
-                timeout_s=timeout_s or self.control_timeout_s,
-            )
-
-        return await retry_transient(once, retries=self.retries)
 
     async def probe(self) -> str:
         """Find the served model (`/v1/models`) and whether `/inference/v1/generate` exists.
@@ -362,9 +314,9 @@ class VLLMAdapter:
         route exists without generating anything; 404/405 means it is not enabled."""
         async with self._probe_lock:
             if self.model is None:
-                reply = await self._call("GET", "/v1/models")
+                reply = await self.http.call("GET", "/v1/models")
                 if reply.status != 200:
-                    raise _http_error(reply, what="vllm /v1/models", engine=self.base_url)
+                    raise http_error(reply, what="vllm /v1/models", engine=self.base_url)
                 try:
                     data = msgspec.json.decode(reply.body)
                     self.model = str(data["data"][0]["id"])
@@ -373,7 +325,7 @@ class VLLMAdapter:
                         f"vllm /v1/models: unexpected body {reply.body[:200]!r}", engine=self.base_url
                     ) from exc
             if self.endpoint is None:
-                reply = await self._call("POST", GENERATE_PATH, {})
+                reply = await self.http.call("POST", GENERATE_PATH, {})
                 self.endpoint = "completions" if reply.status in (404, 405) else "generate"
             return self.endpoint
 
@@ -387,64 +339,36 @@ class VLLMAdapter:
             path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(request, self.model)
         body = encode_json(payload)
         headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
-        async with self._sem:
-            deadline = time.monotonic() + request.timeout_s
-
-            async def once() -> HTTPReply:
-                return await request_bytes(
-                    self._http(),
-                    "POST",
-                    self.base_url + path,
-                    engine=self.base_url,
-                    body=body,
-                    headers=headers,
-                    timeout_s=max(0.001, deadline - time.monotonic()),
-                )
-
-            reply = await retry_transient(once, retries=self.retries)
+        reply = await self.http.generate(path, body, timeout_s=request.timeout_s, headers=headers)
         if reply.status != 200:
-            raise _http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
+            raise http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
         parse = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
         # a reply can carry a large routed-experts payload: decode it off the event loop
         return await self._offload(parse, reply.body, request_id=request.request_id, engine=self.base_url)
 
     # --- control plane (dev mode) -----------------------------------------------------
 
-    async def _checked(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
-        reply = await self._call(method, path, body, **kw)
-        if reply.status != 200:
-            raise _http_error(reply, what=f"vllm {path}", engine=self.base_url)
-        try:
-            return msgspec.json.decode(reply.body) if reply.body else None
-        except msgspec.DecodeError:
-            return reply.body.decode(errors="replace")
-
     async def health(self) -> bool:
-        try:
-            reply = await self._call("GET", "/health", timeout_s=5.0)
-        except Exception:  # noqa: BLE001 - a health probe answers a bool, never raises
-            return False
-        return reply.status == 200
+        """GET /health: a bare 200 when serving."""
+        return await self.http.health()
 
     async def pause(self, mode: str = "abort", *, clear_cache: bool = False) -> None:
         """POST /pause?mode=abort|wait|keep (query parameters, not a body)."""
         params = {"mode": mode}
         if clear_cache:
             params["clear_cache"] = "true"
-        await self._checked("POST", "/pause", params=params)
+        await self.http.call_json("POST", "/pause", params=params)
 
     async def resume(self) -> None:
-        await self._checked("POST", "/resume")
+        await self.http.call_json("POST", "/resume")
 
     async def is_paused(self) -> bool:
-        data = await self._checked("GET", "/is_paused")
+        data = await self.http.call_json("GET", "/is_paused")
         return bool(isinstance(data, dict) and data.get("is_paused"))
 
     async def abort(self, request_ids: Sequence[str] = ()) -> None:
         """POST /abort_requests; an empty list aborts everything."""
-        await self._checked("POST", "/abort_requests", {"request_ids": list(request_ids)})
+        await self.http.call_json("POST", "/abort_requests", {"request_ids": list(request_ids)})
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.http.aclose()
