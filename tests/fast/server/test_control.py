@@ -153,3 +153,20 @@ async def test_pause_storm_under_load_loses_nothing(qwen3_dir: Path) -> None:
             assert [t["finish_reason"] for t in got["turns"]] == [t["finish_reason"] for t in ref["turns"]]
         state = (await st.http.get("/control/state")).json()
         assert state["counters"]["aborts"] >= 1
+
+
+async def test_partial_pause_failure_is_207_and_names_the_engine(qwen3_dir: Path) -> None:
+    from session_server.harness import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with live_stack(qwen3_dir, extra_engines=[f"sglang={dead}"]) as st:
+        r = await st.http.post("/control/pause", json={"mode": "abort"})
+        assert r.status_code == 207, r.text
+        report = r.json()
+        assert report["ok"] is False and dead in report["failed"]
+        assert report["engines"][st.engines[0]]["ok"] is True
+        r = await st.http.post("/control/resume", json={})
+        assert r.status_code == 207 and r.json()["failed"] == [dead]
+        assert (await st.http.get("/control/state")).json()["paused"] is False
+        sid = await st.session()
+        assert (await st.chat(sid, {"messages": MSGS, "max_tokens": 32})).status_code == 200
