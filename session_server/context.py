@@ -30,7 +30,6 @@ class Settings:
     sweep_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
     clamp_logprob_sentinel: bool = False
-    admin_token: str | None = None
     routing_policy: str = "sticky_cost"
     prefill_slots_per_engine: int = 1
     large_prefill_tokens: int = 16384
@@ -51,4 +50,3 @@ class ServerContext:
     decoder: DecodePool
     control: ControlPlane
     admission: PrefillAdmission = field(default_factory=PrefillAdmission)
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -25,7 +25,6 @@ class Metrics:
         self.sessions_active = Gauge("tito_sessions", "Sessions in the store", registry=r)
         self.sessions_expired_total = Counter("tito_sessions_expired_total", "Sessions removed by TTL", registry=r)
         self.branches_total = Counter("tito_branches_total", "Branches created, by reason", ["reason"], registry=r)
-        self.engine_retries_total = Counter("tito_engine_retries_total", "Engine request retries", ["engine"], registry=r)
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self.turn_phase_seconds.labels(phase=phase).observe(seconds)
