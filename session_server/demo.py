@@ -72,7 +72,11 @@ async def run_agent(base_url: str, *, max_turns: int) -> dict[str, Any]:
         for _ in range(max_turns):
             t0 = time.perf_counter()
             resp = await client.chat.completions.create(
-                model="demo", messages=messages, tools=TOOLS, max_tokens=256, logprobs=True
+                model="demo",
+                messages=messages,  # type: ignore[arg-type]  # plain dicts, as agents send them
+                tools=TOOLS,  # type: ignore[arg-type]
+                max_tokens=256,
+                logprobs=True,
             )
             latencies.append(time.perf_counter() - t0)
             choice = resp.choices[0]
@@ -82,6 +86,8 @@ async def run_agent(base_url: str, *, max_turns: int) -> dict[str, Any]:
             if not choice.message.tool_calls:
                 break
             for tc in choice.message.tool_calls:
+                if tc.type != "function":  # custom (free-form) tools are not offered here
+                    continue
                 calls.append(f"{tc.function.name}({tc.function.arguments})")
                 messages.append(
                     {"role": "tool", "tool_call_id": tc.id, "content": run_tool(tc.function.name, tc.function.arguments)}
