@@ -495,6 +495,22 @@ def _salted(request_salt: str | None, control_salt: str | None) -> str | None:
     return control_salt if request_salt is None else f"{request_salt}:{control_salt}"
 
 
+def _abort_on_stop_is_stop(result: GenerateResult, request: GenerateRequest,
+                           expect: Expectations | None) -> GenerateResult:
+    """SGLang checks the abort flag before the stop check, so a pause landing on the step
+    that sampled end-of-turn reports `abort` with the stop id as the last token. That turn
+    is finished: resubmitting would sample past its own end-of-turn."""
+    if result.finish_reason != "abort" or not result.output_ids:
+        return result
+    last = result.output_ids[-1]
+    stops = set(request.sampling.stop_token_ids)
+    if expect is not None:
+        stops |= set(expect.stop_token_ids)
+    if not _is_int(last) or last not in stops:
+        return result
+    return replace(result, finish_reason="stop", matched_stop=last, abort_message=None)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -620,6 +636,7 @@ async def generate_resilient(
         if not control.check_reported_version(engine, result.weight_version):
             counts.mismatches += 1
         version = result.weight_version if result.weight_version is not None else dispatch_version
+        result = _abort_on_stop_is_stop(result, request, expect)
         if result.finish_reason != "abort":
             return _assemble(request, first, result, version, acc, counts)
 
