@@ -48,6 +48,7 @@ from session_server.errors import (
     EngineAborted,
     PausedTooLong,
     UpstreamInvalid,
+    UpstreamTimeout,
 )
 from trajectory.errors import ValidationError
 from trajectory.validate import Expectations, validate_generation
@@ -67,6 +68,8 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "keep", "wait")
 _SGLANG_MODE = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
+MAX_WEIGHT_VERSION = 2**53 - 1  # the largest integer every JSON client reads exactly
+
 _WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 WeightSpan = tuple[int, int, Any]
@@ -118,6 +121,11 @@ class ControlMetrics:
         )
         self.paused_too_long_total = Counter(
             "tito_turn_paused_too_long_total", "Turns whose deadline passed while paused", registry=r
+        )
+        self.engine_aborts_total = Counter(
+            "tito_engine_aborts_sent_total",
+            "Engine requests aborted because their turn stopped waiting (cancel, timeout), by outcome",
+            ["outcome"], registry=r,
         )
         self.paused_wait_seconds = Histogram(
             "tito_turn_paused_wait_seconds", "Time a turn segment waited at the closed pause gate",
@@ -197,8 +205,14 @@ class ControlPlane:
         weight_version: int | None = None,
         salt_cache: bool = True,
         max_empty_aborts: int = 8,
+        abort_timeout_s: float = 2.0,
     ) -> None:
         self._adapters = adapters
+        self.abort_timeout_s = abort_timeout_s
+        self._abort_tasks: set[asyncio.Task[None]] = set()
+        # called with the new version after every weight-version change (the pool drops
+        # cached-prefix estimates: the salt changed, so no old prefix is reusable)
+        self.on_weight_version: list[Callable[[int], None]] = []
         self.metrics = ControlMetrics(registry)
         self.grace_s = grace_s
         self.drain_timeout_s = drain_timeout_s
@@ -413,16 +427,58 @@ class ControlPlane:
     def weight_version(self) -> int | None:
         return self._version
 
-    def set_weight_version(self, version: Any) -> dict[str, Any]:
-        """`POST /control/weight_version {"version": N}`: monotone; going backwards is a 400."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise BadRequest(f"weight version must be an int >= 0, not {version!r}")
+    def set_weight_version(self, version: Any, *, force: bool = False) -> dict[str, Any]:
+        """`POST /control/weight_version {"version": N, "force": false}`: monotone; going
+        backwards is a 400 unless `force` (the reset path, logged). Versions stay within
+        JSON-safe integers so a huge value cannot lock out every later update."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_WEIGHT_VERSION:
+            raise BadRequest(f"weight version must be an int in [0, 2**53 - 1], not {version!r}")
+        if not isinstance(force, bool):
+            raise BadRequest(f"force must be a boolean, not {force!r}")
         previous = self._version
         if previous is not None and version < previous:
-            raise BadRequest(f"weight version {version} is older than the current {previous}")
+            if not force:
+                raise BadRequest(
+                    f"weight version {version} is older than the current {previous} "
+                    "(send force: true to reset)"
+                )
+            log.warning("weight version forced backwards: %s -> %s", previous, version)
         self._version = version
         self.metrics.weight_version.set(version)
-        return {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt()}
+        if version != previous:
+            for hook in list(self.on_weight_version):
+                try:
+                    hook(version)
+                except Exception:  # a hook never blocks a weight update
+                    log.exception("weight-version hook failed")
+        return {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt(),
+                "forced": bool(force and previous is not None and version < previous)}
+
+    def abort_engine_request(self, adapter: Any, rid: str) -> None:
+        """Abort `rid` on its engine in the background: the turn stopped waiting for it
+        (cancelled or timed out), so the engine must not keep decoding for nobody. Never
+        blocks the caller; bounded by `abort_timeout_s`; counted by outcome."""
+        fn = getattr(adapter, "abort_request", None)
+        if fn is None:
+            self.metrics.engine_aborts_total.labels("unsupported").inc()
+            return
+
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(fn(rid), self.abort_timeout_s)
+                self.metrics.engine_aborts_total.labels("sent").inc()
+            except Exception as exc:
+                self.metrics.engine_aborts_total.labels("failed").inc()
+                log.warning("abort of %s on %s failed: %r", rid, getattr(adapter, "base_url", "?"), exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
+
+    async def drain_aborts(self) -> None:
+        """Wait for the background aborts in flight (shutdown, tests)."""
+        while self._abort_tasks:
+            await asyncio.gather(*list(self._abort_tasks), return_exceptions=True)
 
     def cache_salt(self) -> str | None:
         """Prefix-cache namespace of the current weights (vLLM `cache_salt`, SGLang `extra_key`),
@@ -629,6 +685,9 @@ async def generate_resilient(
         control._enter(seg_rid, engine, lora)
         try:
             result = await adapter.generate(seg)
+        except (asyncio.CancelledError, UpstreamTimeout):
+            control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
+            raise
         finally:
             control._exit(seg_rid)
         if first is None:

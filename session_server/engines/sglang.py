@@ -322,6 +322,11 @@ class SGLangAdapter:
         """Abort one request (rids match by prefix: use fixed-width ids) or all when rid is None."""
         await self.http.call_json("POST", "/abort_request", {"rid": rid} if rid else {"abort_all": True})
 
+    async def abort_request(self, rid: str) -> None:
+        """Abort one request (SGLang `POST /abort_request {rid}`; matches by rid prefix, so
+        our ids are fixed width). A request already finished is a no-op there."""
+        await self.http.call_json("POST", "/abort_request", {"rid": rid}, timeout_s=5.0)
+
     async def flush_cache(self) -> None:
         await self.http.call_json("POST", "/flush_cache")
 

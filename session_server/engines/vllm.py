@@ -370,5 +370,12 @@ class VLLMAdapter:
         """POST /abort_requests; an empty list aborts everything."""
         await self.http.call_json("POST", "/abort_requests", {"request_ids": list(request_ids)})
 
+    async def abort_request(self, rid: str) -> None:
+        """Abort one request (vLLM `POST /abort_requests {request_ids: [rid]}`); never an
+        empty list, which would abort everything."""
+        if not rid:
+            raise ValueError("abort_request needs a request id")
+        await self.http.call_json("POST", "/abort_requests", {"request_ids": [rid]}, timeout_s=5.0)
+
     async def aclose(self) -> None:
         await self.http.aclose()
