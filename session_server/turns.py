@@ -407,7 +407,7 @@ class TurnRunner:
         return TurnOutput(
             request_id=greq.request_id,
             message=message,
-            finish_reason=finish,
+            finish_reason="stop" if finish == "repetition" else finish,  # OpenAI knows no repetition
             prompt_tokens=len(input_ids),
             completion_tokens=len(valid.ids),
             cached_tokens=valid.cached_tokens,

@@ -112,8 +112,8 @@ def parse_vllm_logprob_content(entries: Any, *, engine: str = "", request_id: st
 def _finish(fr: Any, *, engine: str, request_id: str) -> str:
     if fr in ("stop", "length", "abort"):
         return fr
-    if fr == "repetition":  # the engine's repetition detector stopped it: a stop without a match
-        return "stop"
+    if fr == "repetition":  # the engine's repetition detector stopped it: no stop id, no match
+        return "repetition"
     if fr == "error":
         raise UpstreamHTTPError(
             f"vllm {request_id}: finish_reason error", engine=engine, http_status=500

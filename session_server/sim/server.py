@@ -48,6 +48,7 @@ FAULT_KINDS = (
     "prompt_tokens_mismatch",  # prompt_tokens off by one
     "cached_above_prompt",  # cached_tokens > prompt_tokens
     "bad_finish",  # finish inconsistent with the output (length <-> stop)
+    "repetition",  # vLLM only: the repetition detector stops after half the planned tokens
 )
 _PAUSE_MODES = {"abort": "abort", "keep": "keep", "wait": "wait", "in_place": "keep", "retract": "keep"}
 _FLUSH_TEXT = (
@@ -189,7 +190,7 @@ class SimEngine:
             cursor = self.policy.start(job.input_ids)
             out = _Outcome([], [], [] if job.top_k else None, "length", None, len(job.input_ids), cached)
             abort_at = None
-            if job.fault == "abort_midway":
+            if job.fault in ("abort_midway", "repetition"):
                 remaining = max(1, len(cursor.planned) - cursor.offset)
                 abort_at = max(1, min(job.max_tokens, remaining) // 2)
             eos = set(self.model.eos_ids)
@@ -203,6 +204,9 @@ class SimEngine:
                     await asyncio.sleep(0)
                 while self.paused == "keep" and not job.abort.is_set():
                     await self._wait_resumed(job)
+                if abort_at is not None and i >= abort_at and job.fault == "repetition":
+                    out.finish = "repetition"
+                    break
                 if job.abort.is_set() or (abort_at is not None and i >= abort_at):
                     out.finish, out.abort_message = "abort", "Abort in running batch."
                     break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from pathlib import Path
@@ -74,3 +75,35 @@ async def test_cancelled_generate_resilient_aborts_engine_request(qwen3_dir: Pat
     assert rid in _aborted_rids(log)
     sent = control.metrics.engine_aborts_total.labels("sent")._value.get()
     assert sent == 1
+
+
+def test_vllm_repetition_finish_is_accepted_without_match() -> None:
+    """Adapter parser + validator: `repetition` is its own finish, valid without a match."""
+    import json
+
+    from session_server.engines.vllm import parse_vllm_generate
+    from trajectory.validate import Expectations, validate_generation
+
+    rid = f"{9:032x}"
+    body = json.dumps({"request_id": rid, "choices": [{
+        "index": 0, "token_ids": [5, 6, 5, 6], "finish_reason": "repetition", "stop_reason": None,
+        "logprobs": {"content": [{"token_id": t, "logprob": -0.1} for t in (5, 6, 5, 6)]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
+    result = parse_vllm_generate(body, request_id=rid)
+    assert result.finish_reason == "repetition" and result.matched_stop is None
+    valid = validate_generation(result, Expectations(
+        request_id=rid, prompt_len=3, vocab_size=100, max_tokens=64,
+        stop_token_ids=frozenset({99}), last_weight_version=None))
+    assert valid.finish_reason == "repetition"
+
+
+async def test_vllm_repetition_turn_is_stop_for_client_and_recorded(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, "vllm") as st:
+        sid = await st.session()
+        await st.fault("repetition")
+        r = await st.chat(sid, {**CHAT, "max_tokens": 400})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        traj = await st.trajectory(sid)
+        text = json.dumps(traj)
+        assert '"repetition"' in text  # recorded as what it was
