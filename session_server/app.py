@@ -130,6 +130,7 @@ def create_app(config: AppConfig) -> FastAPI:
             registry=metrics.registry,
             grace_s=settings.pause_grace_s,
         )
+        control.on_weight_version.append(lambda _v: engines.reset_cached())  # new salt: nothing cached
         ctx = ServerContext(
             settings=settings,
             store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
@@ -290,11 +291,23 @@ def create_app(config: AppConfig) -> FastAPI:
         eng = ctx.engines.remove(engine_id)
         if eng is None:
             raise NotFound(f"unknown engine {engine_id!r}")
-        with contextlib.suppress(Exception):
-            await eng.adapter.aclose()
+        # turns already on it finish (their generation is good); new ones are refused;
+        # the close runs in the background so DELETE does not wait for them
+        task = asyncio.get_running_loop().create_task(_close_removed(eng, ctx.settings.turn_timeout_s))
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
         return Response(status_code=204)
 
     return app
+
+
+_CLOSING: set[asyncio.Task[None]] = set()
+
+
+async def _close_removed(eng: Engine, drain_s: float) -> None:
+    """Close a removed engine's client once its in-flight generations are done (bounded)."""
+    with contextlib.suppress(Exception):
+        await eng.adapter.aclose(drain_s=drain_s)
 
 
 async def _add_engine(

@@ -451,8 +451,10 @@ class ControlPlane:
                     hook(version)
                 except Exception:  # a hook never blocks a weight update
                     log.exception("weight-version hook failed")
-        return {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt(),
-                "forced": bool(force and previous is not None and version < previous)}
+        out: dict[str, Any] = {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt()}
+        if previous is not None and version < previous:
+            out["forced"] = True
+        return out
 
     def abort_engine_request(self, adapter: Any, rid: str) -> None:
         """Abort `rid` on its engine in the background: the turn stopped waiting for it

@@ -102,6 +102,6 @@ class EngineAdapter(Protocol):
         """Run one generation; raise `session_server.errors.EngineError` subclasses on failure."""
         ...
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain_s: float = 0.0) -> None:
         """Release connections."""
         ...

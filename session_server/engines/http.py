@@ -19,6 +19,7 @@ Error mapping (`request_bytes`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import resource
 import time
@@ -205,14 +206,35 @@ class EngineHTTP:
         self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
         self._sem = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def session(self) -> aiohttp.ClientSession:
+        if self._closed:  # a closed client never reopens a session nobody would close
+            raise UpstreamTransportError(f"{self.base_url}: engine client is closed",
+                                         engine=self.base_url, transient=False)
         if self._session is None:
             self._session = make_session(self._limits)
         return self._session
 
     async def generate(self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None) -> HTTPReply:
         """POST a generation under the concurrency cap; the deadline starts once a slot is held."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._generate(path, body, timeout_s=timeout_s, headers=headers)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _generate(self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None) -> HTTPReply:
         async with self._sem:
             deadline = time.monotonic() + timeout_s
 
@@ -259,7 +281,13 @@ class EngineHTTP:
             return False
         return reply.status == 200
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain_s: float = 0.0) -> None:
+        """Close for good. With `drain_s`, generations already in flight may finish first
+        (an engine removed mid-turn still delivers that turn); new ones are refused."""
+        self._closed = True
+        if drain_s > 0 and self._in_flight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), drain_s)
         if self._session is not None:
             await self._session.close()
             self._session = None

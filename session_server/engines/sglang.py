@@ -330,5 +330,5 @@ class SGLangAdapter:
     async def flush_cache(self) -> None:
         await self.http.call_json("POST", "/flush_cache")
 
-    async def aclose(self) -> None:
-        await self.http.aclose()
+    async def aclose(self, drain_s: float = 0.0) -> None:
+        await self.http.aclose(drain_s)

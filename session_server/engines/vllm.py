@@ -377,5 +377,5 @@ class VLLMAdapter:
             raise ValueError("abort_request needs a request id")
         await self.http.call_json("POST", "/abort_requests", {"request_ids": [rid]}, timeout_s=5.0)
 
-    async def aclose(self) -> None:
-        await self.http.aclose()
+    async def aclose(self, drain_s: float = 0.0) -> None:
+        await self.http.aclose(drain_s)

@@ -108,3 +108,18 @@ async def test_pause_on_eot_step_finishes_stop_exact_last_index(
     assert got.aborts == 1 and got.segments == 2
 
 
+
+
+def test_weight_version_bounded_and_force_reset() -> None:
+    from session_server.errors import BadRequest
+
+    control = ControlPlane(lambda: [])
+    with pytest.raises(BadRequest):
+        control.set_weight_version(2**63 - 1)  # would lock out every later update
+    assert control.weight_version is None
+    control.set_weight_version(2**53 - 1)
+    with pytest.raises(BadRequest, match="force"):
+        control.set_weight_version(3)
+    out = control.set_weight_version(3, force=True)
+    assert out["forced"] and control.weight_version == 3 and control.cache_salt() == "wv-3"
+    control.set_weight_version(4)
