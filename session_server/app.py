@@ -316,13 +316,27 @@ async def _add_engine(
     """Build an adapter for `spec` (protocol forced or probed) and add its DP targets.
 
     An engine that does not answer at start-up is added unhealthy: the active
-    probe brings it in when it comes up."""
-    adapter = await make_adapter(spec, offload=decoder.run)
+    probe brings it in when it comes up. One that answers but not as its protocol,
+    or a mistyped protocol, is a 400 (`BadRequest`)."""
+    from .engines.probe import EngineRefused, verify_engine  # local: keeps this change here
+
+    try:
+        adapter = await make_adapter(spec, offload=decoder.run)
+    except ValueError as exc:  # a mistyped protocol (`sglangg=...`)
+        raise BadRequest(str(exc)) from exc
     healthy = True
+    try:  # something that merely answers HTTP is not an engine
+        await verify_engine(adapter)
+    except EngineRefused as exc:
+        await adapter.aclose()
+        raise BadRequest(f"engine {spec!r} refused: {exc}") from exc
+    except (EngineError, TimeoutError) as exc:
+        log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
+        healthy = False
     if dp_size is None:
         dp_size = 1
         dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
-        if dp_probe is not None:
+        if dp_probe is not None and healthy:
             try:
                 dp_size = await dp_probe()
             except EngineError as exc:

@@ -107,3 +107,33 @@ async def test_vllm_repetition_turn_is_stop_for_client_and_recorded(qwen3_dir: P
         traj = await st.trajectory(sid)
         text = json.dumps(traj)
         assert '"repetition"' in text  # recorded as what it was
+
+
+async def test_post_engines_probes_declared_protocol(qwen3_dir: Path) -> None:
+    from aiohttp import web
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"hello": "world"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", hello)  # answers every path with 200 JSON
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    fake = "http://{}:{}".format(*runner.addresses[0][:2])
+    try:
+        async with live_stack(qwen3_dir, "sglang") as st:
+            before = (await st.http.get("/engines")).json()["engines"]
+            for proto in ("sglang", "vllm"):
+                r = await st.http.post("/engines", json={"url": f"{proto}={fake}"})
+                assert r.status_code == 400, r.text
+                assert "refused" in r.json()["error"]["message"]
+            r = await st.http.post("/engines", json={"url": f"sglangg={st.engines[0]}"})
+            assert r.status_code == 400, r.text
+            assert "unknown engine protocol" in r.json()["error"]["message"]
+            assert (await st.http.get("/engines")).json()["engines"] == before
+            r = await st.http.post("/engines", json={"url": f"sglang={st.engines[0]}"})
+            assert r.status_code == 201, r.text
+    finally:
+        await runner.cleanup()
