@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from session_server.engines.http import EngineHTTP
@@ -51,3 +53,28 @@ def test_weight_update_resets_cached_prefix_estimates() -> None:
     assert target.resident_tokens == 0
 
 
+
+
+async def test_one_failed_probe_keeps_engine_and_its_cache_estimates() -> None:
+    from session_server.routing.health import probe_once
+
+    pool = EnginePool()
+    pool.add("e0", _Adapter())  # type: ignore[arg-type]
+    pool.add("e1", _Adapter())  # type: ignore[arg-type]
+    t = pool.select("s", "e0/0", context_tokens=100)
+    pool.on_turn_complete(t, "s", ok=True, total_tokens=150)
+    fail = {"e0"}
+
+    async def probe(eng: Any) -> None:
+        if eng.id in fail:
+            raise ConnectionRefusedError
+
+    await probe_once(pool, probe, timeout_s=1.0)
+    assert pool.engines["e0"].healthy and pool.uncached_tokens("s", "e0/0", 200) == 50
+    fail.clear()
+    await probe_once(pool, probe, timeout_s=1.0)  # a healthy probe resets the count
+    fail.add("e0")
+    await probe_once(pool, probe, timeout_s=1.0)
+    assert pool.engines["e0"].healthy
+    await probe_once(pool, probe, timeout_s=1.0)
+    assert not pool.engines["e0"].healthy and pool.uncached_tokens("s", "e0/0", 200) == 200
