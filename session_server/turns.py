@@ -274,7 +274,7 @@ class TurnRunner:
         n = len(greq.input_ids)
         hashes = None
         if engines.policy.name == "cache_aware":
-            hashes = prefix_block_hashes(np.asarray(greq.input_ids).tolist())
+            hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
         attempts = 2 if len(engines.engines) > 1 else 1
         for attempt in range(attempts):
             target = engines.select(session.id, session.home, context_tokens=n, prefix_hashes=hashes)

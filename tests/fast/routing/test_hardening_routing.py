@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from session_server.engines.http import EngineHTTP
@@ -78,3 +79,45 @@ async def test_one_failed_probe_keeps_engine_and_its_cache_estimates() -> None:
     assert pool.engines["e0"].healthy
     await probe_once(pool, probe, timeout_s=1.0)
     assert not pool.engines["e0"].healthy and pool.uncached_tokens("s", "e0/0", 200) == 200
+
+
+def _old_prefix_block_hashes(token_ids: list[int], block_tokens: int) -> tuple[int, ...]:
+    """The previous definition (per-token Python ints), kept as the reference."""
+    import hashlib
+
+    out: list[int] = []
+    prev = b""
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        block = token_ids[start : start + block_tokens]
+        digest = hashlib.blake2b(
+            prev + b"".join(int(t).to_bytes(4, "little", signed=True) for t in block), digest_size=8
+        ).digest()
+        out.append(int.from_bytes(digest, "big"))
+        prev = digest
+    return tuple(out)
+
+
+class _NoPerIdArray(np.ndarray):
+    """Fails if anyone walks the ids one Python int at a time."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("per-id iteration")
+
+    def tolist(self) -> Any:
+        raise AssertionError("tolist")
+
+
+def test_prefix_hashes_on_numpy_bytes_equal_old_definition() -> None:
+    from session_server.routing.policy import prefix_block_hashes
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 150_000, size=1000).astype(np.int32)
+    for block in (1, 7, 256):
+        new = prefix_block_hashes(ids, block)
+        assert new == _old_prefix_block_hashes(ids.tolist(), block)
+        assert new == prefix_block_hashes(ids.tolist(), block)  # lists and arrays agree
+        # prefix-stable: a longer context keeps every earlier block hash
+        assert prefix_block_hashes(ids[:700], block) == new[: 700 // block]
+    # the per-block work is on bytes: never one Python int per id
+    guarded = ids.view(_NoPerIdArray)
+    assert prefix_block_hashes(guarded, 256) == _old_prefix_block_hashes(ids.tolist(), 256)
