@@ -31,6 +31,7 @@ for `abort` and `wait` pauses (a segment never runs across an update) and, for a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -538,6 +539,19 @@ class ControlPlane:
         self.metrics.resubmits_total.inc()
 
 
+async def _enter_by(stack: contextlib.AsyncExitStack, cm: contextlib.AbstractAsyncContextManager[Any],
+                    deadline: float, what: str) -> None:
+    """Enter `cm` on `stack`, waiting no later than the turn's monotonic `deadline`."""
+    left = deadline - time.monotonic()
+    try:
+        async with asyncio.timeout(max(0.0, left)):
+            await stack.enter_async_context(cm)
+    except TimeoutError:
+        raise UpstreamTimeout(
+            f"the turn's deadline passed while waiting for {what} ({max(0.0, left):.3f}s)"
+        ) from None
+
+
 def _extend(prompt: Sequence[int], partial: list[Any]) -> Sequence[int]:
     """prompt + partial, keeping a numpy prompt numpy (contexts reach 100K+ ids; no list copy)."""
     if not partial:
@@ -647,6 +661,7 @@ async def generate_resilient(
     expect: Expectations | None = None,
     on_abort: Callable[[AbortEvent], None] | None = None,
     deadline: float | None = None,
+    admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None = None,
 ) -> ResilientResult:
     """Generate one turn through any number of pauses: abort -> accumulate -> resubmit.
 
@@ -656,6 +671,9 @@ async def generate_resilient(
     `request.request_id`), and carries the current weight version's cache salt.
     `expect` (the whole turn's `Expectations`) makes each aborted segment pass the
     full validator before its values are kept; without it only shapes are checked.
+    `admit(uncached_guess)` (prefill admission; None = the caller's own estimate, for the
+    first segment) is held per segment, never while waiting at the gate; waiting for it
+    or for the adapter's `slot()` past `deadline` is `UpstreamTimeout` (504).
     Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
     empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
     """
@@ -670,28 +688,45 @@ async def generate_resilient(
     remaining = request.max_tokens
     unexplained_empty = 0
 
+    slot = getattr(adapter, "slot", None)
+    first_salt = control.cache_salt()
     while True:
-        counts.paused_wait_s += await control.wait_open(lora, deadline=deadline)
-        seg_rid = request.request_id if not counts.rids else new_request_id()
-        counts.rids.append(seg_rid)
-        epoch, dispatch_version = control.epoch, control.weight_version
-        seg_input = _extend(prompt, acc.ids)
-        seg = replace(
-            request,
-            request_id=seg_rid,
-            input_ids=seg_input,
-            max_tokens=remaining,
-            cache_salt=_salted(request.cache_salt, control.cache_salt()),
-            timeout_s=max(0.001, deadline - time.monotonic()),
-        )
-        control._enter(seg_rid, engine, lora)
-        try:
-            result = await adapter.generate(seg)
-        except (asyncio.CancelledError, UpstreamTimeout):
-            control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
-            raise
-        finally:
-            control._exit(seg_rid)
+        async with contextlib.AsyncExitStack() as held:
+            # gate -> prefill admission -> engine slot -> gate again -> read version/salt:
+            # a segment queued behind admission or the engine's cap cannot slip past a
+            # pause that closed meanwhile, nor carry the weight version it saw before it
+            counts.paused_wait_s += await control.wait_open(lora, deadline=deadline)
+            if admit is not None:
+                salt_now = control.cache_salt()
+                # a resubmission re-prefills only its partial, unless the salt changed
+                guess = None if not counts.rids else (
+                    len(prompt) + len(acc.ids) if salt_now != first_salt else len(acc.ids))
+                await _enter_by(held, admit(guess), deadline, f"prefill admission on {engine}")
+            if slot is not None:
+                await _enter_by(held, slot(), deadline, f"a generation slot on {engine}")
+            if control.blocked(lora):
+                continue  # closed again while we queued: release everything, wait again
+            seg_rid = request.request_id if not counts.rids else new_request_id()
+            counts.rids.append(seg_rid)
+            epoch, dispatch_version = control.epoch, control.weight_version
+            seg_input = _extend(prompt, acc.ids)
+            seg = replace(
+                request,
+                request_id=seg_rid,
+                input_ids=seg_input,
+                max_tokens=remaining,
+                cache_salt=_salted(request.cache_salt, control.cache_salt()),
+                timeout_s=max(0.001, deadline - time.monotonic()),
+                slot_held=slot is not None,
+            )
+            control._enter(seg_rid, engine, lora)
+            try:
+                result = await adapter.generate(seg)
+            except (asyncio.CancelledError, UpstreamTimeout):
+                control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
+                raise
+            finally:
+                control._exit(seg_rid)
         if first is None:
             first = result
         if not control.check_reported_version(engine, result.weight_version):

@@ -285,8 +285,13 @@ class TurnRunner:
             target.in_flight += 1
             result: ResilientResult | None = None
             try:
-                async with ctx.admission.acquire(engine.id, uncached):
-                    result = await generate_resilient(engine.adapter, pinned, ctx.control, expect=expect)
+                eid = engine.id  # admission per segment, never held at the pause gate (issue 8)
+
+                def admit(guess: int | None, eid: str = eid, uncached: int = uncached) -> Any:
+                    return ctx.admission.acquire(eid, uncached if guess is None else guess)
+
+                result = await generate_resilient(engine.adapter, pinned, ctx.control, expect=expect,
+                                                  admit=admit)
                 return result, target.id
             except UpstreamTransportError as exc:
                 dead = record_failure(engines, engine.id, exc)

@@ -68,6 +68,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     return_routed_experts: bool = False
     timeout_s: float = 600.0  # deadline measured from dispatch
+    slot_held: bool = False  # the caller already holds this engine's concurrency slot (`adapter.slot()`)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import contextlib
 import random
 import resource
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -223,28 +223,42 @@ class EngineHTTP:
             self._session = make_session(self._limits)
         return self._session
 
-    async def generate(self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None) -> HTTPReply:
-        """POST a generation under the concurrency cap; the deadline starts once a slot is held."""
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of the engine's concurrency slots. A caller that must read state which
+        may change while it queues (the pause gate, the weight version and its cache salt)
+        takes the slot first, reads the state, then sends with `slot_held=True`."""
+        async with self._sem:
+            yield
+
+    async def generate(
+        self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None,
+        slot_held: bool = False,
+    ) -> HTTPReply:
+        """POST a generation under the concurrency cap (unless the caller holds a slot);
+        the deadline starts once a slot is held."""
         self._in_flight += 1
         self._idle.clear()
         try:
-            return await self._generate(path, body, timeout_s=timeout_s, headers=headers)
+            if slot_held:
+                return await self._send(path, body, timeout_s=timeout_s, headers=headers)
+            async with self._sem:
+                return await self._send(path, body, timeout_s=timeout_s, headers=headers)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
 
-    async def _generate(self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None) -> HTTPReply:
-        async with self._sem:
-            deadline = time.monotonic() + timeout_s
+    async def _send(self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None) -> HTTPReply:
+        deadline = time.monotonic() + timeout_s
 
-            async def once() -> HTTPReply:
-                return await request_bytes(
-                    self.session(), "POST", self.base_url + path, engine=self.base_url, body=body,
-                    headers=headers, timeout_s=max(0.001, deadline - time.monotonic()),
-                )
+        async def once() -> HTTPReply:
+            return await request_bytes(
+                self.session(), "POST", self.base_url + path, engine=self.base_url, body=body,
+                headers=headers, timeout_s=max(0.001, deadline - time.monotonic()),
+            )
 
-            return await retry_transient(once, retries=self.retries)
+        return await retry_transient(once, retries=self.retries)
 
     async def call(
         self, method: str, path: str, body: Any = None, *,

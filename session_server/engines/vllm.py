@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import msgspec
@@ -339,7 +340,8 @@ class VLLMAdapter:
             path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(request, self.model)
         body = encode_json(payload)
         headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
-        reply = await self.http.generate(path, body, timeout_s=request.timeout_s, headers=headers)
+        reply = await self.http.generate(path, body, timeout_s=request.timeout_s, headers=headers,
+                                         slot_held=request.slot_held)
         if reply.status != 200:
             raise http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
         parse = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
@@ -369,6 +371,10 @@ class VLLMAdapter:
     async def abort(self, request_ids: Sequence[str] = ()) -> None:
         """POST /abort_requests; an empty list aborts everything."""
         await self.http.call_json("POST", "/abort_requests", {"request_ids": list(request_ids)})
+
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        """One of this engine's concurrency slots (see `EngineHTTP.slot`)."""
+        return self.http.slot()
 
     async def abort_request(self, rid: str) -> None:
         """Abort one request (vLLM `POST /abort_requests {request_ids: [rid]}`); never an

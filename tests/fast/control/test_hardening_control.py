@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -123,3 +124,79 @@ def test_weight_version_bounded_and_force_reset() -> None:
     out = control.set_weight_version(3, force=True)
     assert out["forced"] and control.weight_version == 3 and control.cache_salt() == "wv-3"
     control.set_weight_version(4)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_turn_queued_behind_engine_cap_does_not_escape_pause(
+    protocol: str, qwen3_model: SimModel, make_prompt: Callable[[str], list[int]],
+) -> None:
+    """B waits for A's engine slot while a pause + weight update happens: B is sent only
+    after resume, with the new version's cache salt (gate/version/salt read after the slot)."""
+    from session_server.engines import SGLangAdapter, VLLMAdapter
+    from tests.fast.control.conftest import Spy
+
+    prompt = make_prompt("read the config and fix the error")
+    async with running_sim(protocol, qwen3_model, latency_ms=5) as url:
+        cls: Any = SGLangAdapter if protocol == "sglang" else VLLMAdapter
+        spy = Spy(cls(url, retries=0, max_concurrency=1))
+        control = ControlPlane(lambda: [spy], grace_s=0.005, weight_version=1)
+        try:
+            a = asyncio.create_task(generate_resilient(spy, GenerateRequest(_rid(1), prompt, 400), control))
+            await asyncio.sleep(0.05)
+            b = asyncio.create_task(generate_resilient(spy, GenerateRequest(_rid(2), prompt, 40), control))
+            await asyncio.sleep(0.05)  # B now queues for the only slot
+            assert not any(r.request_id == _rid(2) for r in spy.requests)
+            assert (await control.pause("abort"))["ok"]
+            await asyncio.sleep(0.05)  # A's abort frees the slot while paused
+            control.set_weight_version(2)
+            sent_while_paused = [r.request_id for r in spy.requests if r.request_id == _rid(2)]
+            assert (await control.resume())["ok"]
+            got_a, got_b = await asyncio.gather(a, b)
+        finally:
+            await spy.aclose()
+    assert sent_while_paused == []
+    first_b = next(r for r in spy.requests if r.request_id == _rid(2))
+    assert first_b.cache_salt == "wv-2"
+    assert got_b.weight_version in (2, None, "default") and got_b.finish_reason in ("stop", "length")
+    assert got_a.aborts >= 1
+
+
+async def test_admission_wait_bounded_by_deadline_and_not_held_at_gate(
+    qwen3_model: SimModel, make_prompt: Callable[[str], list[int]],
+) -> None:
+    import contextlib
+    import time
+
+    from session_server.errors import UpstreamTimeout
+
+    prompt = make_prompt("list the files")
+    sem = asyncio.Semaphore(1)
+    entered: list[bool] = []
+
+    @contextlib.asynccontextmanager
+    async def admit(guess: int | None) -> Any:
+        async with sem:
+            entered.append(control.blocked())
+            yield
+
+    async with running_sim("sglang", qwen3_model, latency_ms=1) as url:
+        adapter = make_adapter("sglang", url)
+        control = ControlPlane(lambda: [adapter], grace_s=0.005)
+        try:
+            # the slot is taken elsewhere: the wait ends at the turn's deadline with a 504
+            await sem.acquire()
+            with pytest.raises(UpstreamTimeout, match="prefill admission"):
+                await generate_resilient(adapter, GenerateRequest(_rid(1), prompt, 8), control,
+                                         admit=admit, deadline=time.monotonic() + 0.1)
+            sem.release()
+            # paused: the turn waits at the gate without holding admission
+            await control.pause("abort")
+            task = asyncio.create_task(generate_resilient(
+                adapter, GenerateRequest(_rid(2), prompt, 8), control, admit=admit))
+            await asyncio.sleep(0.05)
+            assert not sem.locked() and entered == []
+            await control.resume()
+            got = await task
+        finally:
+            await adapter.aclose()
+    assert entered == [False] and len(got.output_ids) > 0
