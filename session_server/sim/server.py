@@ -48,7 +48,7 @@ FAULT_KINDS = (
     "prompt_tokens_mismatch",  # prompt_tokens off by one
     "cached_above_prompt",  # cached_tokens > prompt_tokens
     "bad_finish",  # finish inconsistent with the output (length <-> stop)
-    "repetition",  # vLLM only: the repetition detector stops after half the planned tokens
+    "repetition",  # vLLM: the repetition detector stops after half the planned tokens (SGLang: none)
 )
 _PAUSE_MODES = {"abort": "abort", "keep": "keep", "wait": "wait", "in_place": "keep", "retract": "keep"}
 _FLUSH_TEXT = (
@@ -190,7 +190,7 @@ class SimEngine:
             cursor = self.policy.start(job.input_ids)
             out = _Outcome([], [], [] if job.top_k else None, "length", None, len(job.input_ids), cached)
             abort_at = None
-            if job.fault in ("abort_midway", "repetition"):
+            if job.fault == "abort_midway" or (job.fault == "repetition" and self.protocol == "vllm"):
                 remaining = max(1, len(cursor.planned) - cursor.offset)
                 abort_at = max(1, min(job.max_tokens, remaining) // 2)
             eos = set(self.model.eos_ids)
