@@ -106,7 +106,9 @@ async def test_vllm_repetition_turn_is_stop_for_client_and_recorded(qwen3_dir: P
         assert r.json()["choices"][0]["finish_reason"] == "stop"
         traj = await st.trajectory(sid)
         text = json.dumps(traj)
-        assert '"repetition"' in text  # recorded as what it was
+        assert "\"repetition\"" in text  # recorded as what it was
+        turn = traj["branches"][0]["turns"][0]
+        assert turn["finish_reason"] == "repetition" and turn["repair_tokens"]  # closed like any non-EOT end
 
 
 async def test_post_engines_probes_declared_protocol(qwen3_dir: Path) -> None:
