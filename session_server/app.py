@@ -130,6 +130,7 @@ def create_app(config: AppConfig) -> FastAPI:
             registry=metrics.registry,
             grace_s=settings.pause_grace_s,
         )
+        control.on_weight_version.append(lambda _v: engines.reset_cached())  # new salt: nothing cached
         ctx = ServerContext(
             settings=settings,
             store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
@@ -290,11 +291,23 @@ def create_app(config: AppConfig) -> FastAPI:
         eng = ctx.engines.remove(engine_id)
         if eng is None:
             raise NotFound(f"unknown engine {engine_id!r}")
-        with contextlib.suppress(Exception):
-            await eng.adapter.aclose()
+        # turns already on it finish (their generation is good); new ones are refused;
+        # the close runs in the background so DELETE does not wait for them
+        task = asyncio.get_running_loop().create_task(_close_removed(eng, ctx.settings.turn_timeout_s))
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
         return Response(status_code=204)
 
     return app
+
+
+_CLOSING: set[asyncio.Task[None]] = set()
+
+
+async def _close_removed(eng: Engine, drain_s: float) -> None:
+    """Close a removed engine's client once its in-flight generations are done (bounded)."""
+    with contextlib.suppress(Exception):
+        await eng.adapter.aclose(drain_s=drain_s)
 
 
 async def _add_engine(
@@ -303,13 +316,27 @@ async def _add_engine(
     """Build an adapter for `spec` (protocol forced or probed) and add its DP targets.
 
     An engine that does not answer at start-up is added unhealthy: the active
-    probe brings it in when it comes up."""
-    adapter = await make_adapter(spec, offload=decoder.run)
+    probe brings it in when it comes up. One that answers but not as its protocol,
+    or a mistyped protocol, is a 400 (`BadRequest`)."""
+    from .engines.probe import EngineRefused, verify_engine  # local: keeps this change here
+
+    try:
+        adapter = await make_adapter(spec, offload=decoder.run)
+    except ValueError as exc:  # a mistyped protocol (`sglangg=...`)
+        raise BadRequest(str(exc)) from exc
     healthy = True
+    try:  # something that merely answers HTTP is not an engine
+        await verify_engine(adapter)
+    except EngineRefused as exc:
+        await adapter.aclose()
+        raise BadRequest(f"engine {spec!r} refused: {exc}") from exc
+    except (EngineError, TimeoutError) as exc:
+        log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
+        healthy = False
     if dp_size is None:
         dp_size = 1
         dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
-        if dp_probe is not None:
+        if dp_probe is not None and healthy:
             try:
                 dp_size = await dp_probe()
             except EngineError as exc:

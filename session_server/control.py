@@ -31,6 +31,7 @@ for `abort` and `wait` pauses (a segment never runs across an update) and, for a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -48,6 +49,7 @@ from session_server.errors import (
     EngineAborted,
     PausedTooLong,
     UpstreamInvalid,
+    UpstreamTimeout,
 )
 from trajectory.errors import ValidationError
 from trajectory.validate import Expectations, validate_generation
@@ -67,6 +69,8 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "keep", "wait")
 _SGLANG_MODE = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
+MAX_WEIGHT_VERSION = 2**53 - 1  # the largest integer every JSON client reads exactly
+
 _WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 WeightSpan = tuple[int, int, Any]
@@ -118,6 +122,11 @@ class ControlMetrics:
         )
         self.paused_too_long_total = Counter(
             "tito_turn_paused_too_long_total", "Turns whose deadline passed while paused", registry=r
+        )
+        self.engine_aborts_total = Counter(
+            "tito_engine_aborts_sent_total",
+            "Engine requests aborted because their turn stopped waiting (cancel, timeout), by outcome",
+            ["outcome"], registry=r,
         )
         self.paused_wait_seconds = Histogram(
             "tito_turn_paused_wait_seconds", "Time a turn segment waited at the closed pause gate",
@@ -197,8 +206,14 @@ class ControlPlane:
         weight_version: int | None = None,
         salt_cache: bool = True,
         max_empty_aborts: int = 8,
+        abort_timeout_s: float = 2.0,
     ) -> None:
         self._adapters = adapters
+        self.abort_timeout_s = abort_timeout_s
+        self._abort_tasks: set[asyncio.Task[None]] = set()
+        # called with the new version after every weight-version change (the pool drops
+        # cached-prefix estimates: the salt changed, so no old prefix is reusable)
+        self.on_weight_version: list[Callable[[int], None]] = []
         self.metrics = ControlMetrics(registry)
         self.grace_s = grace_s
         self.drain_timeout_s = drain_timeout_s
@@ -413,16 +428,60 @@ class ControlPlane:
     def weight_version(self) -> int | None:
         return self._version
 
-    def set_weight_version(self, version: Any) -> dict[str, Any]:
-        """`POST /control/weight_version {"version": N}`: monotone; going backwards is a 400."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise BadRequest(f"weight version must be an int >= 0, not {version!r}")
+    def set_weight_version(self, version: Any, *, force: bool = False) -> dict[str, Any]:
+        """`POST /control/weight_version {"version": N, "force": false}`: monotone; going
+        backwards is a 400 unless `force` (the reset path, logged). Versions stay within
+        JSON-safe integers so a huge value cannot lock out every later update."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_WEIGHT_VERSION:
+            raise BadRequest(f"weight version must be an int in [0, 2**53 - 1], not {version!r}")
+        if not isinstance(force, bool):
+            raise BadRequest(f"force must be a boolean, not {force!r}")
         previous = self._version
         if previous is not None and version < previous:
-            raise BadRequest(f"weight version {version} is older than the current {previous}")
+            if not force:
+                raise BadRequest(
+                    f"weight version {version} is older than the current {previous} "
+                    "(send force: true to reset)"
+                )
+            log.warning("weight version forced backwards: %s -> %s", previous, version)
         self._version = version
         self.metrics.weight_version.set(version)
-        return {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt()}
+        if version != previous:
+            for hook in list(self.on_weight_version):
+                try:
+                    hook(version)
+                except Exception:  # a hook never blocks a weight update
+                    log.exception("weight-version hook failed")
+        out: dict[str, Any] = {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt()}
+        if previous is not None and version < previous:
+            out["forced"] = True
+        return out
+
+    def abort_engine_request(self, adapter: Any, rid: str) -> None:
+        """Abort `rid` on its engine in the background: the turn stopped waiting for it
+        (cancelled or timed out), so the engine must not keep decoding for nobody. Never
+        blocks the caller; bounded by `abort_timeout_s`; counted by outcome."""
+        fn = getattr(adapter, "abort_request", None)
+        if fn is None:
+            self.metrics.engine_aborts_total.labels("unsupported").inc()
+            return
+
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(fn(rid), self.abort_timeout_s)
+                self.metrics.engine_aborts_total.labels("sent").inc()
+            except Exception as exc:
+                self.metrics.engine_aborts_total.labels("failed").inc()
+                log.warning("abort of %s on %s failed: %r", rid, getattr(adapter, "base_url", "?"), exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
+
+    async def drain_aborts(self) -> None:
+        """Wait for the background aborts in flight (shutdown, tests)."""
+        while self._abort_tasks:
+            await asyncio.gather(*list(self._abort_tasks), return_exceptions=True)
 
     def cache_salt(self) -> str | None:
         """Prefix-cache namespace of the current weights (vLLM `cache_salt`, SGLang `extra_key`),
@@ -480,6 +539,19 @@ class ControlPlane:
         self.metrics.resubmits_total.inc()
 
 
+async def _enter_by(stack: contextlib.AsyncExitStack, cm: contextlib.AbstractAsyncContextManager[Any],
+                    deadline: float, what: str) -> None:
+    """Enter `cm` on `stack`, waiting no later than the turn's monotonic `deadline`."""
+    left = deadline - time.monotonic()
+    try:
+        async with asyncio.timeout(max(0.0, left)):
+            await stack.enter_async_context(cm)
+    except TimeoutError:
+        raise UpstreamTimeout(
+            f"the turn's deadline passed while waiting for {what} ({max(0.0, left):.3f}s)"
+        ) from None
+
+
 def _extend(prompt: Sequence[int], partial: list[Any]) -> Sequence[int]:
     """prompt + partial, keeping a numpy prompt numpy (contexts reach 100K+ ids; no list copy)."""
     if not partial:
@@ -493,6 +565,22 @@ def _salted(request_salt: str | None, control_salt: str | None) -> str | None:
     if control_salt is None:
         return request_salt
     return control_salt if request_salt is None else f"{request_salt}:{control_salt}"
+
+
+def _abort_on_stop_is_stop(result: GenerateResult, request: GenerateRequest,
+                           expect: Expectations | None) -> GenerateResult:
+    """SGLang checks the abort flag before the stop check, so a pause landing on the step
+    that sampled end-of-turn reports `abort` with the stop id as the last token. That turn
+    is finished: resubmitting would sample past its own end-of-turn."""
+    if result.finish_reason != "abort" or not result.output_ids:
+        return result
+    last = result.output_ids[-1]
+    stops = set(request.sampling.stop_token_ids)
+    if expect is not None:
+        stops |= set(expect.stop_token_ids)
+    if not _is_int(last) or last not in stops:
+        return result
+    return replace(result, finish_reason="stop", matched_stop=last, abort_message=None)
 
 
 def _is_int(v: Any) -> bool:
@@ -573,6 +661,7 @@ async def generate_resilient(
     expect: Expectations | None = None,
     on_abort: Callable[[AbortEvent], None] | None = None,
     deadline: float | None = None,
+    admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None = None,
 ) -> ResilientResult:
     """Generate one turn through any number of pauses: abort -> accumulate -> resubmit.
 
@@ -582,6 +671,9 @@ async def generate_resilient(
     `request.request_id`), and carries the current weight version's cache salt.
     `expect` (the whole turn's `Expectations`) makes each aborted segment pass the
     full validator before its values are kept; without it only shapes are checked.
+    `admit(uncached_guess)` (prefill admission; None = the caller's own estimate, for the
+    first segment) is held per segment, never while waiting at the gate; waiting for it
+    or for the adapter's `slot()` past `deadline` is `UpstreamTimeout` (504).
     Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
     empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
     """
@@ -596,30 +688,51 @@ async def generate_resilient(
     remaining = request.max_tokens
     unexplained_empty = 0
 
+    slot = getattr(adapter, "slot", None)
+    first_salt = control.cache_salt()
     while True:
-        counts.paused_wait_s += await control.wait_open(lora, deadline=deadline)
-        seg_rid = request.request_id if not counts.rids else new_request_id()
-        counts.rids.append(seg_rid)
-        epoch, dispatch_version = control.epoch, control.weight_version
-        seg_input = _extend(prompt, acc.ids)
-        seg = replace(
-            request,
-            request_id=seg_rid,
-            input_ids=seg_input,
-            max_tokens=remaining,
-            cache_salt=_salted(request.cache_salt, control.cache_salt()),
-            timeout_s=max(0.001, deadline - time.monotonic()),
-        )
-        control._enter(seg_rid, engine, lora)
-        try:
-            result = await adapter.generate(seg)
-        finally:
-            control._exit(seg_rid)
+        async with contextlib.AsyncExitStack() as held:
+            # gate -> prefill admission -> engine slot -> gate again -> read version/salt:
+            # a segment queued behind admission or the engine's cap cannot slip past a
+            # pause that closed meanwhile, nor carry the weight version it saw before it
+            counts.paused_wait_s += await control.wait_open(lora, deadline=deadline)
+            if admit is not None:
+                salt_now = control.cache_salt()
+                # a resubmission re-prefills only its partial, unless the salt changed
+                guess = None if not counts.rids else (
+                    len(prompt) + len(acc.ids) if salt_now != first_salt else len(acc.ids))
+                await _enter_by(held, admit(guess), deadline, f"prefill admission on {engine}")
+            if slot is not None:
+                await _enter_by(held, slot(), deadline, f"a generation slot on {engine}")
+            if control.blocked(lora):
+                continue  # closed again while we queued: release everything, wait again
+            seg_rid = request.request_id if not counts.rids else new_request_id()
+            counts.rids.append(seg_rid)
+            epoch, dispatch_version = control.epoch, control.weight_version
+            seg_input = _extend(prompt, acc.ids)
+            seg = replace(
+                request,
+                request_id=seg_rid,
+                input_ids=seg_input,
+                max_tokens=remaining,
+                cache_salt=_salted(request.cache_salt, control.cache_salt()),
+                timeout_s=max(0.001, deadline - time.monotonic()),
+                slot_held=slot is not None,
+            )
+            control._enter(seg_rid, engine, lora)
+            try:
+                result = await adapter.generate(seg)
+            except (asyncio.CancelledError, UpstreamTimeout):
+                control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
+                raise
+            finally:
+                control._exit(seg_rid)
         if first is None:
             first = result
         if not control.check_reported_version(engine, result.weight_version):
             counts.mismatches += 1
         version = result.weight_version if result.weight_version is not None else dispatch_version
+        result = _abort_on_stop_is_stop(result, request, expect)
         if result.finish_reason != "abort":
             return _assemble(request, first, result, version, acc, counts)
 

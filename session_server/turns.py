@@ -274,7 +274,7 @@ class TurnRunner:
         n = len(greq.input_ids)
         hashes = None
         if engines.policy.name == "cache_aware":
-            hashes = prefix_block_hashes(np.asarray(greq.input_ids).tolist())
+            hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
         attempts = 2 if len(engines.engines) > 1 else 1
         for attempt in range(attempts):
             target = engines.select(session.id, session.home, context_tokens=n, prefix_hashes=hashes)
@@ -285,8 +285,13 @@ class TurnRunner:
             target.in_flight += 1
             result: ResilientResult | None = None
             try:
-                async with ctx.admission.acquire(engine.id, uncached):
-                    result = await generate_resilient(engine.adapter, pinned, ctx.control, expect=expect)
+                eid = engine.id  # admission per segment, never held at the pause gate (issue 8)
+
+                def admit(guess: int | None, eid: str = eid, uncached: int = uncached) -> Any:
+                    return ctx.admission.acquire(eid, uncached if guess is None else guess)
+
+                result = await generate_resilient(engine.adapter, pinned, ctx.control, expect=expect,
+                                                  admit=admit)
                 return result, target.id
             except UpstreamTransportError as exc:
                 dead = record_failure(engines, engine.id, exc)
@@ -407,7 +412,7 @@ class TurnRunner:
         return TurnOutput(
             request_id=greq.request_id,
             message=message,
-            finish_reason=finish,
+            finish_reason="stop" if finish == "repetition" else finish,  # OpenAI knows no repetition
             prompt_tokens=len(input_ids),
             completion_tokens=len(valid.ids),
             cached_tokens=valid.cached_tokens,

@@ -37,7 +37,9 @@ SENTINEL_FLOOR = -100.0
 """What a clamped sentinel becomes: far below any plausible sampled token's logprob,
 yet exp() of it is still a (subnormal) nonzero float32, so ratios stay finite."""
 
-FINISH_REASONS = frozenset({"stop", "length", "abort"})
+# `repetition`: vLLM's repetition detector ended the turn; it needs no match and says
+# nothing about the budget (the turn is closed with repair tokens like any non-EOT end)
+FINISH_REASONS = frozenset({"stop", "length", "abort", "repetition"})
 
 
 class GenerationLike(Protocol):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "repetition"]  # repetition: vLLM detector
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     return_routed_experts: bool = False
     timeout_s: float = 600.0  # deadline measured from dispatch
+    slot_held: bool = False  # the caller already holds this engine's concurrency slot (`adapter.slot()`)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,6 @@ class EngineAdapter(Protocol):
         """Run one generation; raise `session_server.errors.EngineError` subclasses on failure."""
         ...
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain_s: float = 0.0) -> None:
         """Release connections."""
         ...

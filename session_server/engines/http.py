@@ -19,10 +19,11 @@ Error mapping (`request_bytes`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import resource
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -205,24 +206,59 @@ class EngineHTTP:
         self._limits = limits or ConnectionLimits(max_connections=max_concurrency + 8)
         self._sem = asyncio.Semaphore(max_concurrency)
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def session(self) -> aiohttp.ClientSession:
+        if self._closed:  # a closed client never reopens a session nobody would close
+            raise UpstreamTransportError(f"{self.base_url}: engine client is closed",
+                                         engine=self.base_url, transient=False)
         if self._session is None:
             self._session = make_session(self._limits)
         return self._session
 
-    async def generate(self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None) -> HTTPReply:
-        """POST a generation under the concurrency cap; the deadline starts once a slot is held."""
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of the engine's concurrency slots. A caller that must read state which
+        may change while it queues (the pause gate, the weight version and its cache salt)
+        takes the slot first, reads the state, then sends with `slot_held=True`."""
         async with self._sem:
-            deadline = time.monotonic() + timeout_s
+            yield
 
-            async def once() -> HTTPReply:
-                return await request_bytes(
-                    self.session(), "POST", self.base_url + path, engine=self.base_url, body=body,
-                    headers=headers, timeout_s=max(0.001, deadline - time.monotonic()),
-                )
+    async def generate(
+        self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None,
+        slot_held: bool = False,
+    ) -> HTTPReply:
+        """POST a generation under the concurrency cap (unless the caller holds a slot);
+        the deadline starts once a slot is held."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            if slot_held:
+                return await self._send(path, body, timeout_s=timeout_s, headers=headers)
+            async with self._sem:
+                return await self._send(path, body, timeout_s=timeout_s, headers=headers)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
 
-            return await retry_transient(once, retries=self.retries)
+    async def _send(self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None) -> HTTPReply:
+        deadline = time.monotonic() + timeout_s
+
+        async def once() -> HTTPReply:
+            return await request_bytes(
+                self.session(), "POST", self.base_url + path, engine=self.base_url, body=body,
+                headers=headers, timeout_s=max(0.001, deadline - time.monotonic()),
+            )
+
+        return await retry_transient(once, retries=self.retries)
 
     async def call(
         self, method: str, path: str, body: Any = None, *,
@@ -259,7 +295,13 @@ class EngineHTTP:
             return False
         return reply.status == 200
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain_s: float = 0.0) -> None:
+        """Close for good. With `drain_s`, generations already in flight may finish first
+        (an engine removed mid-turn still delivers that turn); new ones are refused."""
+        self._closed = True
+        if drain_s > 0 and self._in_flight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), drain_s)
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -7,12 +7,20 @@ Whether a vLLM server has the token-in endpoint is probed by `VLLMAdapter.probe`
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import msgspec
 
 from session_server.engines.http import make_session, request_bytes
-from session_server.errors import EngineError, UpstreamInvalid
+from session_server.errors import (
+    EngineError,
+    UpstreamInvalid,
+    UpstreamTimeout,
+    UpstreamTransportError,
+)
 
-__all__ = ["PROTOCOLS", "detect_protocol", "parse_engine_spec"]
+__all__ = ["PROTOCOLS", "EngineRefused", "detect_protocol", "parse_engine_spec", "verify_engine"]
 
 PROTOCOLS = ("sglang", "vllm")
 
@@ -53,3 +61,35 @@ async def detect_protocol(base_url: str, *, timeout_s: float = 5.0) -> str:
     finally:
         await session.close()
     raise UpstreamInvalid(f"{base_url} is neither an SGLang nor a vLLM server", engine=base_url)
+
+
+class EngineRefused(Exception):
+    """The URL answers, but not as the declared protocol: it must not be admitted."""
+
+
+async def verify_engine(adapter: Any, *, timeout_s: float = 10.0) -> None:
+    """Prove `adapter`'s URL speaks its declared protocol before it takes traffic.
+
+    SGLang: `/get_model_info` is a JSON object naming a generation model (`model_path`,
+    `is_generation` not false). vLLM: `/v1/models` names a model and the token-in
+    endpoint probe answers (a validation error proves the route; a 404 falls back to
+    `/v1/completions`, which `/v1/models` already vouches for). No generation is sent,
+    so engine request logs hold only real turns. Unreachable (transport errors,
+    timeouts) propagates as the EngineError it is, so a caller can still add an engine
+    that is not up yet as unhealthy; anything else is `EngineRefused` saying what was wrong."""
+    try:
+        if adapter.protocol == "sglang":
+            info = await asyncio.wait_for(adapter.model_info(), timeout_s)
+            if not isinstance(info, dict) or "model_path" not in info:
+                raise EngineRefused(
+                    f"{adapter.base_url}: /get_model_info is not SGLang's (no model_path): {str(info)[:200]}")
+            if info.get("is_generation") is False:
+                raise EngineRefused(f"{adapter.base_url}: the served model is not a generation model")
+        else:
+            await asyncio.wait_for(adapter.probe(), timeout_s)
+    except (UpstreamTransportError, UpstreamTimeout, TimeoutError):
+        raise
+    except EngineRefused:
+        raise
+    except EngineError as exc:
+        raise EngineRefused(f"{adapter.base_url} does not answer as {adapter.protocol}: {exc}") from exc

@@ -12,6 +12,7 @@ null (mid-stream); a JSON list body (batch or n>1) is refused; unknown
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import msgspec
@@ -277,7 +278,8 @@ class SGLangAdapter:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """POST /generate; deadline `request.timeout_s` from dispatch (after the concurrency cap)."""
         body = encode_json(build_sglang_payload(request))
-        reply = await self.http.generate("/generate", body, timeout_s=request.timeout_s)
+        reply = await self.http.generate("/generate", body, timeout_s=request.timeout_s,
+                                         slot_held=request.slot_held)
         if reply.status != 200:
             raise http_error(reply, what=f"sglang {request.request_id}", engine=self.base_url)
         # a reply can carry a ~1.4 MB routed-experts payload: decode it off the event loop
@@ -322,8 +324,17 @@ class SGLangAdapter:
         """Abort one request (rids match by prefix: use fixed-width ids) or all when rid is None."""
         await self.http.call_json("POST", "/abort_request", {"rid": rid} if rid else {"abort_all": True})
 
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        """One of this engine's concurrency slots (see `EngineHTTP.slot`)."""
+        return self.http.slot()
+
+    async def abort_request(self, rid: str) -> None:
+        """Abort one request (SGLang `POST /abort_request {rid}`; matches by rid prefix, so
+        our ids are fixed width). A request already finished is a no-op there."""
+        await self.http.call_json("POST", "/abort_request", {"rid": rid}, timeout_s=5.0)
+
     async def flush_cache(self) -> None:
         await self.http.call_json("POST", "/flush_cache")
 
-    async def aclose(self) -> None:
-        await self.http.aclose()
+    async def aclose(self, drain_s: float = 0.0) -> None:
+        await self.http.aclose(drain_s)

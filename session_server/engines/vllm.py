@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import msgspec
@@ -112,8 +113,8 @@ def parse_vllm_logprob_content(entries: Any, *, engine: str = "", request_id: st
 def _finish(fr: Any, *, engine: str, request_id: str) -> str:
     if fr in ("stop", "length", "abort"):
         return fr
-    if fr == "repetition":  # the engine's repetition detector stopped it: a stop without a match
-        return "stop"
+    if fr == "repetition":  # the engine's repetition detector stopped it: no stop id, no match
+        return "repetition"
     if fr == "error":
         raise UpstreamHTTPError(
             f"vllm {request_id}: finish_reason error", engine=engine, http_status=500
@@ -339,7 +340,8 @@ class VLLMAdapter:
             path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(request, self.model)
         body = encode_json(payload)
         headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
-        reply = await self.http.generate(path, body, timeout_s=request.timeout_s, headers=headers)
+        reply = await self.http.generate(path, body, timeout_s=request.timeout_s, headers=headers,
+                                         slot_held=request.slot_held)
         if reply.status != 200:
             raise http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
         parse = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
@@ -370,5 +372,16 @@ class VLLMAdapter:
         """POST /abort_requests; an empty list aborts everything."""
         await self.http.call_json("POST", "/abort_requests", {"request_ids": list(request_ids)})
 
-    async def aclose(self) -> None:
-        await self.http.aclose()
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        """One of this engine's concurrency slots (see `EngineHTTP.slot`)."""
+        return self.http.slot()
+
+    async def abort_request(self, rid: str) -> None:
+        """Abort one request (vLLM `POST /abort_requests {request_ids: [rid]}`); never an
+        empty list, which would abort everything."""
+        if not rid:
+            raise ValueError("abort_request needs a request id")
+        await self.http.call_json("POST", "/abort_requests", {"request_ids": [rid]}, timeout_s=5.0)
+
+    async def aclose(self, drain_s: float = 0.0) -> None:
+        await self.http.aclose(drain_s)

@@ -65,8 +65,19 @@ def record_failure(
     return False
 
 
-async def probe_once(pool: EnginePool, probe: ProbeFn, timeout_s: float) -> dict[str, str]:
-    """Probe every engine concurrently; returns engine id -> "healthy" | "dead" | "slow"."""
+PROBES_BEFORE_DEAD = 2
+"""Failed active probes in a row before an engine is marked dead: death drops every
+cached-prefix estimate there (each session re-prefills elsewhere), so one lost probe
+must not cost that."""
+
+
+async def probe_once(
+    pool: EnginePool, probe: ProbeFn, timeout_s: float, *, probes_before_dead: int = PROBES_BEFORE_DEAD
+) -> dict[str, str]:
+    """Probe every engine concurrently; returns engine id -> "healthy" | "dead" | "slow".
+
+    A "dead" verdict marks the engine failed only after `probes_before_dead` in a row;
+    until then it keeps its sessions and their cached-prefix estimates."""
     engines = list(pool.engines.values())
 
     async def one(eng: Engine) -> str:
@@ -84,12 +95,17 @@ async def probe_once(pool: EnginePool, probe: ProbeFn, timeout_s: float) -> dict
     out: dict[str, str] = {}
     for eng, verdict in zip(engines, verdicts, strict=True):
         out[eng.id] = verdict
-        if verdict == "healthy" and not eng.healthy:
-            log.info("engine %s recovered; existing sessions stay where they are", eng.id)
-            pool.mark_healthy(eng.id)
-        elif verdict == "dead" and eng.healthy:
-            log.warning("engine %s failed its probe; marking unhealthy", eng.id)
-            pool.mark_failed(eng.id)
+        if verdict == "healthy":
+            eng.probe_failures = 0
+            if not eng.healthy:
+                log.info("engine %s recovered; existing sessions stay where they are", eng.id)
+                pool.mark_healthy(eng.id)
+        elif verdict == "dead":
+            eng.probe_failures += 1
+            if eng.healthy and eng.probe_failures >= probes_before_dead:
+                log.warning("engine %s failed %d probes in a row; marking unhealthy",
+                            eng.id, eng.probe_failures)
+                pool.mark_failed(eng.id)
     return out
 
 

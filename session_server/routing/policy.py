@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 PREFIX_BLOCK_TOKENS = 256
 
 
@@ -111,14 +113,16 @@ def prefix_block_hashes(
 
     hash_i = H(hash_{i-1}, tokens[i*B:(i+1)*B]); a trailing partial block is not hashed.
     """
+    # one int32-LE buffer for the whole context (numpy, no per-token Python ints): the
+    # same bytes the per-token encoding produced, so the hashes are unchanged
+    data = memoryview(np.ascontiguousarray(np.asarray(token_ids), dtype="<i4")).cast("B")
+    step = 4 * block_tokens
     out: list[int] = []
     prev = b""
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        block = token_ids[start : start + block_tokens]
-        digest = hashlib.blake2b(
-            prev + b"".join(int(t).to_bytes(4, "little", signed=True) for t in block),
-            digest_size=8,
-        ).digest()
+    for start in range(0, len(data) - step + 1, step):
+        h = hashlib.blake2b(prev, digest_size=8)
+        h.update(data[start : start + step])
+        digest = h.digest()
         out.append(int.from_bytes(digest, "big"))
         prev = digest
     return tuple(out)

@@ -29,6 +29,7 @@ class Engine:
     healthy: bool = True
     last_failure_s: float | None = None
     consecutive_errors: int = 0  # engine-side 5xx in a row; a success resets it
+    probe_failures: int = 0  # failed active probes in a row; a healthy probe resets it
     reported_load: Any = None  # what the engine says about its own load (SGLang /get_load)
 
 
@@ -168,8 +169,11 @@ class EnginePool:
         """A turn left the engine: release its pending prefill; on success record the
         session's cached context (prompt + output = `total_tokens`) on `target`."""
         self._release_pending(session_id)
+        eng = self.engines.get(target.engine_id)
+        if eng is None or self.targets.get(target.id) is not target:
+            return  # removed while the turn ran: its generation is still good, only stats go
         if ok:
-            self.engines[target.engine_id].consecutive_errors = 0
+            eng.consecutive_errors = 0
         if ok and total_tokens is not None:
             self._set_cached(session_id, target.id, total_tokens)
         self.policy.on_turn_complete(session_id, target.id, self._clock())
@@ -190,7 +194,19 @@ class EnginePool:
             self.targets[tid].resident_tokens -= tokens
 
     def engine_of(self, target: TargetStats) -> Engine:
-        return self.engines[target.engine_id]
+        eng = self.engines.get(target.engine_id)
+        if eng is None:
+            raise NoHealthyEngine(f"engine {target.engine_id} was removed")
+        return eng
+
+    def reset_cached(self) -> None:
+        """Forget every cached-prefix estimate: after a weight update the cache salt
+        changed, so no engine can reuse a prefix computed under the old weights."""
+        for tid, tokens in self._cached.values():
+            t = self.targets.get(tid)
+            if t is not None:
+                t.resident_tokens -= tokens
+        self._cached.clear()
 
     def mark_failed(self, engine_id: str) -> None:
         """An unreachable engine: skip it in placement and drop what we believed it cached."""

@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ FAULT_KINDS = (
     "prompt_tokens_mismatch",  # prompt_tokens off by one
     "cached_above_prompt",  # cached_tokens > prompt_tokens
     "bad_finish",  # finish inconsistent with the output (length <-> stop)
+    "repetition",  # vLLM: the repetition detector stops after half the planned tokens (SGLang: none)
 )
 _PAUSE_MODES = {"abort": "abort", "keep": "keep", "wait": "wait", "in_place": "keep", "retract": "keep"}
 _FLUSH_TEXT = (
@@ -125,6 +126,7 @@ class SimEngine:
         cache_capacity_tokens: int = 1 << 20,
         page_size: int | None = None,
         weight_version: str = "default",
+        abort_plan: Sequence[int] = (),
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"protocol must be sglang or vllm, not {protocol!r}")
@@ -148,6 +150,11 @@ class SimEngine:
         self._resumed.set()
         self._closing = asyncio.Event()
         self._rr = itertools.count()
+        # per generation, in arrival order: abort right after the k-th sampled token, before
+        # the stop check (SGLang checks the abort flag first, so the EOT step can be `abort`)
+        self.abort_plan: list[int] = [int(k) for k in abort_plan]
+        self.aborted_rids: list[str] = []  # every rid that ended with an abort, in order
+        self.abort_calls: list[dict[str, Any]] = []  # every abort request received (GET /sim/aborts)
 
     # --- core ------------------------------------------------------------------------
 
@@ -183,10 +190,11 @@ class SimEngine:
             cursor = self.policy.start(job.input_ids)
             out = _Outcome([], [], [] if job.top_k else None, "length", None, len(job.input_ids), cached)
             abort_at = None
-            if job.fault == "abort_midway":
+            if job.fault == "abort_midway" or (job.fault == "repetition" and self.protocol == "vllm"):
                 remaining = max(1, len(cursor.planned) - cursor.offset)
                 abort_at = max(1, min(job.max_tokens, remaining) // 2)
             eos = set(self.model.eos_ids)
+            plan_at = self.abort_plan.pop(0) if self.abort_plan else None
             if self.request_latency_ms > 0:
                 await asyncio.sleep(self.request_latency_ms / 1000.0)
             for i in range(job.max_tokens):
@@ -196,6 +204,9 @@ class SimEngine:
                     await asyncio.sleep(0)
                 while self.paused == "keep" and not job.abort.is_set():
                     await self._wait_resumed(job)
+                if abort_at is not None and i >= abort_at and job.fault == "repetition":
+                    out.finish = "repetition"
+                    break
                 if job.abort.is_set() or (abort_at is not None and i >= abort_at):
                     out.finish, out.abort_message = "abort", "Abort in running batch."
                     break
@@ -205,6 +216,9 @@ class SimEngine:
                 if out.tops is not None:
                     out.tops.append(cursor.top(i, tok, job.top_k))
                 job.produced = i + 1
+                if plan_at is not None and i + 1 >= plan_at:
+                    out.finish, out.abort_message = "abort", "Abort in running batch."
+                    break
                 if tok in job.stop_ids or (not job.ignore_eos and tok in eos):
                     out.finish, out.matched = "stop", tok
                 if on_token is not None:
@@ -213,6 +227,8 @@ class SimEngine:
                     break
             if job.abort.is_set() and not out.ids:
                 out.finish, out.abort_message = "abort", "Abort before prefill."
+            if out.finish == "abort":
+                self.aborted_rids.append(job.rid)
             cache.insert([*job.input_ids, *out.ids], job.cache_salt)
             out.e2e_s = time.monotonic() - t0
             out.weight_version = self.weight_version
@@ -395,6 +411,8 @@ class SimEngine:
         raw = await request.read()
         body = msgspec.json.decode(raw) if raw else {}
         rid = body.get("rid")
+        self.abort_calls.append({"path": "/abort_request", "body": body,
+                                 "running": [j.rid for j in self.running.values()]})
         for job in list(self.running.values()):
             if body.get("abort_all") or (rid and job.rid.startswith(rid)):
                 job.abort.set()
@@ -642,6 +660,8 @@ class SimEngine:
         raw = await request.read()
         body = msgspec.json.decode(raw) if raw else {}
         ids = set(body.get("request_ids") or ())
+        self.abort_calls.append({"path": "/abort_requests", "body": body,
+                                 "running": [j.rid for j in self.running.values()]})
         for job in list(self.running.values()):
             if not ids or job.rid in ids:
                 job.abort.set()
@@ -702,6 +722,10 @@ class SimEngine:
             self.faults.append([kind, count])
         return _json({"pending": [[k, n] for k, n in self.faults if n > 0]})
 
+    async def sim_aborts(self, request: web.Request) -> web.Response:
+        """The abort log: every abort call received and every rid that ended aborted."""
+        return _json({"calls": self.abort_calls, "aborted": self.aborted_rids})
+
     async def sim_faults_clear(self, request: web.Request) -> web.Response:
         self.faults.clear()
         return _json({"pending": []})
@@ -759,6 +783,7 @@ class SimEngine:
         r.add_post("/sim/faults", self.sim_faults)
         r.add_delete("/sim/faults", self.sim_faults_clear)
         r.add_get("/sim/requests", self.sim_requests)
+        r.add_get("/sim/aborts", self.sim_aborts)
         r.add_get("/sim/weight_version", self.sim_weight_version)
         r.add_post("/sim/weight_version", self.sim_weight_version)
         r.add_delete("/sim/requests", self.sim_requests_clear)

@@ -270,7 +270,7 @@ def test_vllm_finish_reason_mapping() -> None:
         return json.dumps({"request_id": RID, "choices": [{
             "index": 0, "token_ids": [5], "finish_reason": fr, "stop_reason": None,
             "logprobs": {"content": [{"token_id": 5, "logprob": -0.1}]}}]}).encode()
-    assert vg(body("repetition")).finish_reason == "stop"
+    assert vg(body("repetition")).finish_reason == "repetition"
     assert vg(body("abort")).finish_reason == "abort"
     with pytest.raises(UpstreamHTTPError) as info:
         vg(body("error"))

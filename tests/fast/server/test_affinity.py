@@ -108,6 +108,23 @@ async def test_engines_added_and_removed_at_runtime(qwen3_dir: Path) -> None:
             log = (await c.get(f"{second}/sim/requests")).json()
         assert_trajectory_matches_engine(traj["branches"][0], log, "runtime-added vllm engine")
         assert (await http.post("/engines", json={"url": "", "dp_size": 0})).status_code == 400
+        # removing the only engine while a turn runs on it: that good generation is delivered
+        slow = await stack.enter_async_context(running_sim("vllm", str(qwen3_dir), seed=3, latency_ms=10))
+        r = await http.post("/engines", json={"url": f"vllm={slow}", "dp_size": 1})
+        assert r.status_code == 201, r.text
+        slow_id = r.json()["id"]
+        assert (await http.delete(f"/engines/{added}")).status_code == 204
+        sid2 = (await http.post("/sessions", json={})).json()["session_id"]
+        import asyncio
+        turn = asyncio.create_task(http.post(
+            f"/sessions/{sid2}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Go."}],
+                                                          "max_tokens": 64}))
+        await asyncio.sleep(0.2)
+        assert not turn.done()
+        assert (await http.delete(f"/engines/{slow_id}")).status_code == 204
+        r = await turn
+        assert r.status_code == 200, r.text
+        assert len((await http.get(f"/sessions/{sid2}/trajectory")).json()["branches"][0]["turns"]) == 1
 
 
 async def test_home_engine_dying_mid_turn_is_retried_on_the_new_home(qwen3_dir: Path) -> None:

@@ -149,6 +149,8 @@ async def test_fault_kinds(protocol: str, kind: str) -> None:
                     0 if protocol == "sglang" else 1) and len(r.logprobs) == n - 1,
                 "prompt_tokens_mismatch": lambda: r.prompt_tokens == len(PROMPT) + 1,
                 "cached_above_prompt": lambda: r.cached_tokens > r.prompt_tokens,
+                "repetition": lambda: (r.finish_reason == "repetition" and 0 < len(r.output_ids) < n)
+                if protocol == "vllm" else list(r.output_ids) == list(clean.output_ids),
                 "bad_finish": lambda: r.finish_reason == "length"
                 and len(r.output_ids) < 400,
             }
