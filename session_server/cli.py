@@ -63,6 +63,8 @@ def load_tokenizer(spec: str) -> Any:
     path_or_name = spec
     if not Path(spec).exists() and spec in builtin:
         path_or_name = str(cached_tokenizer_dir(spec))
+    elif not Path(spec).exists() and spec.startswith(("/", "./", "../", "~")):
+        raise TokenizerUnavailable(f"tokenizer directory {spec!r} does not exist; {instead}")
     try:
         if Path(path_or_name).exists():
             return AutoTokenizer.from_pretrained(path_or_name)
@@ -252,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers advises installing PyTorch on import; this CLI only needs tokenizers
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     return int(args.func(args))

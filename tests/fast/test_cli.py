@@ -92,6 +92,9 @@ def test_serve_bad_local_directory_is_one_line_exit_2(
     rc = cli.main(["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    rc = cli.main(["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", str(tmp_path / "missing")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "does not exist" in err and len(err.splitlines()) == 1, err
 
 
 def test_serve_admin_token_from_flag_or_env(
