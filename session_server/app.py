@@ -33,6 +33,7 @@ from .api.models import (
     parse_json_model,
 )
 from .api.responses import completion_body, stream_chunks
+from .auth import install_auth, new_instance_id
 from .context import ServerContext, Settings, log
 from .control import ControlPlane
 from .decode_pool import DecodePool
@@ -163,6 +164,7 @@ def create_app(config: AppConfig) -> FastAPI:
             await _shutdown(ctx, sweeper, prober)
 
     app = FastAPI(title="TITO session server", lifespan=lifespan)
+    install_auth(app, settings.admin_token)
 
     def ctx_of() -> ServerContext:
         return state["ctx"]
@@ -182,9 +184,11 @@ def create_app(config: AppConfig) -> FastAPI:
             state["ctx"].metrics.errors_total.labels(type="internal_error").inc()
         return _json({"error": {"type": "internal_error", "message": type(exc).__name__}}, 500)
 
+    health_body = orjson.dumps({"status": "ok", "instance_id": settings.instance_id or new_instance_id()})
+
     @app.get("/health")
     async def health() -> Response:
-        return Response(content=b'{"status":"ok"}', media_type=JSON)
+        return Response(content=health_body, media_type=JSON)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -208,7 +212,7 @@ def create_app(config: AppConfig) -> FastAPI:
         )
         s = ctx.store.create(cfg)
         base = str(request.base_url).rstrip("/")
-        return _json({"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1"}, 201)
+        return _json({"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1", "api_key": s.token}, 201)
 
     @app.post("/sessions/{sid}/v1/chat/completions")
     async def chat(sid: str, request: Request) -> Response:

@@ -5,11 +5,89 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
+import socket
 import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
 
 from .context import Settings
 from .offload import default_cpu_workers
 from .routing.factory import POLICY_NAMES
+
+ADMIN_TOKEN_ENV = "SESSION_SERVER_ADMIN_TOKEN"
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+class TokenizerUnavailable(Exception):
+    """`--tokenizer` names nothing loadable; the message says what to pass instead."""
+
+
+def _builtin_names() -> tuple[str, ...]:
+    from .sim.tokenizers import FAMILIES
+
+    return FAMILIES
+
+
+def _hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """One bounded TCP connect to the hub (or to the HTTPS proxy that would carry the
+    request): offline, transformers otherwise spends ~50 s in timeouts and retries."""
+    import huggingface_hub.constants as hub
+
+    if hub.HF_HUB_OFFLINE:
+        return False
+    target = urllib.request.getproxies().get("https") or hub.ENDPOINT
+    url = urllib.parse.urlsplit(target if "//" in target else f"http://{target}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def load_tokenizer(spec: str) -> Any:
+    """`--tokenizer`: a local directory, one of the simulator's built-in offline names
+    (resolved exactly as `sim-engine` does, `cached_tokenizer_dir`), or a hub name.
+
+    A hub name is tried from the local cache first; only when the hub is reachable is
+    it fetched online, so an offline machine fails in seconds with one clear line."""
+    from transformers import AutoTokenizer
+
+    from .sim.tokenizers import cached_tokenizer_dir
+
+    builtin = _builtin_names()
+    instead = f"pass a local tokenizer directory or a built-in offline name ({', '.join(builtin)})"
+    path_or_name = spec
+    if not Path(spec).exists() and spec in builtin:
+        path_or_name = str(cached_tokenizer_dir(spec))
+    elif not Path(spec).exists() and spec.startswith(("/", "./", "../", "~")):
+        raise TokenizerUnavailable(f"tokenizer directory {spec!r} does not exist; {instead}")
+    try:
+        if Path(path_or_name).exists():
+            return AutoTokenizer.from_pretrained(path_or_name)
+        try:
+            return AutoTokenizer.from_pretrained(path_or_name, local_files_only=True)
+        except OSError:
+            if not _hub_reachable():
+                raise TokenizerUnavailable(
+                    f"tokenizer {spec!r} is not in the local cache and the model hub is unreachable; {instead}"
+                ) from None
+        return AutoTokenizer.from_pretrained(path_or_name)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TokenizerUnavailable(f"cannot load tokenizer {spec!r} ({first}); {instead}") from None
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Show every default, except `None` (those flags say in words what unset means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -18,6 +96,15 @@ def _serve(args: argparse.Namespace) -> int:
     from .app import AppConfig, create_app
     from .engines.http import raise_nofile_limit
 
+    admin_token = args.admin_token if args.admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
+    if admin_token is not None and not admin_token.strip():
+        print("session-server serve: error: the admin token is empty; unset it to run without auth", file=sys.stderr)
+        return 2
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except TokenizerUnavailable as exc:
+        print(f"session-server serve: error: {exc}", file=sys.stderr)
+        return 2
     raise_nofile_limit()
     # Pool threads run Python (render, validate, serialize) and hold the GIL; the
     # event loop waits up to one switch interval (5 ms by default) to get it back,
@@ -37,8 +124,10 @@ def _serve(args: argparse.Namespace) -> int:
         prefill_slots_per_engine=args.prefill_slots,
         large_prefill_tokens=args.large_prefill_tokens,
         decode_processes=args.decode_processes,
+        admin_token=admin_token,
+        instance_id=args.instance_id,
     )
-    app = create_app(AppConfig(tokenizer=args.tokenizer, engines=args.engine, settings=settings, family=args.family))
+    app = create_app(AppConfig(tokenizer=tokenizer, engines=args.engine, settings=settings, family=args.family))
     uvicorn.run(
         app,
         host=args.host,
@@ -79,53 +168,94 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(out_dir=args.out, turns=args.turns, protocol=args.protocol))
 
 
+def _sim_epilog() -> str:
+    from .sim import FAULT_KINDS
+
+    kinds = "\n".join(f"  {', '.join(FAULT_KINDS[i:i + 4])}" for i in range(0, len(FAULT_KINDS), 4))
+    return (
+        "fault injection (the next generate requests misbehave, in order):\n"
+        '  POST   /sim/faults {"kind": KIND, "count": N}   queue N faults of KIND (count default 1)\n'
+        "  DELETE /sim/faults                            drop every queued fault\n"
+        "  GET    /sim/requests | DELETE /sim/requests    the request log (for tests)\n"
+        '  GET    /sim/weight_version | POST {"version"}  the weight version replies report\n'
+        f"kinds:\n{kinds}\n"
+        "see docs/api.md for what each kind does"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="session-server", description="TITO session server for agentic RL rollouts")
     sub = p.add_subparsers(dest="command", required=True)
+    builtin = ", ".join(_builtin_names())
 
-    s = sub.add_parser("serve", help="run the session server")
-    s.add_argument("--engine", action="append", required=True, help="URL, sglang=URL or vllm=URL (repeatable)")
-    s.add_argument("--tokenizer", required=True, help="path or name for AutoTokenizer.from_pretrained")
-    s.add_argument("--family", default=None, help="force a chat-template family (default: detect)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--cpu-workers", type=int, default=default_cpu_workers())
-    s.add_argument("--default-max-tokens", type=int, default=1024)
-    s.add_argument("--turn-timeout-s", type=float, default=600.0)
-    s.add_argument("--max-body-mb", type=int, default=32)
-    s.add_argument("--max-sessions", type=int, default=100_000)
-    s.add_argument("--ttl-s", type=float, default=3600.0)
-    s.add_argument("--routing-policy", default="sticky_cost", choices=POLICY_NAMES)
+    s = sub.add_parser(
+        "serve", help="run the session server", formatter_class=_HelpFormatter,
+        description="Run the session server in front of one or more SGLang/vLLM engines. API: docs/api.md.",
+    )
+    s.add_argument("--engine", action="append", required=True,
+                   help="engine URL, sglang=URL or vllm=URL (repeatable; the protocol is probed when not given)")
+    s.add_argument("--tokenizer", required=True,
+                   help=f"the engine model's tokenizer: a local directory, a hub name (needs the hub or its "
+                        f"local cache), or a built-in offline name for the simulator ({builtin})")
+    s.add_argument("--family", default=None, help="force a chat-template family (default: detected from the template)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--port", type=int, default=8000, help="port to bind")
+    s.add_argument("--admin-token", default=None,
+                   help=f"turn on bearer auth with this admin token (default: ${ADMIN_TOKEN_ENV}; neither: auth off). "
+                        "Prefer the variable: a flag shows in `ps`")
+    s.add_argument("--instance-id", default=None, help="what /health reports as instance_id (default: random per start)")
+    s.add_argument("--cpu-workers", type=int, default=default_cpu_workers(),
+                   help="threads for parsing, rendering and serializing off the event loop")
+    s.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="max_tokens of a turn whose request and session set none")
+    s.add_argument("--turn-timeout-s", type=float, default=600.0,
+                   help="deadline of one turn, unless the request's timeout_s sets another")
+    s.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted (413 above)")
+    s.add_argument("--max-sessions", type=int, default=100_000, help="live sessions at most (429 over_capacity above)")
+    s.add_argument("--ttl-s", type=float, default=3600.0,
+                   help="idle time after which a session expires, unless its creation sets ttl_s")
+    s.add_argument("--routing-policy", default="sticky_cost", choices=POLICY_NAMES,
+                   help="how sessions are placed on engines")
     s.add_argument("--prefill-slots", type=int, default=1, help="large uncached prefills in flight per engine")
-    s.add_argument("--large-prefill-tokens", type=int, default=16384)
-    s.add_argument("--decode-processes", type=int, default=1, help="processes decoding large engine replies")
+    s.add_argument("--large-prefill-tokens", type=int, default=16384,
+                   help="uncached prompt tokens from which a prefill counts as large")
+    s.add_argument("--decode-processes", type=int, default=1,
+                   help="processes decoding large engine replies (0: threads only)")
     s.add_argument("--gc-gen0-threshold", type=int, default=20_000, help="gc.set_threshold(N, 20, 20)")
-    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-level", default="info", help="uvicorn log level")
     s.add_argument("--switch-interval-ms", type=float, default=0.5, help="GIL switch interval")
     s.set_defaults(func=_serve)
 
-    e = sub.add_parser("sim-engine", help="run a simulated SGLang or vLLM engine")
-    e.add_argument("--protocol", choices=("sglang", "vllm"), required=True)
-    e.add_argument("--tokenizer", required=True)
-    e.add_argument("--host", default="127.0.0.1")
-    e.add_argument("--port", type=int, default=30000)
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--dp", type=int, default=1)
+    e = sub.add_parser(
+        "sim-engine", help="run a simulated SGLang or vLLM engine (offline, with fault injection)",
+        formatter_class=_HelpFormatter, epilog=_sim_epilog(),
+        description="A wire-faithful simulated engine for tests, benchmarks and trying the server offline.",
+    )
+    e.add_argument("--protocol", choices=("sglang", "vllm"), required=True, help="which engine's HTTP API to speak")
+    e.add_argument("--tokenizer", required=True,
+                   help=f"'toy', a built-in offline name ({builtin}), a tokenizer directory or a hub name")
+    e.add_argument("--host", default="127.0.0.1", help="address to bind")
+    e.add_argument("--port", type=int, default=30000, help="port to bind")
+    e.add_argument("--seed", type=int, default=0, help="sampling seed")
+    e.add_argument("--dp", type=int, default=1, help="data-parallel ranks to simulate")
     e.add_argument("--latency-ms", type=float, default=0.0, help="latency per sampled token")
     e.add_argument("--request-latency-ms", type=float, default=0.0, help="fixed latency per request")
     e.add_argument("--noncanonical", action="store_true", help="emit non-canonical segmentations")
-    e.add_argument("--padding", choices=("base64", "floats"), default=None, help="routed-experts-like payload")
+    e.add_argument("--padding", choices=("base64", "floats"), default=None,
+                   help="add a routed-experts-like payload to every reply (default: none)")
     e.set_defaults(func=_sim_engine)
 
-    d = sub.add_parser("demo", help="sim engines + server + an openai-client agent, offline")
-    d.add_argument("--out", default="demo_output")
-    d.add_argument("--turns", type=int, default=8)
-    d.add_argument("--protocol", choices=("sglang", "vllm"), default="sglang")
+    d = sub.add_parser("demo", help="sim engines + server + an openai-client agent, offline", formatter_class=_HelpFormatter)
+    d.add_argument("--out", default="demo_output", help="directory for the exported trajectory")
+    d.add_argument("--turns", type=int, default=8, help="agent turns")
+    d.add_argument("--protocol", choices=("sglang", "vllm"), default="sglang", help="simulated engine protocol")
     d.set_defaults(func=_demo)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers advises installing PyTorch on import; this CLI only needs tokenizers
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     return int(args.func(args))

@@ -36,6 +36,8 @@ class Settings:
     health_probe_interval_s: float = 2.0
     pause_grace_s: float = 0.05
     decode_processes: int = 1  # worker processes for large engine replies (0: threads only)
+    admin_token: str | None = None  # None: auth off; else bearer auth on (see auth.py)
+    instance_id: str | None = None  # what /health reports; None: random per process
 
 
 @dataclass

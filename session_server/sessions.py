@@ -92,6 +92,7 @@ class Session:
         self.diagnostics: list[dict[str, Any]] = []  # TITO mismatches, repairs, forks
         self.turns_discarded = 0  # completed generations not committed (closing, errors)
         self.control_totals = ControlTotals()
+        self.token = secrets.token_urlsafe(32)  # the agent's api_key; checked by auth.py when auth is on
 
     def transition(self, new: SessionState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -1,0 +1,141 @@
+"""Optional bearer auth (off by default) and the process identity `/health` reports.
+
+Two kinds of credential:
+
+- the **admin token** (``serve --admin-token`` / ``SESSION_SERVER_ADMIN_TOKEN``),
+  held by the trainer and its rollout workers: valid on every route;
+- a **session token**, minted per session at creation and handed to the agent as
+  its OpenAI ``api_key``: valid only on that session's agent routes
+  (``/sessions/{sid}/v1/...``), so an agent can neither read its own (or another
+  session's) trajectory nor touch the control plane.
+
+Which class a request falls in is decided from its path alone (`classify`), and
+everything that is neither open nor an agent route needs the admin token, so a
+route added later is protected without anyone remembering to list it.
+
+A pure ASGI middleware, not ``BaseHTTPMiddleware``: it looks at the headers and
+either answers 401 itself or hands the untouched ``receive``/``send`` on, so
+request bodies are never buffered and streamed responses stay streamed.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import secrets
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+import orjson
+
+from .errors import Unauthorized
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Schema and docs pages describe the API (public, like the source); they hold no data.
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class Access(enum.Enum):
+    OPEN = "open"  # no credential needed
+    SESSION = "session"  # that session's token or the admin token
+    ADMIN = "admin"  # the admin token only
+
+
+def new_instance_id() -> str:
+    """Random per process: lets a client tell a restarted server (sessions gone) from a blip."""
+    return secrets.token_hex(8)
+
+
+def classify(path: str) -> tuple[Access, str | None]:
+    """Access class of a request path, and the session id for agent routes."""
+    if path in OPEN_PATHS:
+        return Access.OPEN, None
+    parts = path.split("/", 4)  # "", "sessions", sid, "v1", rest
+    if len(parts) == 5 and parts[1] == "sessions" and parts[3] == "v1" and parts[2] and parts[4]:
+        return Access.SESSION, parts[2]
+    return Access.ADMIN, None
+
+
+def presented_tokens(headers: Iterable[tuple[bytes, bytes]], *, allow_api_key: bool) -> list[bytes]:
+    """Credentials in `Authorization: Bearer T` (any case of the scheme) and, on agent
+    routes, Anthropic-style `x-api-key: T`."""
+    out: list[bytes] = []
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                out.append(token.strip())
+        elif allow_api_key and name == b"x-api-key" and value.strip():
+            out.append(value.strip())
+    return out
+
+
+def _matches(presented: list[bytes], expected: bytes) -> bool:
+    # compare_digest on bytes: constant time, and never raises on non-ASCII input
+    ok = False
+    for token in presented:
+        ok |= hmac.compare_digest(token, expected)
+    return ok
+
+
+class BearerAuth:
+    """ASGI middleware enforcing `classify`; the session store is read from app state."""
+
+    def __init__(self, app: ASGIApp, admin_token: str) -> None:
+        self.app = app
+        self.admin = admin_token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        access, sid = classify(scope["path"])
+        if access is Access.OPEN:
+            await self.app(scope, receive, send)
+            return
+        presented = presented_tokens(scope["headers"], allow_api_key=access is Access.SESSION)
+        if _matches(presented, self.admin) or (sid is not None and self._session_ok(scope, sid, presented)):
+            await self.app(scope, receive, send)
+            return
+        await self._deny(scope, send, bool(presented), access)
+
+    @staticmethod
+    def _session_ok(scope: Scope, sid: str, presented: list[bytes]) -> bool:
+        ctx = getattr(scope["app"].state, "ctx", None)
+        session = ctx.store.all().get(sid) if ctx is not None else None
+        return session is not None and _matches(presented, session.token.encode())
+
+    @staticmethod
+    async def _deny(scope: Scope, send: Send, had_token: bool, access: Access) -> None:
+        need = "this session's token or the admin token" if access is Access.SESSION else "the admin token"
+        what = "invalid credentials" if had_token else "missing credentials"
+        err = Unauthorized(f"{what}: this route needs {need} as 'Authorization: Bearer <token>'")
+        ctx = getattr(scope["app"].state, "ctx", None)
+        if ctx is not None:
+            ctx.metrics.errors_total.labels(type=err.type).inc()
+        body = orjson.dumps(err.to_body())
+        challenge = b'Bearer error="invalid_token"' if had_token else b"Bearer"
+        await send({
+            "type": "http.response.start",
+            "status": err.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", challenge),
+            ],
+        })
+        await send({"type": "http.response.body", "body": body})
+
+
+def install_auth(app: Any, admin_token: str | None) -> None:
+    """Turn auth on for `app` when an admin token is configured (off by default)."""
+    if admin_token is None:
+        return
+    if not admin_token.strip():
+        raise ValueError("the admin token must not be empty")
+    app.add_middleware(BearerAuth, admin_token=admin_token)

@@ -1,0 +1,140 @@
+"""The newcomer's path through `session-server serve`: tokenizer names, fast failures, help."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub.constants
+import pytest
+
+from session_server import cli
+from session_server.sim import FAULT_KINDS
+from session_server.sim.tokenizers import FAMILIES
+
+
+@pytest.fixture
+def no_uvicorn(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """`serve` runs up to `uvicorn.run`, which records the app instead of serving."""
+    import uvicorn
+
+    seen: dict[str, Any] = {}
+
+    def fake_run(app: Any, **kw: Any) -> None:
+        seen["app"], seen["kw"] = app, kw
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(cli.sys, "setswitchinterval", lambda _s: None)
+    monkeypatch.setattr(cli.gc, "set_threshold", lambda *_a: None)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One TITO_CACHE_DIR for the module: the built-in tokenizer is trained once."""
+    return tmp_path_factory.mktemp("tito-cache")
+
+
+@pytest.fixture
+def offline_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The hub endpoint is a closed local port, nothing is cached: an offline machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for var in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_serve_accepts_the_simulators_builtin_tokenizer_names(
+    no_uvicorn: dict[str, Any], monkeypatch: pytest.MonkeyPatch, builtin_cache: Path
+) -> None:
+    monkeypatch.setenv("TITO_CACHE_DIR", str(builtin_cache))
+    rc = cli.main(["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "qwen3"])
+    assert rc == 0 and "app" in no_uvicorn
+    tok = cli.load_tokenizer("qwen3")
+    assert "<|im_start|>" in tok.get_vocab() and tok.chat_template
+
+
+def test_serve_unfetchable_hub_name_fails_fast_with_one_line(
+    no_uvicorn: dict[str, Any], offline_hub: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = cli.main(["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "no-such-org/no-such-model-7b"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "app" not in no_uvicorn
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("session-server serve: error:") and "no-such-org/no-such-model-7b" in err
+    assert "local tokenizer directory" in err and all(name in err for name in FAMILIES)
+
+
+def test_serve_unfetchable_hub_name_never_tries_online(offline_hub: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slow path (an online from_pretrained) is not entered when the hub is unreachable."""
+    from transformers import AutoTokenizer
+
+    calls: list[dict[str, Any]] = []
+    real = AutoTokenizer.from_pretrained
+
+    def spy(name: str, **kw: Any) -> Any:
+        calls.append(kw)
+        return real(name, **kw)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
+    with pytest.raises(cli.TokenizerUnavailable):
+        cli.load_tokenizer("no-such-org/no-such-model-7b")
+    assert calls == [{"local_files_only": True}]
+
+
+def test_serve_bad_local_directory_is_one_line_exit_2(
+    no_uvicorn: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = cli.main(["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    rc = cli.main(["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", str(tmp_path / "missing")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "does not exist" in err and len(err.splitlines()) == 1, err
+
+
+def test_serve_admin_token_from_flag_or_env(
+    no_uvicorn: dict[str, Any], monkeypatch: pytest.MonkeyPatch, builtin_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from starlette.testclient import TestClient
+
+    monkeypatch.setenv("TITO_CACHE_DIR", str(builtin_cache))
+    base = ["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "qwen3", "--cpu-workers", "1",
+            "--decode-processes", "0"]
+    monkeypatch.setenv(cli.ADMIN_TOKEN_ENV, "from-env")
+    assert cli.main(base) == 0
+    with TestClient(no_uvicorn["app"]) as c:
+        assert c.get("/control/state").status_code == 401
+        assert c.get("/control/state", headers={"Authorization": "Bearer from-env"}).status_code == 200
+    assert cli.main([*base, "--admin-token", "from-flag", "--instance-id", "pod-1"]) == 0
+    with TestClient(no_uvicorn["app"]) as c:
+        assert c.get("/control/state", headers={"Authorization": "Bearer from-flag"}).status_code == 200
+        assert c.get("/health").json()["instance_id"] == "pod-1"
+    monkeypatch.setenv(cli.ADMIN_TOKEN_ENV, "")
+    assert cli.main(base) == 2
+    assert "admin token is empty" in capsys.readouterr().err
+
+
+def test_every_serve_flag_has_help_with_its_default() -> None:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    serve = sub.choices["serve"]  # type: ignore[index]
+    for action in serve._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"--{action.dest} has no help"
+    text = serve.format_help()
+    for flag, default in (("--port", "8000"), ("--ttl-s", "3600.0"), ("--max-body-mb", "32"),
+                          ("--routing-policy", "sticky_cost"), ("--turn-timeout-s", "600.0")):
+        assert flag in text and f"(default: {default})" in " ".join(text.split()), flag
+
+
+def test_sim_engine_help_documents_fault_injection() -> None:
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    text = sub.choices["sim-engine"].format_help()  # type: ignore[index]
+    assert "POST   /sim/faults" in text and '"count"' in text
+    assert all(kind in text for kind in FAULT_KINDS)
