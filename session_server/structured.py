@@ -128,8 +128,11 @@ def derive_constraint(
         return rf, OutputPolicy()
     if tool_choice == "none":
         return rf, OutputPolicy(parse_tools=False)
-    by_name = {_tool_fn(t).get("name"): _tool_fn(t) for t in tools or []}
-    by_name.pop(None, None)
+    by_name: dict[str, dict[str, Any]] = {}
+    for t in tools or []:
+        fn = _tool_fn(t)
+        if isinstance(fn.get("name"), str):
+            by_name[fn["name"]] = fn
     if not by_name:
         raise BadRequest("tool_choice: requires a tool call but the request has no tools")
     if isinstance(tool_choice, NamedToolChoice):

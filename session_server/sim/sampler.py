@@ -198,7 +198,8 @@ class ScriptedPolicy:
         turn_start = int(starts[-1]) + len(gp) if len(starts) else len(ctx)
         prefix = ctx[:turn_start]
         if constrained is not None and self.model.encode is not None:
-            planned, message = [*self.model.encode(constrained), self.model.eos_ids[0]], {}
+            message: dict[str, Any] = {}
+            planned = [*self.model.encode(constrained), self.model.eos_ids[0]]
         else:
             planned, message = self.plan(prefix, starts)
         already = ctx[turn_start:]
