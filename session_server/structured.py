@@ -162,9 +162,11 @@ def request_constraint(req: Any, family: str) -> Constraint | None:
     return derive_constraint(req.tool_choice, req.response_format, req.tools, family)[0]
 
 
-def apply_output_policy(parsed: Any, req: Any, codec: Any, sampled_ids: list[int]) -> Any:
+def apply_output_policy(parsed: Any, req: Any, codec: Any, valid: Any) -> Any:
     """Parse-side meaning of `tool_choice` (runs in the pool): `none` keeps markup as
-    content; `required`/named must have produced an allowed call (else 502)."""
+    content; `required`/named must have produced an allowed call (else 502), unless the
+    output was cut short (finish length/abort: an unfinished call is the budget's doing)."""
+    sampled_ids = valid.ids.tolist()
     tc = req.tool_choice
     if tc is None or tc == "auto":
         return parsed
@@ -182,7 +184,8 @@ def apply_output_policy(parsed: Any, req: Any, codec: Any, sampled_ids: list[int
     allowed = (tc.function.name,) if isinstance(tc, NamedToolChoice) else tuple(
         sorted(n for n in (_tool_fn(t).get("name") for t in req.tools or []) if n)
     )
-    check_tool_calls(parsed, OutputPolicy(require_tool=allowed))
+    if valid.finish_reason == "stop":
+        check_tool_calls(parsed, OutputPolicy(require_tool=allowed))
     return parsed
 
 

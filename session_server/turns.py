@@ -360,7 +360,7 @@ class TurnRunner:
             raise
         timer.lap("generate")
         valid, parsed, repair = await ctx.pool.run(self._check_output, result, expect)
-        parsed = await ctx.pool.run(apply_output_policy, parsed, req, ctx.codec, valid.ids.tolist())
+        parsed = await ctx.pool.run(apply_output_policy, parsed, req, ctx.codec, valid)
         timer.lap("validate")
         message = parsed.to_message()
         finish = valid.finish_reason

@@ -147,3 +147,23 @@ def test_tool_call_grammar_shortest_instance_parses_as_the_tool() -> None:
     assert json.loads(ebnf_shortest(schema_to_ebnf(Answer.model_json_schema()))) == {
         "title": "", "count": 0, "tags": [], "ok": True
     }
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestWarning")
+def test_forced_tool_call_missing_is_502_unless_cut_short() -> None:
+    """An engine that ignores the grammar (no call under tool_choice required) is a 502
+    with nothing committed; a call cut by the token budget is not the engine's fault."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from session_server.api.models import ChatRequest
+    from session_server.errors import UpstreamInvalid
+    from session_server.structured import apply_output_policy
+    from trajectory.codec.base import ParsedAssistant
+
+    req = ChatRequest(messages=MSG, tools=TOOLS, tool_choice="required")
+    parsed = ParsedAssistant(content="no call", reasoning_content=None)
+    with pytest.raises(UpstreamInvalid):
+        apply_output_policy(parsed, req, None, SimpleNamespace(ids=np.array([1]), finish_reason="stop"))
+    assert apply_output_policy(parsed, req, None, SimpleNamespace(ids=np.array([1]), finish_reason="length")) is parsed
