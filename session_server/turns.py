@@ -41,6 +41,7 @@ from .errors import (
 )
 from .routing import prefix_block_hashes, record_failure
 from .sessions import Claim, Session
+from .structured import apply_output_policy, engine_refusal, request_constraint
 
 _TAIL_TOKENS = 16
 
@@ -249,6 +250,7 @@ class TurnRunner:
             presence_penalty=pick("presence_penalty"),
             frequency_penalty=pick("frequency_penalty"),
             repetition_penalty=pick("repetition_penalty"),
+            constraint=request_constraint(req, self.ctx.codec.family),
         )
 
     def _budget(self, session: Session, req: ChatRequest, prompt_len: int) -> int:
@@ -354,9 +356,16 @@ class TurnRunner:
             clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
         )
         timer.lap("route")
-        result, target_id = await self._dispatch(session, greq, expect)
+        try:
+            result, target_id = await self._dispatch(session, greq, expect)
+        except UpstreamHTTPError as exc:
+            refusal = engine_refusal(exc, greq.sampling.constraint, req)
+            if refusal is not None:
+                raise refusal from exc
+            raise
         timer.lap("generate")
         valid, parsed, repair = await ctx.pool.run(self._check_output, result, expect)
+        parsed = await ctx.pool.run(apply_output_policy, parsed, req, ctx.codec, valid)
         timer.lap("validate")
         message = parsed.to_message()
         finish = valid.finish_reason

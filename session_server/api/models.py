@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trajectory.codec.base import HistoryPolicy
 
 from ..errors import BadRequest
+from ..structured import ResponseFormat, ToolChoice
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -24,7 +25,8 @@ class ChatRequest(BaseModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0)

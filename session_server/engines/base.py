@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..structured import Constraint
 
 FinishReason = Literal["stop", "length", "abort", "repetition"]  # repetition: vLLM detector
 
@@ -34,6 +37,8 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # constrained decoding (tool_choice / response_format); adapters map it to their field
+    constraint: Constraint | None = None
 
 
 _OPTIONAL_SAMPLING = (

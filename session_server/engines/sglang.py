@@ -233,6 +233,10 @@ def build_sglang_payload(request: GenerateRequest) -> dict[str, Any]:
         "no_stop_trim": True,
     }
     sp.update(optional_sampling_fields(s, seed_key="sampling_seed"))
+    if s.constraint is not None:
+        # SGLang sampling_params `json_schema` (a JSON string) / `regex` / `ebnf`, at most one
+        # (sglang/srt/sampling/sampling_params.py `verify`; docs.sglang.io sampling_params)
+        sp[s.constraint.kind] = s.constraint.text
     payload: dict[str, Any] = {
         "rid": request.request_id,
         "input_ids": request.input_ids,

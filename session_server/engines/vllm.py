@@ -249,12 +249,36 @@ def _sampling(request: GenerateRequest) -> dict[str, Any]:
     return sp
 
 
+# vLLM structured outputs (docs.vllm.ai features/structured_outputs): since 0.10.2 a
+# `structured_outputs` object {json, regex, grammar, choice, ...}; the older top-level
+# `guided_json`/`guided_regex`/`guided_grammar` were deprecated in 0.10.2 and removed in
+# 0.12.0. The token-in endpoint is newer than the rename and takes the object inside
+# `sampling_params`. `/v1/completions` uses what `/version` says; unknown: the newer one.
+_SO_KEYS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+_GUIDED_KEYS = {"json_schema": "guided_json", "regex": "guided_regex", "ebnf": "guided_grammar"}
+STRUCTURED_SINCE = (0, 10, 2)
+
+
+def _constraint_fields(request: GenerateRequest, *, legacy: bool = False) -> dict[str, Any]:
+    c = request.sampling.constraint
+    if c is None:
+        return {}
+    if legacy:
+        return {_GUIDED_KEYS[c.kind]: c.text}
+    return {"structured_outputs": {_SO_KEYS[c.kind]: c.text}}
+
+
+def _version_tuple(text: Any) -> tuple[int, ...] | None:
+    m = re.match(r"^v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    return None if m is None else tuple(int(x or 0) for x in m.groups())
+
+
 def build_vllm_generate_payload(request: GenerateRequest, model: str) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "request_id": request.request_id,
         "model": request.lora or model,
         "token_ids": request.input_ids,
-        "sampling_params": _sampling(request),
+        "sampling_params": {**_sampling(request), **_constraint_fields(request)},
         "stream": False,
     }
     if request.cache_salt is not None:
@@ -262,8 +286,9 @@ def build_vllm_generate_payload(request: GenerateRequest, model: str) -> dict[st
     return payload
 
 
-def build_vllm_completions_payload(request: GenerateRequest, model: str) -> dict[str, Any]:
+def build_vllm_completions_payload(request: GenerateRequest, model: str, *, legacy_guided: bool = False) -> dict[str, Any]:
     payload = _sampling(request)
+    payload.update(_constraint_fields(request, legacy=legacy_guided))
     payload.update(
         {
             "model": request.lora or model,
@@ -307,6 +332,7 @@ class VLLMAdapter:
         self.endpoint: str | None = None if endpoint == "auto" else endpoint
         self._offload = offload
         self._probe_lock = asyncio.Lock()
+        self.version: tuple[int, ...] | None = None  # from GET /version; None = unknown
 
     async def probe(self) -> str:
         """Find the served model (`/v1/models`) and whether `/inference/v1/generate` exists.
@@ -325,6 +351,13 @@ class VLLMAdapter:
                     raise UpstreamInvalid(
                         f"vllm /v1/models: unexpected body {reply.body[:200]!r}", engine=self.base_url
                     ) from exc
+            if self.version is None:
+                reply = await self.http.call("GET", "/version")
+                if reply.status == 200:
+                    try:
+                        self.version = _version_tuple(msgspec.json.decode(reply.body).get("version"))
+                    except (msgspec.DecodeError, AttributeError):
+                        self.version = None
             if self.endpoint is None:
                 reply = await self.http.call("POST", GENERATE_PATH, {})
                 self.endpoint = "completions" if reply.status in (404, 405) else "generate"
@@ -337,7 +370,10 @@ class VLLMAdapter:
         if self.endpoint == "generate":
             path, payload = GENERATE_PATH, build_vllm_generate_payload(request, self.model)
         else:
-            path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(request, self.model)
+            legacy = self.version is not None and self.version < STRUCTURED_SINCE
+            path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(
+                request, self.model, legacy_guided=legacy
+            )
         body = encode_json(payload)
         headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
         reply = await self.http.generate(path, body, timeout_s=request.timeout_s, headers=headers,

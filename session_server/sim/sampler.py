@@ -52,6 +52,8 @@ class SimModel:
     # id -> several smaller ids decoding to the same bytes, or None if it cannot be split
     splitter: Callable[[int], list[int] | None] | None = None
     name: str = "sim-model"
+    # text -> ids with the real tokenizer (constrained outputs); None: constraints unsupported
+    encode: Callable[[str], list[int]] | None = None
 
 
 def _h(*parts: bytes | int | str) -> int:
@@ -188,13 +190,18 @@ class ScriptedPolicy:
         self._plans[key] = (ids, message)
         return ids, message
 
-    def start(self, context: Sequence[int]) -> Cursor:
+    def start(self, context: Sequence[int], constrained: str | None = None) -> Cursor:
+        """`constrained`: the text a constraint forces (sim/constrained.py), then EOS."""
         ctx = np.asarray(context, dtype=np.int64)
         gp = self.model.generation_prompt_ids
         starts = _occurrences(ctx, gp)
         turn_start = int(starts[-1]) + len(gp) if len(starts) else len(ctx)
         prefix = ctx[:turn_start]
-        planned, message = self.plan(prefix, starts)
+        if constrained is not None and self.model.encode is not None:
+            message: dict[str, Any] = {}
+            planned = [*self.model.encode(constrained), self.model.eos_ids[0]]
+        else:
+            planned, message = self.plan(prefix, starts)
         already = ctx[turn_start:]
         n = len(already)
         diverged = n > len(planned) or (n > 0 and not np.array_equal(already, planned[:n]))
@@ -281,6 +288,7 @@ def sim_model_from_tokenizer(tokenizer: Any, *, name: str | None = None) -> SimM
         eos_ids=tuple(eos),
         splitter=splitter,
         name=name or str(getattr(tokenizer, "name_or_path", "") or "sim-model"),
+        encode=lambda text: [int(t) for t in tokenizer.encode(text, add_special_tokens=False)],
     )
 
 

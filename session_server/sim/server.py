@@ -30,6 +30,7 @@ import msgspec
 from aiohttp import web
 
 from session_server.sim.cache import PrefixCache
+from session_server.sim.constrained import ConstraintError, constrained_text
 from session_server.sim.sampler import ScriptedPolicy, SimModel, sim_model_from_tokenizer
 
 __all__ = ["FAULT_KINDS", "SimEngine", "load_sim_model", "run_sim_engine", "running_sim"]
@@ -93,6 +94,7 @@ class _Job:
     cache_salt: str | None = None  # SGLang extra_key / vLLM cache_salt: a KV namespace
     rank: int = 0
     produced: int = 0
+    constrained: str | None = None  # the text a constraint forces (None: unconstrained)
 
 
 @dataclass
@@ -187,7 +189,7 @@ class SimEngine:
             job.rank = job.pinned_rank if job.pinned_rank is not None else next(self._rr) % self.dp
             cache = self.caches[job.rank]
             cached = cache.match(job.input_ids, job.cache_salt)
-            cursor = self.policy.start(job.input_ids)
+            cursor = self.policy.start(job.input_ids, job.constrained)
             out = _Outcome([], [], [] if job.top_k else None, "length", None, len(job.input_ids), cached)
             abort_at = None
             if job.fault == "abort_midway" or (job.fault == "repetition" and self.protocol == "vllm"):
@@ -369,6 +371,9 @@ class SimEngine:
             fault=self._take_fault(),
             cache_salt=_salt(body.get("extra_key")),
         )
+        refused = self._constrain(job, _sglang_constraint(sp))
+        if refused is not None:
+            return refused
         early = await self._pre_faults(request, job)
         if early is not None:
             return early
@@ -491,7 +496,7 @@ class SimEngine:
                 return self._error(400, f"X-data-parallel-rank {rank} out of range [0, {self.dp})")
         if body.get("stream"):
             return self._error(400, "the simulator answers vLLM requests without streaming")
-        return _Job(
+        job = _Job(
             rid=str(body.get("request_id") or uuid.uuid4().hex),
             input_ids=list(prompt),
             max_tokens=int(sp.get("max_tokens") or 16),
@@ -504,6 +509,22 @@ class SimEngine:
             fault=self._take_fault(),
             cache_salt=_salt(body.get("cache_salt")),
         )
+        refused = self._constrain(job, _vllm_constraint(sp.get("structured_outputs")))
+        return job if refused is None else refused
+
+    def _constrain(self, job: _Job, found: tuple[str, Any] | str | None) -> web.Response | None:
+        """Attach the text a constraint forces; the engine's 400 when it is invalid."""
+        if found is None:
+            return None
+        if isinstance(found, str):
+            return self._error(400, found)
+        if self.model.encode is None:
+            return self._error(400, "this simulated model cannot follow constraints (no tokenizer)")
+        try:
+            job.constrained = constrained_text(*found)
+        except ConstraintError as exc:
+            return self._error(400, str(exc))
+        return None
 
     def _vllm_finish(self, job: _Job, out: _Outcome) -> tuple[str, Any]:
         stop_reason = out.matched if out.finish == "stop" and out.matched in job.stop_ids else None
@@ -637,6 +658,10 @@ class SimEngine:
                 ],
             }
         )
+
+    async def vllm_version(self, request: web.Request) -> web.Response:
+        """`GET /version`: a release with `structured_outputs` (the fields the sim reads)."""
+        return _json({"version": "0.12.0"})
 
     async def vllm_pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
@@ -775,6 +800,7 @@ class SimEngine:
             r.add_post("/inference/v1/generate", self.vllm_generate)
             r.add_post("/v1/completions", self.vllm_completions)
             r.add_get("/v1/models", self.vllm_models)
+            r.add_get("/version", self.vllm_version)
             r.add_post("/pause", self.vllm_pause)
             r.add_post("/resume", self.vllm_resume)
             r.add_get("/is_paused", self.vllm_is_paused)
@@ -789,6 +815,37 @@ class SimEngine:
         r.add_delete("/sim/requests", self.sim_requests_clear)
         app.on_shutdown.append(self._on_shutdown)
         return app
+
+
+def _sglang_constraint(sp: dict[str, Any]) -> tuple[str, Any] | str | None:
+    """SGLang sampling params `json_schema` / `regex` / `ebnf`: at most one (its `verify`)."""
+    found = [(k, sp[k]) for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
+    if len(found) > 1:
+        return "Only one of regex, json_schema, or ebnf can be set."
+    return found[0] if found else None
+
+
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf", "choice": "choice",
+               "json_object": "json_object", "structural_tag": "structural_tag"}
+
+
+def _vllm_constraint(so: Any) -> tuple[str, Any] | str | None:
+    """vLLM `structured_outputs`: exactly one kind of constraint (StructuredOutputsParams)."""
+    if so is None:
+        return None
+    if not isinstance(so, dict):
+        return "structured_outputs must be an object"
+    found = [(k, so[k]) for k in _VLLM_KINDS if so.get(k) not in (None, False)]
+    if len(found) > 1:
+        return f"You can only use one kind of structured outputs constraint but multiple are specified: {so}"
+    if not found:
+        return None
+    kind, value = found[0]
+    if kind == "json_object":
+        return ("json_schema", '{"type": "object"}')
+    if kind == "json" and not isinstance(value, str):
+        value = msgspec.json.encode(value).decode()
+    return (_VLLM_KINDS[kind], value)
 
 
 def load_sim_model(tokenizer: Any) -> SimModel:
