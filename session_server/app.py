@@ -60,6 +60,7 @@ from .sessions import Session, SessionConfig, SessionStore
 from .turns import TurnRunner
 
 JSON = "application/json"
+PARTIAL = {207: "some engines failed; the report names them"}
 
 
 @dataclass
@@ -280,7 +281,7 @@ def create_app(config: AppConfig) -> FastAPI:
         s = ctx.store.get(sid)
         return await _trajectory_response(ctx, s, format)
 
-    @app.delete("/sessions/{sid}", **route_doc(None, 400, 404))
+    @app.delete("/sessions/{sid}", **route_doc(None, 400, 404, ok={204: "deleted (no trajectory asked)"}))
     async def delete_session(sid: str, return_trajectory: bool = False, format: str = "json") -> Response:
         ctx = ctx_of()
         s = ctx.store.get(sid)
@@ -289,14 +290,14 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.engines.forget(s.id, s.home)
         return resp if resp is not None else Response(status_code=204)
 
-    @app.post("/control/pause", **route_doc(PauseRequest, 400, 413, required=False))
+    @app.post("/control/pause", **route_doc(PauseRequest, 400, 413, required=False, ok=PARTIAL))
     async def pause(request: Request) -> Response:
         ctx = ctx_of()
         spec: PauseRequest = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), PauseRequest)
         report = await ctx.control.pause(spec.mode, spec.lora)
         return _json(report, 200 if report["ok"] else 207)
 
-    @app.post("/control/resume", **route_doc(ResumeRequest, 400, 413, required=False))
+    @app.post("/control/resume", **route_doc(ResumeRequest, 400, 413, required=False, ok=PARTIAL))
     async def resume(request: Request) -> Response:
         ctx = ctx_of()
         spec: ResumeRequest = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), ResumeRequest)
@@ -325,7 +326,7 @@ def create_app(config: AppConfig) -> FastAPI:
         eng = await _add_engine(ctx.engines, spec.url, ctx.decoder, dp_size=spec.dp_size)
         return _json({"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size}, 201)
 
-    @app.delete("/engines/{engine_id}", **route_doc(None, 404))
+    @app.delete("/engines/{engine_id}", status_code=204, **route_doc(None, 404))
     async def remove_engine(engine_id: str) -> Response:
         ctx = ctx_of()
         eng = ctx.engines.remove(engine_id)

@@ -39,13 +39,17 @@ def internal_error_body(exc: BaseException) -> bytes:
     return orjson.dumps({"error": {"type": "internal_error", "message": type(exc).__name__}})
 
 
-def route_doc(body: type[BaseModel] | None, *codes: int, required: bool = True) -> dict[str, Any]:
-    """Keyword arguments for a route decorator: its JSON request model and error responses."""
-    doc: dict[str, Any] = {
-        "responses": {
-            c: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[c]} for c in (*codes, 401)
-        }
+def route_doc(
+    body: type[BaseModel] | None, *codes: int, required: bool = True, ok: dict[int, str] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for a route decorator: its JSON request model, error responses
+    (401 everywhere: auth is optional), and other success statuses (`ok`)."""
+    responses: dict[int | str, dict[str, Any]] = {
+        c: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[c]} for c in (*codes, 401)
     }
+    for code, description in (ok or {}).items():
+        responses[code] = {"description": description}
+    doc: dict[str, Any] = {"responses": responses}
     if body is not None:
         schema = {"$ref": _REF.format(model=body.__name__)}
         doc["openapi_extra"] = {
