@@ -17,14 +17,20 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 from transformers import AutoTokenizer
 
 from trajectory import export
 from trajectory.codec import load_codec
 from trajectory.codec.base import HistoryPolicy
+from trajectory.errors import CodecError
 
+from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
 from .api.models import (
+    ChatRequest,
     EngineAdd,
     PauseRequest,
     ResumeRequest,
@@ -38,7 +44,15 @@ from .context import ServerContext, Settings, log
 from .control import ControlPlane
 from .decode_pool import DecodePool
 from .engines import make_adapter
-from .errors import BadRequest, EngineError, NotFound, PayloadTooLarge, ServiceError
+from .errors import (
+    BadRequest,
+    EngineError,
+    NotFound,
+    PayloadTooLarge,
+    ServiceError,
+    from_http_status,
+    from_library,
+)
 from .metrics import Metrics
 from .offload import CpuPool
 from .routing import AdmissionConfig, PrefillAdmission, make_policy, probe_loop
@@ -47,6 +61,7 @@ from .sessions import Session, SessionConfig, SessionStore
 from .turns import TurnRunner
 
 JSON = "application/json"
+PARTIAL = {207: "some engines failed; the report names them"}
 
 
 @dataclass
@@ -163,7 +178,18 @@ def create_app(config: AppConfig) -> FastAPI:
             stop_probe.set()
             await _shutdown(ctx, sweeper, prober)
 
-    app = FastAPI(title="TITO session server", lifespan=lifespan)
+    def count_internal() -> None:
+        if "ctx" in state:
+            state["ctx"].metrics.errors_total.labels(type="internal_error").inc()
+
+    app = FastAPI(
+        title="TITO session server",
+        summary="Token-in, token-out sessions for multi-turn agentic RL rollouts",
+        lifespan=lifespan,
+        middleware=[Middleware(ContainErrors, on_error=count_internal)],
+    )
+    install_openapi(app, [SessionCreate, ChatRequest, PauseRequest, ResumeRequest, WeightVersion, EngineAdd])
+    model_name = _served_model_name(config.tokenizer)
     install_auth(app, settings.admin_token)
 
     def ctx_of() -> ServerContext:
@@ -177,12 +203,28 @@ def create_app(config: AppConfig) -> FastAPI:
             log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status, exc.type, exc.message)
         return _json(exc.to_body(), exc.status)
 
+    @app.exception_handler(CodecError)
+    async def _codec_error(request: Request, exc: CodecError) -> Response:
+        return await _service_error(request, from_library(exc) or BadRequest(str(exc)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _framework_validation(request: Request, exc: RequestValidationError) -> Response:
+        errs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        return await _service_error(request, BadRequest(f"invalid request: {errs}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _framework_http(request: Request, exc: StarletteHTTPException) -> Response:
+        resp = await _service_error(request, from_http_status(exc.status_code, str(exc.detail)))
+        resp.headers.update(exc.headers or {})  # e.g. Allow on a 405
+        return resp
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
+        # Reached only by errors outside ContainErrors (another middleware): Starlette
+        # re-raises after this response and uvicorn closes the socket, so say so.
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        if "ctx" in state:
-            state["ctx"].metrics.errors_total.labels(type="internal_error").inc()
-        return _json({"error": {"type": "internal_error", "message": type(exc).__name__}}, 500)
+        count_internal()
+        return Response(internal_error_body(exc), 500, {"connection": "close"}, media_type=JSON)
 
     health_body = orjson.dumps({"status": "ok", "instance_id": settings.instance_id or new_instance_id()})
 
@@ -190,13 +232,13 @@ def create_app(config: AppConfig) -> FastAPI:
     async def health() -> Response:
         return Response(content=health_body, media_type=JSON)
 
-    @app.get("/metrics")
+    @app.get("/metrics", **route_doc(None))
     async def metrics() -> Response:
         ctx = ctx_of()
         ctx.metrics.sessions_active.set(len(ctx.store))
         return Response(content=ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/sessions")
+    @app.post("/sessions", status_code=201, **route_doc(SessionCreate, 400, 413, 429, required=False))
     async def create_session(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, ctx.settings.max_body_bytes)
@@ -205,7 +247,7 @@ def create_app(config: AppConfig) -> FastAPI:
             ttl_s=spec.ttl_s or ctx.settings.default_ttl_s,
             metadata=spec.metadata,
             max_context_tokens=spec.max_context_tokens,
-            sampling=spec.sampling,
+            sampling=spec.sampling.model_dump(exclude_none=True),
             lora=spec.lora,
             chat_template_kwargs=spec.chat_template_kwargs,
             history_policy=HistoryPolicy(spec.history_policy),
@@ -214,7 +256,7 @@ def create_app(config: AppConfig) -> FastAPI:
         base = str(request.base_url).rstrip("/")
         return _json({"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1", "api_key": s.token}, 201)
 
-    @app.post("/sessions/{sid}/v1/chat/completions")
+    @app.post("/sessions/{sid}/v1/chat/completions", **route_doc(ChatRequest, 400, 404, 409, 413, 429, 502, 503, 504))
     async def chat(sid: str, request: Request) -> Response:
         ctx = ctx_of()
         ctx.store.get(sid)  # 404 before reading a body for an unknown session
@@ -233,18 +275,18 @@ def create_app(config: AppConfig) -> FastAPI:
         )
         return Response(content=payload, media_type=JSON)
 
-    @app.get("/sessions/{sid}")
+    @app.get("/sessions/{sid}", **route_doc(None, 404))
     async def get_session(sid: str) -> Response:
         s = ctx_of().store.get(sid)
         return _json(session_view(s))
 
-    @app.get("/sessions/{sid}/trajectory")
+    @app.get("/sessions/{sid}/trajectory", **route_doc(None, 400, 404))
     async def get_trajectory(sid: str, format: str = "json") -> Response:
         ctx = ctx_of()
         s = ctx.store.get(sid)
         return await _trajectory_response(ctx, s, format)
 
-    @app.delete("/sessions/{sid}")
+    @app.delete("/sessions/{sid}", **route_doc(None, 400, 404, ok={204: "deleted (no trajectory asked)"}))
     async def delete_session(sid: str, return_trajectory: bool = False, format: str = "json") -> Response:
         ctx = ctx_of()
         s = ctx.store.get(sid)
@@ -253,35 +295,35 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.engines.forget(s.id, s.home)
         return resp if resp is not None else Response(status_code=204)
 
-    @app.post("/control/pause")
+    @app.post("/control/pause", **route_doc(PauseRequest, 400, 413, required=False, ok=PARTIAL))
     async def pause(request: Request) -> Response:
         ctx = ctx_of()
         spec: PauseRequest = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), PauseRequest)
         report = await ctx.control.pause(spec.mode, spec.lora)
         return _json(report, 200 if report["ok"] else 207)
 
-    @app.post("/control/resume")
+    @app.post("/control/resume", **route_doc(ResumeRequest, 400, 413, required=False, ok=PARTIAL))
     async def resume(request: Request) -> Response:
         ctx = ctx_of()
         spec: ResumeRequest = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), ResumeRequest)
         report = await ctx.control.resume(spec.lora)
         return _json(report, 200 if report["ok"] else 207)
 
-    @app.get("/control/state")
+    @app.get("/control/state", **route_doc(None))
     async def control_state() -> Response:
         return _json(ctx_of().control.state())
 
-    @app.post("/control/weight_version")
+    @app.post("/control/weight_version", **route_doc(WeightVersion, 400, 413))
     async def weight_version(request: Request) -> Response:
         ctx = ctx_of()
         spec: WeightVersion = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), WeightVersion)
-        return _json(ctx.control.set_weight_version(spec.version))
+        return _json(ctx.control.set_weight_version(spec.version, force=spec.force))
 
-    @app.get("/engines")
+    @app.get("/engines", **route_doc(None))
     async def list_engines() -> Response:
         return _json(_engines_view(ctx_of().engines))
 
-    @app.post("/engines")
+    @app.post("/engines", status_code=201, **route_doc(EngineAdd, 400, 413, 502))
     async def add_engine(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, 64 * 1024)
@@ -289,7 +331,7 @@ def create_app(config: AppConfig) -> FastAPI:
         eng = await _add_engine(ctx.engines, spec.url, ctx.decoder, dp_size=spec.dp_size)
         return _json({"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size}, 201)
 
-    @app.delete("/engines/{engine_id}")
+    @app.delete("/engines/{engine_id}", status_code=204, **route_doc(None, 404))
     async def remove_engine(engine_id: str) -> Response:
         ctx = ctx_of()
         eng = ctx.engines.remove(engine_id)
@@ -302,6 +344,22 @@ def create_app(config: AppConfig) -> FastAPI:
         task.add_done_callback(_CLOSING.discard)
         return Response(status_code=204)
 
+    @app.get("/v1/models", **route_doc(None))
+    async def list_models() -> Response:
+        return _json(_model_list(model_name))
+
+    @app.get("/sessions/{sid}/v1/models", **route_doc(None, 404))
+    async def list_session_models(sid: str) -> Response:
+        ctx_of().store.get(sid)
+        return _json(_model_list(model_name))
+
+    @app.get("/sessions/{sid}/v1/models/{model_id:path}", **route_doc(None, 404))
+    async def get_session_model(sid: str, model_id: str) -> Response:
+        ctx_of().store.get(sid)
+        if model_id != model_name:
+            raise NotFound(f"unknown model {model_id!r}; this server serves {model_name!r}")
+        return _json(_model_card(model_name))
+
     return app
 
 
@@ -312,6 +370,25 @@ async def _close_removed(eng: Engine, drain_s: float) -> None:
     """Close a removed engine's client once its in-flight generations are done (bounded)."""
     with contextlib.suppress(Exception):
         await eng.adapter.aclose(drain_s=drain_s)
+
+
+def _served_model_name(tokenizer: Any) -> str:
+    """What `/v1/models` lists: the tokenizer's name or path, last component (the
+    server serves exactly one model; any `model` a request names is echoed back)."""
+    name = tokenizer if isinstance(tokenizer, str) else getattr(tokenizer, "name_or_path", "")
+    return str(name).rstrip("/").rsplit("/", 1)[-1] or "tito-session"
+
+
+_STARTED = int(time.time())
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": _STARTED, "owned_by": "tito-session-server"}
+
+
+def _model_list(name: str) -> dict[str, Any]:
+    """An OpenAI model list: many clients call it first (issue 16.5)."""
+    return {"object": "list", "data": [_model_card(name)]}
 
 
 async def _add_engine(

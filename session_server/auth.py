@@ -37,7 +37,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Schema and docs pages describe the API (public, like the source); they hold no data.
-OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset({"/health", "/v1/models", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
 class Access(enum.Enum):

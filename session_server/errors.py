@@ -1,11 +1,13 @@
 """Every error the service can answer with, and the one map to HTTP status.
 
     ServiceError                         (status, type)
-    ├── BadRequest                       400 invalid_request
-    │   └── HistoryMismatch              400 history_mismatch (cannot reconcile messages)
+    ├── BadRequest                       400 invalid_request (also FastAPI's own validation)
+    │   ├── HistoryMismatch              400 history_mismatch (cannot reconcile messages)
+    │   └── TemplateError                400 template_error (the chat template refused the input)
     ├── Unauthorized                     401 unauthorized
     ├── SessionNotFound                  404 session_not_found
-    ├── NotFound                         404 not_found (e.g. unknown engine id)
+    ├── NotFound                         404 not_found (unknown engine id, unknown route)
+    ├── MethodNotAllowed                 405 method_not_allowed
     ├── SessionBusy                      409 session_busy
     ├── SessionClosed                    409 session_closed
     ├── PayloadTooLarge                  413 payload_too_large
@@ -21,10 +23,14 @@
     ├── NoHealthyEngine                  503 no_healthy_engine
     └── PausedTooLong                    503 paused (deadline passed while paused)
 
-`trajectory.errors.ValidationError` maps to UpstreamInvalid at the turn pipeline.
+`trajectory.errors.ValidationError` maps to UpstreamInvalid at the turn pipeline;
+`trajectory.errors.CodecError` raised while serving a request maps to TemplateError
+(`from_library`); at start-up `TemplateNotSupported` stops the server instead.
 """
 
 from __future__ import annotations
+
+from trajectory.errors import CodecError
 
 
 def _rebuild(cls: type[ServiceError], message: str, state: dict[str, object]) -> ServiceError:
@@ -59,6 +65,10 @@ class HistoryMismatch(BadRequest):
     type = "history_mismatch"
 
 
+class TemplateError(BadRequest):
+    type = "template_error"
+
+
 class Unauthorized(ServiceError):
     status, type = 401, "unauthorized"
 
@@ -69,6 +79,10 @@ class SessionNotFound(ServiceError):
 
 class NotFound(ServiceError):
     status, type = 404, "not_found"
+
+
+class MethodNotAllowed(ServiceError):
+    status, type = 405, "method_not_allowed"
 
 
 class SessionBusy(ServiceError):
@@ -136,3 +150,28 @@ class NoHealthyEngine(ServiceError):
 
 class PausedTooLong(ServiceError):
     status, type = 503, "paused"
+
+
+def from_library(exc: Exception) -> ServiceError | None:
+    """The service error a `trajectory` library error means at the HTTP edge (None: unmapped).
+
+    The codec renders what the client sent (messages, tools, template kwargs): when
+    the template refuses it, that is the client's input, a 400 naming the reason."""
+    if isinstance(exc, CodecError):
+        return TemplateError(str(exc))
+    return None
+
+
+_BY_STATUS: dict[int, type[ServiceError]] = {
+    400: BadRequest, 401: Unauthorized, 404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge,
+}
+
+
+def from_http_status(status: int, detail: str) -> ServiceError:
+    """A framework HTTP error (unknown route, wrong method, ...) in our envelope."""
+    cls = _BY_STATUS.get(status)
+    if cls is not None:
+        return cls(detail)
+    err = ServiceError(detail)
+    err.status, err.type = status, "http_error"
+    return err

@@ -27,7 +27,7 @@ from trajectory.history import reconcile
 from trajectory.messages import messages_equal, normalize_message
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
-from .api.models import ChatRequest, parse_json_model
+from .api.models import ChatRequest, SessionSampling, parse_json_model
 from .context import ServerContext, log
 from .control import ResilientResult, generate_resilient, new_request_id
 from .engines.base import GenerateRequest, GenerateResult, SamplingParams
@@ -232,13 +232,13 @@ class TurnRunner:
     # -- generate, validate, commit --
 
     def _sampling(self, session: Session, req: ChatRequest) -> SamplingParams:
-        d = session.config.sampling
+        d = SessionSampling.model_validate(session.config.sampling)  # validated at creation
 
         def pick(name: str) -> Any:
             v = getattr(req, name)
-            return v if v is not None else d.get(name)
+            return v if v is not None else getattr(d, name)
 
-        stop = req.stop_list() or tuple(d.get("stop") or ())
+        stop = req.stop_list() or d.stop_list()
         return SamplingParams(
             temperature=pick("temperature"),
             top_p=pick("top_p"),
@@ -254,7 +254,7 @@ class TurnRunner:
         )
 
     def _budget(self, session: Session, req: ChatRequest, prompt_len: int) -> int:
-        budget = req.budget() or session.config.sampling.get("max_tokens") or self.ctx.settings.default_max_tokens
+        budget = req.budget() or SessionSampling.model_validate(session.config.sampling).budget() or self.ctx.settings.default_max_tokens
         limit = session.config.max_context_tokens
         if limit is not None:
             room = limit - prompt_len
@@ -354,6 +354,7 @@ class TurnRunner:
             stop_token_ids=frozenset(ctx.codec.stop_token_ids),
             last_weight_version=prep.last_weight_version,
             clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
+            top_logprobs=greq.top_logprobs,
         )
         timer.lap("route")
         try:

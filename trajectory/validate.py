@@ -13,7 +13,10 @@ some engines use for "unavailable" (unless `clamp_sentinel`: then it becomes
 ``SENTINEL_FLOOR`` and is counted); lengths agree with each other and with
 ``completion_tokens``; the echoed ids equal the ids; usage counts are ints and
 consistent; the finish reason is consistent with the ids and budget; the
-request id echoes; the weight version never goes backwards.
+request id echoes; the weight version never goes backwards; when top logprobs
+were asked for (``Expectations.top_logprobs = k``) and sent, there is one list
+per id, each of at most ``k + 1`` ``(id, logprob)`` pairs held to the same id and
+logprob rules (error index: the token; the message names the alternative).
 
 Speed: type checks are C-level passes over the element *types*
 (``list(map(type, ...)).count(int)``, then the set of distinct types), value checks are vectorised numpy; the slow per-item
@@ -22,9 +25,11 @@ loop only runs to locate an error that is already known to exist.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Protocol
 
 import numpy as np
@@ -55,6 +60,8 @@ class GenerationLike(Protocol):
     cached_tokens: Any
     weight_version: Any
     output_ids_echo: Sequence[Any] | None
+    # optional: `top_logprobs` (per token, a sequence of (id, logprob) pairs), read
+    # with getattr so results without it (tests' fakes) still validate
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +75,7 @@ class Expectations:
     stop_token_ids: frozenset[int]  # ids that end a turn when finish is `stop` with no match
     last_weight_version: Any = None  # the session's latest version, None when unknown
     clamp_sentinel: bool = False
+    top_logprobs: int = 0  # alternatives asked per token (0: none asked, none checked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +200,62 @@ def _logprobs_array(values: Any, clamp_sentinel: bool) -> tuple[np.ndarray, int]
     return out, clamped
 
 
+def _top_error(lens: list[int], flat_index: int, message: str) -> ValidationError:
+    """The error for one bad alternative, located by token (index) and alternative."""
+    token = int(np.searchsorted(np.cumsum(lens), flat_index, side="right"))
+    alt = flat_index - sum(lens[:token])
+    return ValidationError("top_logprobs", f"alternative {alt}: {message}", token)
+
+
+def _is_pair(v: Any) -> bool:
+    return isinstance(v, list | tuple) and len(v) == 2
+
+
+def _check_top_logprobs(tops: Any, n: int, k: int, vocab_size: int) -> None:
+    """Per token at most `k + 1` (id in vocab, finite logprob <= LOGPROB_MAX) pairs.
+
+    `k + 1`: the OpenAI completions contract, which vLLM follows, adds the sampled
+    token's own logprob to the `k` most likely when it is not among them. C-level
+    passes over types and lengths; the slow loops only locate a known error."""
+    field = "top_logprobs"
+    if isinstance(tops, str | bytes) or not isinstance(tops, Sequence):
+        raise ValidationError(field, f"must be a sequence per token, got {type(tops).__name__}")
+    if len(tops) != n:
+        raise ValidationError(field, f"{len(tops)} entries for {n} ids")
+    if not _all_types(tops, list, lambda t: issubclass(t, list | tuple)):
+        i = _first_index(tops, lambda e: not isinstance(e, list | tuple))
+        raise ValidationError(field, f"must be a list of (id, logprob), got {tops[i]!r}", i)
+    lens = list(map(len, tops))
+    if lens and max(lens) > k + 1:
+        i = _first_index(lens, lambda m: m > k + 1)
+        raise ValidationError(field, f"{lens[i]} alternatives, {k} were asked for", i)
+    flat = list(itertools.chain.from_iterable(tops))
+    if not flat:
+        return
+    if not _all_types(flat, tuple, lambda t: issubclass(t, list | tuple)) or set(map(len, flat)) != {2}:
+        j = _first_index(flat, lambda p: not _is_pair(p))
+        raise _top_error(lens, j, f"must be an (id, logprob) pair, got {flat[j]!r}")
+    ids, lps = list(map(itemgetter(0), flat)), list(map(itemgetter(1), flat))
+    if not _all_types(ids, int, _is_int_type):
+        j = _first_index(ids, lambda v: not _is_int_type(type(v)))
+        raise _top_error(lens, j, f"id must be an int, got {type(ids[j]).__name__} {ids[j]!r}")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        j = _first_index(ids, lambda v: not 0 <= v < vocab_size)
+        raise _top_error(lens, j, f"id {ids[j]!r} is outside [0, {vocab_size})")
+    if not _all_types(lps, float, _is_real_type):
+        j = _first_index(lps, lambda v: not _is_real_type(type(v)))
+        raise _top_error(lens, j, f"logprob must be a number, got {type(lps[j]).__name__} {lps[j]!r}")
+    try:
+        arr = np.array(lps, dtype=np.float64)
+    except OverflowError:  # an int too large for a float
+        j = _first_index(lps, lambda v: not -1e308 < v < 1e308)
+        raise _top_error(lens, j, f"logprob {lps[j]!r} is not finite") from None
+    bad = ~np.isfinite(arr) | (arr > LOGPROB_MAX)
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise _top_error(lens, j, f"logprob {float(arr[j])!r} is not finite and <= {LOGPROB_MAX}")
+
+
 def _as_number(version: Any) -> float | None:
     if isinstance(version, bool):
         return None
@@ -285,6 +349,9 @@ def validate_generation(result: GenerationLike, expect: Expectations) -> ValidGe
                 "finish_reason", "'stop' without a match must end with a stop token"
             )
     _check_weight_version(result.weight_version, expect.last_weight_version)
+    tops = getattr(result, "top_logprobs", None)
+    if expect.top_logprobs and tops is not None:
+        _check_top_logprobs(tops, n, expect.top_logprobs, expect.vocab_size)
 
     return ValidGeneration(
         request_id=result.request_id,

@@ -6,10 +6,10 @@ on are typed strictly so bad input is a clear 400, never a 500.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trajectory.codec.base import HistoryPolicy
 
@@ -18,32 +18,137 @@ from ..structured import ResponseFormat, ToolChoice
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
+# What a message looks like in /openapi.json (messages are validated further by the
+# turn pipeline; unknown keys pass): enough shape for generated clients and fuzzers.
+_MESSAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": sorted(_ROLES)},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}}},
+                {"type": "null"},
+            ]
+        },
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
+        "reasoning_content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "tool_calls": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string"},
+                    "type": {"enum": ["function"]},
+                    "function": {
+                        "type": "object",
+                        "required": ["name", "arguments"],
+                        "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+                    },
+                },
+            },
+        },
+    },
+}
 
-class ChatRequest(BaseModel):
+# -- bounds (README "Request limits"); each is defined once and shared by the chat
+# request and the session's `sampling` defaults, so both reject the same values --
+MAX_TOKENS_LIMIT = 1 << 20  # more than any served context; beyond it an engine fails, blamed on it
+TIMEOUT_S_MIN = 0.1  # below this a turn cannot even reach the engine: a 504 would blame it
+TIMEOUT_S_MAX = 86_400.0
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+TTL_S_MAX = 30 * 86_400.0
+MAX_CONTEXT_TOKENS_LIMIT = 1 << 24
+INT64_MAX = 2**63 - 1
+
+TEMPLATE_KWARGS_RESERVED = frozenset(
+    {
+        # arguments of `apply_chat_template` the server sets itself (a second value is a TypeError)
+        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+        "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+        # template variables transformers fills from the tokenizer: overriding them would
+        # render tokens other than the ones the codec verified at start-up
+        "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+        "additional_special_tokens", "raise_exception", "strftime_now",
+    }
+)
+
+
+def _template_kwargs(v: dict[str, Any]) -> dict[str, Any]:
+    owned = sorted(TEMPLATE_KWARGS_RESERVED.intersection(v))
+    if owned:
+        raise ValueError(f"keys {owned} are set by the server, not by chat_template_kwargs")
+    return v
+
+
+def _stop_list(v: str | list[str]) -> list[str]:
+    """One stop string is a list of one, never its characters (issue 16.4)."""
+    return [v] if isinstance(v, str) else v
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
+Tokens = Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS_LIMIT)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = Annotated[StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOPS)], AfterValidator(_stop_list)]
+
+
+class SamplingFields(BaseModel):
+    """Sampling fields a session may default and a chat request may override.
+
+    Bounds are the engines' own where they document one (OpenAI/vLLM: penalties in
+    [-2, 2]; top_k -1 = off) so that bad values are a 400 here, not a 502 there."""
+
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, strict=True, ge=-1, le=MAX_TOKENS_LIMIT)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0, allow_inf_nan=False)
+    stop: Stop | None = None
+    seed: int | None = Field(default=None, strict=True, ge=-INT64_MAX - 1, le=INT64_MAX)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("top_k must be -1 (off) or at least 1")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    def budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class SessionSampling(SamplingFields):
+    """`POST /sessions` `sampling`: per-session defaults, validated at creation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatRequest(SamplingFields):
     model_config = ConfigDict(extra="allow")
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": _MESSAGE_SCHEMA})
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
     response_format: ResponseFormat | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     n: int = 1
-    chat_template_kwargs: dict[str, Any] | None = None
-    timeout_s: float | None = Field(default=None, gt=0)
+    chat_template_kwargs: TemplateKwargs | None = None
+    timeout_s: float | None = Field(default=None, ge=TIMEOUT_S_MIN, le=TIMEOUT_S_MAX, allow_inf_nan=False)
 
     @field_validator("n")
     @classmethod
@@ -63,24 +168,17 @@ class ChatRequest(BaseModel):
                 raise ValueError(f"messages[{i}]: tool message needs content")
         return msgs
 
-    def stop_list(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    def budget(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
 
 
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     metadata: dict[str, Any] = Field(default_factory=dict)
-    ttl_s: float | None = Field(default=None, gt=0)
-    max_context_tokens: int | None = Field(default=None, ge=1)
-    sampling: dict[str, Any] = Field(default_factory=dict)
+    ttl_s: float | None = Field(default=None, gt=0, le=TTL_S_MAX, allow_inf_nan=False)
+    max_context_tokens: int | None = Field(default=None, strict=True, ge=1, le=MAX_CONTEXT_TOKENS_LIMIT)
+    sampling: SessionSampling = Field(default_factory=SessionSampling)
     lora: str | None = None
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
     history_policy: Literal["append", "template"] = HistoryPolicy.APPEND.value
 
 
@@ -129,3 +227,15 @@ class WeightVersion(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: int = Field(strict=True)
+    force: bool = Field(default=False, strict=True, description="allow going backwards (a reset; logged)")
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="stable machine-readable kind, e.g. invalid_request, session_busy")
+    message: str = Field(description="what was wrong, for people")
+
+
+class ErrorBody(BaseModel):
+    """Every error the server answers with (DESIGN s8): `{"error": {"type", "message"}}`."""
+
+    error: ErrorDetail

@@ -38,6 +38,10 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("GET", "/engines"): Access.ADMIN,
     ("POST", "/engines"): Access.ADMIN,
     ("DELETE", "/engines/{engine_id}"): Access.ADMIN,
+    # the served model's name: what clients probe first; no session data
+    ("GET", "/v1/models"): Access.OPEN,
+    ("GET", "/sessions/{sid}/v1/models"): Access.SESSION,
+    ("GET", "/sessions/{sid}/v1/models/{model_id:path}"): Access.SESSION,
     # FastAPI's schema and docs pages: public description of the API, no data
     ("GET", "/openapi.json"): Access.OPEN,
     ("HEAD", "/openapi.json"): Access.OPEN,

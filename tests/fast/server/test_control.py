@@ -87,6 +87,11 @@ async def test_weight_version_spans_across_a_bump_mid_turn(qwen3_dir: Path) -> N
         assert log[1]["cached_tokens"] == 0
         assert (await st.http.post("/control/weight_version", json={"version": 1})).status_code == 400
         assert (await st.http.post("/control/weight_version", json={"version": True})).status_code == 400
+        # the reset path over HTTP: backwards only with force, and the state says so
+        r = await st.http.post("/control/weight_version", json={"version": 1, "force": True})
+        assert r.status_code == 200 and r.json().get("forced") is True, r.text
+        assert (await st.http.get("/control/state")).json()["weight_version"] == 1
+        assert (await st.http.post("/control/weight_version", json={"version": 1, "force": "yes"})).status_code == 400
 
 
 async def test_per_lora_pause_leaves_other_adapters_flowing(qwen3_dir: Path) -> None:

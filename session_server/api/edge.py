@@ -1,0 +1,131 @@
+"""The HTTP edge around the routes: unexpected errors, and what /openapi.json declares.
+
+Routes read raw bytes (parsing runs in the CPU pool), so FastAPI cannot see their
+request models; `route_doc` declares them and the error responses by hand, and
+`install_openapi` puts the models' JSON schemas into the document's components.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from fastapi import FastAPI
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..context import log
+from .models import ErrorBody
+
+_REF = "#/components/schemas/{model}"
+
+ERROR_DESCRIPTIONS = {
+    400: "invalid request (body, field bounds, template kwargs, history)",
+    401: "missing or wrong bearer token (only when the server runs with an admin token)",
+    404: "unknown session, engine or route",
+    405: "method not allowed on this route",
+    409: "session busy (a turn is in flight) or closed during the turn",
+    413: "body larger than the configured limit",
+    429: "a capacity limit was reached",
+    502: "the engine failed or answered invalid output; nothing was committed",
+    503: "no healthy engine, paused past the deadline, or the engine aborted",
+    504: "the engine did not finish within the turn's deadline",
+}
+
+
+
+def internal_error_body(exc: BaseException) -> bytes:
+    return orjson.dumps({"error": {"type": "internal_error", "message": type(exc).__name__}})
+
+
+def route_doc(
+    body: type[BaseModel] | None, *codes: int, required: bool = True, ok: dict[int, str] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for a route decorator: its JSON request model, error responses
+    (401 everywhere: auth is optional), and other success statuses (`ok`)."""
+    responses: dict[int | str, dict[str, Any]] = {
+        c: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[c]} for c in (*codes, 401)
+    }
+    for code, description in (ok or {}).items():
+        responses[code] = {"description": description}
+    doc: dict[str, Any] = {"responses": responses}
+    if body is not None:
+        schema = {"$ref": _REF.format(model=body.__name__)}
+        doc["openapi_extra"] = {
+            "requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}
+        }
+    return doc
+
+
+def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """Add the request models to the schema's components and drop FastAPI's 422
+    responses: its own validation errors are answered 400 in our envelope."""
+    base = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = base()
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in models:
+            js = model.model_json_schema(ref_template=_REF)
+            comps.update(js.pop("$defs", {}))
+            comps[model.__name__] = js
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class ContainErrors:
+    """Answer an unexpected exception with the 500 envelope, and do not re-raise it.
+
+    Starlette's ServerErrorMiddleware sends its handler's response and then re-raises
+    (so servers can log it); uvicorn's protocol, seeing an exception after the
+    response started, closes the transport. The client's next request on that
+    keep-alive connection, maybe another agent's, then meets a reset (issue 16.7).
+    Contained here, the response is complete and uvicorn keeps the connection. An
+    error after the response started is re-raised: closing is the only honest end
+    of a half-sent body."""
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[], None] | None = None) -> None:
+        self.app = app
+        self.on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if self.on_error is not None:
+                self.on_error()
+            if started:
+                raise
+            body = internal_error_body(exc)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
