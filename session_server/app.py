@@ -232,7 +232,7 @@ def create_app(config: AppConfig) -> FastAPI:
     async def health() -> Response:
         return Response(content=health_body, media_type=JSON)
 
-    @app.get("/metrics", **route_doc(None))
+    @app.get("/metrics", **route_doc(None, media=("text/plain",)))
     async def metrics() -> Response:
         ctx = ctx_of()
         ctx.metrics.sessions_active.set(len(ctx.store))
@@ -256,7 +256,10 @@ def create_app(config: AppConfig) -> FastAPI:
         base = str(request.base_url).rstrip("/")
         return _json({"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1", "api_key": s.token}, 201)
 
-    @app.post("/sessions/{sid}/v1/chat/completions", **route_doc(ChatRequest, 400, 404, 409, 413, 429, 502, 503, 504))
+    @app.post(
+        "/sessions/{sid}/v1/chat/completions",
+        **route_doc(ChatRequest, 400, 404, 409, 413, 429, 502, 503, 504, media=(JSON, "text/event-stream")),
+    )
     async def chat(sid: str, request: Request) -> Response:
         ctx = ctx_of()
         ctx.store.get(sid)  # 404 before reading a body for an unknown session
@@ -280,13 +283,16 @@ def create_app(config: AppConfig) -> FastAPI:
         s = ctx_of().store.get(sid)
         return _json(session_view(s))
 
-    @app.get("/sessions/{sid}/trajectory", **route_doc(None, 400, 404))
+    @app.get("/sessions/{sid}/trajectory", **route_doc(None, 400, 404, media=(JSON, "application/octet-stream")))
     async def get_trajectory(sid: str, format: str = "json") -> Response:
         ctx = ctx_of()
         s = ctx.store.get(sid)
         return await _trajectory_response(ctx, s, format)
 
-    @app.delete("/sessions/{sid}", **route_doc(None, 400, 404, ok={204: "deleted (no trajectory asked)"}))
+    @app.delete(
+        "/sessions/{sid}",
+        **route_doc(None, 400, 404, ok={204: "deleted (no trajectory asked)"}, media=(JSON, "application/octet-stream")),
+    )
     async def delete_session(sid: str, return_trajectory: bool = False, format: str = "json") -> Response:
         ctx = ctx_of()
         s = ctx.store.get(sid)

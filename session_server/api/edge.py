@@ -40,13 +40,20 @@ def internal_error_body(exc: BaseException) -> bytes:
 
 
 def route_doc(
-    body: type[BaseModel] | None, *codes: int, required: bool = True, ok: dict[int, str] | None = None
+    body: type[BaseModel] | None,
+    *codes: int,
+    required: bool = True,
+    ok: dict[int, str] | None = None,
+    media: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Keyword arguments for a route decorator: its JSON request model, error responses
-    (401 everywhere: auth is optional), and other success statuses (`ok`)."""
+    (401 everywhere: auth is optional), other success statuses (`ok`), and the media
+    types a 200 may carry besides JSON (`media`: Prometheus text, SSE, npz)."""
     responses: dict[int | str, dict[str, Any]] = {
         c: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[c]} for c in (*codes, 401)
     }
+    if media:
+        responses[200] = {"description": "OK", "content": {m: {} for m in media}}
     for code, description in (ok or {}).items():
         responses[code] = {"description": description}
     doc: dict[str, Any] = {"responses": responses}

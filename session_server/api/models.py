@@ -7,6 +7,7 @@ on are typed strictly so bad input is a clear 400, never a 500.
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -63,6 +64,7 @@ MAX_STOP_CHARS = 1024
 TTL_S_MAX = 30 * 86_400.0
 MAX_CONTEXT_TOKENS_LIMIT = 1 << 24
 INT64_MAX = 2**63 - 1
+MAX_DP_SIZE = 1024  # data-parallel ranks behind one engine URL
 
 TEMPLATE_KWARGS_RESERVED = frozenset(
     {
@@ -204,8 +206,24 @@ class EngineAdd(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str = Field(min_length=1)
-    dp_size: int | None = Field(default=None, ge=1)
+    url: str = Field(min_length=1, max_length=2048, examples=["http://127.0.0.1:30000", "vllm=http://10.0.0.2:8000"])
+    dp_size: int | None = Field(default=None, ge=1, le=MAX_DP_SIZE)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        """An engine address is `[sglang=|vllm=]http(s)://host[:port]`: anything else is a 400
+        here, not an unreachable engine (502) later."""
+        head, sep, rest = v.partition("=")
+        address = rest if sep and "://" not in head else v  # the protocol name is checked on add
+        parts = urlsplit(address)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected [sglang=|vllm=]http(s)://host[:port]")
+        try:
+            parts.port  # noqa: B018 (raises on a bad port)
+        except ValueError as exc:
+            raise ValueError(f"bad port: {exc}") from None
+        return v
 
 
 class PauseRequest(BaseModel):

@@ -139,3 +139,11 @@ async def test_post_engines_probes_declared_protocol(qwen3_dir: Path) -> None:
             assert r.status_code == 201, r.text
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("url", ["0", "localhost:30000", "ftp://h:1", "http://", "vllm=h:1", "http://h:99999", "http://h:x"])
+async def test_post_engines_malformed_url_is_400_not_502(qwen3_dir: Path, url: str) -> None:
+    async with live_stack(qwen3_dir, "sglang") as st:
+        r = await st.http.post("/engines", json={"url": url})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request", r.text
