@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from session_server.engines.base import GenerateRequest, GenerateResult
+from session_server.engines.base import GenerateRequest, GenerateResult, TokenIds
 from session_server.errors import (
     BadRequest,
     EngineAborted,
@@ -552,7 +552,11 @@ async def _enter_by(stack: contextlib.AsyncExitStack, cm: contextlib.AbstractAsy
         ) from None
 
 
-def _extend(prompt: Sequence[int], partial: list[Any]) -> Sequence[int]:
+def _as_list(v: Sequence[Any] | None) -> list[Any] | None:
+    return v if v is None or isinstance(v, list) else list(v)
+
+
+def _extend(prompt: TokenIds, partial: list[Any]) -> TokenIds:
     """prompt + partial, keeping a numpy prompt numpy (contexts reach 100K+ ids; no list copy)."""
     if not partial:
         return prompt
@@ -801,7 +805,7 @@ def _assemble(
         tops = acc.tops if acc.tops_ok else None
         echo = acc.echo if acc.echo_ok else None
     else:  # no token at all: keep the engine's own (empty) shapes
-        tops, echo = raw_tops, raw_echo
+        tops, echo = _as_list(raw_tops), _as_list(raw_echo)
     # the turn answers to its original id, but a wrong echo of the last segment's id stays visible
     rid = request.request_id if echoed_rid == counts.rids[-1] else echoed_rid
     return ResilientResult(

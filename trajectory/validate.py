@@ -50,16 +50,27 @@ FINISH_REASONS = frozenset({"stop", "length", "abort", "repetition"})
 class GenerationLike(Protocol):
     """The attributes of `session_server.engines.base.GenerateResult` that we check."""
 
-    request_id: Any
-    output_ids: Sequence[Any]
-    logprobs: Sequence[Any]
-    finish_reason: Any
-    matched_stop: Any
-    prompt_tokens: Any
-    completion_tokens: Any
-    cached_tokens: Any
-    weight_version: Any
-    output_ids_echo: Sequence[Any] | None
+    # read-only members (properties), so frozen dataclasses satisfy the protocol
+    @property
+    def request_id(self) -> Any: ...
+    @property
+    def output_ids(self) -> Sequence[Any]: ...
+    @property
+    def logprobs(self) -> Sequence[Any]: ...
+    @property
+    def finish_reason(self) -> Any: ...
+    @property
+    def matched_stop(self) -> Any: ...
+    @property
+    def prompt_tokens(self) -> Any: ...
+    @property
+    def completion_tokens(self) -> Any: ...
+    @property
+    def cached_tokens(self) -> Any: ...
+    @property
+    def weight_version(self) -> Any: ...
+    @property
+    def output_ids_echo(self) -> Sequence[Any] | None: ...
     # optional: `top_logprobs` (per token, a sequence of (id, logprob) pairs), read
     # with getattr so results without it (tests' fakes) still validate
 

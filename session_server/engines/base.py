@@ -17,9 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+import numpy as np
+from numpy.typing import NDArray
+
 if TYPE_CHECKING:
     from ..structured import Constraint
 
+TokenIds = Sequence[int] | NDArray[np.int32]  # a context: a list in tests, numpy in the server
 FinishReason = Literal["stop", "length", "abort", "repetition"]  # repetition: vLLM detector
 
 
@@ -64,7 +68,7 @@ class GenerateRequest:
     request_id: str  # fixed width, prefix-free (SGLang aborts by rid prefix)
     # a numpy array in the server: bodies are written by orjson straight from it, so
     # a 100K-token context never becomes 100K Python objects on the event loop
-    input_ids: Sequence[int]
+    input_ids: TokenIds
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     top_logprobs: int = 0
@@ -110,4 +114,8 @@ class EngineAdapter(Protocol):
 
     async def aclose(self, drain_s: float = 0.0) -> None:
         """Release connections."""
+        ...
+
+    async def health(self) -> bool:
+        """Active probe: does the engine answer healthy right now."""
         ...

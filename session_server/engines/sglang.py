@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -62,7 +62,7 @@ def _raw_or_none(raw: msgspec.Raw) -> bytes | None:
     return None if data in (b"", b"null") else data
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

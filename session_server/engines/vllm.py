@@ -17,7 +17,7 @@ import asyncio
 import re
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -72,7 +72,7 @@ class _Envelope(msgspec.Struct):
 _DECODER = msgspec.json.Decoder(_Envelope | list[Any])
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import NDArray
 
 PREFIX_BLOCK_TOKENS = 256
 
@@ -107,7 +108,7 @@ def stable_hash(key: str) -> int:
 
 
 def prefix_block_hashes(
-    token_ids: Sequence[int], block_tokens: int = PREFIX_BLOCK_TOKENS
+    token_ids: Sequence[int] | NDArray[np.int32], block_tokens: int = PREFIX_BLOCK_TOKENS
 ) -> tuple[int, ...]:
     """Chained hashes of whole `block_tokens` blocks: equal i-th hashes imply equal prefixes.
 
@@ -115,7 +116,7 @@ def prefix_block_hashes(
     """
     # one int32-LE buffer for the whole context (numpy, no per-token Python ints): the
     # same bytes the per-token encoding produced, so the hashes are unchanged
-    data = memoryview(np.ascontiguousarray(np.asarray(token_ids), dtype="<i4")).cast("B")
+    data = np.ascontiguousarray(np.asarray(token_ids), dtype="<i4").data.cast("B")
     step = 4 * block_tokens
     out: list[int] = []
     prev = b""

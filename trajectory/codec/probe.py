@@ -143,6 +143,7 @@ def probe_template(tokenizer: Any) -> ProbeResult:
         full = encode(tokenizer, text)
         if tail and full[-len(tail) :] != tail:
             raise TemplateNotSupported("end-of-turn tokens depend on the assistant content")
+        eot: tuple[int, ...]
         if tail and tail[0] in special:
             eot, gap = (tail[0],), tuple(tail[1:])
         elif not tail:
@@ -184,9 +185,9 @@ def probe_template(tokenizer: Any) -> ProbeResult:
             )
             if role == "tool" and not supports_tools:
                 continue
-            a = render_text(tokenizer, base + [prev], add_generation_prompt=False)
-            b = render_text(tokenizer, base + [prev, msg], add_generation_prompt=True)
-            if b.startswith(a):
+            closed = render_text(tokenizer, base + [prev], add_generation_prompt=False)
+            followed = render_text(tokenizer, base + [prev, msg], add_generation_prompt=True)
+            if followed.startswith(closed):
                 roles.add(role)
     except TemplateNotSupported:
         raise
