@@ -268,9 +268,10 @@ class TurnRunner:
     ) -> tuple[ResilientResult, str]:
         """Send to the session's home; on a refused connection, re-home once and retry.
 
-        The engine deadline starts only after prefill admission: a large uncached
-        prefill waits here, in the server, for its engine's slot. Pauses are
-        survived inside `generate_resilient` (abort, accumulate, resubmit)."""
+        The turn's deadline (`timeout_s`) starts here and covers every wait inside
+        `generate_resilient`: the pause gate, prefill admission (a large uncached
+        prefill waits in the server for its engine), a generation slot, and the
+        generation; pauses are survived there (abort, accumulate, resubmit)."""
         ctx = self.ctx
         engines = ctx.engines
         n = len(greq.input_ids)

@@ -54,7 +54,7 @@ _MESSAGE_SCHEMA: dict[str, Any] = {
     },
 }
 
-# -- bounds (README "Request limits"); each is defined once and shared by the chat
+# -- bounds (docs/api.md "Request limits"); each is defined once and shared by the chat
 # request and the session's `sampling` defaults, so both reject the same values --
 MAX_TOKENS_LIMIT = 1 << 20  # more than any served context; beyond it an engine fails, blamed on it
 TIMEOUT_S_MIN = 0.1  # below this a turn cannot even reach the engine: a 504 would blame it
