@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from session_server.app import AppConfig
 from session_server.context import Settings
@@ -17,6 +18,15 @@ from session_server.harness import running_server
 from session_server.sim import running_sim
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Fix the failing test."}], "max_tokens": 64}
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """One sample's value from Prometheus text (0.0 when absent): tests assert values move."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from .conftest import CHAT, live_stack
+from .conftest import CHAT, live_stack, metric_value
 
 
 async def _until_busy(st, sid: str) -> None:  # type: ignore[no-untyped-def]
@@ -72,7 +72,8 @@ async def test_unknown_session_oversized_body_and_metrics(qwen3_dir: Path) -> No
         m = (await st.http.get("/metrics")).text
         assert 'tito_turn_phase_seconds_count{phase="generate"} 1.0' in m
         assert 'tito_errors_total{type="payload_too_large"} 1.0' in m
-        assert "tito_sampled_tokens_total" in m
+        branch = (await st.trajectory(sid))["branches"][0]
+        assert metric_value(m, "tito_sampled_tokens_total") == sum(branch["loss_mask"]) > 0
         npz = await st.http.get(f"/sessions/{sid}/trajectory", params={"format": "npz"})
         assert npz.status_code == 200 and npz.content[:2] == b"PK"
         from trajectory.export import from_npz_bytes, to_dict
