@@ -176,6 +176,7 @@ class ResilientResult(GenerateResult):
     resubmits: int = 0
     paused_wait_s: float = 0.0
     version_mismatches: int = 0
+    dropped_tokens: int = 0  # constrained partials discarded and regenerated (never committed)
 
     def counters(self) -> dict[str, Any]:
         """Per-turn control counters, for the session view."""
@@ -186,6 +187,7 @@ class ResilientResult(GenerateResult):
             "resubmits": self.resubmits,
             "paused_wait_s": self.paused_wait_s,
             "version_mismatches": self.version_mismatches,
+            "dropped_tokens": self.dropped_tokens,
         }
 
 
@@ -222,6 +224,7 @@ class ControlPlane:
         self._global: _Pause | None = None
         self._lora: dict[str, _Pause] = {}
         self._version: int | None = None
+        self._forced_reset = False  # a version was forced backwards at least once
         self._changed = asyncio.Event()  # replaced on every gate change (broadcast)
         self._flights: dict[str, _Flight] = {}
         self._flights_changed = asyncio.Event()
@@ -444,6 +447,7 @@ class ControlPlane:
                     "(send force: true to reset)"
                 )
             log.warning("weight version forced backwards: %s -> %s", previous, version)
+            self._forced_reset = True
         self._version = version
         self.metrics.weight_version.set(version)
         if version != previous:
@@ -456,6 +460,18 @@ class ControlPlane:
         if previous is not None and version < previous:
             out["forced"] = True
         return out
+
+    def version_floor(self, last: Any) -> Any:
+        """The version a session's next turn may not go below: its last committed one,
+        except after a forced reset, when versions newer than the current one belong to
+        the abandoned run (else every existing session's turn would be a 502)."""
+        if not self._forced_reset or self._version is None or last is None:
+            return last
+        try:
+            newer = float(last) > self._version
+        except (TypeError, ValueError):  # opaque versions are not ordered
+            return last
+        return None if newer else last
 
     def abort_engine_request(self, adapter: Any, rid: str) -> None:
         """Abort `rid` on its engine in the background: the turn stopped waiting for it
@@ -653,6 +669,7 @@ class _Counts:
     empty_aborts: int = 0
     resubmits: int = 0
     mismatches: int = 0
+    dropped_tokens: int = 0  # partials of constrained segments, regenerated from the prompt
     paused_wait_s: float = 0.0
     rids: list[str] = field(default_factory=list)
 
@@ -694,6 +711,7 @@ async def generate_resilient(
 
     slot = getattr(adapter, "slot", None)
     first_salt = control.cache_salt()
+    constrained = request.sampling.constraint is not None
     while True:
         async with contextlib.AsyncExitStack() as held:
             # gate -> prefill admission -> engine slot -> gate again -> read version/salt:
@@ -744,7 +762,14 @@ async def generate_resilient(
         n = len(result.output_ids)
         counts.aborts += 1
         control._count_abort(n == 0)
-        if n:
+        if n and constrained:
+            # engines restart a grammar at the first output token, so `prompt + partial`
+            # under the same constraint would demand a whole new instance after the partial
+            # (committing e.g. `{"a": {"a": 1}`). The partial is dropped and the turn is
+            # regenerated from its own prompt with its whole budget; it was never shown.
+            counts.dropped_tokens += n
+            unexplained_empty = 0
+        elif n:
             acc.add(result, version)
             last_version = version if version is not None else last_version
             remaining -= n
@@ -830,4 +855,5 @@ def _assemble(
         resubmits=counts.resubmits,
         paused_wait_s=counts.paused_wait_s,
         version_mismatches=counts.mismatches,
+        dropped_tokens=counts.dropped_tokens,
     )

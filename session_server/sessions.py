@@ -63,12 +63,14 @@ class ControlTotals:
     resubmits: int = 0
     paused_wait_s: float = 0.0
     version_mismatches: int = 0
+    dropped_tokens: int = 0  # constrained partials regenerated after a pause
 
     def add(self, result: Any) -> None:
         self.aborts += result.aborts
         self.resubmits += result.resubmits
         self.paused_wait_s += result.paused_wait_s
         self.version_mismatches += result.version_mismatches
+        self.dropped_tokens += getattr(result, "dropped_tokens", 0)
 
 
 @dataclass

@@ -30,6 +30,7 @@ backend of SGLang (`ebnf`) and vLLM (`structured_outputs.grammar`).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,6 +52,8 @@ __all__ = [
     "derive_constraint",
     "hermes_tool_call_ebnf",
     "schema_to_ebnf",
+    "SchemaError",
+    "check_schema_size",
 ]
 
 # families whose tool calls are Hermes JSON in <tool_call> tags (trajectory/codec/parsing.py)
@@ -115,7 +118,9 @@ def derive_constraint(
     tools: list[dict[str, Any]] | None,
     family: str,
 ) -> tuple[Constraint | None, OutputPolicy]:
-    """The constraint and parse policy for one request; BadRequest (400) naming the field."""
+    """The constraint and parse policy for one request; BadRequest (400) naming the field.
+
+    Work is proportional to the schemas: callers run it off the event loop."""
     rf: Constraint | None = None
     if response_format is not None and response_format.type != "text":
         if response_format.type == "json_object":
@@ -123,7 +128,9 @@ def derive_constraint(
         else:
             if response_format.json_schema is None:
                 raise BadRequest("response_format: type json_schema needs a json_schema object")
-            rf = Constraint("json_schema", json.dumps(response_format.json_schema.schema_ or {"type": "object"}))
+            schema = response_format.json_schema.schema_ or {"type": "object"}
+            check_schema_size(schema, "response_format")
+            rf = Constraint("json_schema", json.dumps(schema))
     if tool_choice is None or tool_choice == "auto":
         return rf, OutputPolicy()
     if tool_choice == "none":
@@ -153,7 +160,13 @@ def derive_constraint(
             f"cannot be enforced for the {family!r} chat-template family (no tool-call grammar); "
             "use tool_choice auto"
         )
-    grammar = hermes_tool_call_ebnf([(n, by_name[n].get("parameters") or {}) for n in allowed])
+    params = [(n, by_name[n].get("parameters") or {}) for n in allowed]
+    for n, p in params:
+        check_schema_size(p, f"tools: {n!r} parameters")
+    try:
+        grammar = hermes_tool_call_ebnf(params)
+    except SchemaError as exc:
+        raise BadRequest(f"tool_choice: cannot build the tool-call grammar from the tools' parameters: {exc}") from exc
     return Constraint("ebnf", grammar), OutputPolicy(require_tool=tuple(allowed))
 
 
@@ -189,12 +202,19 @@ def apply_output_policy(parsed: Any, req: Any, codec: Any, valid: Any) -> Any:
     return parsed
 
 
+# words the engines' constraint errors use: SGLang "Invalid grammar request", xgrammar
+# compile errors, vLLM "structured outputs" / "guided decoding" / "grammar" messages
+_GRAMMAR_WORDS = re.compile(r"grammar|schema|json|ebnf|regex|structured|guided|constraint|xgrammar", re.I)
+
+
 def engine_refusal(exc: Exception, constraint: Constraint | None, req: Any) -> BadRequest | None:
     """An engine's 4xx on a constrained request is the constraint it cannot compile:
     a 400 naming the request field, with the engine's words (never a silent retry)."""
     status = getattr(exc, "http_status", None)
     if constraint is None or not isinstance(status, int) or not 400 <= status < 500:
         return None
+    if not _GRAMMAR_WORDS.search(str(exc)):
+        return None  # a 4xx about something else (length, auth, a bad id) is not the constraint's
     field = "tool_choice" if constraint.kind == "ebnf" else "response_format"
     if field == "response_format" and req.response_format is None:
         field = "tool_choice"
@@ -224,14 +244,29 @@ def as_content(parsed: Any, text: str) -> Any:
 
 # --- EBNF (GBNF, as xgrammar reads it) -------------------------------------------------
 
+MAX_SCHEMA_DEPTH = 32  # nesting of a schema (and of $ref chains) we turn into a grammar
+MAX_GRAMMAR_RULES = 4096  # rules one request's grammar may need
+MAX_SCHEMA_NODES = 20_000  # JSON nodes of one response_format schema
+
+
+class SchemaError(ValueError):
+    """A schema we cannot (or must not) turn into a constraint: the client's 400."""
+
 
 def _lit(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+def _json_lit(v: Any) -> str:
+    """A grammar literal of one JSON value, non-ASCII kept as text (what models write)."""
+    return _lit(json.dumps(v, ensure_ascii=False))
+
+
+# JSON strings (RFC 8259 s7): no raw control characters, escapes include \uXXXX
 _BASE = r"""ws ::= [ \t\n]*
 str ::= "\"" chr* "\""
-chr ::= [^"\\\n] | "\\" ["\\/bfnrt]
+chr ::= [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" hex hex hex hex )
+hex ::= [0-9a-fA-F]
 num ::= "-"? int frac? exp?
 int ::= "0" | [1-9] [0-9]*
 frac ::= "." [0-9]+
@@ -244,93 +279,142 @@ object ::= "{" ws ( str ws ":" ws value ws ( "," ws str ws ":" ws value ws )* )?
 array ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
 """
 
+_SCALARS = {"string": "str", "number": "num", "integer": "integer", "boolean": "boolean", "null": "null"}
+_TYPES = frozenset({*_SCALARS, "object", "array"})
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """Resolve a local JSON pointer `#/a/b~1c` inside `root` (RFC 6901)."""
+    if not ref.startswith("#"):
+        raise SchemaError(f"$ref {ref!r}: only local references (#/...) are supported")
+    node = root
+    for raw in [p for p in ref[1:].split("/") if p != ""]:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise SchemaError(f"$ref {ref!r} does not resolve")
+    return node
+
 
 class _Ebnf:
-    def __init__(self, defs: dict[str, Any]) -> None:
+    """Builds grammar rules for JSON schemas. Each schema root gets its own namespace, so
+    `$ref`s of two tools never collide; `$ref` chains and nesting are bounded."""
+
+    def __init__(self) -> None:
         self.rules: dict[str, str] = {}
-        self.defs = defs
+        self._refs: dict[tuple[str, str], str] = {}
         self.n = 0
 
     def rule(self, body: str) -> str:
+        if len(self.rules) >= MAX_GRAMMAR_RULES:
+            raise SchemaError(f"the schema needs more than {MAX_GRAMMAR_RULES} grammar rules")
         self.n += 1
         name = f"r{self.n}"
         self.rules[name] = body
         return name
 
-    def of(self, schema: Any) -> str:
-        """A rule (name or inline expression) for values of `schema`; unknown keywords: any JSON."""
-        if not isinstance(schema, dict) or not schema:
+    def root(self, schema: Any, ns: str) -> str:
+        return self.of(schema, schema, ns, 0)
+
+    def of(self, schema: Any, root: Any, ns: str, depth: int) -> str:
+        """A rule (name or inline expression) for the values of `schema`."""
+        if depth > MAX_SCHEMA_DEPTH:
+            raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if schema is True or schema == {}:
             return "value"
+        if schema is False:
+            raise SchemaError("a `false` schema admits no value")
+        if not isinstance(schema, dict):
+            raise SchemaError(f"a schema must be an object or a boolean, not {type(schema).__name__}")
+        d = depth + 1
         ref = schema.get("$ref")
-        if isinstance(ref, str):
-            key = ref.rsplit("/", 1)[-1]
-            name = f"def_{''.join(c if c.isalnum() else '_' for c in key)}"
-            if name not in self.rules:
-                self.rules[name] = "value"  # placeholder against recursion
-                self.rules[name] = self.of(self.defs.get(key, {}))
-            return name
+        if ref is not None:
+            if not isinstance(ref, str):
+                raise SchemaError("$ref must be a string")
+            return self._ref(ref, root, ns, d)
         if "const" in schema:
-            return _lit(json.dumps(schema["const"]))
+            return _json_lit(schema["const"])
         if "enum" in schema:
-            return "( " + " | ".join(_lit(json.dumps(v)) for v in schema["enum"]) + " )"
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError("enum must be a non-empty array")
+            return "( " + " | ".join(_json_lit(v) for v in values) + " )"
         for key in ("anyOf", "oneOf"):
-            if isinstance(schema.get(key), list):
-                return "( " + " | ".join(self.of(s) for s in schema[key]) + " )"
-        if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
-            return self.of(schema["allOf"][0])
+            if key in schema:
+                alts = schema[key]
+                if not isinstance(alts, list) or not alts:
+                    raise SchemaError(f"{key} must be a non-empty array")
+                return "( " + " | ".join(self.of(a, root, ns, d) for a in alts) + " )"
+        all_of = schema.get("allOf")
+        if isinstance(all_of, list) and len(all_of) == 1:
+            return self.of(all_of[0], root, ns, d)
         t = schema.get("type")
         if isinstance(t, list):
-            return "( " + " | ".join(self.of({**schema, "type": x}) for x in t) + " )"
-        if t == "object":
-            return self._object(schema)
+            if not t or not all(isinstance(x, str) for x in t):
+                raise SchemaError("type must be a string or a non-empty array of strings")
+            return "( " + " | ".join(self.of({**schema, "type": x}, root, ns, d) for x in t) + " )"
+        if t is not None and t not in _TYPES:
+            raise SchemaError(f"unknown type {t!r}")
+        if t == "object" or (t is None and "properties" in schema):
+            return self._object(schema, root, ns, d)
         if t == "array":
-            item = self.of(schema.get("items"))
+            items = schema.get("items")
+            item = "value" if items is None or isinstance(items, list) else self.of(items, root, ns, d)
             return self.rule(f'"[" ws ( {item} ws ( "," ws {item} ws )* )? "]"')
-        return {"string": "str", "number": "num", "integer": "integer", "boolean": "boolean",
-                "null": "null"}.get(str(t), "value")
+        return _SCALARS.get(str(t), "value")
 
-    def _object(self, schema: dict[str, Any]) -> str:
+    def _ref(self, ref: str, root: Any, ns: str, depth: int) -> str:
+        key = (ns, ref)
+        name = self._refs.get(key)
+        if name is None:
+            name = self.rule("value")  # reserved first: a recursive $ref names itself
+            self._refs[key] = name
+            self.rules[name] = self.of(_pointer(root, ref), root, ns, depth)
+        return name
+
+    def _object(self, schema: dict[str, Any], root: Any, ns: str, depth: int) -> str:
         props = schema.get("properties")
-        if not isinstance(props, dict) or not props:
+        if props is None or props == {}:
             return "object"
-        required = [k for k in schema.get("required") or [] if k in props]
-        optional = [k for k in props if k not in required]
-        parts = [f"{_lit(json.dumps(k))} ws \":\" ws {self.of(props[k])}" for k in required]
-        body = ' ws "," ws '.join(parts)
-        # optional properties: any subset, in declaration order, after the required ones
-        tail = " ".join(
-            f'( "," ws {_lit(json.dumps(k))} ws ":" ws {self.of(props[k])} ws )?' for k in optional
-        )
-        if not parts:
-            # without required keys a leading comma cannot be placed safely: only the first
-            # optional key (or none) is allowed, then the others after a comma
-            first = optional[0]
-            rest = " ".join(
-                f'( "," ws {_lit(json.dumps(k))} ws ":" ws {self.of(props[k])} ws )?' for k in optional[1:]
-            )
-            return self.rule(f'"{{" ws ( {_lit(json.dumps(first))} ws ":" ws {self.of(props[first])} ws {rest} )? "}}"')
-        return self.rule(f'"{{" ws {body} ws {tail} "}}"')
+        if not isinstance(props, dict):
+            raise SchemaError("properties must be an object")
+        req = schema.get("required", [])
+        if not isinstance(req, list) or not all(isinstance(k, str) for k in req):
+            raise SchemaError("required must be an array of strings")
+        required = [k for k in props if k in req]  # declaration order, as models write them
+        optional = [k for k in props if k not in req]
+        pair = {k: f"{_json_lit(k)} ws \":\" ws {self.of(props[k], root, ns, depth)}" for k in props}
+        body = ' ws "," ws '.join(pair[k] for k in required)
+        # any ordered subset of the optional keys: sub_i = pair_i ( "," sub_{i+1} )? | sub_{i+1}
+        sub: str | None = None
+        for k in reversed(optional):
+            sub = self.rule(pair[k] if sub is None else f'{pair[k]} ( ws "," ws {sub} )? | {sub}')
+        if not required:
+            inner = f"( {sub} )?" if sub else ""
+        else:
+            inner = body + (f' ( ws "," ws {sub} )?' if sub else "")
+        return self.rule(f'"{{" ws {inner} ws "}}"')
 
 
 def schema_to_ebnf(schema: Any, root: str = "root") -> str:
     """A GBNF grammar whose `root` matches JSON values of `schema` (common keywords)."""
-    defs = dict((schema or {}).get("$defs") or (schema or {}).get("definitions") or {}) if isinstance(schema, dict) else {}
-    g = _Ebnf(defs)
-    top = g.of(schema)
+    g = _Ebnf()
+    top = g.root(schema, "s")
     lines = [f"{root} ::= {top}"] + [f"{k} ::= {v}" for k, v in g.rules.items()]
     return "\n".join(lines) + "\n" + _BASE
 
 
 def hermes_tool_call_ebnf(tools: list[tuple[str, Any]]) -> str:
     """`<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>` (one or more), optional think first."""
-    g = _Ebnf({})
+    g = _Ebnf()
     alts = []
-    for name, params in tools:
-        if isinstance(params, dict):
-            g.defs.update(params.get("$defs") or params.get("definitions") or {})
-        args = g.of(params if isinstance(params, dict) and params else {"type": "object"})
+    for i, (name, params) in enumerate(tools):
+        args = g.root(params if params else {"type": "object"}, f"t{i}")
         alts.append(
-            f'"{{" ws "\\"name\\"" ws ":" ws {_lit(json.dumps(name))} ws "," ws "\\"arguments\\"" ws ":" ws {args} ws "}}"'
+            f'"{{" ws "\\"name\\"" ws ":" ws {_json_lit(name)} ws "," ws "\\"arguments\\"" ws ":" ws {args} ws "}}"'
         )
     lines = [
         'root ::= think? ws call ( ws call )*',
@@ -339,3 +423,20 @@ def hermes_tool_call_ebnf(tools: list[tuple[str, Any]]) -> str:
         "callbody ::= " + " | ".join(f"( {a} )" for a in alts),
     ] + [f"{k} ::= {v}" for k, v in g.rules.items()]
     return "\n".join(lines) + "\n" + _BASE
+
+
+def check_schema_size(schema: Any, where: str) -> None:
+    """Bound a client schema's nesting and size before anything recurses over it (400)."""
+    stack: list[tuple[Any, int]] = [(schema, 0)]
+    nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise BadRequest(f"{where}: the schema has more than {MAX_SCHEMA_NODES} nodes")
+        if depth > 2 * MAX_SCHEMA_DEPTH:
+            raise BadRequest(f"{where}: the schema nests deeper than {2 * MAX_SCHEMA_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)

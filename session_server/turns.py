@@ -41,7 +41,7 @@ from .errors import (
 )
 from .routing import prefix_block_hashes, record_failure
 from .sessions import Claim, Session
-from .structured import apply_output_policy, engine_refusal, request_constraint
+from .structured import Constraint, apply_output_policy, engine_refusal, request_constraint
 
 _TAIL_TOKENS = 16
 
@@ -61,6 +61,7 @@ class Prepared:
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
     last_weight_version: Any
+    constraint: Constraint | None = None  # tool_choice / response_format, derived in the pool
 
 
 @dataclass
@@ -180,7 +181,9 @@ class TurnRunner:
             new_messages=new,
             tools=tools,
             template_kwargs=kwargs,
-            last_weight_version=self._last_weight_version(session),
+            last_weight_version=self.ctx.control.version_floor(self._last_weight_version(session)),
+            # proportional to the client's schemas: derived here, off the event loop
+            constraint=request_constraint(req, self.ctx.codec.family),
         )
 
     @staticmethod
@@ -231,7 +234,7 @@ class TurnRunner:
 
     # -- generate, validate, commit --
 
-    def _sampling(self, session: Session, req: ChatRequest) -> SamplingParams:
+    def _sampling(self, session: Session, req: ChatRequest, constraint: Constraint | None) -> SamplingParams:
         d = SessionSampling.model_validate(session.config.sampling)  # validated at creation
 
         def pick(name: str) -> Any:
@@ -250,7 +253,7 @@ class TurnRunner:
             presence_penalty=pick("presence_penalty"),
             frequency_penalty=pick("frequency_penalty"),
             repetition_penalty=pick("repetition_penalty"),
-            constraint=request_constraint(req, self.ctx.codec.family),
+            constraint=constraint,
         )
 
     def _budget(self, session: Session, req: ChatRequest, prompt_len: int) -> int:
@@ -279,6 +282,7 @@ class TurnRunner:
         if engines.policy.name == "cache_aware":
             hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
         attempts = 2 if len(engines.engines) > 1 else 1
+        deadline = time.monotonic() + greq.timeout_s  # once: a re-home does not restart the clock
         for attempt in range(attempts):
             target = engines.select(session.id, session.home, context_tokens=n, prefix_hashes=hashes)
             session.home = target.id
@@ -294,7 +298,7 @@ class TurnRunner:
                     return ctx.admission.acquire(eid, uncached if guess is None else guess)
 
                 result = await generate_resilient(engine.adapter, pinned, ctx.control, expect=expect,
-                                                  admit=admit)
+                                                  admit=admit, deadline=deadline)
                 return result, target.id
             except UpstreamTransportError as exc:
                 dead = record_failure(engines, engine.id, exc)
@@ -342,7 +346,7 @@ class TurnRunner:
             request_id=new_request_id(),
             input_ids=input_ids,
             max_tokens=budget,
-            sampling=self._sampling(session, req),
+            sampling=self._sampling(session, req, prep.constraint),
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             lora=session.config.lora,
             timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,

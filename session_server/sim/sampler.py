@@ -205,6 +205,10 @@ class ScriptedPolicy:
         already = ctx[turn_start:]
         n = len(already)
         diverged = n > len(planned) or (n > 0 and not np.array_equal(already, planned[:n]))
+        if constrained is not None:
+            # a real engine's grammar matcher starts at the first *output* token: ids already
+            # in the prompt (a resubmitted partial) are context, and the grammar begins again
+            n, diverged = 0, False
         return Cursor(
             planned=planned,
             offset=n,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,21 +278,17 @@ def test_accepts_generated_well_formed(case: tuple) -> None:
     assert v.logprobs.tolist() == [float(np.float32(x)) for x in lps]
 
 
-def test_fast_on_10k_tokens() -> None:
+def test_validates_10k_tokens_exactly() -> None:
+    """A 10K-token turn is checked whole (its speed is measured in bench/, not asserted here)."""
     n = 10_000
-    r = good(
-        output_ids=[i % VOCAB for i in range(n - 1)] + [EOS],
-        logprobs=[-0.5] * n,
-        completion_tokens=n,
-        output_ids_echo=[i % VOCAB for i in range(n - 1)] + [EOS],
-    )
+    ids = [i % VOCAB for i in range(n - 1)] + [EOS]
+    r = good(output_ids=ids, logprobs=[-0.5] * n, completion_tokens=n, output_ids_echo=ids)
     expect = dataclasses.replace(EXPECT, max_tokens=n)
-    validate_generation(r, expect)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        validate_generation(r, expect)
-    per_call_s = (time.perf_counter() - t0) / 10
-    assert per_call_s < 0.01, per_call_s
+    v = validate_generation(r, expect)
+    assert v.ids.tolist() == ids and len(v.logprobs) == n
+    bad = good(output_ids=ids, logprobs=[-0.5] * (n - 1) + [0.5], completion_tokens=n, output_ids_echo=ids)
+    with pytest.raises(ValidationError):
+        validate_generation(bad, expect)
 
 
 def test_unreported_counters_are_accepted_but_reported_ones_are_exact() -> None:
