@@ -1,10 +1,9 @@
-"""Contract tests: every captured engine response in the shared fixtures goes through the
+"""Contract tests: every captured engine response in the vendored fixtures (tests/fixtures/engines) goes through the
 pure parsers and is either parsed to concrete values or rejected with a typed error."""
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,20 +20,11 @@ from session_server.engines import (
 from session_server.engines.base import GenerateResult
 from session_server.errors import EngineError, UpstreamHTTPError, UpstreamInvalid
 
-
-def _shared_dir() -> Path:
-    env = os.environ.get("TITO_SHARED_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / ".." / "shared"
-
-
-FIXTURES = _shared_dir() / "fixtures" / "engines"
-if not FIXTURES.is_dir() and os.environ.get("CI"):
-    # In CI the shared fixtures must be there: 49 silently skipped contract tests
-    # would look green while proving nothing.
-    raise RuntimeError(
-        f"captured engine fixtures not found at {FIXTURES}; set TITO_SHARED_DIR or check out shared/"
-    )
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason="shared fixtures dir absent")
+# Captured engine responses, vendored with their provenance (tests/fixtures/engines/SOURCES.md)
+# so the contract tests always run: a missing directory fails, it never skips.
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "engines"
+if not FIXTURES.is_dir():
+    raise RuntimeError(f"captured engine fixtures not found at {FIXTURES}")
 
 RID = "f" * 32
 
