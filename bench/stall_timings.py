@@ -6,7 +6,9 @@ this measures the longest single step the event loop runs without yielding:
 * TTL sweep at `--sessions` idle sessions (none due, 1% due, all due): the longest
   step of one sweep as the server's sweeper runs it.
 * JSON trajectory export at `--tokens` tokens: the one-shot `orjson.dumps(to_dict(...))`
-  and, where the library has it, the longest piece of the chunked `iter_json`.
+  and, where the library has it, the longest piece of the chunked `iter_json`; and how
+  late a sleeping thread wakes while another thread exports in a loop (the GIL wait an
+  event loop sees while the CPU pool exports).
 * `cache_aware` prefix hashing at `--tokens` tokens: `prefix_block_hashes` plus one
   `CacheAware.select` with those hashes.
 * A full `gc.collect()` with `--sessions` sessions alive, and the tracked-object count.
@@ -149,7 +151,44 @@ def export_json(tokens: int, reps: int) -> dict[str, Any]:
         out["chunked_longest_piece_ms"] = _ms(longest)
         out["chunked_total_ms"] = _ms(totals)
         out["chunked_pieces"] = pieces
+    out["loop_delay_ms_one_shot_in_thread"] = _loop_delay_while(
+        lambda: orjson.dumps(export.to_dict(tree, metadata=meta), option=orjson.OPT_SERIALIZE_NUMPY))
+    if iter_json is not None:
+        out["loop_delay_ms_chunked_in_thread"] = _loop_delay_while(
+            lambda: export.to_json_bytes(tree, metadata=meta))
     return out
+
+
+def _loop_delay_while(work: Callable[[], Any], seconds: float = 1.0) -> dict[str, float]:
+    """`work` repeated in a thread (as the server's CPU pool runs it, GIL switch interval
+    0.5 ms as `serve` sets it); meanwhile this thread sleeps 1 ms at a time and records
+    how late it wakes: what an event loop thread would wait for the GIL."""
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    stop = threading.Event()
+    runs = 0
+
+    def spin() -> None:
+        nonlocal runs
+        while not stop.is_set():
+            work()
+            runs += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    late: list[float] = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        time.sleep(0.001)
+        late.append(time.perf_counter() - t0 - 0.001)
+    stop.set()
+    t.join()
+    sys.setswitchinterval(old)
+    arr = np.array(late) * 1000
+    return {"p99": float(np.percentile(arr, 99)), "max": float(arr.max()), "exports_per_s": runs / seconds}
 
 
 def prefix_hashing(tokens: int, reps: int) -> dict[str, Any]:

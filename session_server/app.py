@@ -484,28 +484,16 @@ def _export_metadata(s: Session) -> dict[str, Any]:
     return {"session_id": s.id, "metadata": s.config.metadata, "history_policy": s.config.history_policy.value}
 
 
-async def _json_export(s: Session) -> bytes:
-    """The JSON export built on the loop in bounded pieces, yielding between them.
-
-    One `orjson.dumps` of a 100K-token tree held the GIL for ~10-25 ms, which a
-    worker thread does not help (the loop waits for the GIL just the same); each
-    piece of `export.iter_json` is a fraction of a millisecond (issue 8)."""
-    parts: list[bytes] = []
-    for piece in export.iter_json(s.tree, metadata=_export_metadata(s)):
-        parts.append(piece)
-        await asyncio.sleep(0)
-    return b"".join(parts)
-
-
 async def _trajectory_response(ctx: ServerContext, s: Session, fmt: str) -> Response:
     if fmt not in ("json", "npz"):
         raise BadRequest("format must be 'json' or 'npz'")
-    async with s.lock:  # a commit must not mutate the branches while they are read
-        if fmt == "npz":  # zlib releases the GIL: the pool is the right place
-            payload = await ctx.pool.run(export.to_npz_bytes, s.tree, metadata=_export_metadata(s))
-            return Response(content=payload, media_type="application/octet-stream")
-        payload = await _json_export(s)
-    return Response(content=payload, media_type=JSON)
+    # JSON: `to_json_bytes` is a sequence of short orjson calls (`export.iter_json`), so
+    # the pool thread gives the GIL back to the loop between pieces; one orjson.dumps
+    # of a 100K-token tree held it for ~10-25 ms in one call (issue 8).
+    build = export.to_npz_bytes if fmt == "npz" else export.to_json_bytes
+    async with s.lock:  # a commit must not mutate the branches while the pool reads them
+        payload = await ctx.pool.run(build, s.tree, metadata=_export_metadata(s))
+    return Response(content=payload, media_type="application/octet-stream" if fmt == "npz" else JSON)
 
 
 SWEEP_BATCH = 512  # heap entries per step of a sweep: ~3 ms of removals (bench/stall_timings.py)
