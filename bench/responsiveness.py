@@ -9,6 +9,17 @@ process. Server, engine, load generator and poller are separate processes. Write
 `errors`) and a PNG of /health latency over time.
 
     python bench/responsiveness.py --json bench/results/responsiveness.json
+
+`--stall-probe` measures a different workload (issue 8, loop stalls that grow with
+context or session count): `--idle-sessions` (100K) idle sessions exist while the
+TTL sweeper runs every 5 s, and one session holds a `--context-tokens` (~100K)
+context. Three phases of `--seconds` each, /health polled as above throughout:
+`idle` (nothing but the sweeps), `export` (that session's JSON trajectory fetched
+in a closed loop) and `cache_aware` (chats on that session, so each turn hashes
+the 100K-token prefix; the server runs `--routing-policy cache_aware`). Writes
+p50/p99/max and the count of samples over 20 ms per phase.
+
+    python bench/responsiveness.py --stall-probe --json bench/results/stall_probe.json
 """
 
 from __future__ import annotations
@@ -112,6 +123,100 @@ async def _measure(url: str, k: int, seconds: float, nice: int) -> dict[str, Any
     }
 
 
+async def _create_sessions(url: str, n: int, concurrency: int = 32) -> float:
+    """`n` idle sessions over `concurrency` keep-alive connections; returns seconds taken."""
+    t0 = time.perf_counter()
+    left = n
+
+    async def worker(http: aiohttp.ClientSession) -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            async with http.post(f"{url}/sessions", json={}) as r:
+                if r.status != 201:
+                    raise RuntimeError(f"POST /sessions -> {r.status}: {await r.text()}")
+                await r.read()
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return time.perf_counter() - t0
+
+
+async def _big_session(http: aiohttp.ClientSession, url: str, tokens: int) -> tuple[str, int]:
+    """A session whose first turn carries a ~`tokens`-token user message."""
+    async with http.post(f"{url}/sessions", json={}) as r:
+        sid = (await r.json())["session_id"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(cached_tokenizer_dir("qwen3")))
+    per_word = len(tok(" hello" * 1000)["input_ids"]) / 1000  # the sim's toy vocabulary splits words
+    body = {**CHAT, "messages": [{"role": "user", "content": " hello" * int(tokens / per_word)}]}
+    async with http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"big first turn -> {r.status}: {await r.text()}")
+        usage = (await r.json())["usage"]
+    return sid, int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+
+
+async def _phase_load(url: str, sid: str, phase: str, seconds: float) -> int:
+    """Closed-loop load of one phase on the big session; returns requests done."""
+    done = 0
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession() as http:
+        while time.perf_counter() - t0 < seconds:
+            if phase == "idle":
+                await asyncio.sleep(0.1)
+                continue
+            if phase == "export":
+                async with http.get(f"{url}/sessions/{sid}/trajectory") as r:
+                    await r.read()
+                    ok = r.status == 200
+            else:
+                chat = {**CHAT, "messages": [{"role": "user", "content": f"Next step {done}."}], "max_tokens": 8}
+                async with http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=chat) as r:
+                    await r.read()
+                    ok = r.status == 200
+            if not ok:
+                raise RuntimeError(f"{phase} request failed: {r.status}")
+            done += 1
+    return done
+
+
+def _summary(lat_ms: list[float]) -> dict[str, float | int]:
+    lat = np.array(lat_ms)
+    return {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
+            "max": float(lat.max()), "over_20ms": int((lat > 20).sum()), "samples": int(lat.size)}
+
+
+async def _stall_probe(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as http:
+        sid, context = await _big_session(http, url, args.context_tokens)
+    made_s = await _create_sessions(url, args.idle_sessions)
+    print(f"made {args.idle_sessions} sessions in {made_s:.1f} s; big session at {context} tokens", flush=True)
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    recv, send = ctx.Pipe(duplex=False)
+    poller = ctx.Process(target=_poll_health_process, args=(url, ready, stop, send), daemon=True)
+    poller.start()
+    if not await asyncio.to_thread(ready.wait, 60):
+        raise RuntimeError("the /health poller did not start")
+    bounds: dict[str, tuple[float, float, int]] = {}
+    t_start = time.perf_counter()  # the poller's clock starts within a few ms of this
+    for phase in ("idle", "export", "cache_aware"):
+        a = time.perf_counter() - t_start
+        n = await _phase_load(url, sid, phase, args.seconds)
+        bounds[phase] = (a, time.perf_counter() - t_start, n)
+    stop.set()
+    samples: list[tuple[float, float]] = await asyncio.to_thread(recv.recv)
+    poller.join(timeout=10)
+    phases = {}
+    for phase, (a, b, n) in bounds.items():
+        lat = [ms for t, ms in samples if a <= t < b]
+        phases[phase] = {"health_ms": _summary(lat), "requests": n, "requests_per_s": n / (b - a)}
+    return {"idle_sessions": args.idle_sessions, "context_tokens": context, "sessions_made_s": made_s,
+            "phases": phases}
+
+
 def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -144,8 +249,14 @@ def main() -> int:
     ap.add_argument("--nice", type=int, default=10,
                     help="CPU niceness of the load generator and the simulated engine, which stand in "
                          "for other machines; the server and the /health poller run at 0 (use 0 for all)")
+    ap.add_argument("--stall-probe", action="store_true",
+                    help="the issue-8 stall probe instead (idle sessions, big export, cache_aware hashing)")
+    ap.add_argument("--idle-sessions", type=int, default=100_000)
+    ap.add_argument("--context-tokens", type=int, default=100_000)
     args = ap.parse_args()
     tok = str(cached_tokenizer_dir("qwen3"))
+    if args.stall_probe:
+        return _run_stall_probe(args, tok)
     variants = ("floats", "base64") if args.payload == "both" else (args.payload,)
     results: dict[str, dict[str, Any]] = {}
     for payload in variants:
@@ -173,6 +284,22 @@ def main() -> int:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def _run_stall_probe(args: argparse.Namespace, tok: str) -> int:
+    extra = ["--routing-policy", "cache_aware", "--max-sessions", str(args.idle_sessions + 10),
+             *args.server_args.split()]
+    with sim_engine(args.protocol, tok, nice=args.nice) as eng, server([f"{args.protocol}={eng}"], tok,
+                                                                       extra=extra) as url:
+        out = asyncio.run(_stall_probe(url, args))
+    out["workload"] = {"seconds_per_phase": args.seconds, "protocol": args.protocol, "server_args": extra}
+    for phase, r in out["phases"].items():
+        h = r["health_ms"]
+        print(f"{phase:>11}: /health p50 {h['p50']:.1f} p99 {h['p99']:.1f} max {h['max']:.1f} ms, "
+              f"{h['over_20ms']} of {h['samples']} over 20 ms; {r['requests_per_s']:.1f} req/s")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

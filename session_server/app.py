@@ -480,28 +480,40 @@ async def _iter(frames: list[bytes]) -> AsyncIterator[bytes]:
         yield f
 
 
-def _trajectory_payload(s: Session, fmt: str) -> tuple[bytes, str]:
-    meta = {"session_id": s.id, "metadata": s.config.metadata, "history_policy": s.config.history_policy.value}
-    if fmt == "npz":
-        return export.to_npz_bytes(s.tree, metadata=meta), "application/octet-stream"
-    return orjson.dumps(export.to_dict(s.tree, metadata=meta), option=orjson.OPT_SERIALIZE_NUMPY), JSON
+def _export_metadata(s: Session) -> dict[str, Any]:
+    return {"session_id": s.id, "metadata": s.config.metadata, "history_policy": s.config.history_policy.value}
 
 
 async def _trajectory_response(ctx: ServerContext, s: Session, fmt: str) -> Response:
     if fmt not in ("json", "npz"):
         raise BadRequest("format must be 'json' or 'npz'")
+    # JSON: `to_json_bytes` is a sequence of short orjson calls (`export.iter_json`), so
+    # the pool thread gives the GIL back to the loop between pieces; one orjson.dumps
+    # of a 100K-token tree held it for ~10-25 ms in one call (issue 8).
+    build = export.to_npz_bytes if fmt == "npz" else export.to_json_bytes
     async with s.lock:  # a commit must not mutate the branches while the pool reads them
-        payload, media = await ctx.pool.run(_trajectory_payload, s, fmt)
-    return Response(content=payload, media_type=media)
+        payload = await ctx.pool.run(build, s.tree, metadata=_export_metadata(s))
+    return Response(content=payload, media_type="application/octet-stream" if fmt == "npz" else JSON)
+
+
+SWEEP_BATCH = 512  # heap entries per step of a sweep: ~3 ms of removals (bench/stall_timings.py)
 
 
 async def _sweep(ctx: ServerContext) -> None:
-    """Background TTL expiry; never touches a session with a chat in flight."""
+    """Background TTL expiry; never touches a session with a chat in flight.
+
+    Each step handles at most `SWEEP_BATCH` due entries and yields, so a mass
+    expiry (100K sessions made at once) is spread over many short steps."""
     while True:
         await asyncio.sleep(ctx.settings.sweep_interval_s)
-        for sid in ctx.store.expire():
-            ctx.metrics.sessions_expired_total.inc()
-            log.info("session %s expired", sid)
+        while True:
+            expired = ctx.store.expire(limit=SWEEP_BATCH)
+            for sid in expired:
+                ctx.metrics.sessions_expired_total.inc()
+                log.info("session %s expired", sid)
+            if not ctx.store.expiry_due():
+                break
+            await asyncio.sleep(0)
 
 
 async def _shutdown(ctx: ServerContext, *background: asyncio.Task[None]) -> None:
