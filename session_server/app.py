@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import gc
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer
 
 from trajectory import export
@@ -46,6 +47,7 @@ from .decode_pool import DecodePool
 from .engines import make_adapter
 from .errors import (
     BadRequest,
+    ClientGone,
     EngineError,
     NotFound,
     PayloadTooLarge,
@@ -84,12 +86,28 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("client disconnected while sending the body") from None
     return b"".join(chunks)
+
+
+def _client_gone(request: Request) -> Callable[[], Coroutine[Any, Any, None]]:
+    """An awaitable that returns when the client hangs up (ASGI `http.disconnect`).
+
+    Only for after the body was read: then the server's `receive` has nothing left
+    to deliver but the disconnect, and waits for it without polling."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
 
 
 def session_view(s: Session) -> dict[str, Any]:
@@ -161,6 +179,7 @@ def create_app(config: AppConfig) -> FastAPI:
                 AdmissionConfig(settings.prefill_slots_per_engine, settings.large_prefill_tokens)
             ),
         )
+        ctx.store.on_remove.append(lambda s: engines.forget(s.id, s.home))  # DELETE and TTL alike
         state["ctx"] = app.state.ctx = ctx
         state["runner"] = app.state.runner = TurnRunner(ctx)
         sweeper = asyncio.create_task(_sweep(ctx), name="tito-ttl-sweeper")
@@ -199,9 +218,14 @@ def create_app(config: AppConfig) -> FastAPI:
     async def _service_error(request: Request, exc: ServiceError) -> Response:
         if "ctx" in state:
             state["ctx"].metrics.errors_total.labels(type=exc.type).inc()
-        if exc.status >= 500:
+        if isinstance(exc, ClientGone):  # nobody is left to read a response
+            log.info("%s %s: %s", request.method, request.url.path, exc.message)
+        elif exc.status >= 500:
             log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status, exc.type, exc.message)
-        return _json(exc.to_body(), exc.status)
+        resp = _json(exc.to_body(), exc.status)
+        if exc.retry_after_s is not None:
+            resp.headers["retry-after"] = str(exc.retry_after_s)
+        return resp
 
     @app.exception_handler(CodecError)
     async def _codec_error(request: Request, exc: CodecError) -> Response:
@@ -264,7 +288,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx = ctx_of()
         ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
-        req, out = await state["runner"].run(sid, body)
+        req, out = await state["runner"].run(sid, body, client_gone=_client_gone(request))
         top_k = req.top_logprobs or 0
         # per-token logprobs make a response proportional to the output: pool; else inline
         size = len(out.sampled_ids) * 64 if req.logprobs else 0
@@ -280,13 +304,16 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @app.get("/sessions/{sid}", **route_doc(None, 404))
     async def get_session(sid: str) -> Response:
-        s = ctx_of().store.get(sid)
+        store = ctx_of().store
+        s = store.get(sid)
+        store.touch(s)  # reading a session is using it: its TTL restarts (issue 16.10)
         return _json(session_view(s))
 
     @app.get("/sessions/{sid}/trajectory", **route_doc(None, 400, 404, media=(JSON, "application/octet-stream")))
     async def get_trajectory(sid: str, format: str = "json") -> Response:
         ctx = ctx_of()
         s = ctx.store.get(sid)
+        ctx.store.touch(s)
         return await _trajectory_response(ctx, s, format)
 
     @app.delete(
@@ -297,8 +324,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx = ctx_of()
         s = ctx.store.get(sid)
         resp = await _trajectory_response(ctx, s, format) if return_trajectory else None
-        ctx.store.close(sid)
-        ctx.engines.forget(s.id, s.home)
+        ctx.store.close(sid)  # routing state goes with the removal (store.on_remove)
         return resp if resp is not None else Response(status_code=204)
 
     @app.post("/control/pause", **route_doc(PauseRequest, 400, 413, required=False, ok=PARTIAL))

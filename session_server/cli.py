@@ -120,6 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_mb * 1024 * 1024,
         max_sessions=args.max_sessions,
         default_ttl_s=args.ttl_s,
+        max_branches=args.max_branches,
         routing_policy=args.routing_policy,
         prefill_slots_per_engine=args.prefill_slots,
         large_prefill_tokens=args.large_prefill_tokens,
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions", type=int, default=100_000, help="live sessions at most (429 over_capacity above)")
     s.add_argument("--ttl-s", type=float, default=3600.0,
                    help="idle time after which a session expires, unless its creation sets ttl_s")
+    s.add_argument("--max-branches", type=int, default=64,
+                   help="branches per session at most: a retry or fork past it is refused (429 branch_limit)")
     s.add_argument("--routing-policy", default="sticky_cost", choices=POLICY_NAMES,
                    help="how sessions are placed on engines")
     s.add_argument("--prefill-slots", type=int, default=1, help="large uncached prefills in flight per engine")

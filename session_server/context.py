@@ -27,6 +27,7 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_sessions: int = 100_000
     default_ttl_s: float = 3600.0
+    max_branches: int = 64  # per session; each retry/fork copies its prefix (429 branch_limit past it)
     sweep_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
     clamp_logprob_sentinel: bool = False

@@ -11,7 +11,9 @@
     ├── SessionBusy                      409 session_busy
     ├── SessionClosed                    409 session_closed
     ├── PayloadTooLarge                  413 payload_too_large
-    ├── OverCapacity                     429 over_capacity
+    ├── OverCapacity                     429 over_capacity   Retry-After: 5
+    ├── BranchLimit                      429 branch_limit    Retry-After: 60 (names the cap)
+    ├── ClientGone                       499 client_gone (client disconnected mid-turn; logged, never sent)
     ├── InternalInvariant                500 internal_error (logged at ERROR)
     ├── EngineError                      engine side; adapters raise these
     │   ├── UpstreamInvalid              502 upstream_invalid (bad engine output)
@@ -19,9 +21,12 @@
     │   ├── UpstreamTransportError       502 upstream_unreachable (connect/reset)
     │   │                                 `.transient` and `.produced_tokens` drive retries
     │   └── UpstreamTimeout              504 upstream_timeout
-    │   └── EngineAborted                503 engine_aborted (abort with nothing to resume)
-    ├── NoHealthyEngine                  503 no_healthy_engine
-    └── PausedTooLong                    503 paused (deadline passed while paused)
+    │   └── EngineAborted                503 engine_aborted  Retry-After: 1 (abort with nothing to resume)
+    ├── NoHealthyEngine                  503 no_healthy_engine  Retry-After: 5
+    └── PausedTooLong                    503 paused          Retry-After: 10 (deadline passed while paused)
+
+`retry_after_s` (None: no header) is a class attribute; the app's one error handler
+sends it as `Retry-After` (whole seconds) so clients back off instead of hammering.
 
 `trajectory.errors.ValidationError` maps to UpstreamInvalid at the turn pipeline;
 `trajectory.errors.CodecError` raised while serving a request maps to TemplateError
@@ -43,6 +48,7 @@ def _rebuild(cls: type[ServiceError], message: str, state: dict[str, object]) ->
 class ServiceError(Exception):
     status: int = 500
     type: str = "internal_error"
+    retry_after_s: int | None = None  # sent as the Retry-After header when set
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message or self.type)
@@ -99,6 +105,23 @@ class PayloadTooLarge(ServiceError):
 
 class OverCapacity(ServiceError):
     status, type = 429, "over_capacity"
+    retry_after_s = 5
+
+
+class BranchLimit(ServiceError):
+    """A retry or fork would create more branches than `max_branches` allows."""
+
+    status, type = 429, "branch_limit"
+    retry_after_s = 60
+
+
+class ClientGone(ServiceError):
+    """The client disconnected mid-turn: the turn was cancelled and nothing committed.
+
+    499 (nginx's "client closed request") is only logged and counted: nobody is
+    left to receive it."""
+
+    status, type = 499, "client_gone"
 
 
 class InternalInvariant(ServiceError):
@@ -142,14 +165,17 @@ class UpstreamTimeout(EngineError):
 
 class EngineAborted(EngineError):
     status, type = 503, "engine_aborted"
+    retry_after_s = 1
 
 
 class NoHealthyEngine(ServiceError):
     status, type = 503, "no_healthy_engine"
+    retry_after_s = 5
 
 
 class PausedTooLong(ServiceError):
     status, type = 503, "paused"
+    retry_after_s = 10
 
 
 def from_library(exc: Exception) -> ServiceError | None:

@@ -13,6 +13,7 @@ import asyncio
 import enum
 import heapq
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +24,8 @@ from trajectory.codec.base import HistoryPolicy
 from trajectory.tree import TrajectoryTree
 
 from .errors import OverCapacity, SessionBusy, SessionClosed, SessionNotFound
+
+_log = logging.getLogger("session_server")
 
 
 class SessionState(enum.Enum):
@@ -93,7 +96,8 @@ class Session:
         self.home: str | None = None  # routing target id, set by the router
         self.tools_by_branch: dict[int, Any] = {}  # tools each branch was rendered with
         self.diagnostics: list[dict[str, Any]] = []  # TITO mismatches, repairs, forks
-        self.turns_discarded = 0  # completed generations not committed (closing, errors)
+        self.turns_discarded = 0  # turns ended without a commit: client gone, deleted mid-turn
+        self.turn: asyncio.Task[Any] | None = None  # the in-flight turn's work; a DELETE cancels it
         self.control_totals = ControlTotals()
         self.token = secrets.token_urlsafe(32)  # the agent's api_key; checked by auth.py when auth is on
 
@@ -141,6 +145,9 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self._expiry: list[tuple[float, str]] = []  # min-heap of (deadline lower bound, id)
         self._claims = itertools.count(1)
+        # called once per session as it leaves the store (DELETE, TTL, a deferred close):
+        # the app forgets the session's routing state here, so no per-session table leaks
+        self.on_remove: list[Callable[[Session], None]] = []
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -159,6 +166,10 @@ class SessionStore:
         if s is None or s.state is not SessionState.ACTIVE:
             raise SessionNotFound(f"unknown session {session_id!r}")
         return s
+
+    def touch(self, session: Session) -> None:
+        """A read of the session (view, trajectory) counts as use: it pushes back its TTL."""
+        session.last_used = self._clock()
 
     def claim(self, session_id: str) -> tuple[Session, Claim]:
         """Take the in-flight gate. Closing beats busy (404 before 409)."""
@@ -186,20 +197,30 @@ class SessionStore:
             raise SessionClosed(f"session {session.id} claim lost; nothing committed")
 
     def close(self, session_id: str) -> Session:
-        """Delete: immediate when idle; deferred to the in-flight chat's release otherwise."""
+        """Delete: immediate when idle. With a chat in flight the session is closing: its
+        turn is cancelled (which aborts the engine request, and the turn answers 409
+        session_closed) and the removal completes at that turn's release."""
         s = self.get(session_id)
         if s.inflight is None:
             self._remove(s)
         else:
             s.transition(SessionState.CLOSING)
+            if s.turn is not None:
+                s.turn.cancel()
         return s
 
     def _remove(self, s: Session) -> None:
-        """The one removal path (delete, deferred close, expiry)."""
+        """The one removal path (delete, deferred close, expiry): every way out of the
+        store ends here, hooks included."""
         s.transition(SessionState.CLOSED)
         self._sessions.pop(s.id, None)
         if len(self._expiry) > 2 * len(self._sessions):
             self._compact()
+        for hook in self.on_remove:
+            try:
+                hook(s)
+            except Exception:  # a hook never keeps a session in the store
+                _log.exception("on_remove hook failed for session %s", s.id)
 
     def _compact(self) -> None:
         """Drop the entries of removed sessions (stale entries outnumber live ones).

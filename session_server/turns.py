@@ -5,7 +5,9 @@
           -> respond (pool)
 
 The claim is released in a `finally` on every path (errors, cancellation, client
-disconnect), and only by the request that made it. Branch changes decided at
+disconnect), and only by the request that made it. The turn runs as its own task:
+a client disconnect or a DELETE cancels it, which aborts the engine request and
+commits nothing (counted as discarded). Branch changes decided at
 prepare (rollback, fork) are applied at commit, so a failed turn leaves the
 session exactly as it was.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,8 +35,11 @@ from .control import ResilientResult, generate_resilient, new_request_id
 from .engines.base import GenerateRequest, GenerateResult, SamplingParams
 from .errors import (
     BadRequest,
+    BranchLimit,
+    ClientGone,
     HistoryMismatch,
     InternalInvariant,
+    SessionClosed,
     UpstreamHTTPError,
     UpstreamInvalid,
     UpstreamTransportError,
@@ -117,30 +122,88 @@ class TurnRunner:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    async def run(self, session_id: str, body: bytes) -> tuple[ChatRequest, TurnOutput]:
+    async def run(
+        self, session_id: str, body: bytes, client_gone: Callable[[], Coroutine[Any, Any, None]] | None = None
+    ) -> tuple[ChatRequest, TurnOutput]:
+        """Claim the session and run the turn as its own task, which ends early when
+
+        - the client hangs up (`client_gone` returns): `ClientGone` (499, never sent);
+        - the session is deleted (`SessionStore.close` cancels `session.turn`): 409.
+
+        Cancelling the work aborts its engine request (`generate_resilient`) and commits
+        nothing (commit has no await inside), so the claim is free at once for a retry."""
         ctx = self.ctx
-        timer = _Timer(ctx)
         session, claim = ctx.store.claim(session_id)
         ctx.metrics.turns_in_flight.inc()
+        work = asyncio.create_task(self._turn(session, claim, body), name=f"tito-turn-{session_id}")
+        session.turn = work
+        watcher: asyncio.Task[None] | None = None
+        if client_gone is not None:
+            watcher = asyncio.create_task(client_gone())
         try:
-            timer.lap("claim")
-            req: ChatRequest = await ctx.pool.run_sized(len(body), parse_json_model, body, ChatRequest)
-            timer.lap("parse")
-            async with session.lock:
-                # O(history): the agent resends every message. Pool work (inline when
-                # the body is small); the claim keeps other turns out meanwhile.
-                prep = await ctx.pool.run_sized(len(body), self._prepare, session, req)
-            timer.lap("prepare")
-            prompt_ids, prep = await self._render(session, prep)
-            timer.lap("render")
-            out = await self._generate_validate_commit(session, claim, req, prep, prompt_ids, timer)
-            timer.total()
-            out.timings_s = dict(timer.phases)
-            ctx.metrics.turns_total.labels(outcome="committed").inc()
-            return req, out
+            await asyncio.wait([t for t in (work, watcher) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client went away first
+                await self._cancel(work)
+                self._discarded(session)
+                raise ClientGone(f"client disconnected mid-turn on session {session.id}; nothing committed")
+            if work.cancelled():  # only a DELETE cancels the work itself
+                self._discarded(session)
+                raise SessionClosed(f"session {session.id} was deleted during the turn; nothing committed")
+            if isinstance(work.exception(), SessionClosed):
+                self._discarded(session)
+            return work.result()
         finally:
+            if watcher is not None:
+                watcher.cancel()
+            if not work.done():  # this request itself was cancelled (e.g. shutdown)
+                await self._cancel(work)
+                self._discarded(session)
+            if session.turn is work:
+                session.turn = None
             ctx.metrics.turns_in_flight.dec()
             ctx.store.release(session, claim)
+
+    @staticmethod
+    async def _cancel(work: asyncio.Task[Any], wait_s: float = 1.0) -> None:
+        """Cancel the turn's work and give its `finally`s (engine abort, routing stats) a
+        bounded moment; the claim is released after this either way."""
+        work.cancel()
+        await asyncio.wait([work], timeout=wait_s)
+
+    def _discarded(self, session: Session) -> None:
+        """A turn that ended without a commit: counted in the session view and metrics."""
+        session.turns_discarded += 1
+        self.ctx.metrics.turns_total.labels(outcome="discarded").inc()
+
+    async def _turn(self, session: Session, claim: Claim, body: bytes) -> tuple[ChatRequest, TurnOutput]:
+        ctx = self.ctx
+        timer = _Timer(ctx)
+        timer.lap("claim")
+        req: ChatRequest = await ctx.pool.run_sized(len(body), parse_json_model, body, ChatRequest)
+        timer.lap("parse")
+        async with session.lock:
+            # O(history): the agent resends every message. Pool work (inline when
+            # the body is small); the claim keeps other turns out meanwhile.
+            prep = await ctx.pool.run_sized(len(body), self._prepare, session, req)
+        timer.lap("prepare")
+        prompt_ids, prep = await self._render(session, prep)
+        timer.lap("render")
+        self._check_branch_cap(session, prep)
+        out = await self._generate_validate_commit(session, claim, req, prep, prompt_ids, timer)
+        timer.total()
+        out.timings_s = dict(timer.phases)
+        ctx.metrics.turns_total.labels(outcome="committed").inc()
+        return req, out
+
+    def _check_branch_cap(self, session: Session, prep: Prepared) -> None:
+        """A rollback or fork adds a branch, each copying its prefix: refuse past the cap
+        (before generating, so the refused turn costs the engine nothing)."""
+        cap = self.ctx.settings.max_branches
+        if prep.kind in ("rollback", "fork") and len(session.tree) >= cap:
+            raise BranchLimit(
+                f"session {session.id} has {len(session.tree)} branches, the cap (max_branches={cap}); "
+                "a retry or fork needs a new branch: start a new session"
+            )
 
     # -- prepare (under the session lock, in the pool: O(messages) + one memcpy) --
 
@@ -378,11 +441,7 @@ class TurnRunner:
         if finish == "stop" and parsed.tool_calls:
             finish = "tool_calls"
         async with session.lock:
-            try:
-                ctx.store.ensure_can_commit(session, claim)
-            except Exception:
-                session.turns_discarded += 1
-                raise
+            ctx.store.ensure_can_commit(session, claim)  # SessionClosed: counted discarded by run()
             tree = session.tree
             if tree.active.id != prep.branch_id or len(tree.active.trajectory) != prep.base_len:
                 log.error("session %s: branch moved between prepare and commit", session.id)

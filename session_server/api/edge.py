@@ -27,10 +27,17 @@ ERROR_DESCRIPTIONS = {
     405: "method not allowed on this route",
     409: "session busy (a turn is in flight) or closed during the turn",
     413: "body larger than the configured limit",
-    429: "a capacity limit was reached",
+    429: "a capacity limit was reached (session cap: over_capacity; branches per session: branch_limit)",
     502: "the engine failed or answered invalid output; nothing was committed",
     503: "no healthy engine, paused past the deadline, or the engine aborted",
     504: "the engine did not finish within the turn's deadline",
+}
+
+RETRY_AFTER_CODES = (429, 503)
+RETRY_AFTER_HEADER: dict[str, Any] = {
+    "description": "seconds to wait before retrying (over_capacity 5, branch_limit 60, "
+    "no_healthy_engine 5, paused 10, engine_aborted 1)",
+    "schema": {"type": "integer", "minimum": 0},
 }
 
 
@@ -52,6 +59,9 @@ def route_doc(
     responses: dict[int | str, dict[str, Any]] = {
         c: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[c]} for c in (*codes, 401)
     }
+    for c in codes:
+        if c in RETRY_AFTER_CODES:
+            responses[c]["headers"] = {"Retry-After": RETRY_AFTER_HEADER}
     if media:
         responses[200] = {"description": "OK", "content": {m: {} for m in media}}
     for code, description in (ok or {}).items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -53,10 +55,37 @@ class Stack:
         async with httpx.AsyncClient() as c:
             return (await c.get(f"{self.engines[i]}/sim/requests")).json()
 
+    async def aborted_rids(self, i: int = 0) -> list[str]:
+        """Request ids the engine was asked to abort (the simulator's abort log)."""
+        return await sim_aborted_rids(self.engines[i])
+
+    async def raw_chat(self, sid: str, body: dict[str, Any]) -> asyncio.StreamWriter:
+        """Send a chat over a raw socket; closing the writer is a real client disconnect."""
+        host, port = self.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        data = orjson.dumps(body)
+        writer.write(
+            f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        await writer.drain()
+        return writer
+
     async def fault(self, kind: str, count: int = 1, i: int = 0) -> None:
         async with httpx.AsyncClient() as c:
             r = await c.post(f"{self.engines[i]}/sim/faults", json={"kind": kind, "count": count})
             assert r.status_code == 200, r.text
+
+
+async def sim_aborted_rids(engine: str) -> list[str]:
+    """Every request id in the simulator's abort log (SGLang `rid`, vLLM `request_ids`)."""
+    async with httpx.AsyncClient() as c:
+        log = (await c.get(f"{engine}/sim/aborts")).json()
+    out: list[str] = []
+    for call in log["calls"]:
+        body = call["body"]
+        out += [body["rid"]] if "rid" in body else list(body.get("request_ids", []))
+    return out
 
 
 @contextlib.asynccontextmanager

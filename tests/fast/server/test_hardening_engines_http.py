@@ -9,26 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from session_server.control import ControlPlane, generate_resilient
 from session_server.engines import GenerateRequest, SGLangAdapter, VLLMAdapter
 from session_server.sim import running_sim
-from tests.fast.server.conftest import CHAT, live_stack
-
-
-async def _aborts(engine: str) -> dict[str, Any]:
-    async with httpx.AsyncClient() as c:
-        return (await c.get(f"{engine}/sim/aborts")).json()
-
-
-def _aborted_rids(log: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    for call in log["calls"]:
-        body = call["body"]
-        out += [body["rid"]] if "rid" in body else list(body.get("request_ids", []))
-    return out
+from tests.fast.server.conftest import CHAT, live_stack, sim_aborted_rids
 
 
 async def _until(pred: Any, timeout_s: float = 5.0) -> None:
@@ -47,10 +33,10 @@ async def test_turn_timeout_aborts_engine_request(qwen3_dir: Path, protocol: str
         assert r.status_code == 504, r.text
 
         async def seen() -> bool:
-            return bool(_aborted_rids(await _aborts(st.engines[0])))
+            return bool(await st.aborted_rids())
 
         await _until(seen)
-        aborted = _aborted_rids(await _aborts(st.engines[0]))
+        aborted = await st.aborted_rids()
         assert len(aborted) == 1, "the engine never saw an abort for the timed-out turn"
         assert re.fullmatch(r"[0-9a-f]{32}", aborted[0])  # that segment's own rid, never "all"
 
@@ -69,10 +55,10 @@ async def test_cancelled_generate_resilient_aborts_engine_request(qwen3_dir: Pat
             with pytest.raises(asyncio.CancelledError):
                 await task
             await control.drain_aborts()
-            log = await _aborts(url)
+            aborted = await sim_aborted_rids(url)
         finally:
             await adapter.aclose()
-    assert rid in _aborted_rids(log)
+    assert rid in aborted
     sent = control.metrics.engine_aborts_total.labels("sent")._value.get()
     assert sent == 1
 
