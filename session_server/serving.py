@@ -9,12 +9,12 @@ seconds, 5 by default. A client pool that took such a connection just before
 server's close and the client sees a clean disconnect (aiohttp:
 `ServerDisconnectedError`), not an answer. Measured with 10,000 agents on a busy
 2-core host (bench/README.md, "Disconnects under load"): an aiohttp pool's
-request went out 11.5 s after its connection's last response, and every one of
+request went out 5.4-11.5 s after its connection's last response, and every one of
 the 512 pooled connections was lost that way. The server must therefore keep an
 idle connection longer than clients keep theirs: aiohttp's pool closes idle
 connections after 15 s (`TCPConnector(keepalive_timeout=15)`), httpx's after 5 s
 (`Limits(keepalive_expiry=5.0)`), so clients close first and never reuse a
-connection the server is closing. 75 s is nginx's and aiohttp's server default.
+connection the server is closing. 75 s is nginx's default (`keepalive_timeout`).
 Cost: an idle connection's socket is kept up to 75 s (one file descriptor; the
 `serve` start-up raises RLIMIT_NOFILE).
 
