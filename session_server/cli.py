@@ -95,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .app import AppConfig, create_app
     from .engines.http import raise_nofile_limit
+    from .serving import uvicorn_options
 
     admin_token = args.admin_token if args.admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
     if admin_token is not None and not admin_token.strip():
@@ -129,17 +130,11 @@ def _serve(args: argparse.Namespace) -> int:
         instance_id=args.instance_id,
     )
     app = create_app(AppConfig(tokenizer=tokenizer, engines=args.engine, settings=settings, family=args.family))
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        workers=1,
-        loop="uvloop",
-        http="httptools",
-        log_level=args.log_level,
+    options = uvicorn_options(
+        host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
-        backlog=4096,
     )
+    uvicorn.run(app, workers=1, **options)
     return 0
 
 

@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from .app import AppConfig, create_app
+from .serving import uvicorn_options
 
 live_apps: dict[str, FastAPI] = {}
 """Apps served by `running_server`, by base URL: tests reach `app.state` through it."""
@@ -31,17 +32,9 @@ async def running_server(config: AppConfig, *, log_level: str = "warning") -> As
     """Serve `create_app(config)` until the block exits; yields the base URL."""
     app: FastAPI = create_app(config)
     port = free_port()
-    uv_config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        loop="none",
-        http="httptools",
-        log_level=log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        backlog=4096,
-    )
+    # the options `serve` runs with, on the caller's loop
+    options = uvicorn_options(host="127.0.0.1", port=port, log_level=log_level, timeout_graceful_shutdown=5, loop="none")
+    uv_config = uvicorn.Config(app, **options)
     server = uvicorn.Server(uv_config)
     # _serve, not serve: the embedding process keeps its own signal handlers
     task = asyncio.create_task(server._serve(), name=f"tito-server-{port}")
