@@ -44,11 +44,10 @@ from .auth import install_auth, new_instance_id
 from .context import ServerContext, Settings, log
 from .control import ControlPlane
 from .decode_pool import DecodePool
-from .engines import make_adapter
+from .engines.registry import EngineRegistry
 from .errors import (
     BadRequest,
     ClientGone,
-    EngineError,
     NotFound,
     PayloadTooLarge,
     ServiceError,
@@ -58,7 +57,7 @@ from .errors import (
 from .metrics import Metrics
 from .offload import CpuPool
 from .routing import AdmissionConfig, PrefillAdmission, make_policy, probe_loop
-from .routing.pool import Engine, EnginePool
+from .routing.pool import EnginePool
 from .sessions import Session, SessionConfig, SessionStore
 from .turns import TurnRunner
 
@@ -156,11 +155,12 @@ def create_app(config: AppConfig) -> FastAPI:
         decoder = DecodePool(pool, processes=settings.decode_processes)
         await decoder.start()
         engines = EnginePool(make_policy(settings.routing_policy))
+        registry = EngineRegistry(engines, offload=decoder.run)
         for spec in config.engines:
-            await _add_engine(engines, spec, decoder)
+            await registry.add(spec)
         metrics = Metrics()
         control = ControlPlane(
-            lambda: [e.adapter for e in engines.engines.values()],
+            registry,
             registry=metrics.registry,
             grace_s=settings.pause_grace_s,
         )
@@ -173,6 +173,7 @@ def create_app(config: AppConfig) -> FastAPI:
             codec=codec,
             tokenizer=tok,
             engines=engines,
+            registry=registry,
             decoder=decoder,
             control=control,
             admission=PrefillAdmission(
@@ -185,7 +186,7 @@ def create_app(config: AppConfig) -> FastAPI:
         sweeper = asyncio.create_task(_sweep(ctx), name="tito-ttl-sweeper")
         stop_probe = asyncio.Event()
         prober = asyncio.create_task(
-            probe_loop(engines, _probe, settings.health_probe_interval_s, 5.0, stop_probe),
+            probe_loop(engines, registry.check_health, settings.health_probe_interval_s, 5.0, stop_probe),
             name="tito-health-probe",
         )
         gc.collect()
@@ -353,27 +354,23 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @app.get("/engines", **route_doc(None))
     async def list_engines() -> Response:
-        return _json(_engines_view(ctx_of().engines))
+        return _json(ctx_of().registry.view())
 
     @app.post("/engines", status_code=201, **route_doc(EngineAdd, 400, 413, 502))
     async def add_engine(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, 64 * 1024)
         spec: EngineAdd = await ctx.pool.run(parse_json_model, body, EngineAdd)
-        eng = await _add_engine(ctx.engines, spec.url, ctx.decoder, dp_size=spec.dp_size)
+        eng = await ctx.registry.add(spec.url, dp_size=spec.dp_size)
         return _json({"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size}, 201)
 
     @app.delete("/engines/{engine_id}", status_code=204, **route_doc(None, 404))
     async def remove_engine(engine_id: str) -> Response:
         ctx = ctx_of()
-        eng = ctx.engines.remove(engine_id)
-        if eng is None:
-            raise NotFound(f"unknown engine {engine_id!r}")
         # turns already on it finish (their generation is good); new ones are refused;
         # the close runs in the background so DELETE does not wait for them
-        task = asyncio.get_running_loop().create_task(_close_removed(eng, ctx.settings.turn_timeout_s))
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
+        if ctx.registry.remove(engine_id, drain_s=ctx.settings.turn_timeout_s) is None:
+            raise NotFound(f"unknown engine {engine_id!r}")
         return Response(status_code=204)
 
     @app.get("/v1/models", **route_doc(None))
@@ -395,15 +392,6 @@ def create_app(config: AppConfig) -> FastAPI:
     return app
 
 
-_CLOSING: set[asyncio.Task[None]] = set()
-
-
-async def _close_removed(eng: Engine, drain_s: float) -> None:
-    """Close a removed engine's client once its in-flight generations are done (bounded)."""
-    with contextlib.suppress(Exception):
-        await eng.adapter.aclose(drain_s=drain_s)
-
-
 def _served_model_name(tokenizer: Any) -> str:
     """What `/v1/models` lists: the tokenizer's name or path, last component (the
     server serves exactly one model; any `model` a request names is echoed back)."""
@@ -421,84 +409,6 @@ def _model_card(name: str) -> dict[str, Any]:
 def _model_list(name: str) -> dict[str, Any]:
     """An OpenAI model list: many clients call it first (issue 16.5)."""
     return {"object": "list", "data": [_model_card(name)]}
-
-
-async def _add_engine(
-    engines: EnginePool, spec: str, decoder: DecodePool, *, dp_size: int | None = None
-) -> Engine:
-    """Build an adapter for `spec` (protocol forced or probed) and add its DP targets.
-
-    An engine that does not answer at start-up is added unhealthy: the active
-    probe brings it in when it comes up. One that answers but not as its protocol,
-    or a mistyped protocol, is a 400 (`BadRequest`)."""
-    from .engines.probe import EngineRefused, verify_engine  # local: keeps this change here
-
-    try:
-        adapter = await make_adapter(spec, offload=decoder.run)
-    except ValueError as exc:  # a mistyped protocol (`sglangg=...`)
-        raise BadRequest(str(exc)) from exc
-    healthy = True
-    try:  # something that merely answers HTTP is not an engine
-        await verify_engine(adapter)
-    except EngineRefused as exc:
-        await adapter.aclose()
-        raise BadRequest(f"engine {spec!r} refused: {exc}") from exc
-    except (EngineError, TimeoutError) as exc:
-        log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
-        healthy = False
-    if dp_size is None:
-        dp_size = 1
-        dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
-        if dp_probe is not None and healthy:
-            try:
-                dp_size = await dp_probe()
-            except EngineError as exc:
-                log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
-                healthy = False
-    engine_id = f"e{engines.next_engine_number()}"
-    eng = engines.add(engine_id, adapter, dp_size)
-    eng.healthy = healthy
-    return eng
-
-
-async def _probe(engine: Engine) -> None:
-    """Active health probe: raises unless the engine answers healthy; also refreshes
-    the load the engine reports about itself, where it offers one (SGLang)."""
-    if not await engine.adapter.health():
-        raise EngineError(f"{engine.adapter.base_url} reported unhealthy")
-    get_load = getattr(engine.adapter, "get_load", None)
-    if get_load is not None:
-        with contextlib.suppress(EngineError):
-            engine.reported_load = await get_load()
-
-
-def _engines_view(engines: EnginePool) -> dict[str, Any]:
-    return {
-        "policy": engines.policy.name,
-        "engines": [
-            {
-                "id": e.id,
-                "protocol": e.adapter.protocol,
-                "base_url": e.adapter.base_url,
-                "dp_size": e.dp_size,
-                "healthy": e.healthy,
-                "reported_load": e.reported_load,
-            }
-            for e in engines.engines.values()
-        ],
-        "targets": [
-            {
-                "id": t.id,
-                "in_flight": t.in_flight,
-                "sessions": len(t.sessions),
-                "resident_tokens": t.resident_tokens,
-                "pending_prefill_tokens": t.pending_prefill_tokens,
-            }
-            for t in engines.targets.values()
-        ],
-        "migrations": engines.migrations,
-        "rehomes": engines.rehomes,
-    }
 
 
 async def _iter(frames: list[bytes]) -> AsyncIterator[bytes]:
@@ -557,8 +467,6 @@ async def _shutdown(ctx: ServerContext, *background: asyncio.Task[None]) -> None
     else:
         busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)
         log.warning("shutdown: %d turns still in flight after %.1fs drain", busy, ctx.settings.drain_timeout_s)
-    for adapter in ctx.engines.adapters():
-        with contextlib.suppress(Exception):
-            await adapter.aclose()
+    await ctx.registry.aclose()
     ctx.decoder.shutdown()
     ctx.pool.shutdown()

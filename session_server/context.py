@@ -10,6 +10,7 @@ from trajectory.codec.base import ChatCodec
 
 from .control import ControlPlane
 from .decode_pool import DecodePool
+from .engines.registry import EngineRegistry
 from .metrics import Metrics
 from .offload import CpuPool
 from .routing.admission import PrefillAdmission
@@ -49,7 +50,8 @@ class ServerContext:
     metrics: Metrics
     codec: ChatCodec
     tokenizer: Any
-    engines: EnginePool
+    engines: EnginePool  # routing bookkeeping (targets, load, homes)
+    registry: EngineRegistry  # engine lifecycle and adapters: the only way to an engine
     decoder: DecodePool
     control: ControlPlane
     admission: PrefillAdmission = field(default_factory=PrefillAdmission)

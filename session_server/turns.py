@@ -108,14 +108,6 @@ def _tools_key(tools: list[dict[str, Any]] | None) -> bytes:
     return orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS)
 
 
-async def _answers_health(adapter: Any, timeout_s: float = 2.0) -> bool:
-    """A quick liveness check after a connection dropped mid-request."""
-    try:
-        return bool(await asyncio.wait_for(adapter.health(), timeout_s))
-    except Exception:  # any failure to answer is a "no"
-        return False
-
-
 class TurnRunner:
     """Runs chat turns against the shared context; one instance per app."""
 
@@ -350,6 +342,7 @@ class TurnRunner:
             target = engines.select(session.id, session.home, context_tokens=n, prefix_hashes=hashes)
             session.home = target.id
             engine = engines.engine_of(target)
+            adapter = ctx.registry.adapter(engine.id)
             pinned = replace(greq, dp_rank=target.dp_rank if engine.dp_size > 1 else None)
             uncached = engines.uncached_tokens(session.id, target.id, n)
             target.in_flight += 1
@@ -360,12 +353,12 @@ class TurnRunner:
                 def admit(guess: int | None, eid: str = eid, uncached: int = uncached) -> Any:
                     return ctx.admission.acquire(eid, uncached if guess is None else guess)
 
-                result = await generate_resilient(engine.adapter, pinned, ctx.control, expect=expect,
+                result = await generate_resilient(adapter, pinned, ctx.control, expect=expect,
                                                   admit=admit, deadline=deadline)
                 return result, target.id
             except UpstreamTransportError as exc:
                 dead = record_failure(engines, engine.id, exc)
-                if not dead and not exc.transient and not await _answers_health(engine.adapter):
+                if not dead and not exc.transient and not await ctx.registry.answers_health(engine.id):
                     engines.mark_failed(engine.id)  # the drop was the engine dying
                     dead = True
                 if not dead or attempt == attempts - 1:

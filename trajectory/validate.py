@@ -30,7 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -103,6 +103,12 @@ class ValidGeneration:
     cached_tokens: int
     weight_version: str | int | float | None
     clamped: int  # sentinel logprobs clamped to SENTINEL_FLOOR
+
+
+def is_int(v: Any) -> TypeGuard[int]:
+    """A Python int that is not a bool: what a raw JSON token id or count must be
+    (the engine adapters and the control plane check raw values with it too)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_int_type(t: type) -> bool:

@@ -14,6 +14,7 @@ normalise the *shape* (where the ids are, what the finish reason is).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -103,13 +104,34 @@ class GenerateResult:
 
 @runtime_checkable
 class EngineAdapter(Protocol):
-    """One engine endpoint (one base URL, possibly several DP ranks)."""
+    """One engine endpoint (one base URL, possibly several DP ranks): the typed control
+    protocol the rest of the server uses, reached through `engines.registry`.
+
+    Optional capabilities, looked up with `getattr` where used: `get_load()` (the load
+    the engine reports about itself, SGLang), `dp_size()` (SGLang), and the
+    protocol-specific bulk `abort(...)` a per-LoRA pause uses (see control/fanout.py)."""
 
     protocol: str  # "sglang" | "vllm"
     base_url: str
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Run one generation; raise `session_server.errors.EngineError` subclasses on failure."""
+        ...
+
+    async def abort_request(self, rid: str) -> None:
+        """Abort one request by id (its turn stopped waiting for it)."""
+        ...
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation in the engine's own mode name (see control/fanout.py)."""
+        ...
+
+    async def resume(self) -> None:
+        """Resume generation after `pause`."""
+        ...
+
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        """One of the engine's concurrent-generation slots (held around `generate`)."""
         ...
 
     async def aclose(self, drain_s: float = 0.0) -> None:

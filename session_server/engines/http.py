@@ -169,6 +169,13 @@ async def run_inline(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> An
     return fn(*args, **kwargs)
 
 
+def raw_or_none(raw: msgspec.Raw) -> bytes | None:
+    """A raw JSON value's bytes, None when absent or `null`: payloads such as routed
+    experts are stored as the engine sent them, never decoded here."""
+    data = bytes(raw)
+    return None if data in (b"", b"null") else data
+
+
 def http_error(reply: HTTPReply, *, what: str, engine: str) -> UpstreamHTTPError:
     """An engine's non-200 answer as a typed error; both engines' error bodies
     (`{"error": {"message"}}`, `{"error": "..."}`, `{"message": ...}`, text) read."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeGuard
+from typing import Any
 
 import msgspec
 
@@ -28,9 +28,11 @@ from session_server.engines.http import (
     Offload,
     encode_json,
     http_error,
+    raw_or_none,
     run_inline,
 )
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
+from trajectory.validate import is_int
 
 __all__ = ["SGLangAdapter", "parse_sglang_generate", "parse_sglang_stream"]
 
@@ -57,15 +59,6 @@ class _Generate(msgspec.Struct):
 _DECODER = msgspec.json.Decoder(_Generate | list[Any])
 
 
-def _raw_or_none(raw: msgspec.Raw) -> bytes | None:
-    data = bytes(raw)
-    return None if data in (b"", b"null") else data
-
-
-def _is_int(v: Any) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _error_message(err: Any) -> str:
     if isinstance(err, dict):
         return str(err.get("message") or err)
@@ -89,7 +82,7 @@ def _finish(fr: Any, *, engine: str, request_id: str) -> tuple[str, int | str | 
     if kind == "abort":
         message = fr.get("message")
         status = fr.get("status_code")
-        if _is_int(status) and status >= 400:
+        if is_int(status) and status >= 400:
             raise UpstreamHTTPError(
                 f"sglang {request_id}: aborted with {status}: {message}",
                 engine=engine,
@@ -133,7 +126,7 @@ def _from_struct(
     if isinstance(resp.output_ids, list):
         echo = resp.output_ids
         # 0.4.10-0.5.4 prepend the last 5 prompt tokens: keep the last completion_tokens.
-        if _is_int(ct) and 0 <= ct <= len(echo):
+        if is_int(ct) and 0 <= ct <= len(echo):
             echo = echo[len(echo) - ct :]
     elif resp.output_ids is not None:
         raise UpstreamInvalid(f"sglang {request_id}: output_ids is not a list", engine=engine)
@@ -171,7 +164,7 @@ def _from_struct(
         weight_version=meta.weight_version,
         output_ids_echo=echo,
         top_logprobs=_top_logprobs(meta.output_top_logprobs, 0),
-        routed_experts=_raw_or_none(meta.routed_experts),
+        routed_experts=raw_or_none(meta.routed_experts),
         abort_message=abort_message,
     )
 
@@ -312,7 +305,7 @@ class SGLangAdapter:
     async def dp_size(self) -> int:
         info = await self.server_info()
         size = info.get("dp_size") if isinstance(info, dict) else None
-        return size if _is_int(size) and size > 0 else 1
+        return size if is_int(size) and size > 0 else 1
 
     async def get_load(self) -> Any:
         return await self.http.call_json("GET", "/get_load")

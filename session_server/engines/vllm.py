@@ -17,7 +17,7 @@ import asyncio
 import re
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeGuard
+from typing import Any
 
 import msgspec
 
@@ -32,9 +32,11 @@ from session_server.engines.http import (
     Offload,
     encode_json,
     http_error,
+    raw_or_none,
     run_inline,
 )
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
+from trajectory.validate import is_int
 
 __all__ = [
     "VLLMAdapter",
@@ -70,10 +72,6 @@ class _Envelope(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(_Envelope | list[Any])
-
-
-def _is_int(v: Any) -> TypeGuard[int]:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _token_id(token: Any) -> Any:
@@ -134,7 +132,7 @@ def _decode(body: bytes, *, request_id: str, engine: str) -> tuple[_Envelope, _C
         msg = err.get("message") if isinstance(err, dict) else err
         code = err.get("code") if isinstance(err, dict) else None
         raise UpstreamHTTPError(
-            f"vllm {request_id}: {msg}", engine=engine, http_status=code if _is_int(code) else 200
+            f"vllm {request_id}: {msg}", engine=engine, http_status=code if is_int(code) else 200
         )
     if not resp.choices or len(resp.choices) != 1:
         n = 0 if not resp.choices else len(resp.choices)
@@ -157,11 +155,6 @@ def _usage(usage: Any, token_ids: Sequence[Any], prompt_ids: Any) -> tuple[Any, 
         return usage.get("prompt_tokens"), usage.get("completion_tokens"), cached
     prompt = len(prompt_ids) if isinstance(prompt_ids, list) else None
     return prompt, len(token_ids), None
-
-
-def _routed(raw: msgspec.Raw) -> bytes | None:
-    data = bytes(raw)
-    return None if data in (b"", b"null") else data
 
 
 def _result(
@@ -190,7 +183,7 @@ def _result(
         weight_version=None,
         output_ids_echo=echo,
         top_logprobs=tops,
-        routed_experts=_routed(choice.routed_experts),
+        routed_experts=raw_or_none(choice.routed_experts),
     )
 
 

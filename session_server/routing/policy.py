@@ -96,15 +96,14 @@ def home_if_healthy(signals: RoutingSignals) -> TargetView | None:
     return None
 
 
-def rendezvous_score(session_id: str, target_id: str) -> int:
-    """Highest-random-weight hash: stable per (session, target), spread across targets."""
-    h = hashlib.blake2b(f"{session_id}|{target_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big")
-
-
 def stable_hash(key: str) -> int:
     """A process-independent 64-bit hash (Python's `hash` is salted per process)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+def rendezvous_score(session_id: str, target_id: str) -> int:
+    """Highest-random-weight hash: stable per (session, target), spread across targets."""
+    return stable_hash(f"{session_id}|{target_id}")
 
 
 def prefix_block_hashes(

@@ -1,6 +1,8 @@
 """The engine pool: engines, their DP-rank targets, per-target load, and homes.
 
-A target is (engine, dp_rank). The pool owns the mutable per-target bookkeeping
+Pure bookkeeping: an engine here is an id, a DP size, health and counters; its
+adapter lives in `engines/registry.py`, so routing policies and the simulator share
+this module without importing any engine. A target is (engine, dp_rank). The pool owns the mutable per-target bookkeeping
 a policy reads (in-flight turns, pending uncached prefill tokens, resident
 sessions and tokens) and the estimate of what each session has cached on its
 home; the policy (default `sticky_cost`, see `policy.py`) is a pure object that
@@ -11,11 +13,10 @@ engine call -> `on_turn_complete(...)`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engines.base import EngineAdapter
 from ..errors import NoHealthyEngine
 from .policy import RoutingPolicy, RoutingSignals, TargetView
 from .sticky_cost import StickyCost
@@ -24,7 +25,6 @@ from .sticky_cost import StickyCost
 @dataclass
 class Engine:
     id: str
-    adapter: EngineAdapter
     dp_size: int = 1
     healthy: bool = True
     last_failure_s: float | None = None
@@ -67,11 +67,10 @@ class EnginePool:
     def add(
         self,
         engine_id: str,
-        adapter: EngineAdapter,
         dp_size: int = 1,
         kv_capacity_tokens: int | None = None,
     ) -> Engine:
-        eng = Engine(engine_id, adapter, max(1, dp_size))
+        eng = Engine(engine_id, max(1, dp_size))
         self.engines[engine_id] = eng
         for rank in range(eng.dp_size):
             t = TargetStats(engine_id, rank, kv_capacity_tokens=kv_capacity_tokens)
@@ -92,9 +91,6 @@ class EnginePool:
         for sid in [sid for sid, (tid, _) in self._cached.items() if tid not in self.targets]:
             del self._cached[sid]
         return eng
-
-    def adapters(self) -> Iterable[EngineAdapter]:
-        return (e.adapter for e in self.engines.values())
 
     def views(self) -> list[TargetView]:
         return [

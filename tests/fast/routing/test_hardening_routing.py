@@ -12,14 +12,9 @@ from session_server.errors import NoHealthyEngine, UpstreamTransportError
 from session_server.routing.pool import EnginePool
 
 
-class _Adapter:
-    protocol = "sglang"
-    base_url = "http://x"
-
-
 def test_engine_removed_mid_turn_on_turn_complete_keeps_the_turn() -> None:
     pool = EnginePool()
-    pool.add("e0", _Adapter())  # type: ignore[arg-type]
+    pool.add("e0")
     target = pool.select("s", None, context_tokens=100)
     pool.remove("e0")
     # the turn finished after its engine left: stats only, never a KeyError
@@ -43,7 +38,7 @@ def test_weight_update_resets_cached_prefix_estimates() -> None:
     from session_server.control import ControlPlane
 
     pool = EnginePool()
-    pool.add("e0", _Adapter())  # type: ignore[arg-type]
+    pool.add("e0")
     target = pool.select("s", None, context_tokens=100)
     pool.on_turn_complete(target, "s", ok=True, total_tokens=150)
     assert pool.uncached_tokens("s", target.id, 200) == 50
@@ -60,8 +55,8 @@ async def test_one_failed_probe_keeps_engine_and_its_cache_estimates() -> None:
     from session_server.routing.health import probe_once
 
     pool = EnginePool()
-    pool.add("e0", _Adapter())  # type: ignore[arg-type]
-    pool.add("e1", _Adapter())  # type: ignore[arg-type]
+    pool.add("e0")
+    pool.add("e1")
     t = pool.select("s", "e0/0", context_tokens=100)
     pool.on_turn_complete(t, "s", ok=True, total_tokens=150)
     fail = {"e0"}

@@ -38,7 +38,7 @@ def test_dead_signals(exc: BaseException | None, status: int | None, dead: bool)
 def _pool() -> EnginePool:
     pool = EnginePool(clock=lambda: 1.0)
     for e in ("e0", "e1", "e2"):
-        pool.add(e, object(), dp_size=1)  # type: ignore[arg-type]
+        pool.add(e, dp_size=1)
     return pool
 
 

@@ -25,8 +25,8 @@ class FakeClock:
 
 def _pool(name: str) -> EnginePool:
     pool = EnginePool(make_policy(name), clock=FakeClock())
-    pool.add("e0", object(), dp_size=2)  # type: ignore[arg-type]
-    pool.add("e1", object(), dp_size=2)  # type: ignore[arg-type]
+    pool.add("e0", dp_size=2)
+    pool.add("e1", dp_size=2)
     return pool
 
 
@@ -123,7 +123,7 @@ def test_remove_and_readd_target(name: str) -> None:
     pool.remove("e1")
     after_remove = [_turn(pool, f"s{i}", homes, i, 2048) for i in range(8)]
     assert all(t.startswith("e0/") for t in after_remove), f"{name}: {after_remove}"
-    pool.add("e1", object(), dp_size=2)  # type: ignore[arg-type]
+    pool.add("e1", dp_size=2)
     chosen = {_turn(pool, f"n{i}", homes, 100 + i, 1024) for i in range(16)}
     assert chosen <= set(pool.targets), f"{name}: {chosen}"
     if name != "sticky_least_loaded" and name != "sticky_cost":

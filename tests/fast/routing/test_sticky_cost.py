@@ -44,7 +44,7 @@ def test_placement_prefers_low_pending_prefill_and_respects_kv_barrier() -> None
 def test_dead_engine_sessions_spread_across_survivors_and_never_move_back() -> None:
     pool = EnginePool(make_policy("sticky_cost", prefill_tokens_per_s=5000.0), clock=lambda: 0.0)
     for e in ("e0", "e1", "e2"):
-        pool.add(e, object(), dp_size=2)  # type: ignore[arg-type]
+        pool.add(e, dp_size=2)
     homes: dict[str, str] = {}
     for i in range(24):
         t = pool.select(f"s{i}", None, context_tokens=4000)
@@ -75,7 +75,7 @@ def test_dead_engine_sessions_spread_across_survivors_and_never_move_back() -> N
 
 def test_pool_tracks_pending_and_resident_tokens() -> None:
     pool = EnginePool(make_policy("sticky_cost"), clock=lambda: 0.0)
-    pool.add("e0", object(), dp_size=1)  # type: ignore[arg-type]
+    pool.add("e0", dp_size=1)
     t = pool.select("s", None, context_tokens=1000)
     assert t.pending_prefill_tokens == 1000
     pool.on_turn_complete(t, "s", ok=True, total_tokens=1200)
@@ -93,7 +93,7 @@ def test_pool_tracks_pending_and_resident_tokens() -> None:
 
 def test_legacy_select_without_signals_still_works() -> None:
     pool = EnginePool(clock=lambda: 0.0)
-    pool.add("e0", object(), dp_size=2)  # type: ignore[arg-type]
+    pool.add("e0", dp_size=2)
     a = pool.select("s0", None)
     assert pool.select("s0", a.id) is a
     assert a.pending_prefill_tokens == 0

@@ -1,0 +1,159 @@
+"""Segments into one turn: the accumulator of aborted segments' raw values and the
+`ResilientResult` that looks like one uninterrupted generation (used by resilient.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from session_server.engines.base import GenerateRequest, GenerateResult
+from trajectory.validate import is_int
+
+__all__ = ["Acc", "Counts", "ResilientResult", "WeightSpan", "assemble"]
+
+WeightSpan = tuple[int, int, Any]
+
+
+@dataclass(frozen=True)
+class ResilientResult(GenerateResult):
+    """One turn's engine output across any number of aborted segments.
+
+    The inherited fields look like one uninterrupted `GenerateResult` (request id
+    of the turn, prompt_tokens of the original prompt, concatenated raw ids and
+    logprobs), so `validate_generation` takes it as is."""
+
+    weight_spans: tuple[WeightSpan, ...] = ()  # relative to the sampled ids
+    segments: int = 1
+    segment_request_ids: tuple[str, ...] = ()
+    aborts: int = 0
+    empty_aborts: int = 0
+    resubmits: int = 0
+    paused_wait_s: float = 0.0
+    version_mismatches: int = 0
+    dropped_tokens: int = 0  # constrained partials discarded and regenerated (never committed)
+
+    def counters(self) -> dict[str, Any]:
+        """Per-turn control counters, for the session view."""
+        return {
+            "segments": self.segments,
+            "aborts": self.aborts,
+            "empty_aborts": self.empty_aborts,
+            "resubmits": self.resubmits,
+            "paused_wait_s": self.paused_wait_s,
+            "version_mismatches": self.version_mismatches,
+            "dropped_tokens": self.dropped_tokens,
+        }
+
+
+def _as_list(v: Sequence[Any] | None) -> list[Any] | None:
+    return v if v is None or isinstance(v, list) else list(v)
+
+
+@dataclass
+class Acc:
+    """The turn so far: raw values of the segments that produced tokens."""
+
+    ids: list[Any] = field(default_factory=list)
+    lps: list[Any] = field(default_factory=list)
+    tops: list[Any] = field(default_factory=list)
+    echo: list[Any] = field(default_factory=list)
+    tops_ok: bool = True  # every segment with tokens had top logprobs
+    echo_ok: bool = True  # every segment with tokens had an id echo
+    spans: list[list[Any]] = field(default_factory=list)
+
+    def add(self, result: GenerateResult, version: Any) -> None:
+        n = len(result.output_ids)
+        if n == 0:
+            return
+        start = len(self.ids)
+        self.ids.extend(result.output_ids)
+        self.lps.extend(result.logprobs)
+        if result.top_logprobs is None:
+            self.tops_ok = False
+        else:
+            self.tops.extend(result.top_logprobs)
+        if result.output_ids_echo is None:
+            self.echo_ok = False
+        else:
+            self.echo.extend(result.output_ids_echo)
+        last = self.spans[-1] if self.spans else None
+        if last is not None and last[2] == version and last[1] == start:
+            last[1] = start + n  # consecutive equal versions merge
+        else:
+            self.spans.append([start, start + n, version])
+
+
+@dataclass
+class Counts:
+    aborts: int = 0
+    empty_aborts: int = 0
+    resubmits: int = 0
+    mismatches: int = 0
+    dropped_tokens: int = 0  # partials of constrained segments, regenerated from the prompt
+    paused_wait_s: float = 0.0
+    rids: list[str] = field(default_factory=list)
+
+
+def assemble(
+    request: GenerateRequest,
+    first: GenerateResult,
+    final: GenerateResult | None,
+    final_version: Any,
+    acc: Acc,
+    counts: Counts,
+) -> ResilientResult:
+    """One GenerateResult for the whole turn. The final segment's counters stay raw
+    (offset by the accumulated tokens) so the caller's validator still sees bad values."""
+    before = len(acc.ids)
+    single = len(counts.rids) == 1
+    if final is not None:
+        acc.add(final, final_version)
+        ct, pt = final.completion_tokens, final.prompt_tokens
+        completion = before + ct if is_int(ct) else ct
+        prompt_tokens = pt - before if is_int(pt) else pt
+        finish, matched = final.finish_reason, final.matched_stop
+        weight_version = final.weight_version
+        routed = final.routed_experts  # covers prompt + every partial: the last segment's is whole
+        abort_message = final.abort_message
+        echoed_rid = final.request_id
+        raw_tops, raw_echo = final.top_logprobs, final.output_ids_echo
+    else:  # budget exhausted by aborts
+        completion, prompt_tokens = before, first.prompt_tokens
+        finish, matched, weight_version, routed, abort_message = "length", None, None, None, None
+        echoed_rid = counts.rids[-1]
+        raw_tops, raw_echo = [], []
+    if weight_version is None and acc.spans:
+        weight_version = acc.spans[-1][2]
+    if acc.ids:
+        tops = acc.tops if acc.tops_ok else None
+        echo = acc.echo if acc.echo_ok else None
+    else:  # no token at all: keep the engine's own (empty) shapes
+        tops, echo = _as_list(raw_tops), _as_list(raw_echo)
+    # the turn answers to its original id, but a wrong echo of the last segment's id stays visible
+    rid = request.request_id if echoed_rid == counts.rids[-1] else echoed_rid
+    return ResilientResult(
+        request_id=first.request_id if single else rid,
+        output_ids=acc.ids,
+        logprobs=acc.lps,
+        finish_reason=finish,
+        matched_stop=matched,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        cached_tokens=first.cached_tokens,
+        weight_version=weight_version,
+        output_ids_echo=echo,
+        top_logprobs=tops,
+        routed_experts=routed,
+        abort_message=abort_message,
+        weight_spans=tuple((int(s), int(e), v) for s, e, v in acc.spans),
+        segments=len(counts.rids),
+        segment_request_ids=tuple(counts.rids),
+        aborts=counts.aborts,
+        empty_aborts=counts.empty_aborts,
+        resubmits=counts.resubmits,
+        paused_wait_s=counts.paused_wait_s,
+        version_mismatches=counts.mismatches,
+        dropped_tokens=counts.dropped_tokens,
+    )

@@ -1,0 +1,400 @@
+"""The server-wide weight-update control plane: pause state, versions, salts, fan-out.
+
+`ControlPlane` owns the server-side pause gate (global and per LoRA adapter), the
+fan-out of pause/resume to every engine through the adapters' own control methods
+(SGLang `/pause_generation` + `/continue_generation`, vLLM `/pause?mode=` +
+`/resume`; fanout.py) with per-engine failure reports, the in-flight request
+registry (to abort one adapter's requests by id and to drain), the monotone weight
+version with its per-version cache salt, and the control metrics (metrics.py, the
+one source of its counters). The per-turn loop (resilient.py) uses it through its
+public methods only (DESIGN.md s9).
+
+Engines cannot pause one LoRA adapter, so a per-LoRA pause is enforced here: the
+gate blocks that adapter's new segments; `abort` also aborts its in-flight requests
+by id, `wait` drains them, `keep` lets them run on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from session_server.engines.base import EngineAdapter
+from session_server.errors import BadRequest, PausedTooLong
+
+from .fanout import Report, abort_lora_on, fan_out, pause_engine
+from .metrics import ControlMetrics
+
+__all__ = ["MAX_WEIGHT_VERSION", "PAUSE_MODES", "ControlPlane", "EngineSource"]
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "keep", "wait")
+MAX_WEIGHT_VERSION = 2**53 - 1  # the largest integer every JSON client reads exactly
+
+
+class EngineSource(Protocol):
+    """Where the plane finds the engines to fan out to (`engines.registry.EngineRegistry`)."""
+
+    def adapters(self) -> Iterable[EngineAdapter]: ...
+
+
+class _Adapters:
+    """An `EngineSource` over a callable (tests and benches pass `lambda: [adapter]`)."""
+
+    def __init__(self, fn: Callable[[], Iterable[EngineAdapter]]) -> None:
+        self._fn = fn
+
+    def adapters(self) -> Iterable[EngineAdapter]:
+        return self._fn()
+
+
+@dataclass
+class _Pause:
+    mode: str
+    since: float  # monotonic
+    since_unix: float
+
+
+@dataclass
+class _Flight:
+    engine: str
+    lora: str | None
+
+
+class ControlPlane:
+    """Engine-agnostic pause gate + engine fan-out + weight version (see module doc).
+
+    `engines.adapters()` is read on every fan-out so engines added or removed later are
+    seen (an `EngineSource`, e.g. the engine registry, or a callable returning adapters).
+    """
+
+    def __init__(
+        self,
+        engines: EngineSource | Callable[[], Iterable[EngineAdapter]],
+        *,
+        registry: CollectorRegistry | None = None,
+        grace_s: float = 0.05,
+        drain_timeout_s: float = 60.0,
+        weight_version: int | None = None,
+        salt_cache: bool = True,
+        max_empty_aborts: int = 8,
+        abort_timeout_s: float = 2.0,
+    ) -> None:
+        self._engines: EngineSource = _Adapters(engines) if callable(engines) else engines
+        self.abort_timeout_s = abort_timeout_s
+        self._abort_tasks: set[asyncio.Task[None]] = set()
+        # called with the new version after every weight-version change (the pool drops
+        # cached-prefix estimates: the salt changed, so no old prefix is reusable)
+        self.on_weight_version: list[Callable[[int], None]] = []
+        self.metrics = ControlMetrics(registry)
+        self.grace_s = grace_s
+        self.drain_timeout_s = drain_timeout_s
+        self.salt_cache = salt_cache
+        self.max_empty_aborts = max_empty_aborts
+        self._global: _Pause | None = None
+        self._lora: dict[str, _Pause] = {}
+        self._version: int | None = None
+        self._forced_reset = False  # a version was forced backwards at least once
+        self._changed = asyncio.Event()  # replaced on every gate change (broadcast)
+        self._flights: dict[str, _Flight] = {}
+        self._flights_changed = asyncio.Event()
+        self._waiting = 0
+        self._epoch = 0  # +1 per pause: tells a pause abort from an engine-side one
+        self._lock = asyncio.Lock()  # one pause/resume at a time
+        self.last_mismatch: dict[str, Any] | None = None
+        self.last_report: dict[str, Any] | None = None
+        if weight_version is not None:
+            self.set_weight_version(weight_version)
+
+    # --- gate ---------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+        self.metrics.paused.set(1 if self._global else 0)
+        self.metrics.lora_paused.set(len(self._lora))
+
+    def blocked(self, lora: str | None = None) -> bool:
+        """Whether a new segment for `lora` must wait (global pause, or that adapter paused)."""
+        return self._global is not None or (lora is not None and lora in self._lora)
+
+    async def wait_open(self, lora: str | None = None, *, deadline: float | None = None) -> float:
+        """Wait until the gate is open for `lora`; seconds waited.
+
+        Raises `PausedTooLong` when the monotonic `deadline` passes while paused."""
+        if not self.blocked(lora):
+            return 0.0
+        t0 = time.monotonic()
+        self._waiting += 1
+        try:
+            while self.blocked(lora):
+                changed = self._changed
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.metrics.paused_too_long_total.inc()
+                    scope = "the server" if self._global else f"LoRA adapter {lora!r}"
+                    raise PausedTooLong(
+                        f"{scope} stayed paused past the turn's deadline "
+                        f"(waited {time.monotonic() - t0:.3f}s)"
+                    )
+                try:
+                    await asyncio.wait_for(changed.wait(), left)
+                except TimeoutError:
+                    continue
+        finally:
+            self._waiting -= 1
+            waited = time.monotonic() - t0
+            self.metrics.paused_wait_seconds.observe(waited)
+        return waited
+
+    # --- in-flight registry ----------------------------------------------------------------
+
+    @contextmanager
+    def track_flight(self, rid: str, *, engine: str, lora: str | None) -> Iterator[None]:
+        """Register segment `rid` as at `engine` while the block runs: a per-LoRA abort
+        finds it by id, a drain waits for it to leave."""
+        self._flights[rid] = _Flight(engine, lora)
+        try:
+            yield
+        finally:
+            if self._flights.pop(rid, None) is not None:
+                self._flights_changed.set()
+                self._flights_changed = asyncio.Event()
+
+    def in_flight(self, *, engine: str | None = None, lora: str | None = None) -> list[str]:
+        """Request ids of segments now at an engine (optionally one engine / one LoRA)."""
+        return [
+            rid for rid, f in self._flights.items()
+            if (engine is None or f.engine == engine) and (lora is None or f.lora == lora)
+        ]
+
+    async def _drain(self, *, engine: str | None = None, lora: str | None = None) -> bool:
+        """Wait until no matching segment is in flight; False when `drain_timeout_s` passed."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.in_flight(engine=engine, lora=lora):
+            changed = self._flights_changed
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except TimeoutError:
+                continue
+        return True
+
+    # --- engine fan-out ----------------------------------------------------------------------
+
+    async def _fan_out(self, op: str, call: Callable[[EngineAdapter], Any]) -> Report:
+        return await fan_out(self._engines.adapters(), op, call, self._count_engine_failure)
+
+    def _count_engine_failure(self, op: str) -> None:
+        self.metrics.engine_failures_total.labels(op=op).inc()
+
+    async def _pause_engine(self, adapter: EngineAdapter, mode: str) -> dict[str, Any]:
+        return await pause_engine(adapter, mode, lambda url: self._drain(engine=url))
+
+    async def _abort_lora_on(self, adapter: EngineAdapter, lora: str) -> dict[str, Any]:
+        return await abort_lora_on(adapter, self.in_flight(engine=adapter.base_url, lora=lora))
+
+    def _report(self, action: str, mode: str | None, lora: str | None, t0: float,
+                engines: Report, **extra: Any) -> dict[str, Any]:
+        failed = sorted(k for k, v in engines.items() if not v["ok"])
+        report = {
+            "action": action, "mode": mode, "lora": lora, "ok": not failed,
+            "engines": engines, "failed": failed, "elapsed_s": time.monotonic() - t0, **extra,
+        }
+        self.last_report = report
+        return report
+
+    # --- pause / resume -----------------------------------------------------------------------
+
+    async def pause(self, mode: str, lora: str | None = None) -> dict[str, Any]:
+        """Close the gate (globally or for `lora`), wait the grace period, then pause engines.
+
+        Never raises for an engine's failure: the report lists each engine's outcome."""
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        if lora is not None and (not isinstance(lora, str) or not lora):
+            raise BadRequest(f"lora must be a non-empty string, not {lora!r}")
+        async with self._lock:
+            t0 = time.monotonic()
+            scope = "global" if lora is None else "lora"
+            pause = _Pause(mode, t0, time.time())
+            if lora is None:
+                self._global = pause
+            else:
+                self._lora[lora] = pause
+            self._epoch += 1
+            self._notify()
+            self.metrics.pauses_total.labels(scope=scope, mode=mode).inc()
+            if self.grace_s > 0:
+                # requests that passed the gate but are still in transit reach the engine
+                await asyncio.sleep(self.grace_s)
+            extra: dict[str, Any] = {}
+            if lora is None:
+                engines = await self._fan_out("pause", lambda a: self._pause_engine(a, mode))
+            elif mode == "abort":
+                engines = await self._fan_out("abort", lambda a: self._abort_lora_on(a, lora))
+            else:
+                engines = {}
+                if mode == "wait":
+                    extra["drained"] = await self._drain(lora=lora)
+            return self._report("pause", mode, lora, t0, engines, **extra)
+
+    async def resume(self, lora: str | None = None) -> dict[str, Any]:
+        """Resume engines (global) and open the gate; the gate opens even if an engine failed,
+        so turns are not stuck behind one engine (the report names it; resume again)."""
+        async with self._lock:
+            t0 = time.monotonic()
+            was = self._global if lora is None else self._lora.get(lora)
+            if lora is None:
+                engines = await self._fan_out("resume", lambda a: a.resume())
+                self._global = None
+            else:
+                engines = {}
+                self._lora.pop(lora, None)
+            self._notify()
+            self.metrics.resumes_total.labels(scope="global" if lora is None else "lora").inc()
+            return self._report(
+                "resume", None, lora, t0, engines, was_paused=was is not None,
+                paused_s=None if was is None else t0 - was.since,
+            )
+
+    # --- weight version ---------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int | None:
+        return self._version
+
+    def set_weight_version(self, version: Any, *, force: bool = False) -> dict[str, Any]:
+        """`POST /control/weight_version {"version": N, "force": false}`: monotone; going
+        backwards is a 400 unless `force` (the reset path, logged). Versions stay within
+        JSON-safe integers so a huge value cannot lock out every later update."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_WEIGHT_VERSION:
+            raise BadRequest(f"weight version must be an int in [0, 2**53 - 1], not {version!r}")
+        if not isinstance(force, bool):
+            raise BadRequest(f"force must be a boolean, not {force!r}")
+        previous = self._version
+        if previous is not None and version < previous:
+            if not force:
+                raise BadRequest(
+                    f"weight version {version} is older than the current {previous} "
+                    "(send force: true to reset)"
+                )
+            log.warning("weight version forced backwards: %s -> %s", previous, version)
+            self._forced_reset = True
+        self._version = version
+        self.metrics.weight_version.set(version)
+        if version != previous:
+            for hook in list(self.on_weight_version):
+                try:
+                    hook(version)
+                except Exception:  # a hook never blocks a weight update
+                    log.exception("weight-version hook failed")
+        out: dict[str, Any] = {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt()}
+        if previous is not None and version < previous:
+            out["forced"] = True
+        return out
+
+    def version_floor(self, last: Any) -> Any:
+        """The version a session's next turn may not go below: its last committed one,
+        except after a forced reset, when versions newer than the current one belong to
+        the abandoned run (else every existing session's turn would be a 502)."""
+        if not self._forced_reset or self._version is None or last is None:
+            return last
+        try:
+            newer = float(last) > self._version
+        except (TypeError, ValueError):  # opaque versions are not ordered
+            return last
+        return None if newer else last
+
+    def abort_engine_request(self, adapter: Any, rid: str) -> None:
+        """Abort `rid` on its engine in the background: the turn stopped waiting for it
+        (cancelled or timed out), so the engine must not keep decoding for nobody. Never
+        blocks the caller; bounded by `abort_timeout_s`; counted by outcome."""
+        fn = getattr(adapter, "abort_request", None)
+        if fn is None:
+            self.metrics.engine_aborts_total.labels("unsupported").inc()
+            return
+
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(fn(rid), self.abort_timeout_s)
+                self.metrics.engine_aborts_total.labels("sent").inc()
+            except Exception as exc:
+                self.metrics.engine_aborts_total.labels("failed").inc()
+                log.warning("abort of %s on %s failed: %r", rid, getattr(adapter, "base_url", "?"), exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
+
+    async def drain_aborts(self) -> None:
+        """Wait for the background aborts in flight (shutdown, tests)."""
+        while self._abort_tasks:
+            await asyncio.gather(*list(self._abort_tasks), return_exceptions=True)
+
+    def cache_salt(self) -> str | None:
+        """Prefix-cache namespace of the current weights (vLLM `cache_salt`, SGLang `extra_key`),
+        so KV computed under older weights is never reused; None when unversioned."""
+        if not self.salt_cache or self._version is None:
+            return None
+        return f"wv-{self._version}"
+
+    def check_reported_version(self, engine: str, reported: Any) -> bool:
+        """Compare an engine-reported version with ours; a mismatch is a diagnostic, not fatal."""
+        if reported is None or self._version is None or str(reported) == str(self._version):
+            return True
+        self.metrics.version_mismatch_total.inc()
+        self.last_mismatch = {"engine": engine, "reported": reported, "expected": self._version,
+                              "at_unix": time.time()}
+        return False
+
+    # --- view ---------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """`GET /control/state`."""
+        now = time.monotonic()
+        g = self._global
+        return {
+            "paused": g is not None,
+            "mode": None if g is None else g.mode,
+            "paused_since_unix": None if g is None else g.since_unix,
+            "paused_for_s": None if g is None else now - g.since,
+            "lora_pauses": {
+                name: {"mode": p.mode, "paused_since_unix": p.since_unix, "paused_for_s": now - p.since}
+                for name, p in sorted(self._lora.items())
+            },
+            "weight_version": self._version,
+            "cache_salt": self.cache_salt(),
+            "grace_s": self.grace_s,
+            "in_flight": len(self._flights),
+            "waiting_at_gate": self._waiting,
+            "counters": self.metrics.totals(),
+            "last_version_mismatch": self.last_mismatch,
+            "last_report": self.last_report,
+        }
+
+    # --- per-turn accounting (called by generate_resilient) -----------------------------------
+
+    def record_abort(self, *, empty: bool) -> None:
+        """A turn segment ended with finish `abort` (`empty`: without a token)."""
+        self.metrics.aborts_total.inc()
+        if empty:
+            self.metrics.empty_aborts_total.inc()
+
+    def record_resubmit(self) -> None:
+        """A turn resubmits prompt + partial after an abort."""
+        self.metrics.resubmits_total.inc()

@@ -1,0 +1,251 @@
+"""One turn through any number of pauses: abort -> accumulate -> resubmit (DESIGN.md s9).
+
+`generate_resilient` runs a turn as segments, each waiting at the control plane's
+gate, sent as `prompt + partial` with the remaining budget, and registered with the
+plane while at the engine (`ControlPlane.track_flight`); it returns one
+`ResilientResult` (a `GenerateResult` plus weight spans and per-turn counters) that
+is indistinguishable from an uninterrupted generation (assemble.py builds it).
+It talks to the plane only through its public interface: `wait_open`, `blocked`,
+`epoch`, `weight_version`, `cache_salt`, `check_reported_version`,
+`track_flight`, `record_abort`, `record_resubmit`, `abort_engine_request`.
+
+Weight versions per token. Each segment's version is the one its engine reply
+reports (SGLang `meta_info.weight_version`); when the engine reports none (vLLM)
+it is the control plane's version when the segment was dispatched, which is exact
+for `abort` and `wait` pauses (a segment never runs across an update) and, for a
+`keep` pause, attributes a segment frozen across an update to the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenIds
+from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
+from trajectory.errors import ValidationError
+from trajectory.validate import Expectations, is_int, validate_generation
+
+from .assemble import Acc, Counts, ResilientResult, assemble
+from .plane import ControlPlane
+
+__all__ = ["AbortEvent", "generate_resilient", "new_request_id"]
+
+_RID_PREFIX = secrets.token_hex(8)  # per process: ids of two server processes never collide
+_rid_counter = itertools.count()
+
+
+def new_request_id() -> str:
+    """A fixed-width (32 hex chars) id: SGLang aborts by rid *prefix*, so ids must be
+    prefix-free; equal width makes them so. Random per process, then a counter
+    (no syscall per request)."""
+    return f"{_RID_PREFIX}{next(_rid_counter):016x}"
+
+
+
+@dataclass(frozen=True)
+class AbortEvent:
+    """Passed to `on_abort` after each aborted segment (e.g. to add a session note)."""
+
+    request_id: str  # the turn's (original) id
+    segment_request_id: str
+    segment: int
+    new_tokens: int
+    total_tokens: int
+    remaining: int
+    paused: bool  # the gate was closed when the abort arrived
+
+
+
+async def _enter_by(stack: contextlib.AsyncExitStack, cm: contextlib.AbstractAsyncContextManager[Any],
+                    deadline: float, what: str) -> None:
+    """Enter `cm` on `stack`, waiting no later than the turn's monotonic `deadline`."""
+    left = deadline - time.monotonic()
+    try:
+        async with asyncio.timeout(max(0.0, left)):
+            await stack.enter_async_context(cm)
+    except TimeoutError:
+        raise UpstreamTimeout(
+            f"the turn's deadline passed while waiting for {what} ({max(0.0, left):.3f}s)"
+        ) from None
+
+
+def _extend(prompt: TokenIds, partial: list[Any]) -> TokenIds:
+    """prompt + partial, keeping a numpy prompt numpy (contexts reach 100K+ ids; no list copy)."""
+    if not partial:
+        return prompt
+    if isinstance(prompt, np.ndarray):
+        return np.concatenate([prompt, np.asarray(partial, dtype=prompt.dtype)])
+    return [*prompt, *partial]
+
+
+def _salted(request_salt: str | None, control_salt: str | None) -> str | None:
+    if control_salt is None:
+        return request_salt
+    return control_salt if request_salt is None else f"{request_salt}:{control_salt}"
+
+
+def _abort_on_stop_is_stop(result: GenerateResult, request: GenerateRequest,
+                           expect: Expectations | None) -> GenerateResult:
+    """SGLang checks the abort flag before the stop check, so a pause landing on the step
+    that sampled end-of-turn reports `abort` with the stop id as the last token. That turn
+    is finished: resubmitting would sample past its own end-of-turn."""
+    if result.finish_reason != "abort" or not result.output_ids:
+        return result
+    last = result.output_ids[-1]
+    stops = set(request.sampling.stop_token_ids)
+    if expect is not None:
+        stops |= set(expect.stop_token_ids)
+    if not is_int(last) or last not in stops:
+        return result
+    return replace(result, finish_reason="stop", matched_stop=last, abort_message=None)
+
+
+def _check_partial(result: GenerateResult, seg_rid: str, prompt_len: int, budget: int,
+                   expect: Expectations | None, last_version: Any) -> None:
+    """Reject bad raw values in an aborted segment before they are accumulated."""
+    try:
+        if expect is not None:
+            validate_generation(result, replace(
+                expect, request_id=seg_rid, prompt_len=prompt_len, max_tokens=budget,
+                last_weight_version=last_version,
+            ))
+            return
+        n = len(result.output_ids)
+        if len(result.logprobs) != n:
+            raise ValidationError("logprobs", f"{len(result.logprobs)} logprobs for {n} ids")
+        bad = next((i for i, t in enumerate(result.output_ids) if not is_int(t) or t < 0), None)
+        if bad is not None:
+            raise ValidationError("output_ids", f"{result.output_ids[bad]!r} is not a token id", bad)
+        if n > budget:
+            raise ValidationError("output_ids", f"{n} ids exceed max_tokens {budget}", budget)
+    except ValidationError as exc:
+        raise UpstreamInvalid(f"aborted segment {seg_rid} rejected: {exc}") from exc
+
+
+async def generate_resilient(
+    adapter: EngineAdapter,
+    request: GenerateRequest,
+    control: ControlPlane,
+    *,
+    expect: Expectations | None = None,
+    on_abort: Callable[[AbortEvent], None] | None = None,
+    deadline: float | None = None,
+    admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None = None,
+) -> ResilientResult:
+    """Generate one turn through any number of pauses: abort -> accumulate -> resubmit.
+
+    Each segment waits at the gate (bounded by `deadline`, monotonic; default
+    now + `request.timeout_s`), is sent as `prompt + partial` with the remaining
+    budget under a new fixed-width request id (the first keeps
+    `request.request_id`), and carries the current weight version's cache salt.
+    `expect` (the whole turn's `Expectations`) makes each aborted segment pass the
+    full validator before its values are kept; without it only shapes are checked.
+    `admit(uncached_guess)` (prefill admission; None = the caller's own estimate, for the
+    first segment) is held per segment, never while waiting at the gate; waiting for it
+    or for the adapter's `slot()` past `deadline` is `UpstreamTimeout` (504).
+    Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
+    empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
+    """
+    if deadline is None:
+        deadline = time.monotonic() + request.timeout_s
+    prompt = request.input_ids
+    lora = request.lora
+    engine = str(getattr(adapter, "base_url", ""))
+    acc, counts = Acc(), Counts()
+    first: GenerateResult | None = None
+    last_version = None if expect is None else expect.last_weight_version
+    remaining = request.max_tokens
+    unexplained_empty = 0
+
+    slot = getattr(adapter, "slot", None)
+    first_salt = control.cache_salt()
+    constrained = request.sampling.constraint is not None
+    while True:
+        async with contextlib.AsyncExitStack() as held:
+            # gate -> prefill admission -> engine slot -> gate again -> read version/salt:
+            # a segment queued behind admission or the engine's cap cannot slip past a
+            # pause that closed meanwhile, nor carry the weight version it saw before it
+            counts.paused_wait_s += await control.wait_open(lora, deadline=deadline)
+            if admit is not None:
+                salt_now = control.cache_salt()
+                # a resubmission re-prefills only its partial, unless the salt changed
+                guess = None if not counts.rids else (
+                    len(prompt) + len(acc.ids) if salt_now != first_salt else len(acc.ids))
+                await _enter_by(held, admit(guess), deadline, f"prefill admission on {engine}")
+            if slot is not None:
+                await _enter_by(held, slot(), deadline, f"a generation slot on {engine}")
+            if control.blocked(lora):
+                continue  # closed again while we queued: release everything, wait again
+            seg_rid = request.request_id if not counts.rids else new_request_id()
+            counts.rids.append(seg_rid)
+            epoch, dispatch_version = control.epoch, control.weight_version
+            seg_input = _extend(prompt, acc.ids)
+            seg = replace(
+                request,
+                request_id=seg_rid,
+                input_ids=seg_input,
+                max_tokens=remaining,
+                cache_salt=_salted(request.cache_salt, control.cache_salt()),
+                timeout_s=max(0.001, deadline - time.monotonic()),
+                slot_held=slot is not None,
+            )
+            with control.track_flight(seg_rid, engine=engine, lora=lora):
+                try:
+                    result = await adapter.generate(seg)
+                except (asyncio.CancelledError, UpstreamTimeout):
+                    control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
+                    raise
+        if first is None:
+            first = result
+        if not control.check_reported_version(engine, result.weight_version):
+            counts.mismatches += 1
+        version = result.weight_version if result.weight_version is not None else dispatch_version
+        result = _abort_on_stop_is_stop(result, request, expect)
+        if result.finish_reason != "abort":
+            return assemble(request, first, result, version, acc, counts)
+
+        _check_partial(result, seg_rid, len(seg_input), remaining, expect, last_version)
+        n = len(result.output_ids)
+        counts.aborts += 1
+        control.record_abort(empty=n == 0)
+        if n and constrained:
+            # engines restart a grammar at the first output token, so `prompt + partial`
+            # under the same constraint would demand a whole new instance after the partial
+            # (committing e.g. `{"a": {"a": 1}`). The partial is dropped and the turn is
+            # regenerated from its own prompt with its whole budget; it was never shown.
+            counts.dropped_tokens += n
+            unexplained_empty = 0
+        elif n:
+            acc.add(result, version)
+            last_version = version if version is not None else last_version
+            remaining -= n
+            unexplained_empty = 0
+        else:  # nothing to accumulate: retry as is
+            counts.empty_aborts += 1
+            if control.epoch == epoch and not control.blocked(lora):
+                unexplained_empty += 1
+                if unexplained_empty > control.max_empty_aborts:
+                    raise EngineAborted(
+                        f"{request.request_id}: {unexplained_empty} consecutive aborts without a "
+                        f"token or a pause: {result.abort_message or 'no message'}",
+                        engine=engine,
+                    )
+        if on_abort is not None:
+            on_abort(AbortEvent(
+                request_id=request.request_id, segment_request_id=seg_rid,
+                segment=len(counts.rids) - 1, new_tokens=n, total_tokens=len(acc.ids),
+                remaining=remaining, paused=control.blocked(lora),
+            ))
+        if remaining <= 0:  # the budget ran out across aborts: the turn ends at its length
+            return assemble(request, first, None, None, acc, counts)
+        counts.resubmits += 1
+        control.record_resubmit()

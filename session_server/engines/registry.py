@@ -1,0 +1,186 @@
+"""The engine registry: engine lifecycle, and the one way the server reaches an adapter.
+
+Adding an engine builds its adapter from a spec (`sglang=URL`, `vllm=URL`, or a bare
+URL whose protocol is detected), proves the URL speaks the declared protocol
+(`probe.verify_engine`), asks SGLang for its DP size, and registers its targets in
+the routing pool; removing one drops its targets and closes its client in the
+background once its turns are done. Routes, the turn pipeline and the control plane
+reach adapters only here (`adapter(engine_id)`, `adapters()`), through the typed
+`EngineAdapter` protocol; `routing/pool.py` keeps only target bookkeeping, so the
+routing policies and the simulator share it without any engine import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from ..errors import BadRequest, EngineError, NoHealthyEngine
+from ..routing.pool import Engine, EnginePool
+from . import make_adapter
+from .base import EngineAdapter
+from .probe import EngineRefused, verify_engine
+
+__all__ = ["EngineRegistry"]
+
+log = logging.getLogger("session_server")
+
+
+class EngineRegistry:
+    """Adapters by engine id, kept in step with the routing pool's engines and targets.
+
+    `adapter_options` go to every adapter built from a spec (e.g. `offload`)."""
+
+    def __init__(self, pool: EnginePool, **adapter_options: Any) -> None:
+        self.pool = pool
+        self._adapters: dict[str, EngineAdapter] = {}
+        self._options = adapter_options
+        # removed engines' adapters until their client is closed: a turn that was on one
+        # may still ask whether it answers (`answers_health`)
+        self._retired: dict[str, EngineAdapter] = {}
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def add(self, spec: str, *, dp_size: int | None = None) -> Engine:
+        """Build an adapter for `spec` (protocol forced or detected) and add its DP targets.
+
+        An engine that does not answer at start-up is added unhealthy: the active
+        health check brings it in when it comes up. One that answers but not as its
+        protocol, or a mistyped protocol, is a 400 (`BadRequest`)."""
+        try:
+            adapter: EngineAdapter = await make_adapter(spec, **self._options)
+        except ValueError as exc:  # a mistyped protocol (`sglangg=...`)
+            raise BadRequest(str(exc)) from exc
+        healthy = True
+        try:  # something that merely answers HTTP is not an engine
+            await verify_engine(adapter)
+        except EngineRefused as exc:
+            await adapter.aclose()
+            raise BadRequest(f"engine {spec!r} refused: {exc}") from exc
+        except (EngineError, TimeoutError) as exc:
+            log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
+            healthy = False
+        if dp_size is None:
+            dp_size = 1
+            dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
+            if dp_probe is not None and healthy:
+                try:
+                    dp_size = await dp_probe()
+                except EngineError as exc:
+                    log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
+                    healthy = False
+        eng = self.attach(f"e{self.pool.next_engine_number()}", adapter, dp_size)
+        eng.healthy = healthy
+        return eng
+
+    def attach(self, engine_id: str, adapter: EngineAdapter, dp_size: int = 1) -> Engine:
+        """Register an already built `adapter` as `engine_id` with its targets."""
+        self._adapters[engine_id] = adapter
+        return self.pool.add(engine_id, dp_size)
+
+    def remove(self, engine_id: str, *, drain_s: float = 0.0) -> Engine | None:
+        """Drop `engine_id`: new turns are refused at once; turns already on it finish
+        (their generation is good) and its client closes in the background after them
+        (bounded by `drain_s`), so the caller does not wait. None when unknown."""
+        eng = self.pool.remove(engine_id)
+        adapter = self._adapters.pop(engine_id, None)
+        if adapter is not None:
+            self._retired[engine_id] = adapter
+            task = asyncio.get_running_loop().create_task(self._retire(engine_id, adapter, drain_s))
+            _CLOSING.add(task)
+            task.add_done_callback(_CLOSING.discard)
+        return eng
+
+    async def _retire(self, engine_id: str, adapter: EngineAdapter, drain_s: float) -> None:
+        try:
+            await _close_quietly(adapter, drain_s)
+        finally:
+            self._retired.pop(engine_id, None)
+
+    async def aclose(self) -> None:
+        """Close every engine's client (shutdown); one failure never stops the others."""
+        for adapter in list(self._adapters.values()):
+            await _close_quietly(adapter, 0.0)
+
+    # --- access -----------------------------------------------------------------------------
+
+    def adapter(self, engine_id: str) -> EngineAdapter:
+        """The adapter of `engine_id`; `NoHealthyEngine` when it was removed."""
+        adapter = self._adapters.get(engine_id)
+        if adapter is None:
+            raise NoHealthyEngine(f"engine {engine_id} was removed")
+        return adapter
+
+    def adapters(self) -> list[EngineAdapter]:
+        """Every engine's adapter (the control plane's fan-out reads this on each call)."""
+        return list(self._adapters.values())
+
+    def _answering(self, engine_id: str) -> EngineAdapter:
+        """The adapter of `engine_id`, or of a removed one whose client is not closed yet."""
+        retired = self._retired.get(engine_id)
+        return retired if retired is not None else self.adapter(engine_id)
+
+    # --- health -------------------------------------------------------------------------------
+
+    async def check_health(self, engine: Engine) -> None:
+        """The active health check (`routing.health.probe_loop`): raises unless the engine
+        answers healthy; also refreshes the load it reports about itself (SGLang)."""
+        adapter = self._answering(engine.id)
+        if not await adapter.health():
+            raise EngineError(f"{adapter.base_url} reported unhealthy")
+        get_load = getattr(adapter, "get_load", None)
+        if get_load is not None:
+            with contextlib.suppress(EngineError):
+                engine.reported_load = await get_load()
+
+    async def answers_health(self, engine_id: str, timeout_s: float = 2.0) -> bool:
+        """A quick liveness check (after a connection dropped mid-request); any failure
+        to answer is a "no". A removed engine answers until its client is closed."""
+        try:
+            adapter = self._answering(engine_id)
+            return bool(await asyncio.wait_for(adapter.health(), timeout_s))
+        except Exception:  # any failure to answer is a "no"
+            return False
+
+    # --- view -----------------------------------------------------------------------------------
+
+    def view(self) -> dict[str, Any]:
+        """`GET /engines`: engines with their protocol and URL, targets, and moves."""
+        pool = self.pool
+        return {
+            "policy": pool.policy.name,
+            "engines": [
+                {
+                    "id": e.id,
+                    "protocol": self._adapters[e.id].protocol,
+                    "base_url": self._adapters[e.id].base_url,
+                    "dp_size": e.dp_size,
+                    "healthy": e.healthy,
+                    "reported_load": e.reported_load,
+                }
+                for e in pool.engines.values()
+            ],
+            "targets": [
+                {
+                    "id": t.id,
+                    "in_flight": t.in_flight,
+                    "sessions": len(t.sessions),
+                    "resident_tokens": t.resident_tokens,
+                    "pending_prefill_tokens": t.pending_prefill_tokens,
+                }
+                for t in pool.targets.values()
+            ],
+            "migrations": pool.migrations,
+            "rehomes": pool.rehomes,
+        }
+
+
+_CLOSING: set[asyncio.Task[None]] = set()  # background closes: the loop keeps weak task refs
+
+
+async def _close_quietly(adapter: EngineAdapter, drain_s: float) -> None:
+    """Close `adapter`'s client after its in-flight generations (bounded); never raises."""
+    with contextlib.suppress(Exception):
+        await adapter.aclose(drain_s=drain_s)
