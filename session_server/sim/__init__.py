@@ -1,4 +1,10 @@
-"""Simulated SGLang/vLLM engines (wire-faithful) for tests, benchmarks and the demo."""
+"""Simulated SGLang/vLLM engines (wire-faithful) for tests, benchmarks and the demo.
+
+`engine` is the core (ranks, prefix caches from `cache`, the generate loop, pause
+modes) with token choice in `sampler` and fault injection in `faults`;
+`sglang_wire` and `vllm_wire` are the two wire formats over it (sharing `wire`);
+`server` assembles a servable `SimEngine` with the `/sim/*` test controls.
+"""
 
 from __future__ import annotations
 

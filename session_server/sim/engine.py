@@ -1,0 +1,245 @@
+"""The simulated engine's core, with no wire format: jobs, DP ranks, prefix caches,
+the generate loop, pause modes, aborts and the request log.
+
+The wire modules (`sglang_wire`, `vllm_wire`) parse a request into a `Job`, call
+`EngineCore.generate`, and shape the `Outcome` as their engine does. Token choice is
+delegated to `sampler.ScriptedPolicy`; faults to `faults`.
+
+Pause modes: `abort` (running requests return their partial output with the
+engine's abort shape), `keep` (running requests freeze, continue on resume;
+SGLang's `in_place`/`retract` behave so from outside), `wait` (running requests
+finish); in every mode new requests are held until resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from session_server.sim.cache import PrefixCache
+from session_server.sim.faults import FaultQueue, abort_at
+from session_server.sim.sampler import ScriptedPolicy, SimModel
+
+__all__ = ["PAUSE_MODES", "EngineCore", "Job", "Outcome"]
+
+# the pause modes the engines name, mapped to how the core behaves
+PAUSE_MODES = {"abort": "abort", "keep": "keep", "wait": "wait", "in_place": "keep", "retract": "keep"}
+
+
+@dataclass
+class Job:
+    """One generate request as the core sees it, whichever wire it came by."""
+
+    rid: str
+    input_ids: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int]
+    ignore_eos: bool
+    top_k: int
+    pinned_rank: int | None
+    params: dict[str, Any]
+    path: str
+    abort: asyncio.Event = field(default_factory=asyncio.Event)
+    fault: str | None = None
+    cache_salt: str | None = None  # SGLang extra_key / vLLM cache_salt: a KV namespace
+    rank: int = 0
+    produced: int = 0
+    constrained: str | None = None  # the text a constraint forces (None: unconstrained)
+
+
+@dataclass
+class Outcome:
+    """What generation produced so far (or in the end), before any wire shaping."""
+
+    ids: list[Any]
+    lps: list[Any]
+    tops: list[list[tuple[int, float]]] | None
+    finish: str  # stop | length | abort | repetition
+    matched: int | None
+    prompt_tokens: int
+    cached_tokens: int
+    abort_message: str | None = None
+    e2e_s: float = 0.0
+    weight_version: str | None = None  # the engine's version when the output was finalised
+
+
+class EngineCore:
+    """One simulated engine (all its DP ranks) for protocol "sglang" or "vllm"."""
+
+    def __init__(
+        self,
+        protocol: str,
+        model: SimModel,
+        *,
+        seed: int = 0,
+        dp: int = 1,
+        latency_ms: float = 0.0,
+        request_latency_ms: float = 0.0,
+        noncanonical: bool = False,
+        cache_capacity_tokens: int = 1 << 20,
+        page_size: int | None = None,
+        weight_version: str = "default",
+        abort_plan: Sequence[int] = (),
+    ) -> None:
+        if protocol not in ("sglang", "vllm"):
+            raise ValueError(f"protocol must be sglang or vllm, not {protocol!r}")
+        if dp < 1:
+            raise ValueError("dp must be >= 1")
+        self.protocol = protocol
+        self.model = model
+        self.policy = ScriptedPolicy(model, seed=seed, noncanonical=noncanonical)
+        self.dp = dp
+        self.latency_ms = latency_ms
+        self.request_latency_ms = request_latency_ms  # fixed per-request time (prefill/queueing)
+        self.weight_version = weight_version
+        ps = page_size or (1 if protocol == "sglang" else 16)
+        self.caches = [PrefixCache(cache_capacity_tokens, ps) for _ in range(dp)]
+        self.requests: list[dict[str, Any]] = []
+        self.running: dict[str, Job] = {}
+        self.faults = FaultQueue()
+        self.paused: str | None = None
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.closing = asyncio.Event()
+        self._rr = itertools.count()
+        # per generation, in arrival order: abort right after the k-th sampled token, before
+        # the stop check (SGLang checks the abort flag first, so the EOT step can be `abort`)
+        self.abort_plan: list[int] = [int(k) for k in abort_plan]
+        self.aborted_rids: list[str] = []  # every rid that ended with an abort, in order
+        self.abort_calls: list[dict[str, Any]] = []  # every abort request received (GET /sim/aborts)
+
+    # --- generation ------------------------------------------------------------------
+
+    async def _wait_resumed(self, job: Job) -> None:
+        waiters = [asyncio.ensure_future(self._resumed.wait()), asyncio.ensure_future(job.abort.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def generate(
+        self, job: Job, on_token: Callable[[Outcome], Awaitable[None]] | None = None
+    ) -> Outcome:
+        """Run `job` on its rank to its end (stop, length, abort); `on_token` sees each step."""
+        t0 = time.monotonic()
+        self.running[job.rid] = job
+        try:
+            while self.paused is not None and not job.abort.is_set():
+                await self._wait_resumed(job)
+            job.rank = job.pinned_rank if job.pinned_rank is not None else next(self._rr) % self.dp
+            cache = self.caches[job.rank]
+            cached = cache.match(job.input_ids, job.cache_salt)
+            cursor = self.policy.start(job.input_ids, job.constrained)
+            out = Outcome([], [], [] if job.top_k else None, "length", None, len(job.input_ids), cached)
+            fault_at = abort_at(job.fault, self.protocol, len(cursor.planned) - cursor.offset, job.max_tokens)
+            eos = set(self.model.eos_ids)
+            plan_at = self.abort_plan.pop(0) if self.abort_plan else None
+            if self.request_latency_ms > 0:
+                await asyncio.sleep(self.request_latency_ms / 1000.0)
+            for i in range(job.max_tokens):
+                if self.latency_ms > 0:
+                    await asyncio.sleep(self.latency_ms / 1000.0)
+                elif i % 32 == 31:
+                    await asyncio.sleep(0)
+                while self.paused == "keep" and not job.abort.is_set():
+                    await self._wait_resumed(job)
+                if fault_at is not None and i >= fault_at and job.fault == "repetition":
+                    out.finish = "repetition"
+                    break
+                if job.abort.is_set() or (fault_at is not None and i >= fault_at):
+                    out.finish, out.abort_message = "abort", "Abort in running batch."
+                    break
+                tok = cursor.token(i)
+                out.ids.append(tok)
+                out.lps.append(cursor.logprob(i, tok))
+                if out.tops is not None:
+                    out.tops.append(cursor.top(i, tok, job.top_k))
+                job.produced = i + 1
+                if plan_at is not None and i + 1 >= plan_at:
+                    out.finish, out.abort_message = "abort", "Abort in running batch."
+                    break
+                if tok in job.stop_ids or (not job.ignore_eos and tok in eos):
+                    out.finish, out.matched = "stop", tok
+                if on_token is not None:
+                    await on_token(out)
+                if out.finish == "stop":
+                    break
+            if job.abort.is_set() and not out.ids:
+                out.finish, out.abort_message = "abort", "Abort before prefill."
+            if out.finish == "abort":
+                self.aborted_rids.append(job.rid)
+            cache.insert([*job.input_ids, *out.ids], job.cache_salt)
+            out.e2e_s = time.monotonic() - t0
+            out.weight_version = self.weight_version
+            return out
+        finally:
+            self.running.pop(job.rid, None)
+
+    def log(self, job: Job, out: Outcome | None, status: int) -> None:
+        """Append one finished request to the log `GET /sim/requests` serves."""
+        self.requests.append(
+            {
+                "rid": job.rid,
+                "path": job.path,
+                "input_ids": job.input_ids,
+                "dp_rank": job.rank,
+                "cache_salt": job.cache_salt,
+                "pinned": job.pinned_rank is not None,
+                "sampling_params": job.params,
+                "fault": job.fault,
+                "status": status,
+                "output_ids": None if out is None else [int(t) for t in out.ids],
+                "finish_reason": None if out is None else out.finish,
+                "cached_tokens": None if out is None else out.cached_tokens,
+                "logprobs": None if out is None else [float(x) for x in out.lps],
+                "finished_s": time.monotonic(),
+                "e2e_s": None if out is None else out.e2e_s,
+            }
+        )
+
+    # --- control ---------------------------------------------------------------------
+
+    def abort_where(self, path: str, body: Any, match: Callable[[Job], bool]) -> None:
+        """Record an abort call (for `GET /sim/aborts`) and abort the running jobs it matches."""
+        self.abort_calls.append({"path": path, "body": body,
+                                 "running": [j.rid for j in self.running.values()]})
+        for job in list(self.running.values()):
+            if match(job):
+                job.abort.set()
+
+    def running_on(self, rank: int) -> int:
+        return sum(1 for j in self.running.values() if j.rank == rank)
+
+    def pause(self, mode: str) -> None:
+        self.paused = mode
+        self._resumed.clear()
+        if mode == "abort":
+            for job in self.running.values():
+                job.abort.set()
+
+    async def settle_aborts(self, timeout_s: float = 5.0) -> None:
+        """Answer an abort-mode pause once the aborted requests have emitted their partial
+        output, as the engines do: a weight update after the pause never shows in them."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(j.abort.is_set() for j in self.running.values()):
+            await asyncio.sleep(0.001)
+
+    def resume(self) -> None:
+        self.paused = None
+        self._resumed.set()
+
+    def flush_caches(self) -> None:
+        for c in self.caches:
+            c.flush()
+
+    def close(self) -> None:
+        """Shutdown: end stalls, abort every running job, release paused ones."""
+        self.closing.set()
+        for job in self.running.values():
+            job.abort.set()
+        self.resume()

@@ -1,0 +1,123 @@
+"""Fault injection of the simulated engines: the kinds, the queue, and how each one acts.
+
+A fault is queued by `POST /sim/faults` and taken by the next requests in arrival
+order. It acts at one of three places: it replaces the whole answer (`answer_fault`:
+HTTP errors, a stall, a dropped connection), it ends generation early (`abort_at`:
+`abort_midway`, vLLM's `repetition`), or it corrupts the values of a finished output
+(`apply_value_fault`) so the server's validation can be tested on a wire-shaped lie.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from session_server.sim.engine import EngineCore, Job, Outcome
+    from session_server.sim.sampler import SimModel
+
+__all__ = ["FAULT_KINDS", "FaultQueue", "abort_at", "answer_fault", "apply_value_fault"]
+
+FAULT_KINDS = (
+    "http_500",  # HTTP 500 with the engine's error body
+    "http_400",  # HTTP 400 with the engine's error body
+    "abort_midway",  # abort after half the planned tokens (HTTP 200, abort finish)
+    "stall",  # never answer (until the client gives up or the server stops)
+    "disconnect",  # close the connection without an answer
+    "nan_logprob",  # first logprob NaN (null on the wire, as orjson/pydantic write it)
+    "oov_id",  # first id >= vocab size
+    "length_mismatch",  # one logprob entry fewer than ids
+    "bool_id",  # first id is JSON `true`
+    "positive_logprob",  # first logprob 0.5
+    "prompt_tokens_mismatch",  # prompt_tokens off by one
+    "cached_above_prompt",  # cached_tokens > prompt_tokens
+    "bad_finish",  # finish inconsistent with the output (length <-> stop)
+    "repetition",  # vLLM: the repetition detector stops after half the planned tokens (SGLang: none)
+)
+
+ErrorResponder = Callable[[int, str], web.Response]
+
+
+class FaultQueue:
+    """Pending faults as [kind, remaining] in the order they were queued."""
+
+    def __init__(self) -> None:
+        self._pending: list[list[Any]] = []
+
+    def add(self, kind: str, count: int) -> None:
+        if count > 0:
+            self._pending.append([kind, count])
+
+    def take(self) -> str | None:
+        """The kind the next request suffers (one use of the oldest pending fault), if any."""
+        while self._pending:
+            kind, remaining = self._pending[0]
+            if remaining <= 0:
+                self._pending.pop(0)
+                continue
+            self._pending[0][1] -= 1
+            return str(kind)
+        return None
+
+    def pending(self) -> list[list[Any]]:
+        return [[k, n] for k, n in self._pending if n > 0]
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+def abort_at(fault: str | None, protocol: str, planned_left: int, max_tokens: int) -> int | None:
+    """The step at which a mid-generation fault ends the output (None: it does not)."""
+    if fault == "abort_midway" or (fault == "repetition" and protocol == "vllm"):
+        return max(1, min(max_tokens, max(1, planned_left)) // 2)
+    return None
+
+
+async def answer_fault(
+    engine: EngineCore, request: web.Request, job: Job, error: ErrorResponder
+) -> web.StreamResponse | None:
+    """Faults that replace the whole answer; None when the request should run."""
+    kind = job.fault
+    if kind in ("http_500", "http_400"):
+        status = 500 if kind == "http_500" else 400
+        engine.log(job, None, status)
+        return error(status, f"simulated fault {kind}")
+    if kind == "stall":
+        engine.log(job, None, 0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(engine.closing.wait(), timeout=3600)
+        return error(503, "simulated stall ended by shutdown")
+    if kind == "disconnect":
+        engine.log(job, None, 0)
+        if request.transport is not None:
+            request.transport.close()
+        raise asyncio.CancelledError  # aiohttp drops the request without a response
+    return None
+
+
+def apply_value_fault(model: SimModel, job: Job, out: Outcome) -> None:
+    """Corrupt a finished output in place the way `job.fault` says (no-op for other kinds)."""
+    kind = job.fault
+    if kind == "nan_logprob" and out.lps:
+        out.lps[0] = float("nan")
+    elif kind == "oov_id" and out.ids:
+        out.ids[0] = model.vocab_size + 7
+    elif kind == "bool_id" and out.ids:
+        out.ids[0] = True
+    elif kind == "positive_logprob" and out.lps:
+        out.lps[0] = 0.5
+    elif kind == "prompt_tokens_mismatch":
+        out.prompt_tokens += 1
+    elif kind == "cached_above_prompt":
+        out.cached_tokens = out.prompt_tokens + 5
+    elif kind == "bad_finish":
+        if out.finish == "stop":
+            out.finish, out.matched = "length", None
+        else:
+            out.finish, out.matched = "stop", model.eos_ids[0]
+            if out.ids and out.ids[-1] == out.matched:
+                out.matched = model.eos_ids[-1] + 1

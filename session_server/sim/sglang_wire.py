@@ -1,0 +1,240 @@
+"""The SGLang wire of the simulated engine: `/generate` (streamed or not), aborts,
+pause/continue, flush_cache and the info endpoints, shaped as current SGLang does."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from session_server.sim.engine import PAUSE_MODES, EngineCore, Job, Outcome
+from session_server.sim.faults import answer_fault
+from session_server.sim.wire import (
+    ENCODER,
+    Constraint,
+    attach_constraint,
+    finish_job,
+    json_response,
+    salt,
+)
+
+__all__ = ["SGLangWire", "sglang_constraint"]
+
+_FLUSH_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)"
+)
+
+
+def sglang_error(status: int, message: str) -> web.Response:
+    return json_response({"error": {"message": message}}, status)
+
+
+def sglang_constraint(sp: dict[str, Any]) -> Constraint:
+    """SGLang sampling params `json_schema` / `regex` / `ebnf`: at most one (its `verify`)."""
+    found = [(k, sp[k]) for k in ("json_schema", "regex", "ebnf") if sp.get(k) is not None]
+    if len(found) > 1:
+        return "Only one of regex, json_schema, or ebnf can be set."
+    return found[0] if found else None
+
+
+class SGLangWire:
+    """SGLang's HTTP endpoints over one `EngineCore`."""
+
+    def __init__(self, engine: EngineCore, padding: msgspec.Raw | None = None) -> None:
+        self.engine = engine
+        self.padding = padding
+
+    def add_routes(self, r: web.UrlDispatcher) -> None:
+        r.add_post("/generate", self.generate)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_load", self.load)
+        r.add_post("/abort_request", self.abort)
+        r.add_post("/pause_generation", self.pause)
+        r.add_post("/continue_generation", self.resume)
+        r.add_post("/flush_cache", self.flush)
+
+    def body(self, job: Job, out: Outcome, final: bool) -> dict[str, Any]:
+        """One `/generate` answer (or stream frame) for the output so far."""
+        fr: Any = None
+        if final:
+            if out.finish == "stop":
+                fr = {"type": "stop", "matched": out.matched}
+            elif out.finish == "length":
+                fr = {"type": "length", "length": len(out.ids)}
+            else:
+                fr = {"type": "abort", "message": out.abort_message}
+        ids = list(out.ids)
+        lps = list(out.lps)
+        triples = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+        if final and job.fault == "length_mismatch" and triples:
+            triples.pop()
+        version = out.weight_version if out.weight_version is not None else self.engine.weight_version
+        meta: dict[str, Any] = {
+            "id": job.rid,
+            "finish_reason": fr,
+            "prompt_tokens": out.prompt_tokens,
+            "weight_version": version,
+            "total_retractions": 0,
+            "input_token_logprobs": [],
+            "output_token_logprobs": triples,
+            "completion_tokens": len(ids),
+            "cached_tokens": out.cached_tokens,
+            "cached_tokens_details": {"device": out.cached_tokens, "host": 0}
+            if out.cached_tokens
+            else None,
+            "dp_rank": job.rank,
+            "e2e_latency": out.e2e_s,
+        }
+        if out.tops is not None:
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in out.tops]
+        if self.padding is not None and final:
+            meta["routed_experts"] = self.padding
+        text = self.engine.model.decode([int(t) for t in ids if not isinstance(t, bool)])
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def _job(self, body: Any) -> Job | web.Response:
+        """The `/generate` body as a Job, or SGLang's 400."""
+        try:
+            input_ids = [int(t) for t in body["input_ids"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            return sglang_error(400, f"invalid /generate body: {exc}")
+        if isinstance(body.get("rid"), list) or (input_ids and isinstance(body["input_ids"][0], list)):
+            return sglang_error(400, "the simulator serves single requests, not batches")
+        sp = body.get("sampling_params") or {}
+        rank = body.get("data_parallel_rank")
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.engine.dp):
+            return sglang_error(400, f"data_parallel_rank {rank} out of range [0, {self.engine.dp})")
+        job = Job(
+            rid=str(body.get("rid") or uuid.uuid4().hex),
+            input_ids=input_ids,
+            max_tokens=int(sp.get("max_new_tokens", 128)),
+            stop_ids=frozenset(sp.get("stop_token_ids") or ()),
+            ignore_eos=bool(sp.get("ignore_eos", False)),
+            top_k=int(body.get("top_logprobs_num") or 0),
+            pinned_rank=rank,
+            params=sp,
+            path="/generate",
+            fault=self.engine.faults.take(),
+            cache_salt=salt(body.get("extra_key")),
+        )
+        refused = attach_constraint(self.engine, job, sglang_constraint(sp), sglang_error)
+        return job if refused is None else refused
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as exc:
+            return sglang_error(400, f"invalid /generate body: {exc}")
+        job = self._job(body)
+        if isinstance(job, web.Response):
+            return job
+        early = await answer_fault(self.engine, request, job, sglang_error)
+        if early is not None:
+            return early
+        if not body.get("stream"):
+            out = await self.engine.generate(job)
+            finish_job(self.engine, job, out)
+            return json_response(self.body(job, out, final=True))
+        return await self._stream(request, job)
+
+    async def _stream(self, request: web.Request, job: Job) -> web.StreamResponse:
+        """SSE: one frame per token while running, the final body, then `[DONE]`."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        async def frame(partial: Outcome) -> None:
+            if partial.finish == "length" and len(partial.ids) < job.max_tokens:
+                data = self.body(job, partial, final=False)
+                await resp.write(b"data: " + ENCODER.encode(data) + b"\n\n")
+
+        out = await self.engine.generate(job, on_token=frame)
+        finish_job(self.engine, job, out)
+        await resp.write(b"data: " + ENCODER.encode(self.body(job, out, True)) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def pause(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        body = msgspec.json.decode(raw) if raw else {}
+        mode = PAUSE_MODES.get(str(body.get("mode", "abort")))
+        if mode is None:
+            return sglang_error(400, f"unknown pause mode {body.get('mode')!r}")
+        self.engine.pause(mode)
+        await self.engine.settle_aborts()
+        return json_response({"success": True, "message": f"Generation paused ({body.get('mode', 'abort')})."})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.engine.resume()
+        return json_response({"success": True, "message": "Generation continued."})
+
+    async def abort(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        body = msgspec.json.decode(raw) if raw else {}
+        rid = body.get("rid")
+        self.engine.abort_where(
+            "/abort_request", body, lambda job: bool(body.get("abort_all") or (rid and job.rid.startswith(rid)))
+        )
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        name = self.engine.model.name
+        return json_response(
+            {
+                "model_path": name,
+                "tokenizer_path": name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "simulated",
+                "architectures": ["SimulatedForCausalLM"],
+                "simulated": True,
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return json_response(
+            {
+                "model_path": e.model.name,
+                "dp_size": e.dp,
+                "tp_size": 1,
+                "page_size": e.caches[0].page_size,
+                "status": "ready",
+                "max_total_num_tokens": e.caches[0].capacity_tokens,
+                "internal_states": [{"dp_rank": r} for r in range(e.dp)],
+                "version": "simulated",
+                "simulated": True,
+            }
+        )
+
+    async def load(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return json_response(
+            [
+                {
+                    "dp_rank": r,
+                    "num_reqs": e.running_on(r),
+                    "num_waiting_reqs": 0,
+                    "num_tokens": e.caches[r].used_tokens,
+                }
+                for r in range(e.dp)
+            ]
+        )
+
+    async def flush(self, request: web.Request) -> web.Response:
+        if self.engine.running:
+            return web.Response(status=400, text=_FLUSH_TEXT)
+        self.engine.flush_caches()
+        return web.Response(status=200, text=_FLUSH_TEXT)
