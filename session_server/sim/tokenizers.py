@@ -2,7 +2,7 @@
 
 Owns building small, deterministic byte-level BPE tokenizers that declare the
 same special tokens as the real model families and carry the family's real chat
-template (packaged under ``assets/templates``). Nothing is downloaded: the BPE is
+template (packaged with the codec under ``trajectory/codec/templates``). Nothing is downloaded: the BPE is
 trained in-process on a built-in corpus, wrapped in a transformers fast
 tokenizer and saved, so callers load it back with the real path
 ``AutoTokenizer.from_pretrained(str(path))``.
@@ -122,8 +122,8 @@ def chat_template_text(family: str) -> str:
     """The family's packaged (verbatim, public) chat template."""
     name = _spec(family).template_file
     return (
-        resources.files("session_server.sim")
-        .joinpath("assets", "templates", name)
+        resources.files("trajectory.codec")
+        .joinpath("templates", name)
         .read_text(encoding="utf-8")
     )
 

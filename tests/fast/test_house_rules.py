@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterable
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("session_server", "trajectory")
 
@@ -158,7 +156,7 @@ def test_9_graph_sees_the_project() -> None:
     assert "session_server.sim.engine" in direct_imports("session_server.sim.server")
     assert "session_server.routing.policy" in direct_imports("session_server.routing.round_robin")
     assert "session_server.sim" in reachable("session_server.cli")  # a lazy import, in a function
-    assert "session_server.sim" in direct_imports("trajectory.codec.registry", strings=True)
+    assert "trajectory.codec" in direct_imports("session_server.sim.tokenizers", strings=True)  # resources.files(...)
     assert {"session_server.routing.sticky_cost", "session_server.routing.cache_aware",
             "session_server.routing.round_robin"} <= routing_policies()
     assert "session_server.routing.pool" not in routing_policies()
@@ -173,10 +171,6 @@ def test_9_trajectory_imports_nothing_from_session_server() -> None:
     assert _violations(_under("trajectory"), _under("session_server")) == {}
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 9: trajectory/codec/registry.py `detect_family` reads the packaged chat templates "
-    "with resources.files('session_server.sim'), which imports the whole simulator (aiohttp "
-    "included) into the library; flips when the templates move under trajectory/"))
 def test_9_trajectory_reads_no_session_server_package() -> None:
     """Nor a module named by string (`resources.files`, `import_module`)."""
     assert _violations(_under("trajectory"), _under("session_server"), strings=True) == {}
@@ -186,9 +180,6 @@ def test_9_routing_policies_import_no_engine_module() -> None:
     assert _violations(lambda m: m in routing_policies(), _under("session_server.engines")) == {}
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 9: routing/pool.py still imports engines.base.EngineAdapter; the engine registry "
-    "work removes it, and this flips to a pass"))
 def test_9_routing_package_imports_no_engine_module() -> None:
     """All of routing/ (pool and health too) is target bookkeeping the simulator can share."""
     assert _violations(_under("session_server.routing"), _under("session_server.engines")) == {}

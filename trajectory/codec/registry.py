@@ -53,11 +53,11 @@ def _digest(text: str) -> str:
 
 def _known_digests() -> dict[str, str]:
     out = {}
-    root = resources.files("session_server.sim").joinpath("assets", "templates")
+    root = resources.files("trajectory.codec").joinpath("templates")
     for family, data in FAMILY_DATA.items():
         try:
             out[_digest(root.joinpath(data.template_file).read_text(encoding="utf-8"))] = family
-        except (FileNotFoundError, ModuleNotFoundError):
+        except FileNotFoundError:
             continue
     return out
 
