@@ -61,7 +61,7 @@ class Prepared:
     context_ids: np.ndarray  # committed ids kept as context (int32 copy)
     history: list[Message]
     tail: list[int]
-    new_messages: list[dict[str, Any]]
+    new_messages: list[Message]
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
     last_weight_version: Any
@@ -230,7 +230,7 @@ class TurnRunner:
         ):
             # the tools render into the system prompt: the committed prefix no longer is
             # what the model would see, so the whole request starts a new branch (16.1)
-            kind, checkpoint, new = "fork", 0, request_msgs
+            kind, checkpoint, new = "fork", 0, list[Message](request_msgs)
             fork_reason = "tools_changed"
         if kind in ("append", "rollback") and not new:
             raise BadRequest("no new message after the committed history: nothing to respond to")
@@ -289,7 +289,7 @@ class TurnRunner:
         if isinstance(result, BridgeRefusal):
             if session.config.history_policy is HistoryPolicy.TEMPLATE:
                 # follow the template: a new branch rendered from the whole request
-                full = prep.history + prep.new_messages
+                full: list[Message] = [*prep.history, *prep.new_messages]
                 session.note("fork", reason=result.reason.value, detail=result.detail)
                 prep.kind, prep.checkpoint, prep.new_messages = "fork", 0, full
                 prep.context_ids = np.zeros(0, dtype=np.int32)

@@ -12,7 +12,7 @@ import json
 import re
 import secrets
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from trajectory.codec.base import ParsedAssistant, ParsedToolCall, ToolCallParseStatus
 
@@ -100,7 +100,12 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-def _hermes_objects(text: str) -> tuple[str, list[Any], str] | tuple[ToolCallParseStatus, str]:
+class _Fail(NamedTuple):
+    status: ToolCallParseStatus
+    detail: str
+
+
+def _hermes_objects(text: str) -> tuple[str, list[Any], str] | _Fail:
     """(text before the first call, decoded call objects, trailing text), or (status, detail).
 
     Each call's JSON is read with a JSON decoder, not by searching for the closing tag,
@@ -111,14 +116,14 @@ def _hermes_objects(text: str) -> tuple[str, list[Any], str] | tuple[ToolCallPar
     while True:
         start = _skip_ws(text, pos + len(TOOL_OPEN))
         if TOOL_CLOSE not in text[start:]:
-            return ToolCallParseStatus.INVALID_FORMAT, "unbalanced <tool_call>"
+            return _Fail(ToolCallParseStatus.INVALID_FORMAT, "unbalanced <tool_call>")
         try:
             obj, end = _JSON.raw_decode(text, start)
         except ValueError as exc:
-            return ToolCallParseStatus.INVALID_JSON, f"tool call: {exc}"
+            return _Fail(ToolCallParseStatus.INVALID_JSON, f"tool call: {exc}")
         close = _skip_ws(text, end)
         if not text.startswith(TOOL_CLOSE, close):
-            return ToolCallParseStatus.INVALID_JSON, "tool call: text after the JSON object"
+            return _Fail(ToolCallParseStatus.INVALID_JSON, "tool call: text after the JSON object")
         objs.append(obj)
         after = close + len(TOOL_CLOSE)
         nxt = _skip_ws(text, after)
@@ -142,8 +147,8 @@ def parse_hermes(text: str, reasoning: str | None, names: frozenset[str]) -> Par
             return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "stray </tool_call>")
         return ParsedAssistant(content=text, reasoning_content=reasoning)
     split = _hermes_objects(text)
-    if isinstance(split[0], ToolCallParseStatus):
-        return _bad(text, reasoning, split[0], str(split[1]))
+    if isinstance(split, _Fail):
+        return _bad(text, reasoning, split.status, split.detail)
     before, objs, trailing = split
     calls = []
     for obj in objs:
