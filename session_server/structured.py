@@ -36,6 +36,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trajectory.codec.probe import decode_text
+
 from .errors import BadRequest, UpstreamInvalid
 
 __all__ = [
@@ -189,7 +191,7 @@ def apply_output_policy(parsed: Any, req: Any, codec: Any, valid: Any) -> Any:
         ids = list(sampled_ids)
         if ids and ids[-1] in codec.stop_token_ids:
             ids = ids[:-1]
-        text = codec.tokenizer.decode(ids, skip_special_tokens=False)
+        text = decode_text(codec.tokenizer, ids)
         reasoning = parsed.reasoning_content
         if reasoning is not None and "</think>" in text:
             text = text.split("</think>", 1)[1].lstrip("\n")

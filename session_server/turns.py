@@ -21,12 +21,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import orjson
 
 from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message
 from trajectory.errors import ValidationError
 from trajectory.history import reconcile
-from trajectory.messages import messages_equal, normalize_message
+from trajectory.messages import messages_equal
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
 from .api.models import ChatRequest, SessionSampling, parse_json_model
@@ -62,11 +61,12 @@ class Prepared:
     context_ids: np.ndarray  # committed ids kept as context (int32 copy)
     history: list[Message]
     tail: list[int]
-    new_messages: list[dict[str, Any]]
+    new_messages: list[Message]
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
     last_weight_version: Any
     constraint: Constraint | None = None  # tool_choice / response_format, derived in the pool
+    fork_reason: str | None = None  # why a fork was decided at prepare (diagnostic at commit)
 
 
 @dataclass
@@ -104,8 +104,13 @@ class _Timer:
         self._ctx.metrics.observe_phase("total", self.phases["total"])
 
 
-def _tools_key(tools: list[dict[str, Any]] | None) -> bytes:
-    return orjson.dumps(tools or [], option=orjson.OPT_SORT_KEYS)
+def client_messages(messages: Sequence[dict[str, Any]], developer_role: bool) -> list[dict[str, Any]]:
+    """The messages as the client sent them, which are rendered and stored (issue 8.2;
+    they are only *compared* in normal form). One rule for `developer` (issue 8.8): a
+    template without that role gets it as `system`, on turn 0 and every later turn."""
+    if developer_role:
+        return list(messages)
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 class TurnRunner:
@@ -205,14 +210,20 @@ class TurnRunner:
         traj = branch.trajectory
         history = traj.messages()
         counts = traj.checkpoint_message_counts
-        request_msgs = [normalize_message(m) for m in req.messages]
-        plan = reconcile(history, counts, request_msgs, messages_equal)
+        codec = self.ctx.codec
+        request_msgs = client_messages(req.messages, codec.developer_role)
+        plan = reconcile(history, counts, request_msgs, messages_equal)  # compared in normal form
         kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
         tools = req.tools or None
-        if kind in ("append", "rollback") and _tools_key(tools) != _tools_key(
-            session.tools_by_branch.get(branch.id)
+        kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
+        fork_reason = None
+        if kind in ("append", "rollback") and not codec.same_tools(
+            session.tools_by_branch.get(branch.id), tools, template_kwargs=kwargs
         ):
-            kind, checkpoint, new = "fork", 0, request_msgs  # new tools change the system prompt
+            # the tools render into the system prompt: the committed prefix no longer is
+            # what the model would see, so the whole request starts a new branch (16.1)
+            kind, checkpoint, new = "fork", 0, list[Message](request_msgs)
+            fork_reason = "tools_changed"
         if kind in ("append", "rollback") and not new:
             raise BadRequest("no new message after the committed history: nothing to respond to")
         if kind == "append":
@@ -224,7 +235,6 @@ class TurnRunner:
         else:
             keep, hist = 0, []
         context_ids = np.array(traj.ids[:keep], dtype=np.int32, copy=True)
-        kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
         return Prepared(
             kind=kind,
             branch_id=branch.id,
@@ -239,6 +249,7 @@ class TurnRunner:
             last_weight_version=self.ctx.control.version_floor(self._last_weight_version(session)),
             # proportional to the client's schemas: derived here, off the event loop
             constraint=request_constraint(req, self.ctx.codec.family),
+            fork_reason=fork_reason,
         )
 
     @staticmethod
@@ -270,7 +281,7 @@ class TurnRunner:
         if isinstance(result, BridgeRefusal):
             if session.config.history_policy is HistoryPolicy.TEMPLATE:
                 # follow the template: a new branch rendered from the whole request
-                full = prep.history + prep.new_messages
+                full: list[Message] = [*prep.history, *prep.new_messages]
                 session.note("fork", reason=result.reason.value, detail=result.detail)
                 prep.kind, prep.checkpoint, prep.new_messages = "fork", 0, full
                 prep.context_ids = np.zeros(0, dtype=np.int32)
@@ -375,14 +386,18 @@ class TurnRunner:
                 engines.on_turn_complete(target, session.id, ok=result is not None, total_tokens=total)
         raise AssertionError("unreachable")
 
-    def _check_output(self, result: GenerateResult, expect: Expectations) -> tuple[ValidGeneration, Any, list[int]]:
-        """Validate, parse and compute repair tokens (pool)."""
+    def _check_output(
+        self, result: GenerateResult, expect: Expectations, req: ChatRequest, prep: Prepared
+    ) -> tuple[ValidGeneration, Any, list[int]]:
+        """Validate, parse (as this request: its tools, its thinking switch) and compute
+        repair tokens (pool). `tool_choice: none` offers no tools to call."""
         try:
             valid = validate_generation(result, expect)
         except ValidationError as exc:
             raise UpstreamInvalid(f"engine output rejected: {exc}") from exc
         ids = valid.ids.tolist()
-        parsed = self.ctx.codec.parse_assistant(ids)
+        tools = None if req.tool_choice == "none" else prep.tools
+        parsed = self.ctx.codec.parse_assistant(ids, tools=tools, template_kwargs=prep.template_kwargs)
         repair = list(self.ctx.codec.close_turn(ids))
         return valid, parsed, repair
 
@@ -426,7 +441,7 @@ class TurnRunner:
                 raise refusal from exc
             raise
         timer.lap("generate")
-        valid, parsed, repair = await ctx.pool.run(self._check_output, result, expect)
+        valid, parsed, repair = await ctx.pool.run(self._check_output, result, expect, req, prep)
         parsed = await ctx.pool.run(apply_output_policy, parsed, req, ctx.codec, valid)
         timer.lap("validate")
         message = parsed.to_message()
@@ -443,7 +458,10 @@ class TurnRunner:
                 tree.rollback(prep.checkpoint)
                 ctx.metrics.branches_total.labels(reason="rollback").inc()
             elif prep.kind == "fork":
-                tree.fork("history_rewrite")
+                if prep.fork_reason is not None:
+                    session.note("fork", reason=prep.fork_reason, turn=len(tree.active.trajectory.turns),
+                                 from_branch=tree.active.id)
+                tree.fork(prep.fork_reason or "history_rewrite")
                 ctx.metrics.branches_total.labels(reason="fork").inc()
             branch = tree.active
             if prep.kind in ("first", "rollback", "fork"):

@@ -6,6 +6,7 @@ on are typed strictly so bad input is a clear 400, never a 500.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -168,8 +169,49 @@ class ChatRequest(SamplingFields):
                 raise ValueError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
             if role == "tool" and not isinstance(m.get("content"), str | list):
                 raise ValueError(f"messages[{i}]: tool message needs content")
+            _check_content(f"messages[{i}].content", m.get("content"))
+            if m.get("tool_calls") is not None:
+                _check_tool_calls(f"messages[{i}].tool_calls", m["tool_calls"])
         return msgs
 
+
+
+def _check_content(where: str, content: Any) -> None:
+    """Text only (issue 8.2): a string, null, or a list of `text` parts (joined when
+    rendered). Any other part (image_url, input_audio, ...) is refused by its type:
+    this server serves text models, and a part dropped silently would leave the
+    model answering a prompt the client did not send."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string, null or a list of text parts")
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            shown = kind if isinstance(kind, str) else type(part).__name__
+            raise ValueError(f"{where}[{j}]: content part type {shown!r} is not supported (text models: only 'text' parts)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}].text must be a string")
+
+
+def _check_tool_calls(where: str, calls: Any) -> None:
+    """Assistant tool calls as OpenAI sends them: `function.name` a string, `arguments` a
+    JSON object (as a JSON string, or already an object). Templates receive the parsed
+    object (GLM iterates it as a mapping), so anything else is a 400 here (issue 8.2)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list")
+    for j, tc in enumerate(calls):
+        fn = tc.get("function") if isinstance(tc, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{where}[{j}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)  # as the renderer parses it (trajectory.messages)
+            except ValueError as exc:
+                raise ValueError(f"{where}[{j}].function.arguments is not JSON: {exc}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{where}[{j}].function.arguments must be a JSON object, not {type(args).__name__}")
 
 
 class SessionCreate(BaseModel):

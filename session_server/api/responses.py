@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from trajectory.codec.probe import decode_text
+
 from ..turns import TurnOutput
 
 _MODEL = "tito-session"
@@ -19,11 +21,11 @@ _MODEL = "tito-session"
 def _logprobs_content(out: TurnOutput, tokenizer: Any, top_k: int) -> list[dict[str, Any]]:
     content = []
     for i, (tid, lp) in enumerate(zip(out.sampled_ids, out.logprobs, strict=True)):
-        text = tokenizer.decode([tid], skip_special_tokens=False)
+        text = decode_text(tokenizer, [tid])
         top: list[dict[str, Any]] = []
         if top_k and out.top_logprobs is not None and i < len(out.top_logprobs):
             for alt_id, alt_lp in list(out.top_logprobs[i])[:top_k]:
-                alt_text = tokenizer.decode([int(alt_id)], skip_special_tokens=False)
+                alt_text = decode_text(tokenizer, [int(alt_id)])
                 top.append({"token": alt_text, "logprob": float(alt_lp), "bytes": list(alt_text.encode())})
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
     return content
@@ -72,12 +74,14 @@ def stream_chunks(out: TurnOutput, *, model: str | None, logprobs: bool, top_k: 
         return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
 
     msg = out.message
-    frames = [frame({"role": "assistant", "content": ""})]
+    # every sampled token's logprob rides on the first delta, whatever the turn holds
+    # (content, reasoning, tool calls only): a tool-only turn has no content frame (16.6)
+    lp = {"logprobs": {"content": _logprobs_content(out, tokenizer, top_k)}} if logprobs else None
+    frames = [frame({"role": "assistant", "content": ""}, extra=lp)]
     if msg.get("reasoning_content"):
         frames.append(frame({"reasoning_content": msg["reasoning_content"]}))
     if msg.get("content"):
-        lp = {"logprobs": {"content": _logprobs_content(out, tokenizer, top_k)}} if logprobs else None
-        frames.append(frame({"content": msg["content"]}, extra=lp))
+        frames.append(frame({"content": msg["content"]}))
     for i, tc in enumerate(msg.get("tool_calls") or []):
         frames.append(frame({"tool_calls": [{"index": i, **tc}]}))
     frames.append(frame({}, out.finish_reason))

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from trajectory.codec.probe import decode_text
+
 __all__ = ["Cursor", "ScriptedPolicy", "SimModel", "sim_model_from_tokenizer"]
 
 _WORDS = (
@@ -287,7 +289,7 @@ def sim_model_from_tokenizer(tokenizer: Any, *, name: str | None = None) -> SimM
     return SimModel(
         generation_prompt_ids=gen_ids,
         render=render,
-        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False),
+        decode=lambda ids: decode_text(tokenizer, ids),
         vocab_size=len(tokenizer),
         eos_ids=tuple(eos),
         splitter=splitter,

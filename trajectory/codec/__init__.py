@@ -27,7 +27,7 @@ from trajectory.codec.generic import GenericCodec
 from trajectory.codec.glm4 import Glm4Codec
 from trajectory.codec.llama3 import Llama3Codec
 from trajectory.codec.llama31 import Llama31Codec
-from trajectory.codec.probe import probe_template
+from trajectory.codec.probe import decode_text, probe_template
 from trajectory.codec.registry import FAMILY_DATA, detect_family, validate_probe
 from trajectory.codec.template import TemplateCodec
 from trajectory.errors import TemplateNotSupported
@@ -48,6 +48,7 @@ __all__ = [
     "RefusalReason",
     "TemplateCodec",
     "ToolCallParseStatus",
+    "decode_text",
     "detect_family",
     "load_codec",
 ]

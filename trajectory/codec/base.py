@@ -111,6 +111,7 @@ class ChatCodec(Protocol):
     eot_ids: tuple[int, ...]  # tokens that close an assistant turn when sampled
     stop_token_ids: tuple[int, ...]  # ids the engine should stop on (EOT, EOS, GLM role tokens)
     generation_prompt_ids: tuple[int, ...]
+    developer_role: bool  # the template renders `developer`; else callers map it to `system`
 
     def render_first(
         self,
@@ -145,8 +146,28 @@ class ChatCodec(Protocol):
         boundary token the model already sampled (GLM role tokens)."""
         ...
 
-    def parse_assistant(self, sampled_ids: Sequence[int]) -> ParsedAssistant:
-        """Reasoning, content and tool calls from the sampled ids; never raises on bad markup."""
+    def parse_assistant(
+        self,
+        sampled_ids: Sequence[int],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ParsedAssistant:
+        """Reasoning, content and tool calls from the sampled ids; never raises on bad markup.
+
+        Parsed as the request that sampled them: tool calls only when it sent `tools`
+        (none: the text is content), only to those names; no reasoning split when its
+        `template_kwargs` turn thinking off. Text is decoded exactly (`decode_text`)."""
+        ...
+
+    def same_tools(
+        self,
+        a: Sequence[Mapping[str, Any]] | None,
+        b: Sequence[Mapping[str, Any]] | None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Whether two tool lists render the same prompt (a change of tools forks)."""
         ...
 
     def canonical_assistant_ids(self, message: Message) -> list[int]:

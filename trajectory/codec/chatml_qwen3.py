@@ -18,10 +18,10 @@ class Qwen3Codec(TemplateCodec):
     family = "qwen3"
     extra_stop_tokens = ("<|endoftext|>",)
 
-    def parse_text(self, text: str) -> ParsedAssistant:
+    def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
         """Reasoning as the template writes it (`<think>\\nR\\n</think>\\n\\n`), then calls."""
-        reasoning, rest = split_reasoning(text)
+        reasoning, rest = split_reasoning(text, thinking=thinking)
         if reasoning is not None:
             reasoning = reasoning.strip("\n") or None
             rest = rest.lstrip("\n")
-        return parse_hermes(rest, reasoning)
+        return parse_hermes(rest, reasoning, names)

@@ -30,15 +30,15 @@ class GenericCodec(TemplateCodec):
         self._hermes = "<tool_call>" in template
         verify_round_trip(self)
 
-    def parse_text(self, text: str) -> ParsedAssistant:
+    def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
         reasoning = None
         if self._think:
-            reasoning, text = split_reasoning(text)
+            reasoning, text = split_reasoning(text, thinking=thinking)
             if reasoning is not None:
                 reasoning = reasoning.strip("\n") or None
                 text = text.lstrip("\n")
         if self._hermes:
-            return parse_hermes(text, reasoning)
+            return parse_hermes(text, reasoning, names)
         return ParsedAssistant(content=text, reasoning_content=reasoning)
 
 

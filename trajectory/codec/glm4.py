@@ -11,6 +11,9 @@ the bridge keeps it, so the role token is emitted exactly once either way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from trajectory.codec.base import ParsedAssistant
 from trajectory.codec.parsing import parse_glm, split_reasoning
 from trajectory.codec.template import TemplateCodec
@@ -21,8 +24,13 @@ class Glm4Codec(TemplateCodec):
 
     family = "glm4moe"
 
-    def parse_text(self, text: str) -> ParsedAssistant:
-        reasoning, rest = split_reasoning(text)
+    def thinking(self, template_kwargs: Mapping[str, Any] | None) -> bool:
+        """GLM's template tests `enable_thinking is defined and not enable_thinking`."""
+        kw = template_kwargs or {}
+        return "enable_thinking" not in kw or bool(kw["enable_thinking"])
+
+    def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
+        reasoning, rest = split_reasoning(text, thinking=thinking)
         if reasoning is not None:
             reasoning = reasoning.strip() or None
-        return parse_glm(rest, reasoning)
+        return parse_glm(rest, reasoning, names)

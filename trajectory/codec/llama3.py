@@ -19,5 +19,5 @@ class Llama3Codec(TemplateCodec):
     def extra_eot_tokens(self) -> tuple[str, ...]:
         return ("<|eom_id|>",)
 
-    def parse_text(self, text: str) -> ParsedAssistant:
+    def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
         return ParsedAssistant(content=text, reasoning_content=None)

@@ -32,5 +32,5 @@ class Llama31Codec(TemplateCodec):
         kw.setdefault("date_string", PINNED_DATE)
         return kw
 
-    def parse_text(self, text: str) -> ParsedAssistant:
-        return parse_llama31(text)
+    def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
+        return parse_llama31(text, names)

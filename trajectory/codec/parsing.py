@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from trajectory.codec.base import ParsedAssistant, ParsedToolCall, ToolCallParseStatus
 
@@ -24,9 +25,31 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """(reasoning, rest): text before `</think>` is reasoning, with or without `<think>`."""
+def tool_names(tools: Iterable[Any] | None) -> frozenset[str]:
+    """Function names a request offers (`tools[i].function.name`); malformed entries are skipped.
+
+    Empty means the request sent no tools: then nothing is parsed as a call (issue 16.2)."""
+    names = set()
+    for tool in tools or ():
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if isinstance(name, str) and name:
+            names.add(name)
+    return frozenset(names)
+
+
+def split_reasoning(text: str, *, thinking: bool = True) -> tuple[str | None, str]:
+    """(reasoning, rest): text before `</think>` is reasoning, with or without `<think>`.
+
+    A `<think>` never closed (the turn was cut short while thinking) is all reasoning.
+    With thinking off (`enable_thinking: false`) the template closed the think block in
+    the prompt, so a literal `</think>` the model writes is content (issue 8.5)."""
+    if not thinking:
+        return None, text
     if THINK_CLOSE not in text:
+        stripped = text.lstrip()
+        if stripped.startswith(THINK_OPEN):
+            return stripped[len(THINK_OPEN) :], ""
         return None, text
     head, rest = text.split(THINK_CLOSE, 1)
     if THINK_OPEN in head:
@@ -68,27 +91,74 @@ def _blocks(text: str) -> tuple[str, list[str], str] | None:
     return text[:first], bodies, trailing
 
 
-def parse_hermes(text: str, reasoning: str | None) -> ParsedAssistant:
-    """Qwen/Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+_JSON = json.JSONDecoder()
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+class _Fail(NamedTuple):
+    status: ToolCallParseStatus
+    detail: str
+
+
+def _hermes_objects(text: str) -> tuple[str, list[Any], str] | _Fail:
+    """(text before the first call, decoded call objects, trailing text), or (status, detail).
+
+    Each call's JSON is read with a JSON decoder, not by searching for the closing tag,
+    so a `</tool_call>` inside an argument string does not cut the call (issue 8.5)."""
+    first = text.find(TOOL_OPEN)
+    objs: list[Any] = []
+    pos = first
+    while True:
+        start = _skip_ws(text, pos + len(TOOL_OPEN))
+        if TOOL_CLOSE not in text[start:]:
+            return _Fail(ToolCallParseStatus.INVALID_FORMAT, "unbalanced <tool_call>")
+        try:
+            obj, end = _JSON.raw_decode(text, start)
+        except ValueError as exc:
+            return _Fail(ToolCallParseStatus.INVALID_JSON, f"tool call: {exc}")
+        close = _skip_ws(text, end)
+        if not text.startswith(TOOL_CLOSE, close):
+            return _Fail(ToolCallParseStatus.INVALID_JSON, "tool call: text after the JSON object")
+        objs.append(obj)
+        after = close + len(TOOL_CLOSE)
+        nxt = _skip_ws(text, after)
+        if not text.startswith(TOOL_OPEN, nxt):
+            return text[:first], objs, text[after:]
+        pos = nxt
+
+
+def _unknown(name: str, names: frozenset[str]) -> str:
+    return f"tool call names {name!r}, not one of the request's tools {sorted(names)}"
+
+
+def parse_hermes(text: str, reasoning: str | None, names: frozenset[str]) -> ParsedAssistant:
+    """Qwen/Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+
+    Only when the request offered tools (`names`), and only calls to those names."""
+    if not names:
+        return ParsedAssistant(content=text, reasoning_content=reasoning)
     if TOOL_OPEN not in text:
         if TOOL_CLOSE in text:
             return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "stray </tool_call>")
         return ParsedAssistant(content=text, reasoning_content=reasoning)
-    split = _blocks(text)
-    if split is None:
-        return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "unbalanced <tool_call>")
-    before, bodies, trailing = split
+    split = _hermes_objects(text)
+    if isinstance(split, _Fail):
+        return _bad(text, reasoning, split.status, split.detail)
+    before, objs, trailing = split
     calls = []
-    for body in bodies:
-        try:
-            obj = json.loads(body)
-        except ValueError as exc:
-            return _bad(text, reasoning, ToolCallParseStatus.INVALID_JSON, f"tool call: {exc}")
+    for obj in objs:
         call = _call_from_obj(obj, "arguments")
         if call is None:
             return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "tool call shape")
         if isinstance(call, str):
             return _bad(text, reasoning, ToolCallParseStatus.INVALID_JSON, call)
+        if call.name not in names:
+            return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, _unknown(call.name, names))
         calls.append(call)
     if trailing.strip():
         return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "text after tool calls")
@@ -111,18 +181,23 @@ def _call_from_obj(obj: Any, args_key: str) -> ParsedToolCall | str | None:
     return ParsedToolCall(id=new_call_id(), name=obj["name"], arguments=_dump(args))
 
 
-def parse_llama31(text: str) -> ParsedAssistant:
-    """Llama 3.1: the whole reply is `{"name": ..., "parameters": {...}}` (one call)."""
+def parse_llama31(text: str, names: frozenset[str]) -> ParsedAssistant:
+    """Llama 3.1: the whole reply is `{"name": ..., "parameters": {...}}` (one call).
+
+    The format has no markup, so a JSON *answer* looks like a call: only a name among
+    the request's tools (`names`) makes one; anything else is content (issue 8.5)."""
     stripped = text.strip()
-    if not (stripped.startswith("{") and '"name"' in stripped):
+    if not names or not (stripped.startswith("{") and '"name"' in stripped):
         return ParsedAssistant(content=text, reasoning_content=None)
     try:
         obj = json.loads(stripped)
     except ValueError as exc:
         return _bad(text, None, ToolCallParseStatus.INVALID_JSON, f"tool call: {exc}")
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return ParsedAssistant(content=text, reasoning_content=None)  # JSON, but not a call
     call = _call_from_obj(obj, "parameters")
     if call is None:
-        return ParsedAssistant(content=text, reasoning_content=None)  # JSON, but not a call
+        return ParsedAssistant(content=text, reasoning_content=None)
     if isinstance(call, str):
         return _bad(text, None, ToolCallParseStatus.INVALID_JSON, call)
     return ParsedAssistant(content=None, reasoning_content=None, tool_calls=[call])
@@ -138,8 +213,12 @@ def _glm_value(raw: str) -> Any:
         return raw
 
 
-def parse_glm(text: str, reasoning: str | None) -> ParsedAssistant:
-    """GLM: `<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>...</tool_call>`."""
+def parse_glm(text: str, reasoning: str | None, names: frozenset[str]) -> ParsedAssistant:
+    """GLM: `<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>...</tool_call>`.
+
+    Only when the request offered tools (`names`), and only calls to those names."""
+    if not names:
+        return ParsedAssistant(content=text.strip(), reasoning_content=reasoning)
     if TOOL_OPEN not in text:
         if TOOL_CLOSE in text:
             return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "stray </tool_call>")
@@ -155,6 +234,8 @@ def parse_glm(text: str, reasoning: str | None) -> ParsedAssistant:
         rest = "" if cut == -1 else body[cut:]
         if not name or "<" in name or "\n" in name:
             return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "tool call name")
+        if name not in names:
+            return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, _unknown(name, names))
         args: dict[str, Any] = {}
         pos = 0
         for m in _GLM_PAIR.finditer(rest):

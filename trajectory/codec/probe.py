@@ -80,6 +80,22 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def decode_text(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+    """The exact text of `ids`: the one way sampled ids become text (issue 8.3).
+
+    `clean_up_tokenization_spaces` is always off: a tokenizer whose config turns it
+    on (the real Llama 3.2 one, honoured by transformers 4.x) would otherwise drop
+    the space before punctuation, so `Bonjour !` or tool code `print(a , b)` reach
+    the agent as `Bonjour!` / `print(a, b)` while the committed ids say otherwise."""
+    return str(
+        tokenizer.decode(
+            [int(t) for t in ids],
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+    )
+
+
 def is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
     return len(a) <= len(b) and list(b[: len(a)]) == list(a)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from trajectory.codec.probe import ProbeResult
+from trajectory.codec.probe import ProbeResult, decode_text
 from trajectory.errors import TemplateNotSupported
 
 
@@ -84,7 +84,7 @@ def validate_probe(family: str, tokenizer: Any, probe: ProbeResult) -> None:
     data = FAMILY_DATA[family]
 
     def text(ids: tuple[int, ...]) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=False)
+        return decode_text(tokenizer, ids)
 
     got = {
         "eot": text(probe.eot_ids),

@@ -22,6 +22,7 @@ B-based delta, which is verified independently of the rewritten region, with
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,11 +33,14 @@ from trajectory.codec.base import (
     Message,
     ParsedAssistant,
     RefusalReason,
+    ToolCallParseStatus,
 )
+from trajectory.codec.parsing import tool_names
 from trajectory.codec.probe import (
     DUMMY_SYSTEM,
     DUMMY_USER,
     ProbeResult,
+    decode_text,
     encode,
     is_prefix,
     probe_template,
@@ -63,6 +67,9 @@ class TemplateCodec:
         if isinstance(eos, int):
             stops.append(eos)
         self.stop_token_ids = tuple(dict.fromkeys(stops))
+        # a template that knows the `developer` role renders it; any other gets it as
+        # `system` (the caller maps it, on every turn alike: issue 8.8)
+        self.developer_role = "developer" in str(getattr(tokenizer, "chat_template", "") or "")
 
     # -- helpers -----------------------------------------------------------------
 
@@ -142,7 +149,9 @@ class TemplateCodec:
             )
         if not new_messages:
             return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
-        if any(m.get("role") not in ("user", "tool", "system", "assistant") for m in new_messages):
+        roles = ("user", "tool", "system", "assistant", "developer") if self.developer_role else (
+            "user", "tool", "system", "assistant")
+        if any(m.get("role") not in roles for m in new_messages):
             return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "unknown role in new messages")
         if self.probe.eot_ids and committed_tail and committed_tail[-1] not in self.eot_ids:
             return BridgeRefusal(
@@ -195,6 +204,31 @@ class TemplateCodec:
                 rewrites = True  # sampled a different role token; a re-render lacks it
         return BridgeResult(prompt_ids=list(delta), rewrites_history=rewrites)
 
+    def same_tools(
+        self,
+        a: Sequence[Mapping[str, Any]] | None,
+        b: Sequence[Mapping[str, Any]] | None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Whether tool lists `a` and `b` give the model the same prompt (issue 16.1).
+
+        Compared as the template renders them (the tools-only prefix: a system and a
+        user message, since Llama 3.1 puts tools in the first user message), so a key
+        reorder the template renders identically is no change. Identical JSON (typed:
+        `1`, `1.0` and `true` differ) needs no render. A list the template cannot render
+        is a change (its turn then fails to render with a 400)."""
+        if json.dumps(a or []) == json.dumps(b or []):
+            return True
+        kw = self._internal_kwargs(template_kwargs)
+        base = [DUMMY_SYSTEM, DUMMY_USER]
+        try:
+            ra = self._render(base, tools=a or None, gen=False, template_kwargs=kw)
+            rb = self._render(base, tools=b or None, gen=False, template_kwargs=kw)
+        except Exception:  # a template error on client tools: not the same prompt
+            return False
+        return ra == rb
+
     def canonical_assistant_ids(
         self, message: Message, *, template_kwargs: Mapping[str, Any] | None = None
     ) -> list[int]:
@@ -229,24 +263,36 @@ class TemplateCodec:
             raise CodecError(f"{self.family}: no stop token for this assistant message")
         return ids + [stop]
 
-    def parse_assistant(self, sampled_ids: Sequence[int]) -> ParsedAssistant:
-        """Decode (special tokens kept), drop the final stop token, parse the text."""
+    def parse_assistant(
+        self,
+        sampled_ids: Sequence[int],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ParsedAssistant:
+        """Decode (special tokens kept, text exact), drop the final stop token, parse.
+
+        Parsed as the request that sampled it: tool calls only when it offered `tools`,
+        and only to their names; reasoning only when thinking is on in `template_kwargs`."""
         ids = list(sampled_ids)
         if ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
         try:
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            text = decode_text(self.tokenizer, ids)
         except Exception as exc:  # ids outside the vocabulary
-            from trajectory.codec.base import ToolCallParseStatus
-
             return ParsedAssistant(
                 content="",
                 reasoning_content=None,
                 status=ToolCallParseStatus.INVALID_FORMAT,
                 status_detail=f"undecodable ids: {exc}",
             )
-        return self.parse_text(text)
+        return self.parse_text(text, names=tool_names(tools), thinking=self.thinking(template_kwargs))
 
-    def parse_text(self, text: str) -> ParsedAssistant:
+    def thinking(self, template_kwargs: Mapping[str, Any] | None) -> bool:
+        """Whether the model reasons before answering: off only when the template's own
+        switch is (`enable_thinking` is false, as the Qwen3 template tests it)."""
+        return (template_kwargs or {}).get("enable_thinking") is not False
+
+    def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
         """Family grammar; the generic codec keeps the text as content."""
         return ParsedAssistant(content=text, reasoning_content=None)

@@ -16,6 +16,7 @@ from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
 from session_server.demo import TOOLS, run_agent
+from trajectory.codec import decode_text
 
 from .conftest import live_stack
 
@@ -98,22 +99,41 @@ async def test_streaming_and_logprobs_through_openai_client(qwen3_dir: Path) -> 
         msgs.append(choice.message.model_dump(exclude_none=True))
         for tc in choice.message.tool_calls or []:
             msgs.append({"role": "tool", "tool_call_id": tc.id, "content": "ok"})
-        stream = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=128, stream=True)
-        content, finish, tool_names = "", None, []
+        stream = await client.chat.completions.create(
+            model="m", messages=msgs, tools=TOOLS, max_tokens=128, stream=True, logprobs=True, top_logprobs=2
+        )
+        content, reasoning, finish, calls, streamed_lps = "", "", None, [], []
         async for chunk in stream:
             if not chunk.choices:
                 continue
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            tool_names += [tc.function.name for tc in delta.tool_calls or [] if tc.function and tc.function.name]
-            finish = chunk.choices[0].finish_reason or finish
+            c = chunk.choices[0]
+            content += c.delta.content or ""
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            calls += [(tc.function.name, tc.function.arguments) for tc in c.delta.tool_calls or [] if tc.function]
+            streamed_lps += c.logprobs.content if c.logprobs and c.logprobs.content else []
+            finish = c.finish_reason or finish
         await client.close()
         assert finish in ("stop", "tool_calls")
-        assert content or tool_names
+        assert content or calls
         traj = await st.trajectory(sid)
         usage = resp.usage
         assert usage.prompt_tokens_details is not None
-        assert traj["branches"][0]["turns"][1]["cached_tokens"] > 0
+        branch = traj["branches"][0]
+        turn = branch["turns"][1]
+        assert turn["cached_tokens"] > 0
+    # the stream carries exactly the committed turn (issue 8 "weak tests", 16.6): its text,
+    # one logprob per committed sampled id with that id's exact text, the same values
+    tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    a, b = turn["output_start"], turn["output_end"]
+    ids, lps = branch["token_ids"][a:b], branch["logprobs"][a:b]
+    assert [t.token for t in streamed_lps] == [decode_text(tok, [i]) for i in ids]
+    np.testing.assert_allclose([t.logprob for t in streamed_lps], lps, rtol=1e-6)
+    assert all(len(t.top_logprobs) == 2 for t in streamed_lps)
+    stored = branch["messages"][-1]
+    assert stored["role"] == "assistant"
+    assert content == (stored.get("content") or "") and reasoning == (stored.get("reasoning_content") or "")
+    assert calls == [(tc["function"]["name"], tc["function"]["arguments"]) for tc in stored.get("tool_calls") or []]
+    assert "".join(t.token for t in streamed_lps) == decode_text(tok, ids)
 
 
 async def test_retry_of_last_turn_rolls_back_to_a_new_branch(qwen3_dir: Path) -> None:

@@ -253,7 +253,6 @@ def test_hypothesis_chat_shapes_no_5xx_no_hang_trajectory_intact(live: Live) -> 
     fuzz_chat_shapes(live)
 
 
-@pytest.mark.xfail(strict=False, reason="non-JSON tool-call arguments: another helper makes them a 400 (issue 8)")
 def test_hypothesis_tool_call_non_json_arguments_are_4xx(live: Live) -> None:
     url = f"{live.url}/sessions/{live.seeded}/v1/chat/completions"
 

@@ -23,10 +23,16 @@ def _call(name: str, args: dict) -> dict:
     return {"id": "x", "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def tools(*names: str) -> list[dict]:
+    """The request's `tools`: calls are parsed only when sent, only to these names."""
+    return [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
+
+
 def round_trip(load_tokenizer: Any, family: str, msg: dict) -> Any:
-    """Parse the canonical ids of `msg` (what a model would sample)."""
+    """Parse the canonical ids of `msg` (what a model would sample), offering its tools."""
     codec = load_codec(load_tokenizer(family))
-    return codec.parse_assistant(codec.canonical_assistant_ids(msg))
+    names = [tc["function"]["name"] for tc in msg.get("tool_calls") or []]
+    return codec.parse_assistant(codec.canonical_assistant_ids(msg), tools=tools(*names))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "glm4moe"])
@@ -72,7 +78,7 @@ def test_glm_missing_open_think_tag_and_typed_values(load_tokenizer: Any) -> Non
         "<arg_key>s</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>l</arg_key>\n"
         "<arg_value>[1, 2]</arg_value>\n</tool_call><|observation|>"
     )
-    p = load_codec(tok).parse_assistant(enc(tok, text))
+    p = load_codec(tok).parse_assistant(enc(tok, text), tools=tools("f"))
     assert p.status == ToolCallParseStatus.OK and p.reasoning_content == "hmm"
     assert json.loads(p.tool_calls[0].arguments) == {"n": 5, "s": "Paris", "l": [1, 2]}
     assert p.content is None
@@ -93,7 +99,7 @@ def test_llama31_single_json_call(load_tokenizer: Any) -> None:
 def test_llama3_plain_keeps_json_as_content(load_tokenizer: Any) -> None:
     tok = load_tokenizer("llama3")
     text = '{"name": "f", "parameters": {}}'
-    p = load_codec(tok).parse_assistant(enc(tok, text + "<|eot_id|>"))
+    p = load_codec(tok).parse_assistant(enc(tok, text + "<|eot_id|>"), tools=tools("f"))
     assert p.content == text and p.tool_calls == []
 
 
@@ -132,7 +138,7 @@ def test_malformed_calls_are_flagged_not_raised(
     load_tokenizer: Any, family: str, text: str, status: Any
 ) -> None:
     tok = load_tokenizer(family)
-    p = load_codec(tok).parse_assistant(enc(tok, text))
+    p = load_codec(tok).parse_assistant(enc(tok, text), tools=tools("f"))
     assert p.status == status and p.tool_calls == []
     assert p.content is not None and p.content.strip() != ""
     assert p.status_detail
@@ -150,7 +156,7 @@ def test_parse_never_raises(load_tokenizer: Any, family: str, data: Any) -> None
     ids = data.draw(
         st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(specials)), max_size=40)
     )
-    p = codec.parse_assistant(ids)
+    p = codec.parse_assistant(ids, tools=tools("f", "get_weather"))
     assert p.status in ToolCallParseStatus
     for c in p.tool_calls:
         assert CALL_ID.match(c.id)
