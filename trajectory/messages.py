@@ -5,6 +5,10 @@ stored (DESIGN.md s5, message matching): role, content (content parts flattened
 to text), tool_calls (arguments compared as parsed JSON, ids compared),
 tool_call_id and name. `reasoning_content` is compared only when both sides
 carry it, because clients routinely drop it or echo it back.
+
+Equality is typed JSON equality: `true`, `1` and `1.0` are three different values
+(the template renders them differently, so the model saw different tokens); only
+object key order is tolerated.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 __all__ = ["flatten_content", "messages_equal", "normalize_message", "parse_arguments"]
 
@@ -46,7 +52,8 @@ def parse_arguments(arguments: Any) -> Any:
 
 
 def _normalize_tool_call(tc: Mapping[str, Any]) -> dict[str, Any]:
-    fn = tc.get("function") if isinstance(tc.get("function"), Mapping) else tc
+    inner = tc.get("function")
+    fn: Mapping[str, Any] = inner if isinstance(inner, Mapping) else tc
     return {
         "id": tc.get("id"),
         "name": fn.get("name"),
@@ -78,4 +85,13 @@ def messages_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     if "reasoning_content" not in na or "reasoning_content" not in nb:
         na.pop("reasoning_content", None)
         nb.pop("reasoning_content", None)
-    return na == nb
+    return na == nb and _canonical(na) == _canonical(nb)
+
+
+def _canonical(value: Any) -> bytes:
+    """JSON text with sorted keys: `true`, `1` and `1.0` serialise differently, where
+    Python's `==` calls them equal."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # an int beyond 64 bits: the standard encoder takes any int
+        return json.dumps(value, sort_keys=True).encode()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from trajectory.messages import flatten_content, messages_equal, normalize_message
 
 CALL = {
@@ -60,3 +63,38 @@ def test_malformed_arguments_stay_strings() -> None:
     assert messages_equal(
         {"role": "assistant", "tool_calls": [bad]}, {"role": "assistant", "tool_calls": [bad]}
     )
+
+
+def _call(args: object) -> dict[str, object]:
+    import json as _json
+
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "f", "arguments": _json.dumps(args)}}]}
+
+
+def test_8_6_true_one_and_one_point_zero_are_different_arguments() -> None:
+    """Typed JSON equality: the template renders `true`, `1` and `1.0` differently."""
+    values = [True, 1, 1.0, "1", None, [1], {"v": 1}]
+    for i, a in enumerate(values):
+        for j, b in enumerate(values):
+            assert messages_equal(_call({"x": a}), _call({"x": b})) == (i == j), (a, b)
+    # key order alone is tolerated
+    assert messages_equal(_call({"a": 1, "b": [True]}), _call({"b": [True], "a": 1}))
+    assert not messages_equal(_call({"a": [1, True]}), _call({"a": [True, 1]}))
+    assert messages_equal(_call({"big": 2**70}), _call({"big": 2**70}))
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(-2, 2, allow_nan=False) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(_json_values, _json_values)
+def test_8_6_messages_equal_is_typed_json_equality(a: object, b: object) -> None:
+    import orjson
+
+    same = orjson.dumps(a, option=orjson.OPT_SORT_KEYS) == orjson.dumps(b, option=orjson.OPT_SORT_KEYS)
+    assert messages_equal(_call({"x": a}), _call({"x": b})) == same
