@@ -1,6 +1,6 @@
-"""App factory: lifespan (pool, engines, sweeper), routes, and the one error map.
+"""App factory: lifespan (CPU offload, engines, sweeper), routes, and the one error map.
 
-Handlers read raw bytes and hand parsing/serialization to the CPU pool, so the
+Handlers read raw bytes and hand parsing/serialization to the CPU offload threads, so the
 event loop only moves bytes; `/health` answers without touching any session.
 """
 
@@ -43,7 +43,6 @@ from .api.responses import completion_body, stream_chunks
 from .auth import install_auth, new_instance_id
 from .context import ServerContext, Settings, log
 from .control import ControlPlane
-from .decode_pool import DecodePool
 from .engines.registry import EngineRegistry
 from .errors import (
     BadRequest,
@@ -55,8 +54,9 @@ from .errors import (
     from_library,
 )
 from .metrics import Metrics
-from .offload import CpuPool
-from .routing import AdmissionConfig, PrefillAdmission, make_policy, probe_loop
+from .offload import CpuOffload
+from .reply_decoder import ReplyDecoder
+from .routing import AdmissionConfig, PrefillAdmission, health_check_loop, make_policy
 from .routing.pool import EnginePool
 from .sessions import Session, SessionConfig, SessionStore
 from .turns import TurnRunner
@@ -147,12 +147,12 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = CpuPool(settings.cpu_workers)
+        offload = CpuOffload(settings.cpu_workers)
         tok = config.tokenizer
         if isinstance(tok, str):
-            tok = await pool.run(AutoTokenizer.from_pretrained, tok)
-        codec = await pool.run(load_codec, tok, family=config.family)
-        decoder = DecodePool(pool, processes=settings.decode_processes)
+            tok = await offload.run(AutoTokenizer.from_pretrained, tok)
+        codec = await offload.run(load_codec, tok, family=config.family)
+        decoder = ReplyDecoder(offload, processes=settings.decode_processes)
         await decoder.start()
         engines = EnginePool(make_policy(settings.routing_policy))
         registry = EngineRegistry(engines, offload=decoder.run)
@@ -168,7 +168,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx = ServerContext(
             settings=settings,
             store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
-            pool=pool,
+            offload=offload,
             metrics=metrics,
             codec=codec,
             tokenizer=tok,
@@ -184,9 +184,9 @@ def create_app(config: AppConfig) -> FastAPI:
         state["ctx"] = app.state.ctx = ctx
         state["runner"] = app.state.runner = TurnRunner(ctx)
         sweeper = asyncio.create_task(_sweep(ctx), name="tito-ttl-sweeper")
-        stop_probe = asyncio.Event()
+        stop_health_checks = asyncio.Event()
         prober = asyncio.create_task(
-            probe_loop(engines, registry.check_health, settings.health_probe_interval_s, 5.0, stop_probe),
+            health_check_loop(engines, registry.check_health, settings.health_probe_interval_s, 5.0, stop_health_checks),
             name="tito-health-probe",
         )
         gc.collect()
@@ -195,7 +195,7 @@ def create_app(config: AppConfig) -> FastAPI:
         try:
             yield
         finally:
-            stop_probe.set()
+            stop_health_checks.set()
             await _shutdown(ctx, sweeper, prober)
 
     def count_internal() -> None:
@@ -267,7 +267,7 @@ def create_app(config: AppConfig) -> FastAPI:
     async def create_session(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, ctx.settings.max_body_bytes)
-        spec: SessionCreate = await ctx.pool.run_sized(len(body), parse_json_model, body, SessionCreate)
+        spec: SessionCreate = await ctx.offload.run_sized(len(body), parse_json_model, body, SessionCreate)
         cfg = SessionConfig(
             ttl_s=spec.ttl_s or ctx.settings.default_ttl_s,
             metadata=spec.metadata,
@@ -291,14 +291,14 @@ def create_app(config: AppConfig) -> FastAPI:
         body = await _read_body(request, ctx.settings.max_body_bytes)
         req, out = await state["runner"].run(sid, body, client_gone=_client_gone(request))
         top_k = req.top_logprobs or 0
-        # per-token logprobs make a response proportional to the output: pool; else inline
+        # per-token logprobs make a response proportional to the output: offloaded; else inline
         size = len(out.sampled_ids) * 64 if req.logprobs else 0
         if req.stream:
-            frames = await ctx.pool.run_sized(
+            frames = await ctx.offload.run_sized(
                 size, stream_chunks, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
             )
             return StreamingResponse(_iter(frames), media_type="text/event-stream")
-        payload = await ctx.pool.run_sized(
+        payload = await ctx.offload.run_sized(
             size, completion_body, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
         )
         return Response(content=payload, media_type=JSON)
@@ -331,14 +331,14 @@ def create_app(config: AppConfig) -> FastAPI:
     @app.post("/control/pause", **route_doc(PauseRequest, 400, 413, required=False, ok=PARTIAL))
     async def pause(request: Request) -> Response:
         ctx = ctx_of()
-        spec: PauseRequest = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), PauseRequest)
+        spec: PauseRequest = await ctx.offload.run(parse_json_model, await _read_body(request, 4096), PauseRequest)
         report = await ctx.control.pause(spec.mode, spec.lora)
         return _json(report, 200 if report["ok"] else 207)
 
     @app.post("/control/resume", **route_doc(ResumeRequest, 400, 413, required=False, ok=PARTIAL))
     async def resume(request: Request) -> Response:
         ctx = ctx_of()
-        spec: ResumeRequest = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), ResumeRequest)
+        spec: ResumeRequest = await ctx.offload.run(parse_json_model, await _read_body(request, 4096), ResumeRequest)
         report = await ctx.control.resume(spec.lora)
         return _json(report, 200 if report["ok"] else 207)
 
@@ -349,7 +349,7 @@ def create_app(config: AppConfig) -> FastAPI:
     @app.post("/control/weight_version", **route_doc(WeightVersion, 400, 413))
     async def weight_version(request: Request) -> Response:
         ctx = ctx_of()
-        spec: WeightVersion = await ctx.pool.run(parse_json_model, await _read_body(request, 4096), WeightVersion)
+        spec: WeightVersion = await ctx.offload.run(parse_json_model, await _read_body(request, 4096), WeightVersion)
         return _json(ctx.control.set_weight_version(spec.version, force=spec.force))
 
     @app.get("/engines", **route_doc(None))
@@ -360,7 +360,7 @@ def create_app(config: AppConfig) -> FastAPI:
     async def add_engine(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, 64 * 1024)
-        spec: EngineAdd = await ctx.pool.run(parse_json_model, body, EngineAdd)
+        spec: EngineAdd = await ctx.offload.run(parse_json_model, body, EngineAdd)
         eng = await ctx.registry.add(spec.url, dp_size=spec.dp_size)
         return _json({"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size}, 201)
 
@@ -424,11 +424,11 @@ async def _trajectory_response(ctx: ServerContext, s: Session, fmt: str) -> Resp
     if fmt not in ("json", "npz"):
         raise BadRequest("format must be 'json' or 'npz'")
     # JSON: `to_json_bytes` is a sequence of short orjson calls (`export.iter_json`), so
-    # the pool thread gives the GIL back to the loop between pieces; one orjson.dumps
+    # the offload thread gives the GIL back to the loop between pieces; one orjson.dumps
     # of a 100K-token tree held it for ~10-25 ms in one call (issue 8).
     build = export.to_npz_bytes if fmt == "npz" else export.to_json_bytes
-    async with s.lock:  # a commit must not mutate the branches while the pool reads them
-        payload = await ctx.pool.run(build, s.tree, metadata=_export_metadata(s))
+    async with s.lock:  # a commit must not mutate the branches while the offload thread reads them
+        payload = await ctx.offload.run(build, s.tree, metadata=_export_metadata(s))
     return Response(content=payload, media_type="application/octet-stream" if fmt == "npz" else JSON)
 
 
@@ -453,7 +453,7 @@ async def _sweep(ctx: ServerContext) -> None:
 
 
 async def _shutdown(ctx: ServerContext, *background: asyncio.Task[None]) -> None:
-    """1. stop background tasks; 2. wait for in-flight turns (bounded); 3. close engines; 4. stop the pool."""
+    """1. stop background tasks; 2. wait for in-flight turns (bounded); 3. close engines; 4. stop the CPU offload threads."""
     for task in background:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -469,4 +469,4 @@ async def _shutdown(ctx: ServerContext, *background: asyncio.Task[None]) -> None
         log.warning("shutdown: %d turns still in flight after %.1fs drain", busy, ctx.settings.drain_timeout_s)
     await ctx.registry.aclose()
     ctx.decoder.shutdown()
-    ctx.pool.shutdown()
+    ctx.offload.shutdown()

@@ -9,10 +9,10 @@ from typing import Any
 from trajectory.codec.base import ChatCodec
 
 from .control import ControlPlane
-from .decode_pool import DecodePool
 from .engines.registry import EngineRegistry
 from .metrics import Metrics
-from .offload import CpuPool
+from .offload import CpuOffload
+from .reply_decoder import ReplyDecoder
 from .routing.admission import PrefillAdmission
 from .routing.pool import EnginePool
 from .sessions import SessionStore
@@ -46,12 +46,12 @@ class Settings:
 class ServerContext:
     settings: Settings
     store: SessionStore
-    pool: CpuPool
+    offload: CpuOffload
     metrics: Metrics
     codec: ChatCodec
     tokenizer: Any
     engines: EnginePool  # routing bookkeeping (targets, load, homes)
     registry: EngineRegistry  # engine lifecycle and adapters: the only way to an engine
-    decoder: DecodePool
+    decoder: ReplyDecoder
     control: ControlPlane
     admission: PrefillAdmission = field(default_factory=PrefillAdmission)

@@ -1,7 +1,7 @@
-"""The bounded CPU pool: where work proportional to a body or a context runs.
+"""CPU offload: the bounded worker threads where work proportional to a body or a context runs.
 
 JSON parsing, validation, rendering and serialization all happen here so the
-event loop stays free to answer `/health` and to move bytes. The pool is bounded
+event loop stays free to answer `/health` and to move bytes. The thread count is bounded
 (`--cpu-workers`, default `min(16, cpu_count)`); callers await its futures.
 """
 
@@ -27,7 +27,7 @@ def default_cpu_workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-class CpuPool:
+class CpuOffload:
     """A named, bounded ThreadPoolExecutor with an awaitable `run`."""
 
     def __init__(self, workers: int | None = None) -> None:
@@ -35,14 +35,14 @@ class CpuPool:
         self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="tito-cpu")
 
     async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run `fn` in the pool, carrying the caller's contextvars."""
+        """Run `fn` on a worker thread, carrying the caller's contextvars."""
         loop = asyncio.get_running_loop()
         ctx = contextvars.copy_context()
         call = functools.partial(ctx.run, fn, *args, **kwargs)
         return await loop.run_in_executor(self._executor, call)
 
     async def run_sized(self, size: int, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """Like `run`, but work on fewer than `INLINE_BYTES` runs on the loop: a pool
+        """Like `run`, but work on fewer than `INLINE_BYTES` runs on the loop: a thread
         hop (submit, wake-up, GIL hand-back) costs more than parsing a small body."""
         if size < INLINE_BYTES:
             return fn(*args, **kwargs)

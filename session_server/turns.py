@@ -1,8 +1,8 @@
 """The pipeline of one chat turn (DESIGN.md s3): the one place that sequences the phases.
 
-    claim -> parse (pool) -> prepare (lock) -> render delta (pool) -> route
-          -> generate (no lock) -> validate + parse output (pool) -> commit (lock)
-          -> respond (pool)
+    claim -> parse (offload) -> prepare (lock) -> render delta (offload) -> route
+          -> generate (no lock) -> validate + parse output (offload) -> commit (lock)
+          -> respond (offload)
 
 The claim is released in a `finally` on every path (errors, cancellation, client
 disconnect), and only by the request that made it. The turn runs as its own task:
@@ -65,7 +65,7 @@ class Prepared:
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
     last_weight_version: Any
-    constraint: Constraint | None = None  # tool_choice / response_format, derived in the pool
+    constraint: Constraint | None = None  # tool_choice / response_format, derived off the loop
     fork_reason: str | None = None  # why a fork was decided at prepare (diagnostic at commit)
 
 
@@ -176,12 +176,12 @@ class TurnRunner:
         ctx = self.ctx
         timer = _Timer(ctx)
         timer.lap("claim")
-        req: ChatRequest = await ctx.pool.run_sized(len(body), parse_json_model, body, ChatRequest)
+        req: ChatRequest = await ctx.offload.run_sized(len(body), parse_json_model, body, ChatRequest)
         timer.lap("parse")
         async with session.lock:
             # O(history): the agent resends every message. Pool work (inline when
             # the body is small); the claim keeps other turns out meanwhile.
-            prep = await ctx.pool.run_sized(len(body), self._prepare, session, req)
+            prep = await ctx.offload.run_sized(len(body), self._prepare, session, req)
         timer.lap("prepare")
         prompt_ids, prep = await self._render(session, prep)
         timer.lap("render")
@@ -202,7 +202,7 @@ class TurnRunner:
                 "a retry or fork needs a new branch: start a new session"
             )
 
-    # -- prepare (under the session lock, in the pool: O(messages) + one memcpy) --
+    # -- prepare (under the session lock, offloaded: O(messages) + one memcpy) --
 
     def _prepare(self, session: Session, req: ChatRequest) -> Prepared:
         tree = session.tree
@@ -260,16 +260,16 @@ class TurnRunner:
                 return t.weight_spans[-1][2]
         return None
 
-    # -- render (pool; O(new tokens)) --
+    # -- render (offloaded; O(new tokens)) --
 
     async def _render(self, session: Session, prep: Prepared) -> tuple[list[int], Prepared]:
         codec = self.ctx.codec
         if prep.kind in ("first", "fork"):
-            ids = await self.ctx.pool.run(
+            ids = await self.ctx.offload.run(
                 codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
             )
             return list(ids), prep
-        result = await self.ctx.pool.run(
+        result = await self.ctx.offload.run(
             codec.bridge,
             prep.history,
             prep.tail,
@@ -286,7 +286,7 @@ class TurnRunner:
                 prep.kind, prep.checkpoint, prep.new_messages = "fork", 0, full
                 prep.context_ids = np.zeros(0, dtype=np.int32)
                 prep.tail, prep.history = [], []
-                ids = await self.ctx.pool.run(
+                ids = await self.ctx.offload.run(
                     codec.render_first, full, tools=prep.tools, template_kwargs=prep.template_kwargs
                 )
                 return list(ids), prep
@@ -390,7 +390,7 @@ class TurnRunner:
         self, result: GenerateResult, expect: Expectations, req: ChatRequest, prep: Prepared
     ) -> tuple[ValidGeneration, Any, list[int]]:
         """Validate, parse (as this request: its tools, its thinking switch) and compute
-        repair tokens (pool). `tool_choice: none` offers no tools to call."""
+        repair tokens (offload). `tool_choice: none` offers no tools to call."""
         try:
             valid = validate_generation(result, expect)
         except ValidationError as exc:
@@ -441,8 +441,8 @@ class TurnRunner:
                 raise refusal from exc
             raise
         timer.lap("generate")
-        valid, parsed, repair = await ctx.pool.run(self._check_output, result, expect, req, prep)
-        parsed = await ctx.pool.run(apply_output_policy, parsed, req, ctx.codec, valid)
+        valid, parsed, repair = await ctx.offload.run(self._check_output, result, expect, req, prep)
+        parsed = await ctx.offload.run(apply_output_policy, parsed, req, ctx.codec, valid)
         timer.lap("validate")
         message = parsed.to_message()
         finish = valid.finish_reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from session_server.engines.admission_check import detect_protocol, parse_engine_spec
 from session_server.engines.base import (
     EngineAdapter,
     FinishReason,
@@ -12,7 +13,6 @@ from session_server.engines.base import (
     SamplingParams,
 )
 from session_server.engines.http import ConnectionLimits, raise_nofile_limit, retry_transient
-from session_server.engines.probe import detect_protocol, parse_engine_spec
 from session_server.engines.sglang import (
     SGLangAdapter,
     parse_sglang_generate,

@@ -139,5 +139,5 @@ class EngineAdapter(Protocol):
         ...
 
     async def health(self) -> bool:
-        """Active probe: does the engine answer healthy right now."""
+        """Active health check: does the engine answer healthy right now."""
         ...

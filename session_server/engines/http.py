@@ -193,7 +193,7 @@ def http_error(reply: HTTPReply, *, what: str, engine: str) -> UpstreamHTTPError
 class EngineHTTP:
     """The HTTP side every adapter shares: one pooled session, the per-engine
     concurrency cap, deadlines measured from dispatch, retries of transient
-    errors, control-plane calls and the health probe. Adapters own the wire format."""
+    errors, control-plane calls and the health check. Adapters own the wire format."""
 
     def __init__(
         self,
@@ -298,7 +298,7 @@ class EngineHTTP:
         """GET /health: 200 when serving; anything else, or no answer, is unhealthy."""
         try:
             reply = await self.call("GET", "/health", timeout_s=5.0)
-        except Exception:  # a health probe answers a bool, never raises
+        except Exception:  # a health check answers a bool, never raises
             return False
         return reply.status == 200
 

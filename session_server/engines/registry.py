@@ -2,7 +2,7 @@
 
 Adding an engine builds its adapter from a spec (`sglang=URL`, `vllm=URL`, or a bare
 URL whose protocol is detected), proves the URL speaks the declared protocol
-(`probe.verify_engine`), asks SGLang for its DP size, and registers its targets in
+(`admission_check.verify_engine`), asks SGLang for its DP size, and registers its targets in
 the routing pool; removing one drops its targets and closes its client in the
 background once its turns are done. Routes, the turn pipeline and the control plane
 reach adapters only here (`adapter(engine_id)`, `adapters()`), through the typed
@@ -20,8 +20,8 @@ from typing import Any
 from ..errors import BadRequest, EngineError, NoHealthyEngine
 from ..routing.pool import Engine, EnginePool
 from . import make_adapter
+from .admission_check import EngineRefused, verify_engine
 from .base import EngineAdapter
-from .probe import EngineRefused, verify_engine
 
 __all__ = ["EngineRegistry"]
 
@@ -125,7 +125,7 @@ class EngineRegistry:
     # --- health -------------------------------------------------------------------------------
 
     async def check_health(self, engine: Engine) -> None:
-        """The active health check (`routing.health.probe_loop`): raises unless the engine
+        """The active health check (`routing.health.health_check_loop`): raises unless the engine
         answers healthy; also refreshes the load it reports about itself (SGLang)."""
         adapter = self._answering(engine.id)
         if not await adapter.health():

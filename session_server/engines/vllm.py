@@ -1,7 +1,7 @@
 """vLLM token-in adapter, its pure response parsers, and vLLM's (dev-mode) control plane.
 
 Every vLLM field name lives here. The token-in endpoint `/inference/v1/generate`
-is used when `probe()` finds it (it is opt-in on the server), else `/v1/completions`
+is used when `discover()` finds it (it is opt-in on the server), else `/v1/completions`
 with a token-id prompt. Version drift handled (ENGINES.md): logprob entries as
 `{"token": "token_id:123", "logprob"}` or `{"token_id": 123, "logprob", ...}`;
 `prompt_token_ids` inside the completions choice; `usage` may be missing.
@@ -324,15 +324,15 @@ class VLLMAdapter:
         self.model = model
         self.endpoint: str | None = None if endpoint == "auto" else endpoint
         self._offload = offload
-        self._probe_lock = asyncio.Lock()
+        self._discover_lock = asyncio.Lock()
         self.version: tuple[int, ...] | None = None  # from GET /version; None = unknown
 
-    async def probe(self) -> str:
+    async def discover(self) -> str:
         """Find the served model (`/v1/models`) and whether `/inference/v1/generate` exists.
 
         The endpoint probe posts an empty body: a validation error (400/422) proves the
         route exists without generating anything; 404/405 means it is not enabled."""
-        async with self._probe_lock:
+        async with self._discover_lock:
             if self.model is None:
                 reply = await self.http.call("GET", "/v1/models")
                 if reply.status != 200:
@@ -358,7 +358,7 @@ class VLLMAdapter:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         if self.endpoint is None or self.model is None:
-            await self.probe()
+            await self.discover()
         assert self.model is not None
         if self.endpoint == "generate":
             path, payload = GENERATE_PATH, build_vllm_generate_payload(request, self.model)

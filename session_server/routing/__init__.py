@@ -11,7 +11,7 @@ from .bounded_load import BoundedLoad, BoundedLoadConfig
 from .cache_aware import CacheAware, CacheAwareConfig
 from .consistent_hash import ConsistentHash, ConsistentHashConfig
 from .factory import POLICY_NAMES, make_policy
-from .health import is_dead_signal, probe_loop, probe_once, record_failure
+from .health import check_health_once, health_check_loop, is_dead_signal, record_failure
 from .policy import (
     PolicyBase,
     RoutingPolicy,
@@ -51,8 +51,8 @@ __all__ = [
     "is_dead_signal",
     "make_policy",
     "prefix_block_hashes",
-    "probe_loop",
-    "probe_once",
+    "health_check_loop",
+    "check_health_once",
     "record_failure",
     "rendezvous_score",
 ]

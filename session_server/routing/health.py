@@ -1,4 +1,4 @@
-"""Engine health: passive marking from request failures and an active probe loop.
+"""Engine health: passive marking from request failures and an active health-check loop.
 
 Dead means unreachable: connect refused/reset or a 5xx. Slow is not dead: a
 timeout never marks an engine unhealthy (its KV still holds sessions, and moving
@@ -17,7 +17,7 @@ from .pool import Engine, EnginePool
 
 log = logging.getLogger(__name__)
 
-ProbeFn = Callable[[Engine], Awaitable[object]]
+HealthCheckFn = Callable[[Engine], Awaitable[object]]
 
 
 def is_dead_signal(exc: BaseException | None = None, http_status: int | None = None) -> bool:
@@ -65,27 +65,27 @@ def record_failure(
     return False
 
 
-PROBES_BEFORE_DEAD = 2
-"""Failed active probes in a row before an engine is marked dead: death drops every
-cached-prefix estimate there (each session re-prefills elsewhere), so one lost probe
+CHECKS_BEFORE_DEAD = 2
+"""Failed active health checks in a row before an engine is marked dead: death drops every
+cached-prefix estimate there (each session re-prefills elsewhere), so one lost check
 must not cost that."""
 
 
-async def probe_once(
-    pool: EnginePool, probe: ProbeFn, timeout_s: float, *, probes_before_dead: int = PROBES_BEFORE_DEAD
+async def check_health_once(
+    pool: EnginePool, check: HealthCheckFn, timeout_s: float, *, checks_before_dead: int = CHECKS_BEFORE_DEAD
 ) -> dict[str, str]:
     """Probe every engine concurrently; returns engine id -> "healthy" | "dead" | "slow".
 
-    A "dead" verdict marks the engine failed only after `probes_before_dead` in a row;
+    A "dead" verdict marks the engine failed only after `checks_before_dead` in a row;
     until then it keeps its sessions and their cached-prefix estimates."""
     engines = list(pool.engines.values())
 
     async def one(eng: Engine) -> str:
         try:
-            await asyncio.wait_for(probe(eng), timeout_s)
+            await asyncio.wait_for(check(eng), timeout_s)
         except TimeoutError:
             return "slow"
-        except Exception as exc:  # any probe failure is a verdict, never a crash of the loop
+        except Exception as exc:  # any failed check is a verdict, never a crash of the loop
             if isinstance(exc, UpstreamTimeout):
                 return "slow"
             return "dead"
@@ -96,30 +96,30 @@ async def probe_once(
     for eng, verdict in zip(engines, verdicts, strict=True):
         out[eng.id] = verdict
         if verdict == "healthy":
-            eng.probe_failures = 0
+            eng.failed_health_checks = 0
             if not eng.healthy:
                 log.info("engine %s recovered; existing sessions stay where they are", eng.id)
                 pool.mark_healthy(eng.id)
         elif verdict == "dead":
-            eng.probe_failures += 1
-            if eng.healthy and eng.probe_failures >= probes_before_dead:
-                log.warning("engine %s failed %d probes in a row; marking unhealthy",
-                            eng.id, eng.probe_failures)
+            eng.failed_health_checks += 1
+            if eng.healthy and eng.failed_health_checks >= checks_before_dead:
+                log.warning("engine %s failed %d health checks in a row; marking unhealthy",
+                            eng.id, eng.failed_health_checks)
                 pool.mark_failed(eng.id)
     return out
 
 
-async def probe_loop(
+async def health_check_loop(
     pool: EnginePool,
-    probe: ProbeFn,
+    check: HealthCheckFn,
     interval_s: float = 5.0,
     timeout_s: float = 5.0,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Run `probe_once` every `interval_s` until `stop` is set (or the task is cancelled)."""
+    """Run `check_health_once` every `interval_s` until `stop` is set (or the task is cancelled)."""
     stop = stop or asyncio.Event()
     while not stop.is_set():
-        await probe_once(pool, probe, timeout_s)
+        await check_health_once(pool, check, timeout_s)
         try:
             await asyncio.wait_for(stop.wait(), interval_s)
         except TimeoutError:

@@ -29,7 +29,7 @@ class Engine:
     healthy: bool = True
     last_failure_s: float | None = None
     consecutive_errors: int = 0  # engine-side 5xx in a row; a success resets it
-    probe_failures: int = 0  # failed active probes in a row; a healthy probe resets it
+    failed_health_checks: int = 0  # failed active health checks in a row; a healthy one resets it
     reported_load: Any = None  # what the engine says about its own load (SGLang /get_load)
 
 

@@ -235,12 +235,12 @@ async def test_make_adapter_detects_and_forces() -> None:
             await forced.aclose()
     async with running_sim("vllm", "toy") as url:
         v = VLLMAdapter(url)
-        assert await v.probe() == "generate" and v.model == "toy-chatml"
+        assert await v.discover() == "generate" and v.model == "toy-chatml"
         await v.aclose()
     async with running_sim("sglang", "toy") as url:
         v = VLLMAdapter(url)
         with pytest.raises(UpstreamHTTPError):  # the simulated SGLang has no /v1/models
-            await v.probe()
+            await v.discover()
         await v.aclose()
     with pytest.raises(UpstreamTransportError):
         await make_adapter(f"http://127.0.0.1:{_free_port()}")

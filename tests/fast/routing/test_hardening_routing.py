@@ -52,7 +52,7 @@ def test_weight_update_resets_cached_prefix_estimates() -> None:
 
 
 async def test_one_failed_probe_keeps_engine_and_its_cache_estimates() -> None:
-    from session_server.routing.health import probe_once
+    from session_server.routing.health import check_health_once
 
     pool = EnginePool()
     pool.add("e0")
@@ -65,14 +65,14 @@ async def test_one_failed_probe_keeps_engine_and_its_cache_estimates() -> None:
         if eng.id in fail:
             raise ConnectionRefusedError
 
-    await probe_once(pool, probe, timeout_s=1.0)
+    await check_health_once(pool, probe, timeout_s=1.0)
     assert pool.engines["e0"].healthy and pool.uncached_tokens("s", "e0/0", 200) == 50
     fail.clear()
-    await probe_once(pool, probe, timeout_s=1.0)  # a healthy probe resets the count
+    await check_health_once(pool, probe, timeout_s=1.0)  # a healthy probe resets the count
     fail.add("e0")
-    await probe_once(pool, probe, timeout_s=1.0)
+    await check_health_once(pool, probe, timeout_s=1.0)
     assert pool.engines["e0"].healthy
-    await probe_once(pool, probe, timeout_s=1.0)
+    await check_health_once(pool, probe, timeout_s=1.0)
     assert not pool.engines["e0"].healthy and pool.uncached_tokens("s", "e0/0", 200) == 200
 
 

@@ -9,9 +9,9 @@ import pytest
 from session_server.errors import UpstreamHTTPError, UpstreamTimeout, UpstreamTransportError
 from session_server.routing import (
     EnginePool,
+    check_health_once,
+    health_check_loop,
     is_dead_signal,
-    probe_loop,
-    probe_once,
     record_failure,
 )
 from session_server.routing.pool import Engine
@@ -84,11 +84,11 @@ async def test_probe_once_dead_slow_healthy_and_recovery_moves_nothing() -> None
         if eng.id == "e1":
             await asyncio.sleep(1.0)
 
-    verdicts = await probe_once(pool, probe, timeout_s=0.05)
+    verdicts = await check_health_once(pool, probe, timeout_s=0.05)
     assert verdicts == {"e0": "dead", "e1": "slow", "e2": "healthy"}
     # one failed probe is not death: consecutive failures confirm it
     assert [pool.engines[e].healthy for e in ("e0", "e1", "e2")] == [True, True, True]
-    await probe_once(pool, probe, timeout_s=0.05)
+    await check_health_once(pool, probe, timeout_s=0.05)
     assert [pool.engines[e].healthy for e in ("e0", "e1", "e2")] == [False, True, True]
     # slow is not dead: the session stays home with its cached prefix
     assert pool.uncached_tokens("s", home, 30) == 10
@@ -106,5 +106,5 @@ async def test_probe_loop_stops_on_event() -> None:
         if len(calls) >= 6:
             stop.set()
 
-    await asyncio.wait_for(probe_loop(pool, probe, interval_s=0.01, timeout_s=1.0, stop=stop), 2.0)
+    await asyncio.wait_for(health_check_loop(pool, probe, interval_s=0.01, timeout_s=1.0, stop=stop), 2.0)
     assert len(calls) == 6

@@ -171,8 +171,8 @@ def test_public_api_is_pinned() -> None:
             "is_dead_signal",
             "make_policy",
             "prefix_block_hashes",
-            "probe_loop",
-            "probe_once",
+            "health_check_loop",
+            "check_health_once",
             "record_failure",
             "rendezvous_score",
         ]

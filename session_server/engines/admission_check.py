@@ -1,8 +1,9 @@
-"""Detect which engine protocol a URL speaks, and parse `sglang=URL` / `vllm=URL` specs.
+"""The admission check of an engine (`POST /engines`, `--engine`): parse `sglang=URL` /
+`vllm=URL` specs, detect the protocol a URL speaks, and verify it really serves it.
 
 SGLang answers `/get_model_info` (or `/get_server_info` in other builds); vLLM answers
 `/v1/models` but not those. SGLang also serves `/v1/models`, so it is tried first.
-Whether a vLLM server has the token-in endpoint is probed by `VLLMAdapter.probe`.
+Whether a vLLM server has the token-in endpoint is found by `VLLMAdapter.discover`.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ async def verify_engine(adapter: Any, *, timeout_s: float = 10.0) -> None:
             if info.get("is_generation") is False:
                 raise EngineRefused(f"{adapter.base_url}: the served model is not a generation model")
         else:
-            await asyncio.wait_for(adapter.probe(), timeout_s)
+            await asyncio.wait_for(adapter.discover(), timeout_s)
     except (UpstreamTransportError, UpstreamTimeout, TimeoutError):
         raise
     except EngineRefused:

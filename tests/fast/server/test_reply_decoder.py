@@ -6,10 +6,10 @@ import pickle
 
 import pytest
 
-from session_server.decode_pool import DecodePool
 from session_server.engines.sglang import parse_sglang_generate
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid, UpstreamTransportError
-from session_server.offload import CpuPool
+from session_server.offload import CpuOffload
+from session_server.reply_decoder import ReplyDecoder
 
 
 def test_engine_errors_survive_pickling_with_their_attributes() -> None:
@@ -27,8 +27,8 @@ def _body(padding: bytes) -> bytes:
 
 
 async def test_large_reply_decoded_in_a_process_equals_inline_decode() -> None:
-    threads = CpuPool(1)
-    pool = DecodePool(threads, processes=1, large_reply_bytes=1024)
+    threads = CpuOffload(1)
+    pool = ReplyDecoder(threads, processes=1, large_reply_bytes=1024)
     try:
         await pool.start()
         padding = b"[" + b",".join([b"[0.1,0.2,0.3]"] * 8000) + b"]"

@@ -4,7 +4,7 @@ A ~1.4 MB reply (routed experts as nested float lists) takes msgspec 2.5-6 ms to
 decode on this machine, one C call that holds the GIL throughout. In a thread
 that still stalls the event loop thread, which can only run in the gaps between
 such calls. A worker process has its own GIL: the loop only pays for handing
-the bytes over a pipe. Small replies stay in the thread pool (inline when tiny),
+the bytes over a pipe. Small replies stay on the offload threads (inline when tiny),
 where the hand-off costs more than the decode. Measured here (bench/README.md):
 even a cheap-to-decode 1.4 MB base64 reply gives a lower /health p99 through
 the process than through a thread, at somewhat lower throughput.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from .offload import CpuPool
+from .offload import CpuOffload
 
 LARGE_REPLY_BYTES = 256 * 1024
 
@@ -30,12 +30,12 @@ def _warm() -> bool:
     return True
 
 
-class DecodePool:
-    """An `Offload` for engine adapters: `await pool.run(parse_fn, body, **kw)`."""
+class ReplyDecoder:
+    """An `Offload` for engine adapters: `await decoder.run(parse_fn, body, **kw)`."""
 
-    def __init__(self, threads: CpuPool, *, processes: int = 1, large_reply_bytes: int = LARGE_REPLY_BYTES) -> None:
+    def __init__(self, threads: CpuOffload, *, processes: int = 1, large_reply_bytes: int = LARGE_REPLY_BYTES) -> None:
         """Replies of at least `large_reply_bytes` go to `processes` worker processes;
-        the rest to the thread pool (inline when small)."""
+        the rest to the offload threads (inline when small)."""
         self._threads = threads
         self.large_reply_bytes = large_reply_bytes
         self._procs: ProcessPoolExecutor | None = None
