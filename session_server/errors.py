@@ -15,15 +15,18 @@
     ├── BranchLimit                      429 branch_limit    Retry-After: 60 (names the cap)
     ├── ClientGone                       499 client_gone (client disconnected mid-turn; logged, never sent)
     ├── InternalInvariant                500 internal_error (logged at ERROR)
-    ├── EngineError                      engine side; adapters raise these
+    ├── EngineError                      502 upstream_error (engine side; adapters raise these)
     │   ├── UpstreamInvalid              502 upstream_invalid (bad engine output)
-    │   ├── UpstreamHTTPError            502 upstream_error (engine 4xx/5xx)
-    │   ├── UpstreamTransportError       502 upstream_unreachable (connect/reset)
-    │   │                                 `.transient` and `.produced_tokens` drive retries
-    │   └── UpstreamTimeout              504 upstream_timeout
+    │   ├── UpstreamHTTPError            502 upstream_error (engine 4xx/5xx; `.http_status`)
+    │   ├── UpstreamTransportError       502 upstream_unreachable (connect/reset; `.transient`)
+    │   ├── UpstreamTimeout              504 upstream_timeout
     │   └── EngineAborted                503 engine_aborted  Retry-After: 1 (abort with nothing to resume)
     ├── NoHealthyEngine                  503 no_healthy_engine  Retry-After: 5
     └── PausedTooLong                    503 paused          Retry-After: 10 (deadline passed while paused)
+
+`from_http_status` builds a plain `ServiceError` with type `http_error` for any other
+framework-level status. `tests/fast/server/test_errors_tree.py` keeps this drawing
+equal to the classes.
 
 `retry_after_s` (None: no header) is a class attribute; the app's one error handler
 sends it as `Retry-After` (whole seconds) so clients back off instead of hammering.
