@@ -186,7 +186,7 @@ def create_app(config: AppConfig) -> FastAPI:
         sweeper = asyncio.create_task(_sweep(ctx), name="tito-ttl-sweeper")
         stop_health_checks = asyncio.Event()
         prober = asyncio.create_task(
-            health_check_loop(engines, registry.check_health, settings.health_probe_interval_s, 5.0, stop_health_checks),
+            health_check_loop(engines, registry.check_health, settings.health_check_interval_s, 5.0, stop_health_checks),
             name="tito-health-probe",
         )
         gc.collect()

@@ -13,12 +13,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .context import Settings
-from .offload import default_cpu_workers
-from .routing.factory import POLICY_NAMES
+from pydantic import ValidationError
 
-ADMIN_TOKEN_ENV = "SESSION_SERVER_ADMIN_TOKEN"
+from .routing.factory import POLICY_NAMES
+from .settings import ENV_PREFIX, Settings
+
 HUB_PROBE_TIMEOUT_S = 3.0
+# older flag names kept working beside the ones built from the Settings fields
+_FLAG_ALIASES = {"default_ttl_s": ("--ttl-s",), "prefill_slots_per_engine": ("--prefill-slots",)}
+_MIB = 1024 * 1024
 
 
 class TokenizerUnavailable(Exception):
@@ -97,9 +100,10 @@ def _serve(args: argparse.Namespace) -> int:
     from .engines.http import raise_nofile_limit
     from .serving import uvicorn_options
 
-    admin_token = args.admin_token if args.admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV)
-    if admin_token is not None and not admin_token.strip():
-        print("session-server serve: error: the admin token is empty; unset it to run without auth", file=sys.stderr)
+    try:
+        settings = settings_from_args(args)
+    except (ValidationError, ValueError) as exc:
+        print(f"session-server serve: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     try:
         tokenizer = load_tokenizer(args.tokenizer)
@@ -114,21 +118,6 @@ def _serve(args: argparse.Namespace) -> int:
     # Fewer, later cyclic-GC passes: the server allocates many short-lived objects per
     # request, and a young-generation pass every 700 allocations adds tail latency.
     gc.set_threshold(args.gc_gen0_threshold, 20, 20)
-    settings = Settings(
-        cpu_workers=args.cpu_workers,
-        default_max_tokens=args.default_max_tokens,
-        turn_timeout_s=args.turn_timeout_s,
-        max_body_bytes=args.max_body_mb * 1024 * 1024,
-        max_sessions=args.max_sessions,
-        default_ttl_s=args.ttl_s,
-        max_branches=args.max_branches,
-        routing_policy=args.routing_policy,
-        prefill_slots_per_engine=args.prefill_slots,
-        large_prefill_tokens=args.large_prefill_tokens,
-        decode_processes=args.decode_processes,
-        admin_token=admin_token,
-        instance_id=args.instance_id,
-    )
     app = create_app(AppConfig(tokenizer=tokenizer, engines=args.engine, settings=settings, family=args.family))
     options = uvicorn_options(
         host=args.host, port=args.port, log_level=args.log_level,
@@ -179,6 +168,60 @@ def _sim_epilog() -> str:
     )
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per `Settings` field: its type, bounds and help come from the model, so a
+    default lives in one place. Flags default to None ("not given"), which leaves the
+    field to the environment (`TITO_<FIELD>`) and then to the model's default."""
+    g = p.add_argument_group(
+        "settings", f"every setting is also an environment variable {ENV_PREFIX}<NAME> (e.g. "
+        f"{ENV_PREFIX}MAX_SESSIONS); a flag given here wins over the environment")
+    for name, info in Settings.model_fields.items():
+        default = info.default
+        shown = "" if default is None else f" (default: {default})"
+        kw: dict[str, Any] = {"dest": f"setting_{name}", "default": None,
+                              "help": (info.description or "") + shown}
+        base = next(a for a in getattr(info.annotation, "__args__", (info.annotation,)) if a is not type(None))
+        if base is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = base
+            kw["metavar"] = name.upper()
+            if name == "routing_policy":
+                kw["choices"] = POLICY_NAMES
+                del kw["metavar"]
+        g.add_argument(_flag(name), *_FLAG_ALIASES.get(name, ()), **kw)
+    g.add_argument("--max-body-mb", type=int, default=None, dest="max_body_mb",
+                   help="--max-body-bytes in MiB (the older flag)")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The flags given, over the environment, over the model's defaults."""
+    given = {name: v for name in Settings.model_fields if (v := getattr(args, f"setting_{name}", None)) is not None}
+    mb = getattr(args, "max_body_mb", None)
+    if mb is not None:
+        if "max_body_bytes" in given:
+            raise ValueError("give --max-body-mb or --max-body-bytes, not both")
+        given["max_body_bytes"] = mb * _MIB
+    return Settings(**given)
+
+
+def _one_line(exc: Exception) -> str:
+    """A settings error as one line naming the flag and its environment variable."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    parts = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else "?"
+        field = name if name in Settings.model_fields else name.lower().removeprefix(ENV_PREFIX.lower())
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{_flag(field)} / {ENV_PREFIX}{field.upper()}: {msg}")
+    return "; ".join(parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="session-server", description="TITO session server for agentic RL rollouts")
     sub = p.add_subparsers(dest="command", required=True)
@@ -196,29 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--family", default=None, help="force a chat-template family (default: detected from the template)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
-    s.add_argument("--admin-token", default=None,
-                   help=f"turn on bearer auth with this admin token (default: ${ADMIN_TOKEN_ENV}; neither: auth off). "
-                        "Prefer the variable: a flag shows in `ps`")
-    s.add_argument("--instance-id", default=None, help="what /health reports as instance_id (default: random per start)")
-    s.add_argument("--cpu-workers", type=int, default=default_cpu_workers(),
-                   help="threads for parsing, rendering and serializing off the event loop")
-    s.add_argument("--default-max-tokens", type=int, default=1024,
-                   help="max_tokens of a turn whose request and session set none")
-    s.add_argument("--turn-timeout-s", type=float, default=600.0,
-                   help="deadline of one turn, unless the request's timeout_s sets another")
-    s.add_argument("--max-body-mb", type=int, default=32, help="largest request body accepted (413 above)")
-    s.add_argument("--max-sessions", type=int, default=100_000, help="live sessions at most (429 over_capacity above)")
-    s.add_argument("--ttl-s", type=float, default=3600.0,
-                   help="idle time after which a session expires, unless its creation sets ttl_s")
-    s.add_argument("--max-branches", type=int, default=64,
-                   help="branches per session at most: a retry or fork past it is refused (429 branch_limit)")
-    s.add_argument("--routing-policy", default="sticky_cost", choices=POLICY_NAMES,
-                   help="how sessions are placed on engines")
-    s.add_argument("--prefill-slots", type=int, default=1, help="large uncached prefills in flight per engine")
-    s.add_argument("--large-prefill-tokens", type=int, default=16384,
-                   help="uncached prompt tokens from which a prefill counts as large")
-    s.add_argument("--decode-processes", type=int, default=1,
-                   help="processes decoding large engine replies (0: threads only)")
+    _add_settings_flags(s)
     s.add_argument("--gc-gen0-threshold", type=int, default=20_000, help="gc.set_threshold(N, 20, 20)")
     s.add_argument("--log-level", default="info", help="uvicorn log level")
     s.add_argument("--switch-interval-ms", type=float, default=0.5, help="GIL switch interval")

@@ -10,6 +10,7 @@ import huggingface_hub.constants
 import pytest
 
 from session_server import cli
+from session_server.settings import ADMIN_TOKEN_ENV, Settings
 from session_server.sim import FAULT_KINDS
 from session_server.sim.tokenizers import FAMILIES
 
@@ -105,7 +106,7 @@ def test_serve_admin_token_from_flag_or_env(
     monkeypatch.setenv("TITO_CACHE_DIR", str(builtin_cache))
     base = ["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "qwen3", "--cpu-workers", "1",
             "--decode-processes", "0"]
-    monkeypatch.setenv(cli.ADMIN_TOKEN_ENV, "from-env")
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")
     assert cli.main(base) == 0
     with TestClient(no_uvicorn["app"]) as c:
         assert c.get("/control/state").status_code == 401
@@ -114,7 +115,7 @@ def test_serve_admin_token_from_flag_or_env(
     with TestClient(no_uvicorn["app"]) as c:
         assert c.get("/control/state", headers={"Authorization": "Bearer from-flag"}).status_code == 200
         assert c.get("/health").json()["instance_id"] == "pod-1"
-    monkeypatch.setenv(cli.ADMIN_TOKEN_ENV, "")
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "")
     assert cli.main(base) == 2
     assert "admin token is empty" in capsys.readouterr().err
 
@@ -128,7 +129,7 @@ def test_every_serve_flag_has_help_with_its_default() -> None:
             continue
         assert action.help, f"--{action.dest} has no help"
     text = serve.format_help()
-    for flag, default in (("--port", "8000"), ("--ttl-s", "3600.0"), ("--max-body-mb", "32"),
+    for flag, default in (("--port", "8000"), ("--ttl-s", "3600.0"), ("--max-body-bytes", "33554432"),
                           ("--routing-policy", "sticky_cost"), ("--turn-timeout-s", "600.0")):
         assert flag in text and f"(default: {default})" in " ".join(text.split()), flag
 
@@ -138,3 +139,55 @@ def test_sim_engine_help_documents_fault_injection() -> None:
     text = sub.choices["sim-engine"].format_help()  # type: ignore[index]
     assert "POST   /sim/faults" in text and '"count"' in text
     assert all(kind in text for kind in FAULT_KINDS)
+
+
+def _serve_parser() -> Any:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices["serve"]  # type: ignore[index]
+
+
+def _settings(argv: list[str]) -> Settings:
+    args = cli.build_parser().parse_args(["serve", "--engine", "x", "--tokenizer", "t", *argv])
+    return cli.settings_from_args(args)
+
+
+def test_9_every_setting_is_a_serve_flag_with_the_models_default() -> None:
+    """One typed model: each field has a flag; the flag's help shows the model's default
+    (the parser holds none of its own: an unset flag is None)."""
+    serve = _serve_parser()
+    by_dest = {a.dest: a for a in serve._actions}
+    text = " ".join(serve.format_help().split())
+    for name, info in Settings.model_fields.items():
+        action = by_dest[f"setting_{name}"]
+        assert "--" + name.replace("_", "-") in action.option_strings
+        assert action.default is None
+        if info.default is not None:
+            assert f"(default: {info.default})" in text, name
+
+
+def test_9_environment_fills_settings_and_a_flag_beats_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TITO_MAX_SESSIONS", "77")
+    monkeypatch.setenv("TITO_CLAMP_LOGPROB_SENTINEL", "true")
+    s = _settings([])
+    assert s.max_sessions == 77 and s.clamp_logprob_sentinel is True and s.max_branches == 64
+    s = _settings(["--max-sessions", "5", "--no-clamp-logprob-sentinel", "--ttl-s", "9", "--max-body-mb", "2"])
+    assert (s.max_sessions, s.clamp_logprob_sentinel, s.default_ttl_s, s.max_body_bytes) == (5, False, 9.0, 2 * 1024 * 1024)
+
+
+@pytest.mark.parametrize(("argv", "env", "needle"), [
+    (["--max-sessions", "0"], {}, "--max-sessions / TITO_MAX_SESSIONS"),
+    ([], {"TITO_MAX_SESSIONS": "abc"}, "--max-sessions / TITO_MAX_SESSIONS"),
+    (["--turn-timeout-s", "-1"], {}, "--turn-timeout-s"),
+    (["--max-body-mb", "1", "--max-body-bytes", "4096"], {}, "not both"),
+])
+def test_9_bad_setting_is_one_line_and_exit_2(
+    argv: list[str], env: dict[str, str], needle: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], no_uvicorn: dict[str, Any],
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = cli.main(["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "/nonexistent", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert "app" not in no_uvicorn

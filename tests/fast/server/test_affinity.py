@@ -40,7 +40,7 @@ async def test_session_keeps_one_home_and_survives_home_death(qwen3_dir: Path) -
     urls = [await engine_ctx[i].enter_async_context(running_sim("sglang", str(qwen3_dir), seed=i, dp=4)) for i in range(2)]
     try:
         config = AppConfig(tokenizer=str(qwen3_dir), engines=[f"sglang={u}" for u in urls],
-                           settings=Settings(health_probe_interval_s=3600))
+                           settings=Settings(health_check_interval_s=3600))
         async with running_server(config) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
             engines = (await http.get("/engines")).json()
             assert [e["dp_size"] for e in engines["engines"]] == [4, 4]
@@ -135,7 +135,7 @@ async def test_home_engine_dying_mid_turn_is_retried_on_the_new_home(qwen3_dir: 
             for i in range(2)]
     try:
         config = AppConfig(tokenizer=str(qwen3_dir), engines=[f"sglang={u}" for u in urls],
-                           settings=Settings(health_probe_interval_s=3600))
+                           settings=Settings(health_check_interval_s=3600))
         async with running_server(config) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
             sid = (await http.post("/sessions", json={})).json()["session_id"]
             msgs: list[dict[str, Any]] = [{"role": "user", "content": "Investigate."}]

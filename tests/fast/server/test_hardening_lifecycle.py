@@ -216,12 +216,12 @@ async def test_8_branch_cap_refuses_retry_past_max_branches(qwen3_dir: Path) -> 
 
 
 def test_8_max_branches_cli_flag() -> None:
-    from session_server.cli import build_parser
+    from session_server.cli import build_parser, settings_from_args
 
     parser = build_parser()
     base = ["serve", "--tokenizer", "qwen3", "--engine", "sglang=http://127.0.0.1:1"]
-    assert parser.parse_args([*base, "--max-branches", "7"]).max_branches == 7
-    assert parser.parse_args(base).max_branches == Settings().max_branches == 64
+    assert settings_from_args(parser.parse_args([*base, "--max-branches", "7"])).max_branches == 7
+    assert settings_from_args(parser.parse_args(base)).max_branches == Settings().max_branches == 64
 
 
 # -- issue 16.10: TTL refreshed by reads; Retry-After ---------------------------------------

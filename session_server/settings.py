@@ -1,0 +1,76 @@
+"""The server's settings: one typed model that the environment and the CLI fill.
+
+Every field is an environment variable `TITO_<FIELD>` (e.g. `TITO_MAX_SESSIONS`) and a
+`serve` flag `--<field-with-dashes>` built from this model (`cli.py`), so a default is
+written once, here. Precedence: a flag given on the command line, then the environment,
+then the default below. A bad value is one `ValidationError` naming the field.
+"""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .routing.factory import POLICY_NAMES
+
+__all__ = ["ADMIN_TOKEN_ENV", "ENV_PREFIX", "Settings"]
+
+ENV_PREFIX = "TITO_"
+ADMIN_TOKEN_ENV = "SESSION_SERVER_ADMIN_TOKEN"  # the older name, still read
+
+
+class Settings(BaseSettings):
+    """Server-wide settings (docs/api.md; `session-server serve --help`)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, populate_by_name=True, extra="forbid")
+
+    cpu_workers: int | None = Field(
+        None, ge=1, le=256, description="threads for parsing, rendering and serializing off the event loop "
+        "(unset: from the CPU count)")
+    default_max_tokens: int = Field(1024, ge=1, description="max_tokens of a turn whose request and session set none")
+    turn_timeout_s: float = Field(
+        600.0, gt=0, description="deadline of one turn, unless the request's timeout_s sets another")
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)")
+    max_sessions: int = Field(100_000, ge=1, description="live sessions at most (429 over_capacity above)")
+    default_ttl_s: float = Field(
+        3600.0, gt=0, description="idle time after which a session expires, unless its creation sets ttl_s")
+    max_branches: int = Field(
+        64, ge=1, description="branches per session at most: a retry or fork past it is refused (429 branch_limit)")
+    sweep_interval_s: float = Field(5.0, gt=0, description="how often expired sessions are swept")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="at shutdown, how long in-flight turns may finish before they are cancelled")
+    clamp_logprob_sentinel: bool = Field(
+        False, description="turn an engine's -9999 'unavailable' logprob sentinel into -100 and count it (else 502)")
+    routing_policy: str = Field("sticky_cost", description=f"how sessions are placed on engines: {', '.join(POLICY_NAMES)}")
+    prefill_slots_per_engine: int = Field(1, ge=1, description="large uncached prefills in flight per engine")
+    large_prefill_tokens: int = Field(
+        16384, ge=1, description="uncached prompt tokens from which a prefill counts as large")
+    health_check_interval_s: float = Field(
+        2.0, gt=0, description="seconds between active health checks of each engine")
+    pause_grace_s: float = Field(
+        0.05, ge=0, description="after the gate closes, how long requests already past it get to reach the engine "
+        "before the pause fans out")
+    decode_processes: int = Field(
+        1, ge=0, le=64, description="processes decoding large engine replies (0: threads only)")
+    admin_token: str | None = Field(
+        None, validation_alias=AliasChoices(f"{ENV_PREFIX}ADMIN_TOKEN", ADMIN_TOKEN_ENV),
+        description=f"turn on bearer auth with this admin token (env {ENV_PREFIX}ADMIN_TOKEN or "
+        f"{ADMIN_TOKEN_ENV}; unset: auth off). Prefer the variable: a flag shows in `ps`")
+    instance_id: str | None = Field(
+        None, min_length=1, description="what /health reports as instance_id (unset: random per start)")
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICY_NAMES:
+            raise ValueError(f"unknown routing policy {v!r}; choose from {', '.join(POLICY_NAMES)}")
+        return v
+
+    @field_validator("admin_token")
+    @classmethod
+    def _token_not_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("the admin token is empty; unset it to run without auth")
+        return v
+
