@@ -290,6 +290,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
         req, out = await state["runner"].run(sid, body, client_gone=_client_gone(request))
+        t0 = time.perf_counter()
         top_k = req.top_logprobs or 0
         # per-token logprobs make a response proportional to the output: offloaded; else inline
         size = len(out.sampled_ids) * 64 if req.logprobs else 0
@@ -297,10 +298,12 @@ def create_app(config: AppConfig) -> FastAPI:
             frames = await ctx.offload.run_sized(
                 size, stream_chunks, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
             )
+            ctx.metrics.observe_phase("respond", time.perf_counter() - t0)
             return StreamingResponse(_iter(frames), media_type="text/event-stream")
         payload = await ctx.offload.run_sized(
             size, completion_body, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
         )
+        ctx.metrics.observe_phase("respond", time.perf_counter() - t0)
         return Response(content=payload, media_type=JSON)
 
     @app.get("/sessions/{sid}", **route_doc(None, 404))

@@ -50,7 +50,7 @@ from .structured import Constraint, apply_output_policy, engine_refusal, request
 _TAIL_TOKENS = 16
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
     """What prepare decided and snapshotted under the lock."""
 
@@ -130,9 +130,11 @@ class TurnRunner:
         Cancelling the work aborts its engine request (`generate_resilient`) and commits
         nothing (commit has no await inside), so the claim is free at once for a retry."""
         ctx = self.ctx
+        timer = _Timer(ctx)
         session, claim = ctx.store.claim(session_id)
+        timer.lap("claim")
         ctx.metrics.turns_in_flight.inc()
-        work = asyncio.create_task(self._turn(session, claim, body), name=f"tito-turn-{session_id}")
+        work = asyncio.create_task(self._turn(session, claim, body, timer), name=f"tito-turn-{session_id}")
         session.turn = work
         watcher: asyncio.Task[None] | None = None
         if client_gone is not None:
@@ -172,10 +174,10 @@ class TurnRunner:
         session.turns_discarded += 1
         self.ctx.metrics.turns_total.labels(outcome="discarded").inc()
 
-    async def _turn(self, session: Session, claim: Claim, body: bytes) -> tuple[ChatRequest, TurnOutput]:
+    async def _turn(
+        self, session: Session, claim: Claim, body: bytes, timer: _Timer
+    ) -> tuple[ChatRequest, TurnOutput]:
         ctx = self.ctx
-        timer = _Timer(ctx)
-        timer.lap("claim")
         req: ChatRequest = await ctx.offload.run_sized(len(body), parse_json_model, body, ChatRequest)
         timer.lap("parse")
         async with session.lock:
@@ -283,13 +285,12 @@ class TurnRunner:
                 # follow the template: a new branch rendered from the whole request
                 full: list[Message] = [*prep.history, *prep.new_messages]
                 session.note("fork", reason=result.reason.value, detail=result.detail)
-                prep.kind, prep.checkpoint, prep.new_messages = "fork", 0, full
-                prep.context_ids = np.zeros(0, dtype=np.int32)
-                prep.tail, prep.history = [], []
+                forked = replace(prep, kind="fork", checkpoint=0, new_messages=full,
+                                 context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[])
                 ids = await self.ctx.offload.run(
-                    codec.render_first, full, tools=prep.tools, template_kwargs=prep.template_kwargs
+                    codec.render_first, full, tools=forked.tools, template_kwargs=forked.template_kwargs
                 )
-                return list(ids), prep
+                return list(ids), forked
             raise HistoryMismatch(
                 f"cannot prove the committed tokens stay a prefix ({result.reason.value}: {result.detail}); "
                 "create the session with history_policy='template' to fork instead"
@@ -333,7 +334,7 @@ class TurnRunner:
         return int(budget)
 
     async def _dispatch(
-        self, session: Session, greq: GenerateRequest, expect: Expectations
+        self, session: Session, greq: GenerateRequest, expect: Expectations, timer: _Timer
     ) -> tuple[ResilientResult, str]:
         """Send to the session's home; on a refused connection, re-home once and retry.
 
@@ -351,6 +352,8 @@ class TurnRunner:
         deadline = time.monotonic() + greq.timeout_s  # once: a re-home does not restart the clock
         for attempt in range(attempts):
             target = engines.select(session.id, session.home, context_tokens=n, prefix_hashes=hashes)
+            if attempt == 0:
+                timer.lap("route")  # the engine request built and its target chosen
             session.home = target.id
             engine = engines.engine_of(target)
             adapter = ctx.registry.adapter(engine.id)
@@ -432,9 +435,8 @@ class TurnRunner:
             clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
             top_logprobs=greq.top_logprobs,
         )
-        timer.lap("route")
         try:
-            result, target_id = await self._dispatch(session, greq, expect)
+            result, target_id = await self._dispatch(session, greq, expect, timer)
         except UpstreamHTTPError as exc:
             refusal = engine_refusal(exc, greq.sampling.constraint, req)
             if refusal is not None:
