@@ -1,15 +1,16 @@
 """The pipeline of one chat turn (DESIGN.md s3): the one place that sequences the phases.
 
-    claim -> parse (offload) -> prepare (lock) -> render delta (offload) -> route
-          -> generate (no lock) -> validate + parse output (offload) -> commit (lock)
-          -> respond (offload)
+`TurnRunner._turn` reads top to bottom as the phases, each a short method with
+typed inputs and outputs, each timed under its own name (`metrics.PHASES`):
+
+    claim (run) -> parse (offload) -> prepare (lock, offload) -> render (offload)
+      -> route + admit (_engine_request, _generate/_dispatch) -> generate
+      -> validate (_validate, offload) -> commit (_commit, lock) -> respond (API dialect)
 
 The claim is released in a `finally` on every path (errors, cancellation, client
-disconnect), and only by the request that made it. The turn runs as its own task:
-a client disconnect or a DELETE cancels it, which aborts the engine request and
-commits nothing (counted as discarded). Branch changes decided at
+disconnect), and only by the request that made it. Branch changes decided at
 prepare (rollback, fork) are applied at commit, so a failed turn leaves the
-session exactly as it was.
+session exactly as it was; `Prepared` and `Checked` are frozen values.
 """
 
 from __future__ import annotations
@@ -85,6 +86,17 @@ class TurnOutput:
     turn_index: int
     branch_id: int
     timings_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The validated engine output, parsed as this request asked, ready to commit."""
+
+    valid: ValidGeneration
+    parsed: Any  # trajectory.codec.base.ParsedAssistant
+    repair: list[int]  # tokens that close a turn the engine cut short
+    message: dict[str, Any]  # the assistant message returned and stored
+    finish: str  # stop | tool_calls | length | abort | repetition
 
 
 class _Timer:
@@ -188,7 +200,14 @@ class TurnRunner:
         prompt_ids, prep = await self._render(session, prep)
         timer.lap("render")
         self._check_branch_cap(session, prep)
-        out = await self._generate_validate_commit(session, claim, req, prep, prompt_ids, timer)
+        greq, expect = self._engine_request(session, req, prep, prompt_ids)
+        result, target_id = await self._generate(session, req, greq, expect, timer)  # laps "route"
+        timer.lap("generate")
+        checked = await self._validate(result, expect, req, prep)
+        timer.lap("validate")
+        turn_index, branch_id = await self._commit(session, claim, prep, prompt_ids, greq, result, checked, target_id)
+        timer.lap("commit")
+        out = self._output(greq, result, checked, turn_index, branch_id)
         timer.total()
         out.timings_s = dict(timer.phases)
         ctx.metrics.turns_total.labels(outcome="committed").inc()
@@ -404,15 +423,12 @@ class TurnRunner:
         repair = list(self.ctx.codec.close_turn(ids))
         return valid, parsed, repair
 
-    async def _generate_validate_commit(
-        self,
-        session: Session,
-        claim: Claim,
-        req: ChatRequest,
-        prep: Prepared,
-        prompt_ids: list[int],
-        timer: _Timer,
-    ) -> TurnOutput:
+    # -- route + admit, generate (no lock) --
+
+    def _engine_request(
+        self, session: Session, req: ChatRequest, prep: Prepared, prompt_ids: list[int]
+    ) -> tuple[GenerateRequest, Expectations]:
+        """The engine request of this turn and what its output must satisfy."""
         ctx = self.ctx
         input_ids = np.concatenate([prep.context_ids, np.asarray(prompt_ids, dtype=np.int32)])
         budget = self._budget(session, req, len(input_ids))
@@ -435,21 +451,42 @@ class TurnRunner:
             clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
             top_logprobs=greq.top_logprobs,
         )
+        return greq, expect
+
+    async def _generate(
+        self, session: Session, req: ChatRequest, greq: GenerateRequest, expect: Expectations, timer: _Timer
+    ) -> tuple[ResilientResult, str]:
+        """Route, admit and generate; an engine's 4xx on a constraint is the client's 400."""
         try:
-            result, target_id = await self._dispatch(session, greq, expect, timer)
+            return await self._dispatch(session, greq, expect, timer)
         except UpstreamHTTPError as exc:
             refusal = engine_refusal(exc, greq.sampling.constraint, req)
             if refusal is not None:
                 raise refusal from exc
             raise
-        timer.lap("generate")
+
+    # -- validate (offloaded) --
+
+    async def _validate(
+        self, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared
+    ) -> Checked:
+        ctx = self.ctx
         valid, parsed, repair = await ctx.offload.run(self._check_output, result, expect, req, prep)
         parsed = await ctx.offload.run(apply_output_policy, parsed, req, ctx.codec, valid)
-        timer.lap("validate")
-        message = parsed.to_message()
         finish = valid.finish_reason
         if finish == "stop" and parsed.tool_calls:
             finish = "tool_calls"
+        return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish)
+
+    # -- commit (under the lock; no await inside, so a cancel never half-commits) --
+
+    async def _commit(
+        self, session: Session, claim: Claim, prep: Prepared, prompt_ids: list[int],
+        greq: GenerateRequest, result: ResilientResult, checked: Checked, target_id: str,
+    ) -> tuple[int, int]:
+        """Apply the branch change decided at prepare and append the turn: (turn index, branch id)."""
+        ctx = self.ctx
+        valid, parsed = checked.valid, checked.parsed
         async with session.lock:
             ctx.store.ensure_can_commit(session, claim)  # SessionClosed: counted discarded by run()
             tree = session.tree
@@ -480,32 +517,39 @@ class TurnRunner:
                 prompt_ids,
                 valid.ids,
                 valid.logprobs,
-                finish_reason=finish,
+                finish_reason=checked.finish,
                 weight_spans=result.weight_spans or None,
                 weight_version=None if result.weight_spans else valid.weight_version,
-                repair_ids=repair,
+                repair_ids=checked.repair,
                 request_messages=prep.new_messages,
-                assistant_message=message,
+                assistant_message=checked.message,
                 engine=target_id,
                 cached_tokens=valid.cached_tokens,
                 extra=extra,
             )
-            if repair:
-                session.note("repair", turn=record.index, tokens=len(repair), finish_reason=finish)
-        timer.lap("commit")
+            if checked.repair:
+                session.note("repair", turn=record.index, tokens=len(checked.repair), finish_reason=checked.finish)
         ctx.metrics.tokens_in_total.inc(len(prompt_ids))
         ctx.metrics.tokens_out_total.inc(len(valid.ids))
         ctx.metrics.cached_tokens_total.inc(valid.cached_tokens)
+        return record.index, branch.id
+
+    @staticmethod
+    def _output(
+        greq: GenerateRequest, result: ResilientResult, checked: Checked, turn_index: int, branch_id: int
+    ) -> TurnOutput:
+        """What the respond phase (the API dialect) needs of a committed turn."""
+        valid = checked.valid
         return TurnOutput(
             request_id=greq.request_id,
-            message=message,
-            finish_reason="stop" if finish == "repetition" else finish,  # OpenAI knows no repetition
-            prompt_tokens=len(input_ids),
+            message=checked.message,
+            finish_reason="stop" if checked.finish == "repetition" else checked.finish,  # OpenAI knows no repetition
+            prompt_tokens=len(greq.input_ids),
             completion_tokens=len(valid.ids),
             cached_tokens=valid.cached_tokens,
             sampled_ids=valid.ids.tolist(),
             logprobs=valid.logprobs.tolist(),
             top_logprobs=result.top_logprobs,
-            turn_index=record.index,
-            branch_id=branch.id,
+            turn_index=turn_index,
+            branch_id=branch_id,
         )
