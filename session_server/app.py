@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
@@ -29,6 +29,7 @@ from trajectory.codec import load_codec
 from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
+from .api.dialects import OpenAIChat
 from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
 from .api.models import (
     ChatRequest,
@@ -39,7 +40,6 @@ from .api.models import (
     WeightVersion,
     parse_json_model,
 )
-from .api.responses import completion_body, stream_chunks
 from .auth import install_auth, new_instance_id
 from .context import ServerContext, Settings, log
 from .control import ControlPlane
@@ -62,6 +62,7 @@ from .sessions import Session, SessionConfig, SessionStore
 from .turns import TurnRunner
 
 JSON = "application/json"
+OPENAI_CHAT = OpenAIChat()
 PARTIAL = {207: "some engines failed; the report names them"}
 
 
@@ -290,21 +291,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
         req, out = await state["runner"].run(sid, body, client_gone=_client_gone(request))
-        t0 = time.perf_counter()
-        top_k = req.top_logprobs or 0
-        # per-token logprobs make a response proportional to the output: offloaded; else inline
-        size = len(out.sampled_ids) * 64 if req.logprobs else 0
-        if req.stream:
-            frames = await ctx.offload.run_sized(
-                size, stream_chunks, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
-            )
-            ctx.metrics.observe_phase("respond", time.perf_counter() - t0)
-            return StreamingResponse(_iter(frames), media_type="text/event-stream")
-        payload = await ctx.offload.run_sized(
-            size, completion_body, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
-        )
-        ctx.metrics.observe_phase("respond", time.perf_counter() - t0)
-        return Response(content=payload, media_type=JSON)
+        return await OPENAI_CHAT.respond(ctx, req, out)
 
     @app.get("/sessions/{sid}", **route_doc(None, 404))
     async def get_session(sid: str) -> Response:
@@ -412,11 +399,6 @@ def _model_card(name: str) -> dict[str, Any]:
 def _model_list(name: str) -> dict[str, Any]:
     """An OpenAI model list: many clients call it first (issue 16.5)."""
     return {"object": "list", "data": [_model_card(name)]}
-
-
-async def _iter(frames: list[bytes]) -> AsyncIterator[bytes]:
-    for f in frames:
-        yield f
 
 
 def _export_metadata(s: Session) -> dict[str, Any]:

@@ -1,19 +1,24 @@
-"""OpenAI `chat.completion` bodies and SSE `chat.completion.chunk` streams.
+"""The OpenAI chat-completions dialect: its request model and its respond phase.
 
-Built in the CPU pool: a response carries per-token logprobs when asked, which
-is proportional to the turn's output.
+`chat.completion` JSON bodies and SSE `chat.completion.chunk` streams, built on the
+CPU offload threads when large: a response carries per-token logprobs when asked,
+which is proportional to the turn's output.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+from starlette.responses import Response, StreamingResponse
 
 from trajectory.codec.probe import decode_text
 
-from ..turns import TurnOutput
+from ...context import ServerContext
+from ...turns import TurnOutput
+from ..models import ChatRequest
 
 _MODEL = "tito-session"
 
@@ -88,3 +93,35 @@ def stream_chunks(out: TurnOutput, *, model: str | None, logprobs: bool, top_k: 
     frames.append(b"data: " + orjson.dumps({**base, "choices": [], "usage": _usage(out)}) + b"\n\n")
     frames.append(b"data: [DONE]\n\n")
     return frames
+
+
+async def _frames(frames: list[bytes]) -> AsyncIterator[bytes]:
+    for f in frames:
+        yield f
+
+
+class OpenAIChat:
+    """`POST .../v1/chat/completions`: OpenAI's request in, `chat.completion` out."""
+
+    name = "openai_chat"
+    request_model = ChatRequest
+
+    async def respond(self, ctx: ServerContext, req: ChatRequest, out: TurnOutput) -> Response:
+        """The respond phase (timed as `respond`): a JSON body or an SSE stream."""
+        t0 = time.perf_counter()
+        top_k = req.top_logprobs or 0
+        # per-token logprobs make a response proportional to the output: offloaded; else inline
+        size = len(out.sampled_ids) * 64 if req.logprobs else 0
+        response: Response
+        if req.stream:
+            frames = await ctx.offload.run_sized(
+                size, stream_chunks, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
+            )
+            response = StreamingResponse(_frames(frames), media_type="text/event-stream")
+        else:
+            payload = await ctx.offload.run_sized(
+                size, completion_body, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
+            )
+            response = Response(content=payload, media_type="application/json")
+        ctx.metrics.observe_phase("respond", time.perf_counter() - t0)
+        return response
