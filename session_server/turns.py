@@ -3,8 +3,8 @@
 `TurnRunner._turn` reads top to bottom as the phases, each a short method with
 typed inputs and outputs, each timed under its own name (`metrics.PHASES`):
 
-    claim (run) -> parse (offload) -> prepare (lock, offload) -> render (offload)
-      -> route + admit (_engine_request, _generate/_dispatch) -> generate
+    claim (run) -> parse (offload) -> prepare (lock, offload; prepare.py) -> render (prepare.py)
+      -> route + admit (_engine_request, _generate -> dispatch.py) -> generate
       -> validate (_validate, offload) -> commit (_commit, lock) -> respond (API dialect)
 
 The claim is released in a `finally` on every path (errors, cancellation, client
@@ -18,56 +18,30 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message
 from trajectory.errors import ValidationError
-from trajectory.history import reconcile
-from trajectory.messages import messages_equal
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
 from .api.models import ChatRequest, SessionSampling, parse_json_model
 from .context import ServerContext, log
-from .control import ResilientResult, generate_resilient, new_request_id
+from .control import ResilientResult, new_request_id
+from .dispatch import dispatch
 from .engines.base import GenerateRequest, GenerateResult, SamplingParams
 from .errors import (
     BadRequest,
-    BranchLimit,
     ClientGone,
-    HistoryMismatch,
     InternalInvariant,
     SessionClosed,
     UpstreamHTTPError,
     UpstreamInvalid,
-    UpstreamTransportError,
 )
-from .routing import prefix_block_hashes, record_failure
+from .prepare import Prepared, check_branch_cap, prepare, render
 from .sessions import Claim, Session
-from .structured import Constraint, apply_output_policy, engine_refusal, request_constraint
-
-_TAIL_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What prepare decided and snapshotted under the lock."""
-
-    kind: str  # first | append | rollback | fork
-    branch_id: int
-    base_len: int  # active branch length at prepare (checked again at commit)
-    checkpoint: int  # rollback target (0 otherwise)
-    context_ids: np.ndarray  # committed ids kept as context (int32 copy)
-    history: list[Message]
-    tail: list[int]
-    new_messages: list[Message]
-    tools: list[dict[str, Any]] | None
-    template_kwargs: dict[str, Any]
-    last_weight_version: Any
-    constraint: Constraint | None = None  # tool_choice / response_format, derived off the loop
-    fork_reason: str | None = None  # why a fork was decided at prepare (diagnostic at commit)
+from .structured import Constraint, apply_output_policy, engine_refusal
 
 
 @dataclass
@@ -114,15 +88,6 @@ class _Timer:
     def total(self) -> None:
         self.phases["total"] = time.perf_counter() - self._t0
         self._ctx.metrics.observe_phase("total", self.phases["total"])
-
-
-def client_messages(messages: Sequence[dict[str, Any]], developer_role: bool) -> list[dict[str, Any]]:
-    """The messages as the client sent them, which are rendered and stored (issue 8.2;
-    they are only *compared* in normal form). One rule for `developer` (issue 8.8): a
-    template without that role gets it as `system`, on turn 0 and every later turn."""
-    if developer_role:
-        return list(messages)
-    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 class TurnRunner:
@@ -195,11 +160,11 @@ class TurnRunner:
         async with session.lock:
             # O(history): the agent resends every message. Pool work (inline when
             # the body is small); the claim keeps other turns out meanwhile.
-            prep = await ctx.offload.run_sized(len(body), self._prepare, session, req)
+            prep = await ctx.offload.run_sized(len(body), prepare, ctx, session, req)
         timer.lap("prepare")
-        prompt_ids, prep = await self._render(session, prep)
+        prompt_ids, prep = await render(ctx, session, prep)
         timer.lap("render")
-        self._check_branch_cap(session, prep)
+        check_branch_cap(ctx, session, prep)
         greq, expect = self._engine_request(session, req, prep, prompt_ids)
         result, target_id = await self._generate(session, req, greq, expect, timer)  # laps "route"
         timer.lap("generate")
@@ -212,111 +177,6 @@ class TurnRunner:
         out.timings_s = dict(timer.phases)
         ctx.metrics.turns_total.labels(outcome="committed").inc()
         return req, out
-
-    def _check_branch_cap(self, session: Session, prep: Prepared) -> None:
-        """A rollback or fork adds a branch, each copying its prefix: refuse past the cap
-        (before generating, so the refused turn costs the engine nothing)."""
-        cap = self.ctx.settings.max_branches
-        if prep.kind in ("rollback", "fork") and len(session.tree) >= cap:
-            raise BranchLimit(
-                f"session {session.id} has {len(session.tree)} branches, the cap (max_branches={cap}); "
-                "a retry or fork needs a new branch: start a new session"
-            )
-
-    # -- prepare (under the session lock, offloaded: O(messages) + one memcpy) --
-
-    def _prepare(self, session: Session, req: ChatRequest) -> Prepared:
-        tree = session.tree
-        branch = tree.active
-        traj = branch.trajectory
-        history = traj.messages()
-        counts = traj.checkpoint_message_counts
-        codec = self.ctx.codec
-        request_msgs = client_messages(req.messages, codec.developer_role)
-        plan = reconcile(history, counts, request_msgs, messages_equal)  # compared in normal form
-        kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
-        tools = req.tools or None
-        kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
-        fork_reason = None
-        if kind in ("append", "rollback") and not codec.same_tools(
-            session.tools_by_branch.get(branch.id), tools, template_kwargs=kwargs
-        ):
-            # the tools render into the system prompt: the committed prefix no longer is
-            # what the model would see, so the whole request starts a new branch (16.1)
-            kind, checkpoint, new = "fork", 0, list[Message](request_msgs)
-            fork_reason = "tools_changed"
-        if kind in ("append", "rollback") and not new:
-            raise BadRequest("no new message after the committed history: nothing to respond to")
-        if kind == "append":
-            keep = len(traj)
-            hist = history
-        elif kind == "rollback":
-            keep = traj.checkpoints[checkpoint]
-            hist = history[: counts[checkpoint]]
-        else:
-            keep, hist = 0, []
-        context_ids = np.array(traj.ids[:keep], dtype=np.int32, copy=True)
-        return Prepared(
-            kind=kind,
-            branch_id=branch.id,
-            base_len=len(traj),
-            checkpoint=checkpoint,
-            context_ids=context_ids,
-            history=hist,
-            tail=[int(x) for x in context_ids[-_TAIL_TOKENS:]],
-            new_messages=new,
-            tools=tools,
-            template_kwargs=kwargs,
-            last_weight_version=self.ctx.control.version_floor(self._last_weight_version(session)),
-            # proportional to the client's schemas: derived here, off the event loop
-            constraint=request_constraint(req, self.ctx.codec.family),
-            fork_reason=fork_reason,
-        )
-
-    @staticmethod
-    def _last_weight_version(session: Session) -> Any:
-        turns = session.tree.active.trajectory.turns
-        for t in reversed(turns):
-            if t.weight_spans:
-                return t.weight_spans[-1][2]
-        return None
-
-    # -- render (offloaded; O(new tokens)) --
-
-    async def _render(self, session: Session, prep: Prepared) -> tuple[list[int], Prepared]:
-        codec = self.ctx.codec
-        if prep.kind in ("first", "fork"):
-            ids = await self.ctx.offload.run(
-                codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
-            )
-            return list(ids), prep
-        result = await self.ctx.offload.run(
-            codec.bridge,
-            prep.history,
-            prep.tail,
-            prep.new_messages,
-            tools=prep.tools,
-            template_kwargs=prep.template_kwargs,
-            policy=session.config.history_policy,
-        )
-        if isinstance(result, BridgeRefusal):
-            if session.config.history_policy is HistoryPolicy.TEMPLATE:
-                # follow the template: a new branch rendered from the whole request
-                full: list[Message] = [*prep.history, *prep.new_messages]
-                session.note("fork", reason=result.reason.value, detail=result.detail)
-                forked = replace(prep, kind="fork", checkpoint=0, new_messages=full,
-                                 context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[])
-                ids = await self.ctx.offload.run(
-                    codec.render_first, full, tools=forked.tools, template_kwargs=forked.template_kwargs
-                )
-                return list(ids), forked
-            raise HistoryMismatch(
-                f"cannot prove the committed tokens stay a prefix ({result.reason.value}: {result.detail}); "
-                "create the session with history_policy='template' to fork instead"
-            )
-        if result.rewrites_history:
-            session.note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw")
-        return list(result.prompt_ids), prep
 
     # -- generate, validate, commit --
 
@@ -351,62 +211,6 @@ class TurnRunner:
                 raise BadRequest(f"context of {prompt_len} tokens reaches max_context_tokens={limit}")
             budget = min(budget, room)
         return int(budget)
-
-    async def _dispatch(
-        self, session: Session, greq: GenerateRequest, expect: Expectations, timer: _Timer
-    ) -> tuple[ResilientResult, str]:
-        """Send to the session's home; on a refused connection, re-home once and retry.
-
-        The turn's deadline (`timeout_s`) starts here and covers every wait inside
-        `generate_resilient`: the pause gate, prefill admission (a large uncached
-        prefill waits in the server for its engine), a generation slot, and the
-        generation; pauses are survived there (abort, accumulate, resubmit)."""
-        ctx = self.ctx
-        engines = ctx.engines
-        n = len(greq.input_ids)
-        hashes = None
-        if engines.policy.name == "cache_aware":
-            hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
-        attempts = 2 if len(engines.engines) > 1 else 1
-        deadline = time.monotonic() + greq.timeout_s  # once: a re-home does not restart the clock
-        for attempt in range(attempts):
-            target = engines.select(session.id, session.home, context_tokens=n, prefix_hashes=hashes)
-            if attempt == 0:
-                timer.lap("route")  # the engine request built and its target chosen
-            session.home = target.id
-            engine = engines.engine_of(target)
-            adapter = ctx.registry.adapter(engine.id)
-            pinned = replace(greq, dp_rank=target.dp_rank if engine.dp_size > 1 else None)
-            uncached = engines.uncached_tokens(session.id, target.id, n)
-            target.in_flight += 1
-            result: ResilientResult | None = None
-            try:
-                eid = engine.id  # admission per segment, never held at the pause gate (issue 8)
-
-                def admit(guess: int | None, eid: str = eid, uncached: int = uncached) -> Any:
-                    return ctx.admission.acquire(eid, uncached if guess is None else guess)
-
-                result = await generate_resilient(adapter, pinned, ctx.control, expect=expect,
-                                                  admit=admit, deadline=deadline)
-                return result, target.id
-            except UpstreamTransportError as exc:
-                dead = record_failure(engines, engine.id, exc)
-                if not dead and not exc.transient and not await ctx.registry.answers_health(engine.id):
-                    engines.mark_failed(engine.id)  # the drop was the engine dying
-                    dead = True
-                if not dead or attempt == attempts - 1:
-                    raise
-                # nothing was received and nothing committed: a fresh generation on the
-                # new home is a valid sample of the same turn
-                log.warning("engine %s is down (%s); re-homing session %s", engine.id, exc, session.id)
-            except UpstreamHTTPError as exc:
-                record_failure(engines, engine.id, exc, exc.http_status)
-                raise
-            finally:
-                target.in_flight -= 1
-                total = n + len(result.output_ids) if result is not None else None
-                engines.on_turn_complete(target, session.id, ok=result is not None, total_tokens=total)
-        raise AssertionError("unreachable")
 
     def _check_output(
         self, result: GenerateResult, expect: Expectations, req: ChatRequest, prep: Prepared
@@ -458,7 +262,7 @@ class TurnRunner:
     ) -> tuple[ResilientResult, str]:
         """Route, admit and generate; an engine's 4xx on a constraint is the client's 400."""
         try:
-            return await self._dispatch(session, greq, expect, timer)
+            return await dispatch(self.ctx, session, greq, expect, on_routed=lambda: timer.lap("route"))
         except UpstreamHTTPError as exc:
             refusal = engine_refusal(exc, greq.sampling.constraint, req)
             if refusal is not None:

@@ -122,10 +122,10 @@ async def test_review_4_constraint_is_derived_off_the_event_loop(
     """A large request's constraint (work proportional to its schemas) is built in the pool."""
     import asyncio
 
-    import session_server.turns as turns
+    import session_server.prepare as prepare
 
     on_loop: list[bool] = []
-    real = turns.request_constraint
+    real = prepare.request_constraint
 
     def spy(req: Any, family: str) -> Any:
         try:
@@ -135,7 +135,7 @@ async def test_review_4_constraint_is_derived_off_the_event_loop(
             on_loop.append(False)
         return real(req, family)
 
-    monkeypatch.setattr(turns, "request_constraint", spy)
+    monkeypatch.setattr(prepare, "request_constraint", spy)
     props = {f"field_{i}": {"type": "string", "description": "x" * 40} for i in range(400)}
     params = {"type": "object", "properties": props, "required": ["field_0"]}
     async with live_stack(qwen3_dir, "sglang") as stack:
@@ -229,11 +229,11 @@ async def test_review_8_rehome_keeps_the_turn_deadline(qwen3_dir: Path, monkeypa
     """A turn re-homed after its engine died keeps the deadline it started with."""
     import asyncio
 
-    import session_server.turns as turns
+    import session_server.dispatch as dispatch
     from session_server.errors import UpstreamTransportError
 
     deadlines: list[float | None] = []
-    real = turns.generate_resilient
+    real = dispatch.generate_resilient
 
     async def flaky(adapter: Any, request: Any, control: Any, **kw: Any) -> Any:
         deadlines.append(kw.get("deadline"))
@@ -242,8 +242,8 @@ async def test_review_8_rehome_keeps_the_turn_deadline(qwen3_dir: Path, monkeypa
             raise UpstreamTransportError("connection reset", engine="x", transient=False)
         return await real(adapter, request, control, **kw)
 
-    monkeypatch.setattr(turns, "generate_resilient", flaky)
-    monkeypatch.setattr(turns, "record_failure", lambda *a, **k: True)  # the first engine is dead
+    monkeypatch.setattr(dispatch, "generate_resilient", flaky)
+    monkeypatch.setattr(dispatch, "record_failure", lambda *a, **k: True)  # the first engine is dead
     async with live_stack(qwen3_dir, "sglang", n_engines=2) as stack:
         sid = await stack.session()
         r = await stack.chat(sid, {"messages": MSG, "max_tokens": 30})

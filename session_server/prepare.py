@@ -1,0 +1,162 @@
+"""Prepare and render: the phases that decide what a turn adds to its session.
+
+`prepare` runs under the session lock, offloaded (O(messages) + one memcpy): it
+reconciles the request's messages with the committed history (append, rollback or
+fork), snapshots the context, and derives the request's constraint. `render` turns
+the new messages into prompt tokens (O(new tokens)). Both return frozen values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message
+from trajectory.history import reconcile
+from trajectory.messages import messages_equal
+
+from .api.models import ChatRequest
+from .context import ServerContext
+from .errors import BadRequest, BranchLimit, HistoryMismatch
+from .sessions import Session
+from .structured import Constraint, request_constraint
+
+__all__ = ["Prepared", "check_branch_cap", "client_messages", "last_weight_version", "prepare", "render"]
+
+_TAIL_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What prepare decided and snapshotted under the lock."""
+
+    kind: str  # first | append | rollback | fork
+    branch_id: int
+    base_len: int  # active branch length at prepare (checked again at commit)
+    checkpoint: int  # rollback target (0 otherwise)
+    context_ids: np.ndarray  # committed ids kept as context (int32 copy)
+    history: list[Message]
+    tail: list[int]
+    new_messages: list[Message]
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+    last_weight_version: Any
+    constraint: Constraint | None = None  # tool_choice / response_format, derived off the loop
+    fork_reason: str | None = None  # why a fork was decided at prepare (diagnostic at commit)
+
+
+def client_messages(messages: Sequence[dict[str, Any]], developer_role: bool) -> list[dict[str, Any]]:
+    """The messages as the client sent them, which are rendered and stored (issue 8.2;
+    they are only *compared* in normal form). One rule for `developer` (issue 8.8): a
+    template without that role gets it as `system`, on turn 0 and every later turn."""
+    if developer_role:
+        return list(messages)
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
+def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
+    """Decide append / rollback / fork and snapshot what render and commit need."""
+    tree = session.tree
+    branch = tree.active
+    traj = branch.trajectory
+    history = traj.messages()
+    counts = traj.checkpoint_message_counts
+    codec = ctx.codec
+    request_msgs = client_messages(req.messages, codec.developer_role)
+    plan = reconcile(history, counts, request_msgs, messages_equal)  # compared in normal form
+    kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
+    tools = req.tools or None
+    kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    fork_reason = None
+    if kind in ("append", "rollback") and not codec.same_tools(
+        session.tools_by_branch.get(branch.id), tools, template_kwargs=kwargs
+    ):
+        # the tools render into the system prompt: the committed prefix no longer is
+        # what the model would see, so the whole request starts a new branch (16.1)
+        kind, checkpoint, new = "fork", 0, list[Message](request_msgs)
+        fork_reason = "tools_changed"
+    if kind in ("append", "rollback") and not new:
+        raise BadRequest("no new message after the committed history: nothing to respond to")
+    if kind == "append":
+        keep = len(traj)
+        hist = history
+    elif kind == "rollback":
+        keep = traj.checkpoints[checkpoint]
+        hist = history[: counts[checkpoint]]
+    else:
+        keep, hist = 0, []
+    context_ids = np.array(traj.ids[:keep], dtype=np.int32, copy=True)
+    return Prepared(
+        kind=kind,
+        branch_id=branch.id,
+        base_len=len(traj),
+        checkpoint=checkpoint,
+        context_ids=context_ids,
+        history=hist,
+        tail=[int(x) for x in context_ids[-_TAIL_TOKENS:]],
+        new_messages=new,
+        tools=tools,
+        template_kwargs=kwargs,
+        last_weight_version=ctx.control.version_floor(last_weight_version(session)),
+        # proportional to the client's schemas: derived here, off the event loop
+        constraint=request_constraint(req, ctx.codec.family),
+        fork_reason=fork_reason,
+    )
+
+def last_weight_version(session: Session) -> Any:
+    """The weight version of the active branch's last sampled token (None: none known)."""
+    turns = session.tree.active.trajectory.turns
+    for t in reversed(turns):
+        if t.weight_spans:
+            return t.weight_spans[-1][2]
+    return None
+
+async def render(ctx: ServerContext, session: Session, prep: Prepared) -> tuple[list[int], Prepared]:
+    """The new prompt tokens: the whole render at turn 0 or a fork, else only the delta."""
+    codec = ctx.codec
+    if prep.kind in ("first", "fork"):
+        ids = await ctx.offload.run(
+            codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
+        )
+        return list(ids), prep
+    result = await ctx.offload.run(
+        codec.bridge,
+        prep.history,
+        prep.tail,
+        prep.new_messages,
+        tools=prep.tools,
+        template_kwargs=prep.template_kwargs,
+        policy=session.config.history_policy,
+    )
+    if isinstance(result, BridgeRefusal):
+        if session.config.history_policy is HistoryPolicy.TEMPLATE:
+            # follow the template: a new branch rendered from the whole request
+            full: list[Message] = [*prep.history, *prep.new_messages]
+            session.note("fork", reason=result.reason.value, detail=result.detail)
+            forked = replace(prep, kind="fork", checkpoint=0, new_messages=full,
+                             context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[])
+            ids = await ctx.offload.run(
+                codec.render_first, full, tools=forked.tools, template_kwargs=forked.template_kwargs
+            )
+            return list(ids), forked
+        raise HistoryMismatch(
+            f"cannot prove the committed tokens stay a prefix ({result.reason.value}: {result.detail}); "
+            "create the session with history_policy='template' to fork instead"
+        )
+    if result.rewrites_history:
+        session.note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw")
+    return list(result.prompt_ids), prep
+
+
+def check_branch_cap(ctx: ServerContext, session: Session, prep: Prepared) -> None:
+    """A rollback or fork adds a branch, each copying its prefix: refuse past the cap
+    (before generating, so the refused turn costs the engine nothing)."""
+    cap = ctx.settings.max_branches
+    if prep.kind in ("rollback", "fork") and len(session.tree) >= cap:
+        raise BranchLimit(
+            f"session {session.id} has {len(session.tree)} branches, the cap (max_branches={cap}); "
+            "a retry or fork needs a new branch: start a new session"
+        )
