@@ -1,4 +1,4 @@
-"""App factory: lifespan (CPU offload, engines, sweeper), routes, and the one error map.
+"""App factory: routes, the lifespan (`lifecycle.py` builds and stops what they share), and the one error map.
 
 Handlers read raw bytes and hand parsing/serialization to the CPU offload threads, so the
 event loop only moves bytes; `/health` answers without touching any session.
@@ -6,13 +6,10 @@ event loop only moves bytes; `/health` answers without touching any session.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import gc
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -22,10 +19,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
-from transformers import AutoTokenizer
 
 from trajectory import export
-from trajectory.codec import load_codec
 from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
@@ -41,9 +36,7 @@ from .api.models import (
     parse_json_model,
 )
 from .auth import install_auth, new_instance_id
-from .context import ServerContext, Settings, log
-from .control import ControlPlane
-from .engines.registry import EngineRegistry
+from .context import ServerContext, log
 from .errors import (
     BadRequest,
     ClientGone,
@@ -53,27 +46,15 @@ from .errors import (
     from_http_status,
     from_library,
 )
-from .metrics import Metrics
-from .offload import CpuOffload
-from .reply_decoder import ReplyDecoder
-from .routing import AdmissionConfig, PrefillAdmission, health_check_loop, make_policy
-from .routing.pool import EnginePool
-from .sessions import Session, SessionConfig, SessionStore
+from .lifecycle import AppConfig, build_context, shutdown, start_background
+from .sessions import Session, SessionConfig
 from .turns import TurnRunner
+
+__all__ = ["AppConfig", "create_app", "session_view"]
 
 JSON = "application/json"
 OPENAI_CHAT = OpenAIChat()
 PARTIAL = {207: "some engines failed; the report names them"}
-
-
-@dataclass
-class AppConfig:
-    """What `serve` (or a test) decides before the app starts."""
-
-    tokenizer: str | Any  # path/name for AutoTokenizer.from_pretrained, or a tokenizer object
-    engines: Sequence[str] = ()  # "URL", "sglang=URL" or "vllm=URL"
-    settings: Settings = field(default_factory=Settings)
-    family: str | None = None  # force a codec family instead of detecting it
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -148,56 +129,14 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        offload = CpuOffload(settings.cpu_workers)
-        tok = config.tokenizer
-        if isinstance(tok, str):
-            tok = await offload.run(AutoTokenizer.from_pretrained, tok)
-        codec = await offload.run(load_codec, tok, family=config.family)
-        decoder = ReplyDecoder(offload, processes=settings.decode_processes)
-        await decoder.start()
-        engines = EnginePool(make_policy(settings.routing_policy))
-        registry = EngineRegistry(engines, offload=decoder.run)
-        for spec in config.engines:
-            await registry.add(spec)
-        metrics = Metrics()
-        control = ControlPlane(
-            registry,
-            registry=metrics.registry,
-            grace_s=settings.pause_grace_s,
-        )
-        control.on_weight_version.append(lambda _v: engines.reset_cached())  # new salt: nothing cached
-        ctx = ServerContext(
-            settings=settings,
-            store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
-            offload=offload,
-            metrics=metrics,
-            codec=codec,
-            tokenizer=tok,
-            engines=engines,
-            registry=registry,
-            decoder=decoder,
-            control=control,
-            admission=PrefillAdmission(
-                AdmissionConfig(settings.prefill_slots_per_engine, settings.large_prefill_tokens)
-            ),
-        )
-        ctx.store.on_remove.append(lambda s: engines.forget(s.id, s.home))  # DELETE and TTL alike
+        ctx = await build_context(config)
         state["ctx"] = app.state.ctx = ctx
         state["runner"] = app.state.runner = TurnRunner(ctx)
-        sweeper = asyncio.create_task(_sweep(ctx), name="tito-ttl-sweeper")
-        stop_health_checks = asyncio.Event()
-        prober = asyncio.create_task(
-            health_check_loop(engines, registry.check_health, settings.health_check_interval_s, 5.0, stop_health_checks),
-            name="tito-health-probe",
-        )
-        gc.collect()
-        gc.freeze()  # start-up objects (tokenizer, codec, templates) never need scanning again
-        log.info("session server ready: family=%s engines=%d", getattr(codec, "family", "?"), len(engines.engines))
+        background = start_background(ctx)
         try:
             yield
         finally:
-            stop_health_checks.set()
-            await _shutdown(ctx, sweeper, prober)
+            await shutdown(ctx, background)
 
     def count_internal() -> None:
         if "ctx" in state:
@@ -415,43 +354,3 @@ async def _trajectory_response(ctx: ServerContext, s: Session, fmt: str) -> Resp
     async with s.lock:  # a commit must not mutate the branches while the offload thread reads them
         payload = await ctx.offload.run(build, s.tree, metadata=_export_metadata(s))
     return Response(content=payload, media_type="application/octet-stream" if fmt == "npz" else JSON)
-
-
-SWEEP_BATCH = 512  # heap entries per step of a sweep: ~3 ms of removals (bench/stall_timings.py)
-
-
-async def _sweep(ctx: ServerContext) -> None:
-    """Background TTL expiry; never touches a session with a chat in flight.
-
-    Each step handles at most `SWEEP_BATCH` due entries and yields, so a mass
-    expiry (100K sessions made at once) is spread over many short steps."""
-    while True:
-        await asyncio.sleep(ctx.settings.sweep_interval_s)
-        while True:
-            expired = ctx.store.expire(limit=SWEEP_BATCH)
-            for sid in expired:
-                ctx.metrics.sessions_expired_total.inc()
-                log.info("session %s expired", sid)
-            if not ctx.store.expiry_due():
-                break
-            await asyncio.sleep(0)
-
-
-async def _shutdown(ctx: ServerContext, *background: asyncio.Task[None]) -> None:
-    """1. stop background tasks; 2. wait for in-flight turns (bounded); 3. close engines; 4. stop the CPU offload threads."""
-    for task in background:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    deadline = time.monotonic() + ctx.settings.drain_timeout_s
-    while time.monotonic() < deadline:
-        busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)
-        if busy == 0:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)
-        log.warning("shutdown: %d turns still in flight after %.1fs drain", busy, ctx.settings.drain_timeout_s)
-    await ctx.registry.aclose()
-    ctx.decoder.shutdown()
-    ctx.offload.shutdown()

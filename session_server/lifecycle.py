@@ -1,0 +1,148 @@
+"""The server's lifecycle: build the shared context, run its background tasks, shut down.
+
+`create_app`'s lifespan calls `build_context` (CPU offload threads, tokenizer and codec,
+reply decoder, engine registry and routing pool, control plane, session store),
+`start_background` (TTL sweeper, engine health checks) and, at exit, `shutdown`
+(stop background work, drain in-flight turns within `drain_timeout_s`, close engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from trajectory.codec import load_codec
+
+from .context import ServerContext, log
+from .control import ControlPlane
+from .engines.registry import EngineRegistry
+from .metrics import Metrics
+from .offload import CpuOffload
+from .reply_decoder import ReplyDecoder
+from .routing import AdmissionConfig, PrefillAdmission, health_check_loop, make_policy
+from .routing.pool import EnginePool
+from .sessions import SessionStore
+from .settings import Settings
+
+__all__ = ["AppConfig", "Background", "build_context", "shutdown", "start_background"]
+
+
+@dataclass
+class AppConfig:
+    """What `serve` (or a test) decides before the app starts."""
+
+    tokenizer: str | Any  # path/name for AutoTokenizer.from_pretrained, or a tokenizer object
+    engines: Sequence[str] = ()  # "URL", "sglang=URL" or "vllm=URL"
+    settings: Settings = field(default_factory=Settings)
+    family: str | None = None  # force a codec family instead of detecting it
+
+
+async def build_context(config: AppConfig) -> ServerContext:
+    """Everything a route and the turn pipeline share, built once at start-up."""
+    settings = config.settings
+    offload = CpuOffload(settings.cpu_workers)
+    tok = config.tokenizer
+    if isinstance(tok, str):
+        tok = await offload.run(AutoTokenizer.from_pretrained, tok)
+    codec = await offload.run(load_codec, tok, family=config.family)
+    decoder = ReplyDecoder(offload, processes=settings.decode_processes)
+    await decoder.start()
+    engines = EnginePool(make_policy(settings.routing_policy))
+    registry = EngineRegistry(engines, offload=decoder.run)
+    for spec in config.engines:
+        await registry.add(spec)
+    metrics = Metrics()
+    control = ControlPlane(
+        registry,
+        registry=metrics.registry,
+        grace_s=settings.pause_grace_s,
+    )
+    control.on_weight_version.append(lambda _v: engines.reset_cached())  # new salt: nothing cached
+    ctx = ServerContext(
+        settings=settings,
+        store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
+        offload=offload,
+        metrics=metrics,
+        codec=codec,
+        tokenizer=tok,
+        engines=engines,
+        registry=registry,
+        decoder=decoder,
+        control=control,
+        admission=PrefillAdmission(
+            AdmissionConfig(settings.prefill_slots_per_engine, settings.large_prefill_tokens)
+        ),
+    )
+    ctx.store.on_remove.append(lambda s: engines.forget(s.id, s.home))  # DELETE and TTL alike
+    return ctx
+
+
+@dataclass
+class Background:
+    """The server's own tasks, stopped first at shutdown."""
+
+    tasks: list[asyncio.Task[None]]
+    stop_health_checks: asyncio.Event
+
+
+def start_background(ctx: ServerContext) -> Background:
+    """Start the TTL sweeper and the engine health checks; freeze start-up objects."""
+    settings, engines, registry = ctx.settings, ctx.engines, ctx.registry
+    sweeper = asyncio.create_task(sweep(ctx), name="tito-ttl-sweeper")
+    stop_health_checks = asyncio.Event()
+    checker = asyncio.create_task(
+        health_check_loop(engines, registry.check_health, settings.health_check_interval_s, 5.0, stop_health_checks),
+        name="tito-health-checks",
+    )
+    gc.collect()
+    gc.freeze()  # start-up objects (tokenizer, codec, templates) never need scanning again
+    log.info("session server ready: family=%s engines=%d", getattr(ctx.codec, "family", "?"), len(engines.engines))
+    return Background([sweeper, checker], stop_health_checks)
+
+
+SWEEP_BATCH = 512  # heap entries per step of a sweep: ~3 ms of removals (bench/stall_timings.py)
+
+
+async def sweep(ctx: ServerContext) -> None:
+    """Background TTL expiry; never touches a session with a chat in flight.
+
+    Each step handles at most `SWEEP_BATCH` due entries and yields, so a mass
+    expiry (100K sessions made at once) is spread over many short steps."""
+    while True:
+        await asyncio.sleep(ctx.settings.sweep_interval_s)
+        while True:
+            expired = ctx.store.expire(limit=SWEEP_BATCH)
+            for sid in expired:
+                ctx.metrics.sessions_expired_total.inc()
+                log.info("session %s expired", sid)
+            if not ctx.store.expiry_due():
+                break
+            await asyncio.sleep(0)
+
+
+async def shutdown(ctx: ServerContext, background: Background) -> None:
+    """1. stop background tasks; 2. wait for in-flight turns (bounded); 3. close engines; 4. stop the CPU offload threads."""
+    background.stop_health_checks.set()
+    for task in background.tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    deadline = time.monotonic() + ctx.settings.drain_timeout_s
+    while time.monotonic() < deadline:
+        busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)
+        if busy == 0:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)
+        log.warning("shutdown: %d turns still in flight after %.1fs drain", busy, ctx.settings.drain_timeout_s)
+    await ctx.registry.aclose()
+    ctx.decoder.shutdown()
+    ctx.offload.shutdown()
