@@ -136,16 +136,26 @@ def _unknown(name: str, names: frozenset[str]) -> str:
     return f"tool call names {name!r}, not one of the request's tools {sorted(names)}"
 
 
+def _no_calls(text: str, reasoning: str | None, names: frozenset[str], *, content: str) -> ParsedAssistant | None:
+    """The shared opening of the `<tool_call>` parsers: no tools offered or no call
+    markup means the text is content (a stray closing tag is a parse failure);
+    None means there are calls to parse."""
+    if not names:
+        return ParsedAssistant(content=content, reasoning_content=reasoning)
+    if TOOL_OPEN not in text:
+        if TOOL_CLOSE in text:
+            return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "stray </tool_call>")
+        return ParsedAssistant(content=content, reasoning_content=reasoning)
+    return None
+
+
 def parse_hermes(text: str, reasoning: str | None, names: frozenset[str]) -> ParsedAssistant:
     """Qwen/Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
 
     Only when the request offered tools (`names`), and only calls to those names."""
-    if not names:
-        return ParsedAssistant(content=text, reasoning_content=reasoning)
-    if TOOL_OPEN not in text:
-        if TOOL_CLOSE in text:
-            return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "stray </tool_call>")
-        return ParsedAssistant(content=text, reasoning_content=reasoning)
+    early = _no_calls(text, reasoning, names, content=text)
+    if early is not None:
+        return early
     split = _hermes_objects(text)
     if isinstance(split, _Fail):
         return _bad(text, reasoning, split.status, split.detail)
@@ -217,12 +227,9 @@ def parse_glm(text: str, reasoning: str | None, names: frozenset[str]) -> Parsed
     """GLM: `<tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>...</tool_call>`.
 
     Only when the request offered tools (`names`), and only calls to those names."""
-    if not names:
-        return ParsedAssistant(content=text.strip(), reasoning_content=reasoning)
-    if TOOL_OPEN not in text:
-        if TOOL_CLOSE in text:
-            return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "stray </tool_call>")
-        return ParsedAssistant(content=text.strip(), reasoning_content=reasoning)
+    early = _no_calls(text, reasoning, names, content=text.strip())
+    if early is not None:
+        return early
     split = _blocks(text)
     if split is None:
         return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "unbalanced <tool_call>")
