@@ -3,7 +3,8 @@
 Pure library (no network, no asyncio, never imports the service): compact token
 storage, linear trajectories with turns and checkpoints, a session's branch
 tree, the chat-template codec (`trajectory.codec`), strict validation of engine
-output, history reconciliation and export.
+output, history reconciliation, export, and training samples (`build_samples`,
+serialised by `trajectory.sample_formats`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .errors import (
     CodecError,
     ExportError,
     InvariantError,
+    SampleError,
     TemplateNotSupported,
     TrajectoryError,
     ValidationError,
@@ -22,6 +24,15 @@ from .errors import (
 from .export import from_dict, from_npz_bytes, to_dict, to_npz_bytes
 from .history import Plan, reconcile
 from .linear import LinearTrajectory, TurnRecord, WeightSpan, WeightVersion
+from .sample_formats import (
+    load_samples_json,
+    load_samples_npz,
+    load_samples_safetensors,
+    samples_to_json,
+    samples_to_npz,
+    samples_to_safetensors,
+)
+from .samples import PICKERS, Sample, build_samples, register_picker
 from .tree import Branch, TrajectoryTree
 from .validate import Expectations, GenerationLike, ValidGeneration, validate_generation
 
@@ -35,7 +46,10 @@ __all__ = [
     "GenerationLike",
     "InvariantError",
     "LinearTrajectory",
+    "PICKERS",
     "Plan",
+    "Sample",
+    "SampleError",
     "TemplateNotSupported",
     "TokenBuffer",
     "TrajectoryError",
@@ -45,9 +59,17 @@ __all__ = [
     "ValidationError",
     "WeightSpan",
     "WeightVersion",
+    "build_samples",
     "from_dict",
     "from_npz_bytes",
+    "load_samples_json",
+    "load_samples_npz",
+    "load_samples_safetensors",
     "reconcile",
+    "register_picker",
+    "samples_to_json",
+    "samples_to_npz",
+    "samples_to_safetensors",
     "to_dict",
     "to_npz_bytes",
     "validate_generation",

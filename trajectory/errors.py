@@ -9,6 +9,8 @@ server, RL workers) can map them without parsing messages:
     ├── CheckpointError         rollback to a checkpoint that does not exist
     ├── BranchError             unknown branch, or a fork index out of range
     ├── ExportError             an export blob is malformed or inconsistent
+    ├── SampleError             a samples request is invalid (unknown picker,
+    │                           bad max_seq_len or reward)
     ├── CodecError              the chat-template codec cannot do what was asked
     │   └── TemplateNotSupported   an unknown template failed probing/verification
     └── ValidationError         one engine result violates a strict check
@@ -36,6 +38,10 @@ class BranchError(TrajectoryError):
 
 class ExportError(TrajectoryError):
     """An exported trajectory could not be decoded, or decodes inconsistently."""
+
+
+class SampleError(TrajectoryError):
+    """A request for training samples is invalid: unknown picker, bad max_seq_len or reward."""
 
 
 class CodecError(TrajectoryError):

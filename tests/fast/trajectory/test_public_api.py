@@ -18,13 +18,18 @@ def test_trajectory_all_is_pinned() -> None:
         "TokenBuffer", "TrajectoryError", "TrajectoryTree", "TurnRecord", "ValidGeneration",
         "ValidationError", "WeightSpan", "WeightVersion", "from_dict", "from_npz_bytes",
         "reconcile", "to_dict", "to_npz_bytes", "validate_generation",
+        # issue 10.3: training samples (trajectory.samples, trajectory.sample_formats)
+        "PICKERS", "Sample", "SampleError", "build_samples", "register_picker",
+        "samples_to_json", "samples_to_npz", "samples_to_safetensors",
+        "load_samples_json", "load_samples_npz", "load_samples_safetensors",
     }
     for name in trajectory.__all__ + trajectory.codec.__all__:
         assert getattr(trajectory, name, None) is not None or getattr(trajectory.codec, name, None) is not None
 
 
 def test_library_never_imports_the_service() -> None:
-    code = ("import sys, trajectory, trajectory.codec, trajectory.export, trajectory.validate; "
+    code = ("import sys, trajectory, trajectory.codec, trajectory.export, trajectory.validate, "
+            "trajectory.samples, trajectory.sample_formats; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('session_server', 'aiohttp', 'fastapi', 'httpx')]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,0 +1,311 @@
+"""A batch of training samples as JSON, npz or safetensors, each round-tripping exactly.
+
+One payload holds a whole batch (any number of samples, from any sessions).
+
+* **JSON** (`samples_to_json` / `load_samples_json`): ``{"format":
+  "tito-samples", "version": 1, "samples": [...]}``, one object per sample with
+  every `Sample` field; arrays are plain lists (float32 logprobs widened to
+  Python floats, which parse back to the same float32).
+* **npz** (`samples_to_npz` / `load_samples_npz`) and **safetensors**
+  (`samples_to_safetensors` / `load_samples_safetensors`): the per-token arrays
+  of all samples concatenated, ``token_ids`` int32, ``loss_mask`` uint8,
+  ``logprobs`` float32, ``weight_version_index`` int32, plus ``offsets`` int64
+  [B + 1] (sample ``i`` is ``[offsets[i], offsets[i+1])``). Everything else
+  (turn boundaries, status, reason, reward, metadata, diagnostics, path,
+  version table) is one JSON list, one object per sample: the uint8 array
+  ``meta`` in npz, the ``samples`` key of the safetensors header metadata
+  (``__metadata__``, str -> str, so a JSON string) next to ``format`` and
+  ``version``.
+
+Loading checks everything (dtypes, lengths, offsets, turn order, statuses,
+version indices, mask/logprob agreement) and raises `ExportError` on anything
+malformed; loaded samples' arrays are views into the batch arrays (no copy).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import zipfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import safetensors
+import safetensors.numpy
+
+from trajectory.errors import ExportError
+from trajectory.samples import STATUSES, Sample
+
+FORMAT = "tito-samples"
+FORMAT_VERSION = 1
+ARRAYS: tuple[tuple[str, np.dtype], ...] = (
+    ("token_ids", np.dtype(np.int32)),
+    ("loss_mask", np.dtype(np.uint8)),
+    ("logprobs", np.dtype(np.float32)),
+    ("weight_version_index", np.dtype(np.int32)),
+)
+OFFSETS_DTYPE = np.dtype(np.int64)
+_META_KEYS = ("turn_boundaries", "status", "reason", "reward", "metadata", "diagnostics", "path",
+              "version_table")
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except TypeError as exc:
+        raise ExportError(f"sample metadata or diagnostics are not JSON-serialisable: {exc}") from exc
+
+
+def _meta(s: Sample) -> dict[str, Any]:
+    return {
+        "turn_boundaries": [list(t) for t in s.turn_boundaries],
+        "status": s.status,
+        "reason": s.reason,
+        "reward": s.reward,
+        "metadata": s.metadata,
+        "diagnostics": s.diagnostics,
+        "path": s.path,
+        "version_table": s.version_table,
+    }
+
+
+# -- writing -------------------------------------------------------------------
+
+
+def samples_to_json(samples: Sequence[Sample]) -> bytes:
+    """The batch as UTF-8 JSON (lists)."""
+    out = []
+    for s in samples:
+        d: dict[str, Any] = {name: getattr(s, name).tolist() for name, _ in ARRAYS}
+        d.update(_meta(s))
+        out.append(d)
+    return _dumps({"format": FORMAT, "version": FORMAT_VERSION, "samples": out})
+
+
+def _concatenated(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
+    arrays = {
+        name: np.concatenate([getattr(s, name) for s in samples]).astype(dtype, copy=False)
+        if samples else np.empty(0, dtype=dtype)
+        for name, dtype in ARRAYS
+    }
+    offsets = np.zeros(len(samples) + 1, dtype=OFFSETS_DTYPE)
+    np.cumsum([len(s) for s in samples], out=offsets[1:])
+    arrays["offsets"] = offsets
+    return arrays
+
+
+def samples_to_npz(samples: Sequence[Sample]) -> bytes:
+    """The batch as compressed npz: concatenated arrays, offsets and a JSON `meta`."""
+    arrays = _concatenated(samples)
+    head = {"format": FORMAT, "version": FORMAT_VERSION, "samples": [_meta(s) for s in samples]}
+    arrays["meta"] = np.frombuffer(_dumps(head), dtype=np.uint8)
+    sink = io.BytesIO()
+    np.savez_compressed(sink, **arrays)  # type: ignore[arg-type]
+    return sink.getvalue()
+
+
+def samples_to_safetensors(samples: Sequence[Sample]) -> bytes:
+    """The batch as safetensors: concatenated tensors, offsets, JSON in the header metadata."""
+    metadata = {
+        "format": FORMAT,
+        "version": str(FORMAT_VERSION),
+        "samples": _dumps([_meta(s) for s in samples]).decode(),
+    }
+    return bytes(safetensors.numpy.save(_concatenated(samples), metadata=metadata))
+
+
+# -- reading -------------------------------------------------------------------
+
+
+def _int(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ExportError(f"{where} must be an int, got {v!r}")
+    return v
+
+
+def _check_arrays(s: Sample, where: str) -> None:
+    n = len(s.token_ids)
+    for name, dtype in ARRAYS:
+        arr = getattr(s, name)
+        if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.shape != (n,):
+            raise ExportError(f"{where} {name} must be {dtype} [{n}]")
+    if n == 0:
+        return
+    if int(s.token_ids.min()) < 0:
+        raise ExportError(f"{where} token_ids has a negative id")
+    if int(s.loss_mask.max()) > 1:
+        raise ExportError(f"{where} loss_mask is not 0/1")
+    if not np.isfinite(s.logprobs).all() or ((s.loss_mask == 0) & (s.logprobs != 0.0)).any():
+        raise ExportError(f"{where} logprobs are not finite, or not 0.0 where the mask is 0")
+    idx = s.weight_version_index
+    if int(idx.min()) < -1 or int(idx.max()) >= len(s.version_table):
+        raise ExportError(f"{where} weight_version_index outside its table of {len(s.version_table)}")
+
+
+def _check_meta(s: Sample, where: str) -> None:
+    n = len(s.token_ids)
+    prev = 0
+    for i, (p, o, e) in enumerate(s.turn_boundaries):
+        if not prev <= p <= o <= e <= n:
+            raise ExportError(f"{where} turn {i} boundaries {(p, o, e)} out of order in {n} tokens")
+        prev = e
+    if n and s.loss_mask.any():
+        inside = np.zeros(n, dtype=bool)
+        for _, o, e in s.turn_boundaries:
+            inside[o:e] = True
+        if (s.loss_mask.astype(bool) & ~inside).any():
+            raise ExportError(f"{where} loss_mask is 1 outside the turns' outputs")
+    if s.status not in STATUSES:
+        raise ExportError(f"{where} status {s.status!r} is not one of {STATUSES}")
+    if s.reason is not None and not isinstance(s.reason, str):
+        raise ExportError(f"{where} reason must be a str or null")
+    if s.reward is not None and (not isinstance(s.reward, float) or not math.isfinite(s.reward)):
+        raise ExportError(f"{where} reward must be a finite float or null, got {s.reward!r}")
+    if not isinstance(s.metadata, dict) or not isinstance(s.diagnostics, list):
+        raise ExportError(f"{where} metadata must be an object and diagnostics a list")
+    for v in s.version_table:
+        if v is None or isinstance(v, bool) or not isinstance(v, str | int | float):
+            raise ExportError(f"{where} version_table holds {v!r}")
+
+
+def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
+    if not isinstance(meta, dict) or set(meta) != set(_META_KEYS):
+        raise ExportError(f"{where} has fields {sorted(meta) if isinstance(meta, dict) else meta!r}")
+    try:
+        turns = [(_int(p, where), _int(o, where), _int(e, where)) for p, o, e in meta["turn_boundaries"]]
+        path = [_int(b, f"{where} path") for b in meta["path"]]
+        table = list(meta["version_table"])
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{where}: malformed turn_boundaries, path or version_table: {exc}") from exc
+    s = Sample(
+        token_ids=arrays["token_ids"],
+        loss_mask=arrays["loss_mask"],
+        logprobs=arrays["logprobs"],
+        weight_version_index=arrays["weight_version_index"],
+        version_table=table,
+        turn_boundaries=turns,
+        status=meta["status"],
+        reason=meta["reason"],
+        reward=meta["reward"],
+        metadata=meta["metadata"],
+        diagnostics=meta["diagnostics"],
+        path=path,
+    )
+    _check_arrays(s, where)
+    _check_meta(s, where)
+    return s
+
+
+def _check_header(head: Mapping[str, Any]) -> None:
+    if head.get("format") != FORMAT or head.get("version") != FORMAT_VERSION:
+        raise ExportError(
+            f"not a {FORMAT} v{FORMAT_VERSION} payload: {head.get('format')!r} v{head.get('version')!r}"
+        )
+
+
+def _split(arrays: Mapping[str, np.ndarray], metas: Any) -> list[Sample]:
+    """Samples from concatenated arrays + offsets + one meta object per sample."""
+    if not isinstance(metas, list):
+        raise ExportError("samples metadata is not a list")
+    try:
+        offsets = arrays["offsets"]
+        flat = {name: arrays[name] for name, _ in ARRAYS}
+    except KeyError as exc:
+        raise ExportError(f"payload lacks the array {exc}") from None
+    if offsets.dtype != OFFSETS_DTYPE or offsets.shape != (len(metas) + 1,):
+        raise ExportError(f"offsets must be int64 [{len(metas) + 1}], got {offsets.dtype} {offsets.shape}")
+    total = int(flat["token_ids"].shape[0]) if flat["token_ids"].ndim == 1 else -1
+    if offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
+        raise ExportError("offsets do not partition the concatenated arrays")
+    for name, dtype in ARRAYS:
+        if flat[name].dtype != dtype or flat[name].shape != (total,):
+            raise ExportError(f"{name} must be {dtype} [{total}]")
+    bounds = offsets.tolist()
+    return [
+        _sample({k: v[a:b] for k, v in flat.items()}, m, f"sample {i}")
+        for i, (a, b, m) in enumerate(zip(bounds[:-1], bounds[1:], metas, strict=True))
+    ]
+
+
+def load_samples_json(data: bytes | str | Mapping[str, Any]) -> list[Sample]:
+    """Samples from `samples_to_json` output (bytes, str, or the parsed object)."""
+    try:
+        head = orjson.loads(data) if isinstance(data, bytes | str) else data
+    except orjson.JSONDecodeError as exc:
+        raise ExportError(f"not JSON: {exc}") from exc
+    if not isinstance(head, Mapping):
+        raise ExportError("samples JSON is not an object")
+    _check_header(head)
+    items = head.get("samples")
+    if not isinstance(items, list):
+        raise ExportError("samples JSON has no list of samples")
+    out = []
+    for i, d in enumerate(items):
+        where = f"sample {i}"
+        if not isinstance(d, dict):
+            raise ExportError(f"{where} is not an object")
+        arrays = {}
+        for name, dtype in ARRAYS:
+            values = d.get(name)
+            if not isinstance(values, list):
+                raise ExportError(f"{where} {name} must be a list")
+            allowed = (int, float) if dtype.kind == "f" else (int,)
+            if not set(map(type, values)) <= set(allowed):
+                raise ExportError(f"{where} {name} holds values that are not {dtype}")
+            try:
+                arr = np.array(values, dtype=dtype)
+            except OverflowError as exc:
+                raise ExportError(f"{where} {name}: {exc}") from exc
+            if dtype.kind in "iu" and values and not np.array_equal(arr, values):
+                raise ExportError(f"{where} {name} does not fit {dtype}")
+            arrays[name] = arr
+        out.append(_sample(arrays, {k: v for k, v in d.items() if k not in arrays}, where))
+    return out
+
+
+def load_samples_npz(data: bytes) -> list[Sample]:
+    """Samples from `samples_to_npz` output."""
+    try:
+        npz = np.load(io.BytesIO(data), allow_pickle=False)
+        files = {name: npz[name] for name in npz.files}
+        head = orjson.loads(files.pop("meta").tobytes())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, orjson.JSONDecodeError) as exc:
+        raise ExportError(f"not a samples npz: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(head, dict):
+        raise ExportError("npz meta is not a JSON object")
+    _check_header(head)
+    return _split(files, head.get("samples"))
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The header's ``__metadata__`` (safetensors: u64 little-endian length, JSON header)."""
+    if len(data) < 8:
+        raise ExportError("not a safetensors payload: shorter than its header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    try:
+        header = orjson.loads(data[8 : 8 + n])
+    except orjson.JSONDecodeError as exc:
+        raise ExportError(f"safetensors header is not JSON: {exc}") from exc
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise ExportError("safetensors payload has no __metadata__")
+    return meta
+
+
+def load_samples_safetensors(data: bytes) -> list[Sample]:
+    """Samples from `samples_to_safetensors` output."""
+    meta = _safetensors_metadata(data)
+    try:
+        version = int(meta.get("version", ""))
+    except ValueError:
+        version = -1
+    _check_header({"format": meta.get("format"), "version": version})
+    try:
+        arrays = safetensors.numpy.load(bytes(data))
+        metas = orjson.loads(meta["samples"])
+    except (safetensors.SafetensorError, KeyError, orjson.JSONDecodeError) as exc:
+        raise ExportError(f"not a samples safetensors: {type(exc).__name__}: {exc}") from exc
+    return _split(arrays, metas)

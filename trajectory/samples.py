@@ -1,0 +1,388 @@
+"""Training samples from a session's branch tree: each sampled token trained once.
+
+A session is a tree of branches (`trajectory.tree`); the trainer wants a flat
+list of sequences. `build_samples` turns the tree (or its `export.to_dict`
+form) into one `Sample` per *kept leaf*:
+
+**Lines and leaves.** A branch's trajectory is a whole line: its parent's turns
+up to the fork checkpoint, then its own. A branch holds a *leaf* when it has at
+least one turn and no child forks from it at its last checkpoint (such a child
+contains the whole line). Turn ``i`` of a line is *owned* by the branch that
+committed it: the branch itself when ``i >= fork_checkpoint``, else the owner of
+turn ``i`` on its parent. Two lines share exactly the turns with the same owner,
+and those form a common prefix (same tokens at the same positions).
+
+**Pickers** (`PICKERS`, by name; `register_picker` adds one) choose which leaves
+become samples:
+
+* ``all`` keeps every leaf.
+* ``latest`` (default) drops abandoned retries. The node after checkpoint ``c`` of
+  a line is identified by the owner of its turn ``c - 1`` (checkpoint 0 is the
+  root, shared by every line). A ``rollback`` branch R forked at checkpoint ``c``
+  of its parent sits at that node, and retries everything after it. A leaf is
+  dropped when, at some checkpoint ``c`` of its line, a rollback sits at the
+  line's node ``c`` and was created *after* the branch owning the line's turn
+  ``c`` (branch ids are creation order; a branch's own turns all precede its
+  children, since turns go to the newest branch). So among the continuations
+  of one node the latest retry wins, whether the earlier one is the parent's own
+  continuation or an earlier rollback from it. Forks (any reason other than
+  ``rollback``: a rewritten history, a re-rendered first turn, a sub-agent)
+  never drop anything: what the model saw and produced on the old line is valid.
+
+**Exactly-once masking.** Kept leaves are visited in creation order (branch
+id); a turn is trained (its sampled tokens keep mask 1) in the first kept
+sample that contains it, and has mask 0 and logprob 0.0 in every later one.
+The turns an earlier sample trains always form a prefix of a later line, so
+this is one slice per sample.
+
+**Truncation.** ``max_seq_len=N`` keeps the longest run of whole turns that ends
+at or before N (a turn ends after its closing repair tokens); it never cuts
+inside a turn. Shared turns sit at the same positions in every line, so they
+are kept or dropped alike everywhere and exactly-once still holds over what is
+kept. A sample whose first turn already ends past N is returned empty
+(zero-length arrays, no turns) with ``status="truncated"`` and a `reason`.
+
+**Status** comes from the last kept turn's finish reason: ``stop`` and
+``tool_calls`` -> ``completed``; ``length`` -> ``truncated``; anything else
+(``abort``, ``error``, an unknown reason) -> ``aborted``. Dropping turns for
+``max_seq_len`` makes it ``truncated`` (with a `reason`).
+
+**Weight versions** are per token as an index: ``weight_version_index[i]`` is
+the position in ``version_table`` of the version that sampled token ``i``, or
+-1 where no version applies (prompt, tool, template and repair tokens, and
+sampled tokens whose version is unknown, i.e. None). ``Sample.weight_version``
+expands this to one value (or None) per token.
+
+Cost: O(tokens of the sample) numpy copies per sample plus O(turns) Python per
+sample; no per-token Python loops. Serialization lives in
+`trajectory.sample_formats`.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trajectory.errors import SampleError
+from trajectory.export import from_dict
+from trajectory.linear import TurnRecord, WeightVersion
+from trajectory.tree import ROLLBACK_REASON, Branch, TrajectoryTree
+
+STATUSES = ("completed", "truncated", "aborted")
+COMPLETED_FINISH_REASONS = frozenset({"stop", "tool_calls"})
+TRUNCATED_FINISH_REASONS = frozenset({"length"})
+DEFAULT_PICKER = "latest"
+
+
+@dataclass(eq=False, slots=True)
+class Sample:
+    """One training sequence: a kept leaf's line, masked exactly once.
+
+    Arrays have one entry per token. `turn_boundaries` holds one
+    ``(prompt_start, output_start, output_end)`` per turn: the prompt is
+    ``[prompt_start, output_start)``, the sampled output
+    ``[output_start, output_end)``; a turn's closing repair tokens (mask 0) run
+    to the next turn's ``prompt_start`` (the last turn's to the end).
+    `diagnostics` has one dict per turn (see `turn_diagnostics`); `path` is the
+    branch ids from the root to the leaf; `reason` says why a sample was cut
+    (None when it was not).
+    """
+
+    token_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # uint8
+    logprobs: np.ndarray  # float32, 0.0 where loss_mask is 0
+    weight_version_index: np.ndarray  # int32, -1 = no version
+    version_table: list[WeightVersion]
+    turn_boundaries: list[tuple[int, int, int]]
+    status: str
+    reason: str | None = None
+    reward: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    diagnostics: list[dict[str, Any]] = field(default_factory=list)
+    path: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def leaf(self) -> int | None:
+        """Branch id of the leaf this sample came from."""
+        return self.path[-1] if self.path else None
+
+    @property
+    def weight_version(self) -> np.ndarray:
+        """Per-token weight version (object array; None where the index is -1)."""
+        lookup = np.empty(len(self.version_table) + 1, dtype=object)
+        lookup[: len(self.version_table)] = self.version_table
+        lookup[-1] = None
+        out: np.ndarray = lookup[self.weight_version_index]
+        return out
+
+    @property
+    def num_trainable(self) -> int:
+        return int(np.count_nonzero(self.loss_mask))
+
+
+# -- the tree as lines ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TreeLines:
+    """What pickers need: the tree, each branch's turn owners, and the leaves."""
+
+    tree: TrajectoryTree
+    owners: dict[int, list[int]]  # branch id -> owner branch id of each of its turns
+    leaves: list[int]  # branch ids holding a leaf, in creation order
+
+    def node(self, branch_id: int, checkpoint: int) -> tuple[int, int] | None:
+        """The tree node after `checkpoint` of a branch's line (None: the root)."""
+        if checkpoint == 0:
+            return None
+        return (self.owners[branch_id][checkpoint - 1], checkpoint - 1)
+
+    def path(self, branch_id: int) -> list[int]:
+        """Branch ids from the root to `branch_id`."""
+        out = []
+        b: int | None = branch_id
+        while b is not None:
+            out.append(b)
+            b = self.tree.get(b).parent_id
+        return out[::-1]
+
+
+def tree_lines(tree: TrajectoryTree) -> TreeLines:
+    """Owners of every branch's turns and the leaves; O(turns over all branches)."""
+    ordered = sorted(tree.branches(), key=lambda b: b.id)  # parents precede children
+    owners: dict[int, list[int]] = {}
+    contained: set[int] = set()  # branches a child continues from their last checkpoint
+    for b in ordered:
+        n = b.trajectory.num_turns
+        inherited = [] if b.parent_id is None else owners[b.parent_id][: b.fork_checkpoint]
+        owners[b.id] = inherited + [b.id] * (n - b.fork_checkpoint)
+        if b.parent_id is not None and b.fork_checkpoint == tree.get(b.parent_id).trajectory.num_turns:
+            contained.add(b.parent_id)
+    leaves = [b.id for b in ordered if b.trajectory.num_turns and b.id not in contained]
+    return TreeLines(tree, owners, leaves)
+
+
+# -- pickers -------------------------------------------------------------------
+
+Picker = Callable[[TreeLines], Sequence[int]]
+
+
+def pick_all(lines: TreeLines) -> list[int]:
+    """Every leaf."""
+    return list(lines.leaves)
+
+
+def pick_latest(lines: TreeLines) -> list[int]:
+    """Every leaf that no later rollback retried (module doc: Pickers)."""
+    latest: dict[tuple[int, int] | None, int] = {}
+    for b in lines.tree.branches():
+        if b.reason == ROLLBACK_REASON and b.parent_id is not None:
+            node = lines.node(b.parent_id, b.fork_checkpoint)
+            latest[node] = max(b.id, latest.get(node, -1))
+    kept = []
+    for leaf in lines.leaves:
+        owners = lines.owners[leaf]
+        if not any(latest.get(lines.node(leaf, c), -1) > owners[c] for c in range(len(owners))):
+            kept.append(leaf)
+    return kept
+
+
+PICKERS: dict[str, Picker] = {"latest": pick_latest, "all": pick_all}
+
+
+def register_picker(name: str, picker: Picker) -> None:
+    """Make `picker` selectable by `name` (it returns a subset of `lines.leaves`)."""
+    if not isinstance(name, str) or not name:
+        raise SampleError(f"picker name must be a non-empty str, got {name!r}")
+    PICKERS[name] = picker
+
+
+# -- one sample ----------------------------------------------------------------
+
+
+def status_of(finish_reason: str) -> str:
+    """A turn's finish reason as a sample status (module doc: Status)."""
+    if finish_reason in COMPLETED_FINISH_REASONS:
+        return "completed"
+    if finish_reason in TRUNCATED_FINISH_REASONS:
+        return "truncated"
+    return "aborted"
+
+
+def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
+    """What the trajectory records about how a turn's tokens came about.
+
+    ``history_rewrite`` is the turn's ``extra["history_rewrite"]`` when the
+    server recorded one (a template that would re-render earlier turns, kept as
+    committed under the ``append`` policy; ideally with the first differing
+    token). The server does not record it per turn yet (it notes it in the
+    session's diagnostics only), so today it is None. ``repair_tokens`` counts
+    the closing tokens the server appended (mask 0); ``parse_status`` and
+    ``parse_detail`` say how the output parsed.
+    """
+    extra = turn.extra
+    return {
+        "turn": turn.index,
+        "branch": owner,
+        "finish_reason": turn.finish_reason,
+        "repair_tokens": turn.repair_tokens,
+        "parse_status": extra.get("parse_status"),
+        "parse_detail": extra.get("parse_detail"),
+        "history_rewrite": extra.get("history_rewrite"),
+    }
+
+
+def _version_key(v: WeightVersion) -> tuple[type, Any]:
+    return (type(v), v)  # 1 and 1.0 are different versions
+
+
+def _weight_versions(turns: Sequence[TurnRecord], n: int) -> tuple[np.ndarray, list[WeightVersion]]:
+    """Per-token index into a table of versions in order of first use (-1: none)."""
+    index = np.full(n, -1, dtype=np.int32)
+    table: list[WeightVersion] = []
+    seen: dict[tuple[type, Any], int] = {}
+    for t in turns:
+        for start, end, version in t.weight_spans:
+            if version is None:
+                continue
+            key = _version_key(version)
+            j = seen.setdefault(key, len(table))
+            if j == len(table):
+                table.append(version)
+            index[start:end] = j
+    return index, table
+
+
+def _kept_turns(checkpoints: Sequence[int], max_seq_len: int | None) -> int:
+    """How many whole turns end at or before `max_seq_len`."""
+    if max_seq_len is None:
+        return len(checkpoints) - 1
+    return bisect_right(checkpoints, max_seq_len) - 1
+
+
+def _sample(
+    lines: TreeLines,
+    branch: Branch,
+    claimed: set[tuple[int, int]],
+    max_seq_len: int | None,
+    reward: float | None,
+    metadata: dict[str, Any],
+) -> Sample:
+    traj = branch.trajectory
+    turns = traj.turns
+    owners = lines.owners[branch.id]
+    n_keep = _kept_turns(traj.checkpoints, max_seq_len)
+    end = traj.checkpoints[n_keep]
+    kept = turns[:n_keep]
+    ids = np.array(traj.ids[:end], dtype=np.int32)
+    mask = np.array(traj.mask[:end], dtype=np.uint8)
+    lps = np.array(traj.logprobs[:end], dtype=np.float32)
+    trained_before = 0
+    while trained_before < n_keep and (owners[trained_before], trained_before) in claimed:
+        trained_before += 1
+    if trained_before:
+        cut = traj.checkpoints[trained_before]
+        mask[:cut] = 0
+        lps[:cut] = 0.0
+    claimed.update((owners[i], i) for i in range(trained_before, n_keep))
+    index, table = _weight_versions(kept, end)
+    reason = None
+    if n_keep < len(turns):
+        status = "truncated"
+        if n_keep == 0:
+            reason = f"first turn ends at {turns[0].end} tokens, past max_seq_len {max_seq_len}"
+        else:
+            reason = f"max_seq_len {max_seq_len}: kept {n_keep} of {len(turns)} turns ({end} tokens)"
+    else:
+        status = status_of(turns[-1].finish_reason)
+    return Sample(
+        token_ids=ids,
+        loss_mask=mask,
+        logprobs=lps,
+        weight_version_index=index,
+        version_table=table,
+        turn_boundaries=[(t.prompt_start, t.output_start, t.output_end) for t in kept],
+        status=status,
+        reason=reason,
+        reward=reward,
+        metadata=dict(metadata),
+        diagnostics=[turn_diagnostics(t, owners[t.index]) for t in kept],
+        path=lines.path(branch.id),
+    )
+
+
+# -- the whole tree ------------------------------------------------------------
+
+
+def _check_reward(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SampleError(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _rewards(reward: Any, kept: Sequence[int], leaves: Sequence[int]) -> dict[int, float | None]:
+    """Reward per kept leaf: one number for all, or a mapping leaf id -> number."""
+    if reward is None:
+        return dict.fromkeys(kept)
+    if not isinstance(reward, Mapping):
+        value = _check_reward(reward, "reward")
+        return dict.fromkeys(kept, value)
+    unknown = [k for k in reward if k not in leaves]
+    if unknown:
+        raise SampleError(f"reward names {unknown!r}, which are not leaves (leaves: {list(leaves)})")
+    return {k: (None if reward.get(k) is None else _check_reward(reward[k], f"reward[{k}]"))
+            for k in kept}
+
+
+def _as_tree(source: TrajectoryTree | Mapping[str, Any]) -> TrajectoryTree:
+    if isinstance(source, TrajectoryTree):
+        return source
+    if isinstance(source, Mapping):
+        return from_dict(source)
+    raise SampleError(f"expected a TrajectoryTree or an exported dict, got {type(source).__name__}")
+
+
+def build_samples(
+    source: TrajectoryTree | Mapping[str, Any],
+    *,
+    picker: str = DEFAULT_PICKER,
+    max_seq_len: int | None = None,
+    reward: float | Mapping[int, float | None] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> list[Sample]:
+    """The training samples of a session (module doc), in leaf creation order.
+
+    `source` is a `TrajectoryTree` or its `trajectory.export.to_dict` form (checked
+    on import, raising `ExportError`). `reward` is one number for every sample
+    or a mapping from leaf branch id to a number (leaves it omits get None);
+    `metadata` is merged over the tree's metadata into every sample's. An
+    unknown picker, a bad `max_seq_len` or reward raises `SampleError`.
+    """
+    tree = _as_tree(source)
+    if max_seq_len is not None and (
+        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1
+    ):
+        raise SampleError(f"max_seq_len must be an int >= 1, got {max_seq_len!r}")
+    try:
+        pick = PICKERS[picker]
+    except (KeyError, TypeError):
+        raise SampleError(f"unknown picker {picker!r}; known: {sorted(PICKERS)}") from None
+    lines = tree_lines(tree)
+    chosen = set(pick(lines))
+    if not chosen <= set(lines.leaves):
+        raise SampleError(f"picker {picker!r} chose non-leaves {sorted(chosen - set(lines.leaves))}")
+    kept = [leaf for leaf in lines.leaves if leaf in chosen]
+    rewards = _rewards(reward, kept, lines.leaves)
+    meta = {**tree.metadata, **(metadata or {})}
+    claimed: set[tuple[int, int]] = set()
+    return [
+        _sample(lines, tree.get(leaf), claimed, max_seq_len, rewards[leaf], meta) for leaf in kept
+    ]
