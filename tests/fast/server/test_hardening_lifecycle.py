@@ -155,6 +155,10 @@ async def test_8_churn_10k_sessions_leaves_every_per_session_table_empty(qwen3_d
     settings = Settings(sweep_interval_s=0.05, max_sessions=20_000)
     async with live_stack(qwen3_dir, n_engines=2, settings=settings) as st:
         ctx = _ctx(st)
+        # the store's clock stands still while sessions are used (a loaded machine must not
+        # expire one between its create and its chat), then jumps past every TTL
+        now = [ctx.store._clock()]
+        ctx.store._clock = lambda: now[0]
 
         async def real(i: int) -> None:  # create, chat, then delete or leave to expire
             sid = (await st.http.post("/sessions", json={"ttl_s": 1.0})).json()["session_id"]
@@ -175,7 +179,9 @@ async def test_8_churn_10k_sessions_leaves_every_per_session_table_empty(qwen3_d
             peak = max(peak, len(ctx.engines._cached))
             if i % 2 == 0:
                 ctx.store.close(s.id)  # what DELETE does
-        assert peak > 1000  # the tables did fill up (the sweep runs meanwhile)
+        assert peak > 1000  # the tables did fill up
+        assert len(ctx.store) == n_total // 2  # nothing expired early
+        now[0] += 2.0  # every TTL (1 s) has passed: the sweeper takes the rest
 
         async def all_gone() -> bool:
             return len(ctx.store) == 0
