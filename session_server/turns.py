@@ -5,7 +5,7 @@ typed inputs and outputs (frozen values), each timed under its own name
 (`metrics.PHASES`):
 
     claim      run (here)                    the session, for this request only
-    parse      _parse (offload)              body -> ChatRequest
+    parse      the dialect's (offload)       body -> ChatRequest
     prepare    prepare.py (lock, offload)    -> Prepared: append / rollback / fork
     render     prepare.py (offload)          -> Rendered: prompt ids (+ a template fork)
     route      engine_request.py, dispatch.py  -> EngineCall; a target chosen
@@ -28,7 +28,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api.models import ChatRequest, parse_json_model
+from .api.models import ChatRequest
 from .commit import Checked, Committed, commit, validate
 from .context import ServerContext
 from .dispatch import Generated, generate
@@ -80,9 +80,11 @@ class TurnRunner:
         self.ctx = ctx
 
     async def run(
-        self, session_id: str, body: bytes, client_gone: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self, session_id: str, body: bytes, *, parse: Callable[[bytes], ChatRequest],
+        client_gone: Callable[[], Coroutine[Any, Any, None]] | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
-        """Claim the session and run the turn as its own task, which ends early when
+        """Claim the session and run the turn as its own task (`parse` is the client
+        dialect's: body -> the pipeline's `ChatRequest`), which ends early when
 
         - the client hangs up (`client_gone` returns): `ClientGone` (499, never sent);
         - the session is deleted (`SessionStore.close` cancels `session.turn`): 409.
@@ -94,7 +96,7 @@ class TurnRunner:
         session, claim = ctx.store.claim(session_id)
         timer.lap("claim")
         ctx.metrics.turns_in_flight.inc()
-        work = asyncio.create_task(self._turn(session, claim, body, timer), name=f"tito-turn-{session_id}")
+        work = asyncio.create_task(self._turn(session, claim, body, parse, timer), name=f"tito-turn-{session_id}")
         session.turn = work
         watcher: asyncio.Task[None] | None = None
         if client_gone is not None:
@@ -135,12 +137,12 @@ class TurnRunner:
         self.ctx.metrics.turns_total.labels(outcome="discarded").inc()
 
     async def _turn(
-        self, session: Session, claim: Claim, body: bytes, timer: _Timer
+        self, session: Session, claim: Claim, body: bytes, parse: Callable[[bytes], ChatRequest], timer: _Timer
     ) -> tuple[ChatRequest, TurnOutput]:
         """The phases in order, each lapped under its own name (claim was lapped by `run`;
         `route` is lapped inside generate, when the first target is chosen)."""
         ctx = self.ctx
-        req = await self._parse(body)
+        req: ChatRequest = await ctx.offload.run_sized(len(body), parse, body)
         timer.lap("parse")
         prep = await self._prepare(session, req, len(body))
         timer.lap("prepare")
@@ -158,11 +160,6 @@ class TurnRunner:
         timer.total()
         ctx.metrics.turns_total.labels(outcome="committed").inc()
         return req, _output(call, gen, checked, done, dict(timer.phases))
-
-    async def _parse(self, body: bytes) -> ChatRequest:
-        """The request body as the chat-completions model (offloaded when large)."""
-        req: ChatRequest = await self.ctx.offload.run_sized(len(body), parse_json_model, body, ChatRequest)
-        return req
 
     async def _prepare(self, session: Session, req: ChatRequest, body_len: int) -> Prepared:
         """`prepare` under the session lock. O(history): the agent resends every message,
