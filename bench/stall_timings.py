@@ -8,7 +8,7 @@ this measures the longest single step the event loop runs without yielding:
 * JSON trajectory export at `--tokens` tokens: the one-shot `orjson.dumps(to_dict(...))`
   and, where the library has it, the longest piece of the chunked `iter_json`; and how
   late a sleeping thread wakes while another thread exports in a loop (the GIL wait an
-  event loop sees while the CPU pool exports).
+  event loop sees while the CPU offload exports).
 * `cache_aware` prefix hashing at `--tokens` tokens: `prefix_block_hashes` plus one
   `CacheAware.select` with those hashes.
 * A full `gc.collect()` with `--sessions` sessions alive, and the tracked-object count.
@@ -160,7 +160,7 @@ def export_json(tokens: int, reps: int) -> dict[str, Any]:
 
 
 def _loop_delay_while(work: Callable[[], Any], seconds: float = 1.0) -> dict[str, float]:
-    """`work` repeated in a thread (as the server's CPU pool runs it, GIL switch interval
+    """`work` repeated in a thread (as the server's CPU offload runs it, GIL switch interval
     0.5 ms as `serve` sets it); meanwhile this thread sleeps 1 ms at a time and records
     how late it wakes: what an event loop thread would wait for the GIL."""
     import threading

@@ -24,7 +24,7 @@ from trajectory import export
 from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
-from .api.dialects import OpenAIChat
+from .api.dialects import OPENAI_CHAT, respond
 from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
 from .api.models import (
     ChatRequest,
@@ -53,7 +53,6 @@ from .turns import TurnRunner
 __all__ = ["AppConfig", "create_app", "session_view"]
 
 JSON = "application/json"
-OPENAI_CHAT = OpenAIChat()
 PARTIAL = {207: "some engines failed; the report names them"}
 
 
@@ -223,14 +222,14 @@ def create_app(config: AppConfig) -> FastAPI:
 
     @app.post(
         "/sessions/{sid}/v1/chat/completions",
-        **route_doc(ChatRequest, 400, 404, 409, 413, 429, 502, 503, 504, media=(JSON, "text/event-stream")),
+        **route_doc(OPENAI_CHAT.request_model, 400, 404, 409, 413, 429, 502, 503, 504, media=(JSON, "text/event-stream")),
     )
     async def chat(sid: str, request: Request) -> Response:
         ctx = ctx_of()
         ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
-        req, out = await state["runner"].run(sid, body, client_gone=_client_gone(request))
-        return await OPENAI_CHAT.respond(ctx, req, out)
+        req, out = await state["runner"].run(sid, body, parse=OPENAI_CHAT.parse, client_gone=_client_gone(request))
+        return await respond(ctx, OPENAI_CHAT, req, out)
 
     @app.get("/sessions/{sid}", **route_doc(None, 404))
     async def get_session(sid: str) -> Response:

@@ -24,7 +24,7 @@ from .errors import BadRequest, BranchLimit, HistoryMismatch
 from .sessions import Session
 from .structured import Constraint, request_constraint
 
-__all__ = ["Prepared", "check_branch_cap", "client_messages", "last_weight_version", "prepare", "render"]
+__all__ = ["Prepared", "Rendered", "check_branch_cap", "client_messages", "last_weight_version", "prepare", "render"]
 
 _TAIL_TOKENS = 16
 
@@ -46,6 +46,15 @@ class Prepared:
     last_weight_version: Any
     constraint: Constraint | None = None  # tool_choice / response_format, derived off the loop
     fork_reason: str | None = None  # why a fork was decided at prepare (diagnostic at commit)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The new prompt tokens, and the prepared state they belong to: `prep` itself, or a
+    new value when the template policy turned the turn into a fork."""
+
+    prompt_ids: list[int]
+    prep: Prepared
 
 
 def client_messages(messages: Sequence[dict[str, Any]], developer_role: bool) -> list[dict[str, Any]]:
@@ -106,6 +115,7 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         fork_reason=fork_reason,
     )
 
+
 def last_weight_version(session: Session) -> Any:
     """The weight version of the active branch's last sampled token (None: none known)."""
     turns = session.tree.active.trajectory.turns
@@ -114,14 +124,15 @@ def last_weight_version(session: Session) -> Any:
             return t.weight_spans[-1][2]
     return None
 
-async def render(ctx: ServerContext, session: Session, prep: Prepared) -> tuple[list[int], Prepared]:
+
+async def render(ctx: ServerContext, session: Session, prep: Prepared) -> Rendered:
     """The new prompt tokens: the whole render at turn 0 or a fork, else only the delta."""
     codec = ctx.codec
     if prep.kind in ("first", "fork"):
         ids = await ctx.offload.run(
             codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
         )
-        return list(ids), prep
+        return Rendered(list(ids), prep)
     result = await ctx.offload.run(
         codec.bridge,
         prep.history,
@@ -141,14 +152,14 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared) -> tuple[
             ids = await ctx.offload.run(
                 codec.render_first, full, tools=forked.tools, template_kwargs=forked.template_kwargs
             )
-            return list(ids), forked
+            return Rendered(list(ids), forked)
         raise HistoryMismatch(
             f"cannot prove the committed tokens stay a prefix ({result.reason.value}: {result.detail}); "
             "create the session with history_policy='template' to fork instead"
         )
     if result.rewrites_history:
         session.note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw")
-    return list(result.prompt_ids), prep
+    return Rendered(list(result.prompt_ids), prep)
 
 
 def check_branch_cap(ctx: ServerContext, session: Session, prep: Prepared) -> None:

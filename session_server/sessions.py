@@ -3,7 +3,7 @@
 A session owns one `TrajectoryTree` and at most one chat turn in flight. The
 gate is a *claim*: a unique token taken at the start of a chat and released in a
 `finally` by the request that made it, and only by it. Prepare and commit run
-under the session's `asyncio.Lock`; readers that serialize in the CPU pool hold
+under the session's `asyncio.Lock`; readers that serialize on the CPU offload threads hold
 it too, so a concurrent commit never mutates what they read.
 """
 

@@ -179,7 +179,7 @@ def request_constraint(req: Any, family: str) -> Constraint | None:
 
 
 def apply_output_policy(parsed: Any, req: Any, codec: Any, valid: Any) -> Any:
-    """Parse-side meaning of `tool_choice` (runs in the pool): `none` keeps markup as
+    """Parse-side meaning of `tool_choice` (runs on the offload threads): `none` keeps markup as
     content; `required`/named must have produced an allowed call (else 502), unless the
     output was cut short (finish length/abort: an unfinished call is the budget's doing)."""
     sampled_ids = valid.ids.tolist()

@@ -1,6 +1,6 @@
 """The HTTP edge around the routes: unexpected errors, and what /openapi.json declares.
 
-Routes read raw bytes (parsing runs in the CPU pool), so FastAPI cannot see their
+Routes read raw bytes (parsing runs on the CPU offload threads), so FastAPI cannot see their
 request models; `route_doc` declares them and the error responses by hand, and
 `install_openapi` puts the models' JSON schemas into the document's components.
 """

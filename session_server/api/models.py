@@ -1,4 +1,4 @@
-"""Request models of the HTTP API (pydantic), validated in the CPU pool.
+"""Request models of the HTTP API (pydantic), validated on the CPU offload threads.
 
 Unknown OpenAI fields are accepted and ignored (agents send many); fields we act
 on are typed strictly so bad input is a clear 400, never a 500.
@@ -227,7 +227,7 @@ class SessionCreate(BaseModel):
 
 
 def parse_json_model(body: bytes, model: type[BaseModel]) -> Any:
-    """orjson + pydantic; any failure is a 400 naming the problem (runs in the pool)."""
+    """orjson + pydantic; any failure is a 400 naming the problem (runs on the offload threads)."""
     try:
         data = orjson.loads(body) if body else {}
     except orjson.JSONDecodeError as exc:

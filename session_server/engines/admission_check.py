@@ -73,7 +73,7 @@ async def verify_engine(adapter: Any, *, timeout_s: float = 10.0) -> None:
 
     SGLang: `/get_model_info` is a JSON object naming a generation model (`model_path`,
     `is_generation` not false). vLLM: `/v1/models` names a model and the token-in
-    endpoint probe answers (a validation error proves the route; a 404 falls back to
+    endpoint check answers (a validation error proves the route; a 404 falls back to
     `/v1/completions`, which `/v1/models` already vouches for). No generation is sent,
     so engine request logs hold only real turns. Unreachable (transport errors,
     timeouts) propagates as the EngineError it is, so a caller can still add an engine

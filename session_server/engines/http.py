@@ -161,7 +161,7 @@ def encode_json(payload: Any) -> bytes:
 
 
 Offload = Callable[..., Awaitable[Any]]
-"""Runs `fn(*args, **kwargs)` somewhere and awaits it (the server passes its CPU pool)."""
+"""Runs `fn(*args, **kwargs)` somewhere and awaits it (the server passes its CPU offload)."""
 
 
 async def run_inline(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

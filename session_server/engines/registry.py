@@ -64,10 +64,10 @@ class EngineRegistry:
             healthy = False
         if dp_size is None:
             dp_size = 1
-            dp_probe = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
-            if dp_probe is not None and healthy:
+            ask_dp_size = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
+            if ask_dp_size is not None and healthy:
                 try:
-                    dp_size = await dp_probe()
+                    dp_size = await ask_dp_size()
                 except EngineError as exc:
                     log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
                     healthy = False

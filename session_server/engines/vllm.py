@@ -330,7 +330,7 @@ class VLLMAdapter:
     async def discover(self) -> str:
         """Find the served model (`/v1/models`) and whether `/inference/v1/generate` exists.
 
-        The endpoint probe posts an empty body: a validation error (400/422) proves the
+        The endpoint check posts an empty body: a validation error (400/422) proves the
         route exists without generating anything; 404/405 means it is not enabled."""
         async with self._discover_lock:
             if self.model is None:

@@ -74,7 +74,7 @@ must not cost that."""
 async def check_health_once(
     pool: EnginePool, check: HealthCheckFn, timeout_s: float, *, checks_before_dead: int = CHECKS_BEFORE_DEAD
 ) -> dict[str, str]:
-    """Probe every engine concurrently; returns engine id -> "healthy" | "dead" | "slow".
+    """Health-check every engine concurrently; returns engine id -> "healthy" | "dead" | "slow".
 
     A "dead" verdict marks the engine failed only after `checks_before_dead` in a row;
     until then it keeps its sessions and their cached-prefix estimates."""

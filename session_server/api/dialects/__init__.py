@@ -1,24 +1,70 @@
 """Client API dialects: one module per API a client speaks (today OpenAI chat
-completions). A dialect owns its request model and the respond phase; the turn
-pipeline between them (`turns.py`) is shared.
+completions, `openai_chat.py`). The turn pipeline between them (`turns.py`) is shared:
+
+    body --dialect.parse--> ChatRequest --pipeline--> TurnOutput --dialect.body / .stream--> bytes
+
+A dialect is three pure functions (run on the offload threads when large) and its
+request model for the OpenAPI document; `respond` here is the respond phase every
+dialect shares: offloading, the response type, and the `respond` phase timer.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from pydantic import BaseModel
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
-from .openai_chat import OpenAIChat, completion_body, stream_chunks
+from ...context import ServerContext
+from ...turns import TurnOutput
+from ..models import ChatRequest
+from .openai_chat import OPENAI_CHAT, OpenAIChat
 
-__all__ = ["Dialect", "OpenAIChat", "completion_body", "stream_chunks"]
+__all__ = ["OPENAI_CHAT", "Dialect", "OpenAIChat", "respond"]
 
 
 class Dialect(Protocol):
-    """What a dialect gives the app: its name, its request model, and a respond phase."""
+    """What a dialect gives the app: its request model, parse, and the two response shapes."""
 
-    name: str
-    request_model: type[BaseModel]
+    @property
+    def name(self) -> str: ...
 
-    async def respond(self, ctx: Any, req: Any, out: Any) -> Response: ...
+    @property
+    def request_model(self) -> type[BaseModel]:
+        """The request's pydantic model, declared in the OpenAPI document."""
+        ...
+
+    def parse(self, body: bytes) -> ChatRequest:
+        """The request body as the pipeline's input; bad input raises `BadRequest`."""
+        ...
+
+    def body(self, out: TurnOutput, req: ChatRequest, tokenizer: Any) -> bytes:
+        """A committed turn as one JSON response body."""
+        ...
+
+    def stream(self, out: TurnOutput, req: ChatRequest, tokenizer: Any) -> list[bytes]:
+        """A committed turn as server-sent-event frames."""
+        ...
+
+
+async def respond(ctx: ServerContext, dialect: Dialect, req: ChatRequest, out: TurnOutput) -> Response:
+    """The respond phase (timed as `respond`): a JSON body, or an SSE stream when asked."""
+    t0 = time.perf_counter()
+    # per-token logprobs make a response proportional to the output: offloaded; else inline
+    size = len(out.sampled_ids) * 64 if req.logprobs else 0
+    response: Response
+    if req.stream:
+        frames = await ctx.offload.run_sized(size, dialect.stream, out, req, ctx.tokenizer)
+        response = StreamingResponse(_frames(frames), media_type="text/event-stream")
+    else:
+        payload = await ctx.offload.run_sized(size, dialect.body, out, req, ctx.tokenizer)
+        response = Response(content=payload, media_type="application/json")
+    ctx.metrics.observe_phase("respond", time.perf_counter() - t0)
+    return response
+
+
+async def _frames(frames: list[bytes]) -> AsyncIterator[bytes]:
+    for f in frames:
+        yield f

@@ -1,6 +1,7 @@
-"""The OpenAI chat-completions dialect: its request model and its respond phase.
+"""The OpenAI chat-completions dialect: request body -> `ChatRequest`, and a committed
+turn -> a `chat.completion` JSON body or SSE `chat.completion.chunk` frames.
 
-`chat.completion` JSON bodies and SSE `chat.completion.chunk` streams, built on the
+All three are pure; the shared respond phase (`dialects.respond`) runs them on the
 CPU offload threads when large: a response carries per-token logprobs when asked,
 which is proportional to the turn's output.
 """
@@ -8,17 +9,14 @@ which is proportional to the turn's output.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from starlette.responses import Response, StreamingResponse
 
 from trajectory.codec.probe import decode_text
 
-from ...context import ServerContext
 from ...turns import TurnOutput
-from ..models import ChatRequest
+from ..models import ChatRequest, parse_json_model
 
 _MODEL = "tito-session"
 
@@ -95,33 +93,24 @@ def stream_chunks(out: TurnOutput, *, model: str | None, logprobs: bool, top_k: 
     return frames
 
 
-async def _frames(frames: list[bytes]) -> AsyncIterator[bytes]:
-    for f in frames:
-        yield f
-
-
 class OpenAIChat:
     """`POST .../v1/chat/completions`: OpenAI's request in, `chat.completion` out."""
 
     name = "openai_chat"
     request_model = ChatRequest
 
-    async def respond(self, ctx: ServerContext, req: ChatRequest, out: TurnOutput) -> Response:
-        """The respond phase (timed as `respond`): a JSON body or an SSE stream."""
-        t0 = time.perf_counter()
-        top_k = req.top_logprobs or 0
-        # per-token logprobs make a response proportional to the output: offloaded; else inline
-        size = len(out.sampled_ids) * 64 if req.logprobs else 0
-        response: Response
-        if req.stream:
-            frames = await ctx.offload.run_sized(
-                size, stream_chunks, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
-            )
-            response = StreamingResponse(_frames(frames), media_type="text/event-stream")
-        else:
-            payload = await ctx.offload.run_sized(
-                size, completion_body, out, model=req.model, logprobs=req.logprobs, top_k=top_k, tokenizer=ctx.tokenizer
-            )
-            response = Response(content=payload, media_type="application/json")
-        ctx.metrics.observe_phase("respond", time.perf_counter() - t0)
-        return response
+    def parse(self, body: bytes) -> ChatRequest:
+        """orjson + pydantic; any failure is a 400 naming the problem."""
+        req: ChatRequest = parse_json_model(body, ChatRequest)
+        return req
+
+    def body(self, out: TurnOutput, req: ChatRequest, tokenizer: Any) -> bytes:
+        return completion_body(out, model=req.model, logprobs=req.logprobs, top_k=req.top_logprobs or 0,
+                               tokenizer=tokenizer)
+
+    def stream(self, out: TurnOutput, req: ChatRequest, tokenizer: Any) -> list[bytes]:
+        return stream_chunks(out, model=req.model, logprobs=req.logprobs, top_k=req.top_logprobs or 0,
+                             tokenizer=tokenizer)
+
+
+OPENAI_CHAT = OpenAIChat()

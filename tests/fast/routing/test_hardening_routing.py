@@ -51,7 +51,7 @@ def test_weight_update_resets_cached_prefix_estimates() -> None:
 
 
 
-async def test_one_failed_probe_keeps_engine_and_its_cache_estimates() -> None:
+async def test_one_failed_health_check_keeps_engine_and_its_cache_estimates() -> None:
     from session_server.routing.health import check_health_once
 
     pool = EnginePool()
@@ -61,18 +61,18 @@ async def test_one_failed_probe_keeps_engine_and_its_cache_estimates() -> None:
     pool.on_turn_complete(t, "s", ok=True, total_tokens=150)
     fail = {"e0"}
 
-    async def probe(eng: Any) -> None:
+    async def check(eng: Any) -> None:
         if eng.id in fail:
             raise ConnectionRefusedError
 
-    await check_health_once(pool, probe, timeout_s=1.0)
+    await check_health_once(pool, check, timeout_s=1.0)
     assert pool.engines["e0"].healthy and pool.uncached_tokens("s", "e0/0", 200) == 50
     fail.clear()
-    await check_health_once(pool, probe, timeout_s=1.0)  # a healthy probe resets the count
+    await check_health_once(pool, check, timeout_s=1.0)  # a healthy check resets the count
     fail.add("e0")
-    await check_health_once(pool, probe, timeout_s=1.0)
+    await check_health_once(pool, check, timeout_s=1.0)
     assert pool.engines["e0"].healthy
-    await check_health_once(pool, probe, timeout_s=1.0)
+    await check_health_once(pool, check, timeout_s=1.0)
     assert not pool.engines["e0"].healthy and pool.uncached_tokens("s", "e0/0", 200) == 200
 
 

@@ -70,7 +70,7 @@ def test_refused_connection_marks_dead_at_once_and_success_resets_the_count() ->
     assert t is not None
 
 
-async def test_probe_once_dead_slow_healthy_and_recovery_moves_nothing() -> None:
+async def test_health_check_once_dead_slow_healthy_and_recovery_moves_nothing() -> None:
     pool = _pool()
     home = next(tid for tid in pool.targets if tid.startswith("e1/"))  # on the slow engine
     t = pool.select("s", home, context_tokens=10)
@@ -78,17 +78,17 @@ async def test_probe_once_dead_slow_healthy_and_recovery_moves_nothing() -> None
     pool.on_turn_complete(t, "s", ok=True, total_tokens=20)
     pool.mark_failed("e2")
 
-    async def probe(eng: Engine) -> None:
+    async def check(eng: Engine) -> None:
         if eng.id == "e0":
             raise ConnectionRefusedError
         if eng.id == "e1":
             await asyncio.sleep(1.0)
 
-    verdicts = await check_health_once(pool, probe, timeout_s=0.05)
+    verdicts = await check_health_once(pool, check, timeout_s=0.05)
     assert verdicts == {"e0": "dead", "e1": "slow", "e2": "healthy"}
-    # one failed probe is not death: consecutive failures confirm it
+    # one failed health check is not death: consecutive failures confirm it
     assert [pool.engines[e].healthy for e in ("e0", "e1", "e2")] == [True, True, True]
-    await check_health_once(pool, probe, timeout_s=0.05)
+    await check_health_once(pool, check, timeout_s=0.05)
     assert [pool.engines[e].healthy for e in ("e0", "e1", "e2")] == [False, True, True]
     # slow is not dead: the session stays home with its cached prefix
     assert pool.uncached_tokens("s", home, 30) == 10
@@ -96,15 +96,15 @@ async def test_probe_once_dead_slow_healthy_and_recovery_moves_nothing() -> None
     assert pool.migrations == 0
 
 
-async def test_probe_loop_stops_on_event() -> None:
+async def test_health_check_loop_stops_on_event() -> None:
     pool = _pool()
     calls: list[str] = []
     stop = asyncio.Event()
 
-    async def probe(eng: Engine) -> None:
+    async def check(eng: Engine) -> None:
         calls.append(eng.id)
         if len(calls) >= 6:
             stop.set()
 
-    await asyncio.wait_for(health_check_loop(pool, probe, interval_s=0.01, timeout_s=1.0, stop=stop), 2.0)
+    await asyncio.wait_for(health_check_loop(pool, check, interval_s=0.01, timeout_s=1.0, stop=stop), 2.0)
     assert len(calls) == 6

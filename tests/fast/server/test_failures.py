@@ -134,10 +134,12 @@ async def test_cancellation_releases_the_claim(qwen3_dir: Path) -> None:
     """A cancelled turn (e.g. shutdown) releases its claim in `finally` and commits nothing."""
     import orjson
 
+    from session_server.api.dialects import OPENAI_CHAT
+
     async with live_stack(qwen3_dir, latency_ms=20) as st:
         sid = await st.session()
         runner = _runner_of(st)
-        task = asyncio.create_task(runner.run(sid, orjson.dumps(CHAT)))
+        task = asyncio.create_task(runner.run(sid, orjson.dumps(CHAT), parse=OPENAI_CHAT.parse))
         await _until_busy(st, sid)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -97,7 +97,7 @@ async def test_vllm_repetition_turn_is_stop_for_client_and_recorded(qwen3_dir: P
         assert turn["finish_reason"] == "repetition" and turn["repair_tokens"]  # closed like any non-EOT end
 
 
-async def test_post_engines_probes_declared_protocol(qwen3_dir: Path) -> None:
+async def test_post_engines_admission_check_verifies_declared_protocol(qwen3_dir: Path) -> None:
     from aiohttp import web
 
     async def hello(request: web.Request) -> web.Response:

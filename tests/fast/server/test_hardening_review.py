@@ -119,7 +119,7 @@ async def test_review_3_deep_schemas_and_long_ref_chains_are_400_not_500(qwen3_d
 async def test_review_4_constraint_is_derived_off_the_event_loop(
     qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A large request's constraint (work proportional to its schemas) is built in the pool."""
+    """A large request's constraint (work proportional to its schemas) is built on the offload threads."""
     import asyncio
 
     import session_server.prepare as prepare

@@ -28,24 +28,24 @@ def _body(padding: bytes) -> bytes:
 
 async def test_large_reply_decoded_in_a_process_equals_inline_decode() -> None:
     threads = CpuOffload(1)
-    pool = ReplyDecoder(threads, processes=1, large_reply_bytes=1024)
+    decoder = ReplyDecoder(threads, processes=1, large_reply_bytes=1024)
     try:
-        await pool.start()
+        await decoder.start()
         padding = b"[" + b",".join([b"[0.1,0.2,0.3]"] * 8000) + b"]"
         big = _body(padding)
         calls: list[str] = []
-        real = pool._procs.submit  # type: ignore[union-attr]
-        pool._procs.submit = lambda *a, **k: (calls.append("process"), real(*a, **k))[1]  # type: ignore[union-attr]
-        got = await pool.run(parse_sglang_generate, big, request_id="r1", engine="e")
+        real = decoder._procs.submit  # type: ignore[union-attr]
+        decoder._procs.submit = lambda *a, **k: (calls.append("process"), real(*a, **k))[1]  # type: ignore[union-attr]
+        got = await decoder.run(parse_sglang_generate, big, request_id="r1", engine="e")
         assert got == parse_sglang_generate(big, request_id="r1", engine="e")
         assert got.routed_experts == padding
         assert calls == ["process"]
         with pytest.raises(UpstreamInvalid) as info:
-            await pool.run(parse_sglang_generate, big[:-1] + b"    ", request_id="r1", engine="e")
+            await decoder.run(parse_sglang_generate, big[:-1] + b"    ", request_id="r1", engine="e")
         assert info.value.engine == "e"
         small = _body(b"null")
-        assert (await pool.run(parse_sglang_generate, small, request_id="r1")).routed_experts is None
+        assert (await decoder.run(parse_sglang_generate, small, request_id="r1")).routed_experts is None
         assert calls == ["process", "process"], "the small reply stayed out of the process"
     finally:
-        pool.shutdown()
+        decoder.shutdown()
         threads.shutdown()

@@ -1,0 +1,142 @@
+"""Validate and commit: what the engine returned, checked, parsed and stored.
+
+`validate` (offloaded, O(output)) checks the engine's output against the request's
+`Expectations`, parses it as this request asked and computes repair tokens: a frozen
+`Checked`. `commit` (under the session lock, with no await inside, so a cancel never
+half-commits) applies the branch change decided at prepare and appends the turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trajectory.errors import ValidationError
+from trajectory.validate import Expectations, ValidGeneration, validate_generation
+
+from .api.models import ChatRequest
+from .context import ServerContext, log
+from .control import ResilientResult
+from .engine_request import EngineCall
+from .engines.base import GenerateResult
+from .errors import InternalInvariant, UpstreamInvalid
+from .prepare import Prepared
+from .sessions import Claim, Session
+from .structured import apply_output_policy
+
+__all__ = ["Checked", "Committed", "commit", "validate"]
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The validated engine output, parsed as this request asked, ready to commit."""
+
+    valid: ValidGeneration
+    parsed: Any  # trajectory.codec.base.ParsedAssistant
+    repair: list[int]  # tokens that close a turn the engine cut short
+    message: dict[str, Any]  # the assistant message returned and stored
+    finish: str  # stop | tool_calls | length | abort | repetition
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Where the turn was stored."""
+
+    turn_index: int
+    branch_id: int
+
+
+async def validate(
+    ctx: ServerContext, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared
+) -> Checked:
+    """The engine output validated, parsed and shaped by the request's output policy."""
+    valid, parsed, repair = await ctx.offload.run(_check_output, ctx, result, expect, req, prep)
+    parsed = await ctx.offload.run(apply_output_policy, parsed, req, ctx.codec, valid)
+    finish = valid.finish_reason
+    if finish == "stop" and parsed.tool_calls:
+        finish = "tool_calls"
+    return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish)
+
+
+def _check_output(
+    ctx: ServerContext, result: GenerateResult, expect: Expectations, req: ChatRequest, prep: Prepared
+) -> tuple[ValidGeneration, Any, list[int]]:
+    """Validate, parse (as this request: its tools, its thinking switch) and compute
+    repair tokens (offload). `tool_choice: none` offers no tools to call."""
+    try:
+        valid = validate_generation(result, expect)
+    except ValidationError as exc:
+        raise UpstreamInvalid(f"engine output rejected: {exc}") from exc
+    ids = valid.ids.tolist()
+    tools = None if req.tool_choice == "none" else prep.tools
+    parsed = ctx.codec.parse_assistant(ids, tools=tools, template_kwargs=prep.template_kwargs)
+    repair = list(ctx.codec.close_turn(ids))
+    return valid, parsed, repair
+
+
+async def commit(
+    ctx: ServerContext, session: Session, claim: Claim, prep: Prepared, prompt_ids: list[int],
+    call: EngineCall, result: ResilientResult, checked: Checked, target_id: str,
+) -> Committed:
+    """Apply the branch change decided at prepare and append the turn."""
+    valid = checked.valid
+    async with session.lock:
+        ctx.store.ensure_can_commit(session, claim)  # SessionClosed: counted discarded by run()
+        _apply_branch_change(ctx, session, prep)
+        branch = session.tree.active
+        if prep.kind in ("first", "rollback", "fork"):
+            session.tools_by_branch[branch.id] = prep.tools
+        extra = _turn_extra(call, result, checked)
+        if "control" in extra:
+            session.control_totals.add(result)
+        record = branch.trajectory.commit_turn(
+            prompt_ids,
+            valid.ids,
+            valid.logprobs,
+            finish_reason=checked.finish,
+            weight_spans=result.weight_spans or None,
+            weight_version=None if result.weight_spans else valid.weight_version,
+            repair_ids=checked.repair,
+            request_messages=prep.new_messages,
+            assistant_message=checked.message,
+            engine=target_id,
+            cached_tokens=valid.cached_tokens,
+            extra=extra,
+        )
+        if checked.repair:
+            session.note("repair", turn=record.index, tokens=len(checked.repair), finish_reason=checked.finish)
+    ctx.metrics.tokens_in_total.inc(len(prompt_ids))
+    ctx.metrics.tokens_out_total.inc(len(valid.ids))
+    ctx.metrics.cached_tokens_total.inc(valid.cached_tokens)
+    return Committed(turn_index=record.index, branch_id=branch.id)
+
+
+def _apply_branch_change(ctx: ServerContext, session: Session, prep: Prepared) -> None:
+    """The rollback or fork decided at prepare, on the branch prepare saw (checked)."""
+    tree = session.tree
+    if tree.active.id != prep.branch_id or len(tree.active.trajectory) != prep.base_len:
+        log.error("session %s: branch moved between prepare and commit", session.id)
+        raise InternalInvariant(f"session {session.id}: branch moved during the turn")
+    if prep.kind == "rollback":
+        tree.rollback(prep.checkpoint)
+        ctx.metrics.branches_total.labels(reason="rollback").inc()
+    elif prep.kind == "fork":
+        if prep.fork_reason is not None:
+            session.note("fork", reason=prep.fork_reason, turn=len(tree.active.trajectory.turns),
+                         from_branch=tree.active.id)
+        tree.fork(prep.fork_reason or "history_rewrite")
+        ctx.metrics.branches_total.labels(reason="fork").inc()
+
+
+def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked) -> dict[str, Any]:
+    """The turn record's diagnostics: request id, parse status, routed-experts size and
+    the control counters of a turn that lived through pauses."""
+    parsed = checked.parsed
+    extra: dict[str, Any] = {"request_id": call.greq.request_id, "parse_status": parsed.status.value}
+    if parsed.status_detail:
+        extra["parse_detail"] = parsed.status_detail
+    if result.routed_experts is not None:
+        extra["routed_experts_bytes"] = len(result.routed_experts)
+    if result.aborts or result.resubmits or result.paused_wait_s:
+        extra["control"] = result.counters()
+    return extra
