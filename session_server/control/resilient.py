@@ -223,7 +223,18 @@ async def generate_resilient(
             # (committing e.g. `{"a": {"a": 1}`). The partial is dropped and the turn is
             # regenerated from its own prompt with its whole budget; it was never shown.
             counts.dropped_tokens += n
-            unexplained_empty = 0
+            if control.epoch == epoch and not control.blocked(lora):
+                # nothing left for this turn and no pause explains the abort: like an empty
+                # abort, bounded, so an engine that keeps aborting cannot loop us forever
+                unexplained_empty += 1
+                if unexplained_empty > control.max_empty_aborts:
+                    raise EngineAborted(
+                        f"{request.request_id}: {unexplained_empty} consecutive constrained aborts "
+                        f"that no pause explains: {result.abort_message or 'no message'}",
+                        engine=engine,
+                    )
+            else:
+                unexplained_empty = 0
         elif n:
             acc.add(result, version)
             last_version = version if version is not None else last_version

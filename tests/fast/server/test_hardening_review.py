@@ -265,3 +265,19 @@ def test_review_engine_refusal_blames_the_constraint_only_for_grammar_errors() -
     assert engine_refusal(grammar, c, Req()) is not None
     assert engine_refusal(other, c, Req()) is None
     assert engine_refusal(grammar, None, Req()) is None
+
+
+async def test_review_1_constrained_turn_aborted_over_and_over_without_a_pause_is_503(qwen3_dir: Path) -> None:
+    """A dropped constrained partial leaves the budget whole, so aborts that no pause
+    explains are bounded like empty ones: 503 engine_aborted, nothing committed."""
+    async with live_stack(qwen3_dir, "sglang") as stack:
+        sid = await stack.session()
+        await stack.fault("abort_midway", count=40)
+        r = await stack.chat(sid, {"messages": MSG, "max_tokens": 200, "response_format": RF})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "engine_aborted"
+        assert r.headers["retry-after"] == "1"
+        assert len(await stack.engine_log()) == 9  # max_empty_aborts (8) + 1, then it gives up
+        traj = await stack.trajectory(sid)
+        branches = traj.get("branches", [traj])
+        assert all(not b["turns"] for b in branches)
