@@ -217,39 +217,32 @@ async def generate_resilient(
         n = len(result.output_ids)
         counts.aborts += 1
         control.record_abort(empty=n == 0)
-        if n and constrained:
-            # engines restart a grammar at the first output token, so `prompt + partial`
-            # under the same constraint would demand a whole new instance after the partial
-            # (committing e.g. `{"a": {"a": 1}`). The partial is dropped and the turn is
-            # regenerated from its own prompt with its whole budget; it was never shown.
-            counts.dropped_tokens += n
-            if control.epoch == epoch and not control.blocked(lora):
-                # nothing left for this turn and no pause explains the abort: like an empty
-                # abort, bounded, so an engine that keeps aborting cannot loop us forever
-                unexplained_empty += 1
-                if unexplained_empty > control.max_empty_aborts:
-                    raise EngineAborted(
-                        f"{request.request_id}: {unexplained_empty} consecutive constrained aborts "
-                        f"that no pause explains: {result.abort_message or 'no message'}",
-                        engine=engine,
-                    )
-            else:
-                unexplained_empty = 0
-        elif n:
+        if n and not constrained:
             acc.add(result, version)
             last_version = version if version is not None else last_version
             remaining -= n
             unexplained_empty = 0
-        else:  # nothing to accumulate: retry as is
-            counts.empty_aborts += 1
+        else:
+            if n:
+                # engines restart a grammar at the first output token, so `prompt + partial`
+                # under the same constraint would demand a whole new instance after the partial
+                # (committing e.g. `{"a": {"a": 1}`). The partial is dropped and the turn is
+                # regenerated from its own prompt with its whole budget; it was never shown.
+                counts.dropped_tokens += n
+            else:  # nothing to accumulate: retry as is
+                counts.empty_aborts += 1
             if control.epoch == epoch and not control.blocked(lora):
+                # nothing kept and no pause explains the abort: bounded, so an engine that
+                # keeps aborting cannot loop the turn until its deadline
                 unexplained_empty += 1
                 if unexplained_empty > control.max_empty_aborts:
                     raise EngineAborted(
                         f"{request.request_id}: {unexplained_empty} consecutive aborts without a "
-                        f"token or a pause: {result.abort_message or 'no message'}",
+                        f"kept token or a pause: {result.abort_message or 'no message'}",
                         engine=engine,
                     )
+            elif n:
+                unexplained_empty = 0
         if on_abort is not None:
             on_abort(AbortEvent(
                 request_id=request.request_id, segment_request_id=seg_rid,
