@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trajectory.errors import ValidationError
+from trajectory.tree import ROLLBACK_REASON
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
 from .api.models import ChatRequest
@@ -86,7 +87,7 @@ async def commit(
         branch = session.tree.active
         if prep.kind in ("first", "rollback", "fork"):
             session.tools_by_branch[branch.id] = prep.tools
-        extra = _turn_extra(call, result, checked)
+        extra = _turn_extra(call, result, checked, prep)
         if "control" in extra:
             session.control_totals.add(result)
         record = branch.trajectory.commit_turn(
@@ -112,23 +113,29 @@ async def commit(
 
 
 def _apply_branch_change(ctx: ServerContext, session: Session, prep: Prepared) -> None:
-    """The rollback or fork decided at prepare, on the branch prepare saw (checked)."""
+    """The attachment decided at prepare, on the branch prepare saw (checked): extend
+    that branch (made active), or start a new one from it (rollback, fork)."""
     tree = session.tree
-    if tree.active.id != prep.branch_id or len(tree.active.trajectory) != prep.base_len:
+    branch = tree.get(prep.branch_id)
+    if len(branch.trajectory) != prep.base_len:
         log.error("session %s: branch moved between prepare and commit", session.id)
         raise InternalInvariant(f"session {session.id}: branch moved during the turn")
-    if prep.kind == "rollback":
-        tree.rollback(prep.checkpoint)
+    if prep.kind in ("first", "append"):
+        if tree.active_id != branch.id:
+            session.note("resume", branch=branch.id, from_branch=tree.active_id)
+        tree.activate(branch.id)
+    elif prep.kind == "rollback":
+        tree.branch_from(branch.id, prep.checkpoint, ROLLBACK_REASON)
         ctx.metrics.branches_total.labels(reason="rollback").inc()
     elif prep.kind == "fork":
         if prep.fork_reason is not None:
-            session.note("fork", reason=prep.fork_reason, turn=len(tree.active.trajectory.turns),
-                         from_branch=tree.active.id)
-        tree.fork(prep.fork_reason or "history_rewrite")
+            session.note("fork", reason=prep.fork_reason, turn=len(branch.trajectory.turns),
+                         from_branch=branch.id)
+        tree.branch_from(branch.id, 0, prep.fork_reason or "history_rewrite")
         ctx.metrics.branches_total.labels(reason="fork").inc()
 
 
-def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked) -> dict[str, Any]:
+def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked, prep: Prepared) -> dict[str, Any]:
     """The turn record's diagnostics: request id, parse status, routed-experts size and
     the control counters of a turn that lived through pauses."""
     parsed = checked.parsed
@@ -139,4 +146,8 @@ def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked) -> 
         extra["routed_experts_bytes"] = len(result.routed_experts)
     if result.aborts or result.resubmits or result.paused_wait_s:
         extra["control"] = result.counters()
+    if prep.history_rewrite is not None:  # kept under the append policy (10.3)
+        extra["history_rewrite"] = dict(prep.history_rewrite)
+    if prep.tool_call_renames:  # the client re-sent our last calls under its own ids (10.2)
+        extra["tool_call_id_renames"] = dict(prep.tool_call_renames)
     return extra

@@ -9,14 +9,14 @@ the new messages into prompt tokens (O(new tokens)). Both return frozen values.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message
-from trajectory.history import reconcile
-from trajectory.messages import messages_equal
+from trajectory.history import attach
+from trajectory.tree import TrajectoryTree
 
 from .api.models import ChatRequest
 from .context import ServerContext
@@ -35,7 +35,7 @@ class Prepared:
 
     kind: str  # first | append | rollback | fork
     branch_id: int
-    base_len: int  # active branch length at prepare (checked again at commit)
+    base_len: int  # length of branch `branch_id` at prepare (checked again at commit)
     checkpoint: int  # rollback target (0 otherwise)
     context_ids: np.ndarray  # committed ids kept as context (int32 copy)
     history: list[Message]
@@ -46,6 +46,9 @@ class Prepared:
     last_weight_version: Any
     constraint: Constraint | None = None  # tool_choice / response_format, derived off the loop
     fork_reason: str | None = None  # why a fork was decided at prepare (diagnostic at commit)
+    tool_call_renames: dict[str, Any] = field(default_factory=dict)  # client id -> ours (10.2)
+    prev_output: tuple[int, int, int] | None = None  # (turn index, output_start, output_end) before the node
+    history_rewrite: dict[str, Any] | None = None  # set by render: where a re-render would differ
 
 
 @dataclass(frozen=True)
@@ -67,15 +70,15 @@ def client_messages(messages: Sequence[dict[str, Any]], developer_role: bool) ->
 
 
 def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
-    """Decide append / rollback / fork and snapshot what render and commit need."""
+    """Decide where the request attaches in the session's tree (append, rollback or
+    fork) and snapshot what render and commit need."""
     tree = session.tree
-    branch = tree.active
-    traj = branch.trajectory
-    history = traj.messages()
-    counts = traj.checkpoint_message_counts
     codec = ctx.codec
     request_msgs = client_messages(req.messages, codec.developer_role)
-    plan = reconcile(history, counts, request_msgs, messages_equal)  # compared in normal form
+    plan = attach(tree, request_msgs)  # compared in normal form, anywhere in the tree
+    branch = tree.get(plan.branch_id)
+    traj = branch.trajectory
+    counts = traj.checkpoint_message_counts
     kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
     tools = req.tools or None
     kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
@@ -91,12 +94,11 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         raise BadRequest("no new message after the committed history: nothing to respond to")
     if kind == "append":
         keep = len(traj)
-        hist = history
     elif kind == "rollback":
         keep = traj.checkpoints[checkpoint]
-        hist = history[: counts[checkpoint]]
     else:
-        keep, hist = 0, []
+        keep, checkpoint = 0, 0
+    hist = [traj.message(i) for i in range(counts[checkpoint])] if keep else []
     context_ids = np.array(traj.ids_until(keep), dtype=np.int32, copy=True)
     return Prepared(
         kind=kind,
@@ -109,20 +111,33 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         new_messages=new,
         tools=tools,
         template_kwargs=kwargs,
-        last_weight_version=ctx.control.version_floor(last_weight_version(session)),
+        last_weight_version=ctx.control.version_floor(last_weight_version(tree)),
         # proportional to the client's schemas: derived here, off the event loop
         constraint=request_constraint(req, ctx.codec.family),
         fork_reason=fork_reason,
+        tool_call_renames=dict(plan.renames) if kind in ("append", "rollback") else {},
+        prev_output=_prev_output(traj, checkpoint) if keep else None,
     )
 
 
-def last_weight_version(session: Session) -> Any:
-    """The weight version of the active branch's last sampled token (None: none known)."""
-    turns = session.tree.active.trajectory.turns
-    for t in reversed(turns):
-        if t.weight_spans:
-            return t.weight_spans[-1][2]
-    return None
+def _prev_output(traj: Any, checkpoint: int) -> tuple[int, int, int] | None:
+    if checkpoint < 1:
+        return None
+    t = traj.turns[checkpoint - 1]
+    return (t.index, t.output_start, t.output_end)
+
+
+def last_weight_version(tree: TrajectoryTree) -> Any:
+    """The weight version of the session's last sampled token, on any branch (the
+    turn with the highest commit seq that sampled anything; None: none known)."""
+    best: tuple[int, Any] | None = None
+    for b in tree.branches():
+        for t in reversed(b.trajectory.turns[b.fork_checkpoint :]):
+            if t.weight_spans:
+                if best is None or t.seq > best[0]:
+                    best = (t.seq, t.weight_spans[-1][2])
+                break
+    return None if best is None else best[1]
 
 
 async def render(ctx: ServerContext, session: Session, prep: Prepared) -> Rendered:
@@ -158,8 +173,22 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared) -> Render
             "create the session with history_policy='template' to fork instead"
         )
     if result.rewrites_history:
-        session.note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw")
+        rewrite = _history_rewrite(prep, result.rewrite_offset)
+        session.note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw",
+                     **rewrite)
+        return Rendered(list(result.prompt_ids), replace(prep, history_rewrite=rewrite))
     return Rendered(list(result.prompt_ids), prep)
+
+
+def _history_rewrite(prep: Prepared, offset: int | None) -> dict[str, Any]:
+    """The per-turn TITO diagnostic (10.3): which committed turn a full re-render would
+    change and its first differing token (absolute position; None when the change is in
+    the turn's closing tokens or could not be located)."""
+    if prep.prev_output is None:
+        return {"rewritten_turn": None, "first_diff": None}
+    index, start, end = prep.prev_output
+    first = None if offset is None else min(start + offset, end)
+    return {"rewritten_turn": index, "first_diff": first}
 
 
 def check_branch_cap(ctx: ServerContext, session: Session, prep: Prepared) -> None:

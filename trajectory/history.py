@@ -10,11 +10,14 @@ tool-call JSON, dropped ``reasoning_content``) is the codec's business.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trajectory.errors import InvariantError
+from trajectory.messages import match_returned, messages_equal
+from trajectory.tree import TrajectoryTree
 
 Message = Mapping[str, Any]
 PlanKind = Literal["first", "append", "rollback", "fork"]
@@ -81,3 +84,92 @@ def reconcile(
         if counts[k] <= m:
             return Plan("rollback", k, list(request[counts[k] :]))
     return Plan("fork", 0, list(request))
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """Where in a whole tree a request continues (see `attach`)."""
+
+    kind: PlanKind  # first | append | rollback | fork
+    branch_id: int  # append: the branch extended; rollback/fork: the branch forked from
+    checkpoint: int  # the node: this checkpoint of the branch's line (0 for first/fork)
+    new_messages: list[Message] = field(default_factory=list)
+    renames: dict[str, Any] = field(default_factory=dict)  # client tool-call id -> ours (last turn)
+
+
+def _returned_positions(traj: Any) -> set[int]:
+    """Indices in a line's messages of the assistant messages we returned."""
+    counts = traj.checkpoint_message_counts
+    return {counts[i + 1] - 1 for i, t in enumerate(traj.turns) if t.assistant_message is not None}
+
+
+def _match_line(traj: Any, request: Sequence[Message], start: int, returned: set[int]) -> int:
+    """How far `request` equals the line's messages, comparing from `start` on."""
+    m = start
+    limit = min(traj.num_messages, len(request))
+    while m < limit:
+        committed, sent = traj.message(m), request[m]
+        same = match_returned(committed, sent) is not None if m in returned else messages_equal(committed, sent)
+        if not same:
+            break
+        m += 1
+    return m
+
+
+def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
+    """Attach `request` at the deepest node of `tree` whose message path prefixes it.
+
+    An agent re-sends its whole conversation; the conversation may continue any
+    line of the tree, not only the active branch: a main agent resumes after a
+    sub-agent ran on another branch, or goes back to a line it left. For every
+    branch, the request is matched against the branch's line (assistant messages
+    we returned match by content and calls, whatever the tool-call ids; anything
+    else as `messages_equal`); the node is the latest checkpoint whose messages
+    all match. The deepest node wins (ties: the line's end, so nothing forks
+    needlessly; then the active branch; then the newest):
+
+    * the tree holds no turn: ``first`` on the active branch;
+    * the node is the end of a branch's line: ``append`` to that branch;
+    * the node is inside a line: ``rollback`` (a new branch from that checkpoint);
+    * nothing past the root matches: ``fork`` (a new branch from checkpoint 0),
+      with the whole request new.
+
+    Cost: a branch's line shares its prefix with its parent's, so the prefix's
+    result is reused and only the branch's own messages are compared, up to the
+    first difference: O(the matched path + branches), not O(branches x history).
+    `renames` maps the client's tool-call ids to ours for the last matched turn's
+    assistant message (earlier turns reported theirs when they were matched first).
+    """
+    if all(b.trajectory.num_turns == 0 for b in tree.branches()):
+        return Attachment("first", tree.active_id, 0, list(request))
+    matched: dict[int, int] = {}
+    best: tuple[int, int, int, int] | None = None  # (messages, at_end, is_active, id)
+    best_k = 0
+    for b in sorted(tree.branches(), key=lambda x: x.id):  # parents before children
+        traj = b.trajectory
+        counts = traj.checkpoint_message_counts
+        shared = counts[b.fork_checkpoint]
+        inherited = 0 if b.parent_id is None else matched[b.parent_id]
+        if inherited < shared:
+            m = inherited  # diverged before the fork point: same result as the parent's line
+        else:
+            m = _match_line(traj, request, shared, _returned_positions(traj))
+        matched[b.id] = m
+        k = bisect_right(counts, m) - 1  # the latest checkpoint whose messages all match
+        if k == 0:
+            continue
+        key = (counts[k], int(k == traj.num_turns), int(b.id == tree.active_id), b.id)
+        if best is None or key > best:
+            best, best_k = key, k
+    if best is None:
+        return Attachment("fork", tree.active_id, 0, list(request))
+    branch = tree.get(best[3])
+    traj = branch.trajectory
+    counts = traj.checkpoint_message_counts
+    new = list(request[counts[best_k] :])
+    last = traj.turns[best_k - 1].assistant_message
+    renames = {}
+    if last is not None:
+        renames = match_returned(last, request[counts[best_k] - 1]) or {}
+    kind: PlanKind = "append" if best_k == traj.num_turns else "rollback"
+    return Attachment(kind, branch.id, best_k, new, renames)

@@ -19,7 +19,13 @@ from typing import Any
 
 import orjson
 
-__all__ = ["flatten_content", "messages_equal", "normalize_message", "parse_arguments"]
+__all__ = [
+    "flatten_content",
+    "match_returned",
+    "messages_equal",
+    "normalize_message",
+    "parse_arguments",
+]
 
 
 def flatten_content(content: Any) -> str:
@@ -79,13 +85,42 @@ def normalize_message(msg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def messages_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """True when `a` and `b` are the same message up to tolerated client differences."""
+def _comparable(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     na, nb = normalize_message(a), normalize_message(b)
     if "reasoning_content" not in na or "reasoning_content" not in nb:
         na.pop("reasoning_content", None)
         nb.pop("reasoning_content", None)
+    return na, nb
+
+
+def _same(na: Mapping[str, Any], nb: Mapping[str, Any]) -> bool:
     return na == nb and _canonical(na) == _canonical(nb)
+
+
+def messages_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """True when `a` and `b` are the same message up to tolerated client differences."""
+    return _same(*_comparable(a, b))
+
+
+def match_returned(returned: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Match an assistant message *we returned* with what the client sent back.
+
+    Same as `messages_equal`, except that tool-call ids may differ: many SDKs
+    mint their own ids for the calls they receive. What the model produced is
+    its content and its calls (names and arguments, in order); the ids are ours
+    and were never sampled. Returns None when the messages differ, else the
+    renames ``{client id: our id}`` (empty when the ids were kept)."""
+    na, nb = _comparable(returned, requested)
+    calls_a, calls_b = na.get("tool_calls"), nb.get("tool_calls")
+    if not calls_a or not calls_b or len(calls_a) != len(calls_b):
+        return {} if _same(na, nb) else None
+    renames = {}
+    for ca, cb in zip(calls_a, calls_b, strict=True):
+        if ca["id"] != cb["id"]:
+            if isinstance(cb["id"], str):  # a dropped id (None) matches too, with nothing to record
+                renames[cb["id"]] = ca["id"]
+            cb["id"] = ca["id"]
+    return renames if _same(na, nb) else None
 
 
 def _canonical(value: Any) -> bytes:

@@ -16,18 +16,16 @@ and those form a common prefix (same tokens at the same positions).
 become samples:
 
 * ``all`` keeps every leaf.
-* ``latest`` (default) drops abandoned retries. The node after checkpoint ``c`` of
-  a line is identified by the owner of its turn ``c - 1`` (checkpoint 0 is the
-  root, shared by every line). A ``rollback`` branch R forked at checkpoint ``c``
-  of its parent sits at that node, and retries everything after it. A leaf is
-  dropped when, at some checkpoint ``c`` of its line, a rollback sits at the
-  line's node ``c`` and was created *after* the branch owning the line's turn
-  ``c`` (branch ids are creation order; a branch's own turns all precede its
-  children, since turns go to the newest branch). So among the continuations
-  of one node the latest retry wins, whether the earlier one is the parent's own
-  continuation or an earlier rollback from it. Forks (any reason other than
-  ``rollback``: a rewritten history, a re-rendered first turn, a sub-agent)
-  never drop anything: what the model saw and produced on the old line is valid.
+* ``latest`` (default) drops abandoned retries. Turn ``i`` of a line is the tree
+  node ``(owner, i)``; its parent node is the line's turn ``i - 1`` (the root
+  for ``i = 0``). Continuations of the same node are alternatives: a retry
+  (the agent re-sent an earlier prefix) adds one, and the agent may also go back
+  to an older one. Among them the one whose subtree holds the *latest* commit
+  (the highest `TurnRecord.seq`, the tree's commit order) is kept, and every
+  leaf below the others is dropped. At the root only continuations whose first
+  turn answered the same request messages compete: a different first request
+  is another conversation (a sub-agent, a rewritten or compacted history), and
+  what the model saw and produced there is valid training data.
 
 **Exactly-once masking.** Kept leaves are visited in creation order (branch
 id); a turn is trained (its sampled tokens keep mask 1) in the first kept
@@ -67,11 +65,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from trajectory.errors import SampleError
 from trajectory.export import from_dict
 from trajectory.linear import TurnRecord, WeightVersion
-from trajectory.tree import ROLLBACK_REASON, Branch, TrajectoryTree
+from trajectory.messages import normalize_message
+from trajectory.tree import Branch, TrajectoryTree
 
 STATUSES = ("completed", "truncated", "aborted")
 COMPLETED_FINISH_REASONS = frozenset({"stop", "tool_calls"})
@@ -181,18 +181,46 @@ def pick_all(lines: TreeLines) -> list[int]:
 
 
 def pick_latest(lines: TreeLines) -> list[int]:
-    """Every leaf that no later rollback retried (module doc: Pickers)."""
-    latest: dict[tuple[int, int] | None, int] = {}
-    for b in lines.tree.branches():
-        if b.reason == ROLLBACK_REASON and b.parent_id is not None:
-            node = lines.node(b.parent_id, b.fork_checkpoint)
-            latest[node] = max(b.id, latest.get(node, -1))
+    """Every leaf not below an abandoned alternative (module doc: Pickers).
+
+    O(turns over the leaves' lines)."""
+    turn_of: dict[tuple[int, int], TurnRecord] = {}
+    latest: dict[tuple[int, int], int] = {}  # node -> highest seq in its subtree
+    for leaf in lines.leaves:
+        turns = lines.tree.get(leaf).trajectory.turns
+        last = turns[-1].seq
+        for i, owner in enumerate(lines.owners[leaf]):
+            node = (owner, i)
+            turn_of[node] = turns[i]
+            latest[node] = max(latest.get(node, -1), last)
+    best: dict[Any, int] = {}  # a group of alternatives -> the latest subtree among them
+    group_of: dict[tuple[int, int], Any] = {}
+    for owner, i in latest:
+        if i == 0:  # at the root, alternatives answered the same first request
+            group: Any = ("root", _request_key(turn_of[(owner, 0)]))
+        else:
+            group = None  # filled per line below: the parent node
+        group_of[(owner, i)] = group
+    for leaf in lines.leaves:
+        owners = lines.owners[leaf]
+        for i in range(1, len(owners)):
+            group_of[(owners[i], i)] = (owners[i - 1], i - 1)
+    for node, seq in latest.items():
+        g = group_of[node]
+        best[g] = max(best.get(g, -1), seq)
     kept = []
     for leaf in lines.leaves:
         owners = lines.owners[leaf]
-        if not any(latest.get(lines.node(leaf, c), -1) > owners[c] for c in range(len(owners))):
+        if all(latest[(o, i)] == best[group_of[(o, i)]] for i, o in enumerate(owners)):
             kept.append(leaf)
     return kept
+
+
+def _request_key(turn: TurnRecord) -> bytes:
+    """The first turn's request messages in normal form (what makes two first turns
+    alternatives of each other)."""
+    return b"\x00".join(orjson.dumps(normalize_message(m), option=orjson.OPT_SORT_KEYS,
+                                     default=str) for m in turn.request_messages)
 
 
 PICKERS: dict[str, Picker] = {"latest": pick_latest, "all": pick_all}
@@ -221,12 +249,14 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
     """What the trajectory records about how a turn's tokens came about.
 
     ``history_rewrite`` is the turn's ``extra["history_rewrite"]`` when the
-    server recorded one (a template that would re-render earlier turns, kept as
-    committed under the ``append`` policy; ideally with the first differing
-    token). The server does not record it per turn yet (it notes it in the
-    session's diagnostics only), so today it is None. ``repair_tokens`` counts
-    the closing tokens the server appended (mask 0); ``parse_status`` and
-    ``parse_detail`` say how the output parsed.
+    server recorded one: the template would re-render an earlier turn once this
+    turn's messages follow it, and the committed tokens were kept (the
+    ``append`` policy); ``{"rewritten_turn": i, "first_diff": position}`` with the
+    absolute position of the first token a re-render changes (None when the
+    change is in the turn's closing tokens). ``tool_call_id_renames`` maps the
+    ids the client re-sent the previous turn's tool calls under to ours.
+    ``repair_tokens`` counts the closing tokens the server appended (mask 0);
+    ``parse_status`` and ``parse_detail`` say how the output parsed.
     """
     extra = turn.extra
     return {
@@ -237,6 +267,7 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
         "parse_status": extra.get("parse_status"),
         "parse_detail": extra.get("parse_detail"),
         "history_rewrite": extra.get("history_rewrite"),
+        "tool_call_id_renames": extra.get("tool_call_id_renames"),
     }
 
 

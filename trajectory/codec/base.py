@@ -50,6 +50,10 @@ class BridgeResult:
 
     prompt_ids: list[int]
     rewrites_history: bool = False  # a full re-render would differ before this point (diagnostic)
+    # where, in tokens from the start of the last committed assistant message's output:
+    # the first token a re-render of that message (with the new messages after it) changes;
+    # None when unknown or when the rewrite is at the turn boundary (the closing tokens)
+    rewrite_offset: int | None = None
 
 
 @dataclass(frozen=True)

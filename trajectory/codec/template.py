@@ -202,7 +202,27 @@ class TemplateCodec:
                 delta = delta[1:]  # the model sampled this role token as its stop token
             elif last in self.probe.boundary_ids:
                 rewrites = True  # sampled a different role token; a re-render lacks it
-        return BridgeResult(prompt_ids=list(delta), rewrites_history=rewrites)
+        offset = None
+        if rewrites and policy != HistoryPolicy.TEMPLATE:
+            offset = self._rewrite_offset(window, new, tools=tools, template_kwargs=kw)
+        return BridgeResult(prompt_ids=list(delta), rewrites_history=rewrites, rewrite_offset=offset)
+
+    def _rewrite_offset(self, window: list, new: list, *, tools: Any, template_kwargs: Any) -> int | None:
+        """First token of the window's last assistant message that the re-render with
+        `new` changes, counted from that message's output (the tokens after the
+        generation prompt). O(one turn): only the window is tokenized, and only on
+        a turn that rewrites."""
+        try:
+            before = self._ids(window, tools=tools, gen=False, template_kwargs=template_kwargs)
+            after = self._ids(window + new, tools=tools, gen=True, template_kwargs=template_kwargs)
+            head = self._ids(window[:-1], tools=tools, gen=True, template_kwargs=template_kwargs)
+        except Exception:  # a diagnostic never fails a turn
+            return None
+        j = next((i for i, (x, y) in enumerate(zip(before, after, strict=False)) if x != y),
+                 min(len(before), len(after)))
+        if not is_prefix(head, before) or j < len(head):
+            return None
+        return j - len(head)
 
     def same_tools(
         self,

@@ -52,8 +52,10 @@ class Oracle:
     tree: TrajectoryTree = field(default_factory=TrajectoryTree)
     gid: dict[tuple[int, int], int] = field(default_factory=dict)  # (branch, turn) -> id
     line: dict[int, list[int]] = field(default_factory=lambda: {0: []})  # branch -> turn ids
-    rollbacks: list[tuple[int | None, int]] = field(default_factory=list)  # (node, time)
+    rollbacks: list[tuple[int | None, int, int]] = field(default_factory=list)  # (node, time, conv)
     clock: int = 0
+    conv: int = 0  # the conversation a fork starts: its first request differs from the others
+    conv_of: dict[int, int] = field(default_factory=dict)  # first turn id -> its conversation
 
     def commit(self, n_prompt: int, n_sampled: int, repair: int, finish: str, versions: list[Any]) -> None:
         b = self.tree.active
@@ -66,7 +68,11 @@ class Oracle:
             ids[:n_prompt], ids[n_prompt : n_prompt + n_sampled],
             [-(i + 1) / 8 for i in range(n_sampled)], finish_reason=finish,
             weight_spans=spans, repair_ids=ids[n_prompt + n_sampled :],
+            request_messages=[{"role": "user", "content": f"conversation {self.conv}"}]
+            if not b.trajectory.num_turns else (),
         )
+        if b.trajectory.num_turns == 1:
+            self.conv_of[self.clock] = self.conv
         self.gid[(b.id, b.trajectory.num_turns - 1)] = self.clock
         self.line[b.id].append(self.clock)
         self.clock += 1
@@ -75,18 +81,25 @@ class Oracle:
         old = self.tree.active.id
         new = self.tree.fork("history_rewrite") if fork else self.tree.rollback(checkpoint)
         self.line[new.id] = self.line[old][: new.fork_checkpoint]
-        if not fork:
+        if fork:
+            self.conv = self.clock  # a rewritten history: a new first request
+        else:
             node = self.line[old][checkpoint - 1] if checkpoint else None
-            self.rollbacks.append((node, self.clock))
+            self.rollbacks.append((node, self.clock, self.conv))
         self.clock += 1
 
     def retried(self) -> set[int]:
-        """Turns a later rollback from the node before them replaced."""
+        """Turns a later rollback from the node before them replaced (at the root: a
+        rollback that retried the same first request)."""
         parent: dict[int, int | None] = {}
         for ids in self.line.values():
             for i, t in enumerate(ids):
                 parent[t] = ids[i - 1] if i else None
-        return {t for t, p in parent.items() if any(n == p and at > t for n, at in self.rollbacks)}
+        return {
+            t for t, p in parent.items()
+            if any(n == p and at > t and (p is not None or conv == self.conv_of[t])
+                   for n, at, conv in self.rollbacks)
+        }
 
     def leaves(self) -> list[int]:
         bs = self.tree.branches()
@@ -281,10 +294,10 @@ def test_10_3_a_retry_further_back_drops_the_lines_past_it() -> None:
 
 def test_10_3_a_fork_drops_nothing_but_a_retry_inside_it_does() -> None:
     t = TrajectoryTree()
-    _turn(t, 0)
+    _turn(t, 0, request_messages=[{"role": "user", "content": "main task"}])
     _turn(t, 1)
     t.fork("history_rewrite")  # a rewritten history (or a sub-agent): both lines are trained
-    _turn(t, 2)
+    _turn(t, 2, request_messages=[{"role": "user", "content": "a sub-task"}])
     _turn(t, 3)
     assert _paths(t) == [[0], [0, 1]]
     t.rollback(1)
@@ -292,6 +305,33 @@ def test_10_3_a_fork_drops_nothing_but_a_retry_inside_it_does() -> None:
     assert _paths(t) == [[0], [0, 1, 2]]
     samples = build_samples(t)
     assert [s.num_trainable for s in samples] == [4, 4]  # no shared tokens across a fork
+
+
+def test_10_3_a_first_turn_redone_with_the_same_request_competes_at_the_root() -> None:
+    t = TrajectoryTree()
+    ask = [{"role": "user", "content": "task"}]
+    _turn(t, 0, request_messages=ask)
+    t.fork("tools_changed")  # same first request: an alternative of the first line
+    _turn(t, 1, request_messages=[{"content": "task", "role": "user"}])
+    assert _paths(t) == [[0, 1]]
+    assert _paths(t, "all") == [[0], [0, 1]]
+
+
+def test_10_3_going_back_to_an_older_line_keeps_it_and_drops_the_retry() -> None:
+    """The agent retried turn 1, then resumed the original line: the original has the
+    latest commit below the node, so the retry is the abandoned alternative."""
+    t = TrajectoryTree()
+    _turn(t, 0)
+    _turn(t, 1)
+    t.rollback(1)
+    _turn(t, 2)
+    assert _paths(t) == [[0, 1]]
+    t.activate(0)
+    _turn(t, 3)  # branch 0 continues after its turn 1
+    assert _paths(t) == [[0]]
+    (only,) = build_samples(t)
+    assert only.turn_boundaries[-1][0] == t.get(0).trajectory.turns[-1].prompt_start
+    assert _paths(t, "all") == [[0], [0, 1]]
 
 
 def test_10_3_a_branch_continued_from_its_end_is_not_a_leaf() -> None:
@@ -358,7 +398,7 @@ def test_10_3_reward_metadata_diagnostics_and_export_input() -> None:
     assert a.metadata == b.metadata == {"task": "t1", "seed": 4} and a.metadata is not b.metadata
     assert a.diagnostics == [{"turn": 0, "branch": 0, "finish_reason": "stop", "repair_tokens": 0,
                               "parse_status": "ok", "parse_detail": None,
-                              "history_rewrite": {"first_diff": 17}}]
+                              "history_rewrite": {"first_diff": 17}, "tool_call_id_renames": None}]
     assert b.diagnostics[0]["parse_detail"] == "bad json" and b.diagnostics[0]["branch"] == 1
     assert [x.reward for x in build_samples(t, picker="all", reward=1)] == [1.0, 1.0]
     assert_same_samples(build_samples(to_dict(t), picker="all"), build_samples(t, picker="all"))
