@@ -37,7 +37,7 @@ MSGS: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test.
 
 def _app_routes() -> set[tuple[str, str]]:
     app = create_app(AppConfig(tokenizer="unused"))
-    return {(m, r.path) for r in app.routes for m in getattr(r, "methods", ()) or ()}
+    return {(m, getattr(r, "path", "")) for r in app.routes for m in getattr(r, "methods", ()) or ()}
 
 
 _ROUTES = _app_routes()
