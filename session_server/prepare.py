@@ -97,7 +97,7 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         hist = history[: counts[checkpoint]]
     else:
         keep, hist = 0, []
-    context_ids = np.array(traj.ids[:keep], dtype=np.int32, copy=True)
+    context_ids = np.array(traj.ids_until(keep), dtype=np.int32, copy=True)
     return Prepared(
         kind=kind,
         branch_id=branch.id,
@@ -163,7 +163,7 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared) -> Render
 
 
 def check_branch_cap(ctx: ServerContext, session: Session, prep: Prepared) -> None:
-    """A rollback or fork adds a branch, each copying its prefix: refuse past the cap
+    """A rollback or fork adds a branch (sharing its prefix, but O(turns) of records): refuse past the cap
     (before generating, so the refused turn costs the engine nothing)."""
     cap = ctx.settings.max_branches
     if prep.kind in ("rollback", "fork") and len(session.tree) >= cap:

@@ -9,6 +9,13 @@ no per-token Python objects; readers get read-only views of the used length.
 
 The buffer is deliberately dumb: it checks shapes, not meaning. What a mask or
 a logprob may be is `trajectory.linear`'s business.
+
+A buffer can be *shared*: a branch forked from a trajectory references the
+first ``n`` tokens of its parent's buffer instead of copying them, and `pin(n)`
+records that. The stored tokens below the pin never change again (`truncate`
+below it raises), which is what makes the reference safe. Readers always go
+through the buffer object, never a numpy view kept across appends: a view
+would keep an outgrown allocation alive and double the memory.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ def _readonly(view: np.ndarray) -> np.ndarray:
 class TokenBuffer:
     """Append-only ids/logprobs/mask storage with truncation for rollback."""
 
-    __slots__ = ("_ids", "_logprobs", "_mask", "_len")
+    __slots__ = ("_ids", "_logprobs", "_mask", "_len", "_pinned")
 
     def __init__(self, capacity: int = 0) -> None:
         if capacity < 0:
@@ -45,6 +52,7 @@ class TokenBuffer:
         self._logprobs = np.empty(capacity, dtype=LOGPROBS_DTYPE)
         self._mask = np.empty(capacity, dtype=MASK_DTYPE)
         self._len = 0
+        self._pinned = 0  # tokens below this are referenced by another trajectory
 
     @classmethod
     def from_arrays(
@@ -156,9 +164,24 @@ class TokenBuffer:
         """
         if not 0 <= n <= self._len:
             raise InvariantError(f"cannot truncate {self._len} tokens to {n}")
+        if n < self._pinned:
+            raise InvariantError(
+                f"cannot truncate to {n} tokens: the first {self._pinned} are shared with a branch"
+            )
         self._len = n
         if self.capacity > int(n * GROWTH_FACTOR):
             self._realloc(n)
+
+    @property
+    def pinned(self) -> int:
+        """How many leading tokens another trajectory references (they never change)."""
+        return self._pinned
+
+    def pin(self, n: int) -> None:
+        """Promise the first `n` tokens never change: another trajectory shares them."""
+        if not 0 <= n <= self._len:
+            raise InvariantError(f"cannot pin {n} tokens of {self._len}")
+        self._pinned = max(self._pinned, n)
 
     def tail(self, k: int) -> list[int]:
         """The last `k` ids (fewer when shorter) as Python ints."""

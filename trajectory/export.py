@@ -1,10 +1,18 @@
 """Export and import of a session's `TrajectoryTree` for trainers: JSON and npz.
 
-Both forms carry every branch (id, parent, fork point, reason), its tokens
-(``token_ids``, ``loss_mask``, ``logprobs`` with 0.0 where the mask is 0), its
-turns with every field (weight spans included) and its messages, plus the
-session metadata. Round trips are exact: float32 logprobs survive bit for bit
-(a float32 widened to a Python float prints and parses back to the same value).
+Both forms carry every branch (id, parent, fork point, reason) and what that
+branch added itself, as the tree stores it (version 2): its tokens from its
+fork point on (``token_ids``, ``loss_mask``, ``logprobs`` with 0.0 where the
+mask is 0; ``token_ids[0]`` sits at position ``fork_index`` of the branch's
+line), its own turns (every field, weight spans and commit ``seq`` included;
+``index`` counts from the fork checkpoint) and its own messages, plus the
+session metadata. A branch's whole line is its ancestors' parts up to the fork
+points followed by its own: import rebuilds the shared tree, and
+`branch_line` gives one line's arrays. So an export is O(unique tokens), like
+the tree. Version 1 exports (every branch a full copy of its line) still
+import; their shared prefixes are checked against the parent's and dropped.
+Round trips are exact: float32 logprobs survive bit for bit (a float32 widened
+to a Python float prints and parses back to the same value).
 
 * `to_dict` / `from_dict`: a JSON-ready dict (plain lists, str keys).
 * `iter_json` / `to_json_bytes`: the UTF-8 JSON of `to_dict` (byte for byte what
@@ -34,7 +42,8 @@ from trajectory.linear import LinearTrajectory, TurnRecord, WeightSpan
 from trajectory.tree import Branch, TrajectoryTree
 
 FORMAT = "tito-trajectory"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _ARRAYS = (("token_ids", np.int32), ("loss_mask", np.uint8), ("logprobs", np.float32))
 # Elements per piece of `iter_json`: 8192 floats serialise in well under 1 ms here.
 JSON_CHUNK_ELEMENTS = 8192
@@ -58,19 +67,34 @@ def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
         "request_messages": [dict(m) for m in t.request_messages],
         "assistant_message": None if t.assistant_message is None else dict(t.assistant_message),
         "extra": dict(t.extra),
+        "seq": t.seq,
     }
 
 
-def _branch_meta(b: Branch) -> dict[str, Any]:
+def _own_turns(b: Branch) -> tuple[TurnRecord, ...]:
+    return b.trajectory.turns[b.fork_checkpoint :]
+
+
+def _own_messages(b: Branch) -> list[Any]:
     traj = b.trajectory
+    return traj.messages()[traj.checkpoint_message_counts[b.fork_checkpoint] :]
+
+
+def _own_arrays(b: Branch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ids, mask and logprobs the branch added (its buffer: the tree shares the rest)."""
+    buf = b.trajectory.buffer
+    return buf.ids, buf.mask, buf.logprobs
+
+
+def _branch_meta(b: Branch) -> dict[str, Any]:
     return {
         "id": b.id,
         "parent_id": b.parent_id,
         "fork_checkpoint": b.fork_checkpoint,
         "fork_index": b.fork_index,
         "reason": b.reason,
-        "turns": [_turn_to_dict(t) for t in traj.turns],
-        "messages": [dict(m) for m in traj.messages()],
+        "turns": [_turn_to_dict(t) for t in _own_turns(b)],
+        "messages": [dict(m) for m in _own_messages(b)],
     }
 
 
@@ -89,10 +113,10 @@ def to_dict(tree: TrajectoryTree, *, metadata: Mapping[str, Any] | None = None) 
     branches = []
     for b in tree.branches():
         d = _branch_meta(b)
-        traj = b.trajectory
-        d["token_ids"] = traj.ids.tolist()
-        d["loss_mask"] = traj.mask.tolist()
-        d["logprobs"] = traj.logprobs.tolist()
+        ids, mask, lps = _own_arrays(b)
+        d["token_ids"] = ids.tolist()
+        d["loss_mask"] = mask.tolist()
+        d["logprobs"] = lps.tolist()
         branches.append(d)
     out["branches"] = branches
     return out
@@ -131,14 +155,14 @@ def _iter_array(values: np.ndarray, per: int) -> Iterator[bytes]:
 
 def _iter_branch(b: Branch, chunk: int) -> Iterator[bytes]:
     """One branch's JSON in `to_dict`'s key order: meta, turns, messages, arrays."""
-    traj = b.trajectory
     head = {"id": b.id, "parent_id": b.parent_id, "fork_checkpoint": b.fork_checkpoint,
             "fork_index": b.fork_index, "reason": b.reason}
     yield _dumps(head)[:-1] + b',"turns":'
-    yield from _iter_list(traj.turns, JSON_CHUNK_RECORDS, _turn_to_dict)
+    yield from _iter_list(_own_turns(b), JSON_CHUNK_RECORDS, _turn_to_dict)
     yield b',"messages":'
-    yield from _iter_list(traj.messages(), JSON_CHUNK_RECORDS, dict)
-    for key, values in (("token_ids", traj.ids), ("loss_mask", traj.mask), ("logprobs", traj.logprobs)):
+    yield from _iter_list(_own_messages(b), JSON_CHUNK_RECORDS, dict)
+    ids, mask, lps = _own_arrays(b)
+    for key, values in (("token_ids", ids), ("loss_mask", mask), ("logprobs", lps)):
         yield b',"' + key.encode() + b'":'
         yield from _iter_array(values, chunk)
     yield b"}"
@@ -177,10 +201,10 @@ def to_npz_bytes(tree: TrajectoryTree, *, metadata: Mapping[str, Any] | None = N
         raise ExportError(f"turns, messages or metadata are not JSON-serialisable: {exc}") from exc
     arrays: dict[str, np.ndarray] = {"meta": np.frombuffer(sidecar, dtype=np.uint8)}
     for b in tree.branches():
-        traj = b.trajectory
-        arrays[f"b{b.id}_token_ids"] = traj.ids
-        arrays[f"b{b.id}_loss_mask"] = traj.mask
-        arrays[f"b{b.id}_logprobs"] = traj.logprobs
+        ids, mask, lps = _own_arrays(b)
+        arrays[f"b{b.id}_token_ids"] = ids
+        arrays[f"b{b.id}_loss_mask"] = mask
+        arrays[f"b{b.id}_logprobs"] = lps
     sink = io.BytesIO()
     np.savez_compressed(sink, **arrays)  # type: ignore[arg-type]
     return sink.getvalue()
@@ -196,7 +220,8 @@ def _opt_int(value: Any, name: str) -> int | None:
     return None if value is None else _int(value, name)
 
 
-def _turn_from_dict(d: Mapping[str, Any], where: str) -> TurnRecord:
+def _turn_from_dict(d: Mapping[str, Any], where: str, seq: int | None) -> TurnRecord:
+    """One turn; `seq` is given for version 1 exports (which had none), else read."""
     spans: list[WeightSpan] = []
     for s in d["weight_spans"]:
         if len(s) != 3:
@@ -217,6 +242,7 @@ def _turn_from_dict(d: Mapping[str, Any], where: str) -> TurnRecord:
         request_messages=tuple(dict(m) for m in d["request_messages"]),
         assistant_message=None if assistant is None else dict(assistant),
         extra=dict(d["extra"]),
+        seq=_int(d["seq"], f"{where} seq") if seq is None else seq,
     )
     if d.get("weight_version") != turn.weight_version:
         raise ExportError(f"{where}: weight_version disagrees with its spans")
@@ -245,32 +271,93 @@ def _typed(values: Any, dtype: type, name: str) -> np.ndarray:
     return np.array(values, dtype=dtype)
 
 
-def _branch(meta: Mapping[str, Any], arrays: Mapping[str, Any]) -> Branch:
-    where = f"branch {meta.get('id')!r}"
-    ids, mask, lps = (_typed(arrays[key], dtype, f"{where} {key}") for key, dtype in _ARRAYS)
-    if not ids.shape == mask.shape == lps.shape:
-        raise ExportError(f"{where}: token_ids, loss_mask and logprobs differ in length")
-    turns = [_turn_from_dict(t, f"{where} turn {i}") for i, t in enumerate(meta["turns"])]
-    traj = LinearTrajectory.from_parts(TokenBuffer.from_arrays(ids, lps, mask), turns)
-    if [dict(m) for m in meta["messages"]] != traj.messages():
-        raise ExportError(f"{where}: messages disagree with the turns' messages")
-    return Branch(
-        id=_int(meta["id"], f"{where} id"),
-        parent_id=_opt_int(meta["parent_id"], f"{where} parent_id"),
-        fork_checkpoint=_int(meta["fork_checkpoint"], f"{where} fork_checkpoint"),
-        fork_index=_int(meta["fork_index"], f"{where} fork_index"),
-        trajectory=traj,
-        reason=str(meta["reason"]),
-    )
+def _no_seq(t: TurnRecord) -> dict[str, Any]:
+    d = _turn_to_dict(t)
+    del d["seq"]
+    return d
+
+
+class _Importer:
+    """Rebuilds branches in id order, each sharing its parent's prefix."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.built: dict[int, Branch] = {}
+        self.next_seq = 0  # version 1: turns numbered in (branch id, index) order
+
+    def branch(self, meta: Mapping[str, Any], arrays: Mapping[str, Any]) -> Branch:
+        where = f"branch {meta.get('id')!r}"
+        bid = _int(meta["id"], f"{where} id")
+        parent_id = _opt_int(meta["parent_id"], f"{where} parent_id")
+        k = _int(meta["fork_checkpoint"], f"{where} fork_checkpoint")
+        fork_index = _int(meta["fork_index"], f"{where} fork_index")
+        ids, mask, lps = (_typed(arrays[key], dtype, f"{where} {key}") for key, dtype in _ARRAYS)
+        if not ids.shape == mask.shape == lps.shape:
+            raise ExportError(f"{where}: token_ids, loss_mask and logprobs differ in length")
+        if parent_id is None:
+            shared: list[TurnRecord] = []
+            base: tuple[Any, ...] = ()
+            if k or fork_index:
+                raise ExportError(f"{where}: a root branch has no fork point")
+        else:
+            parent = self.built.get(parent_id)
+            if parent is None or parent_id >= bid:
+                raise ExportError(f"{where}: parent {parent_id} does not precede it")
+            forked = parent.trajectory.fork_at(k)
+            if len(forked) != fork_index:
+                raise ExportError(f"{where}: fork_index {fork_index} is not checkpoint {k} of its parent")
+            shared, base = list(forked.turns), forked.segments()
+        raw_turns = list(meta["turns"])
+        if self.version == 1:  # a full copy of the line: check the shared part, keep the rest
+            ids, mask, lps = self._own_part(where, ids, mask, lps, fork_index, base, shared, raw_turns[:k])
+            raw_turns = raw_turns[k:]
+        own = []
+        for i, t in enumerate(raw_turns):
+            seq = None
+            if self.version == 1:
+                seq, self.next_seq = self.next_seq, self.next_seq + 1
+            own.append(_turn_from_dict(t, f"{where} turn {k + i}", seq))
+        traj = LinearTrajectory.from_parts(TokenBuffer.from_arrays(ids, lps, mask), shared + own, base=base)
+        messages = traj.messages()
+        if self.version != 1:
+            messages = messages[traj.checkpoint_message_counts[k] :]
+        if [dict(m) for m in meta["messages"]] != messages:
+            raise ExportError(f"{where}: messages disagree with the turns' messages")
+        branch = Branch(bid, parent_id, k, fork_index, traj, str(meta["reason"]))
+        self.built[bid] = branch
+        return branch
+
+    def _own_part(
+        self, where: str, ids: np.ndarray, mask: np.ndarray, lps: np.ndarray, n: int,
+        base: tuple[Any, ...], shared: list[TurnRecord], raw_shared: list[Any],
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if ids.shape[0] < n:
+            raise ExportError(f"{where}: {ids.shape[0]} tokens, fewer than its fork_index {n}")
+        probe = LinearTrajectory()
+        probe._set_base(base)
+        p_ids, p_lps, p_mask = probe.arrays()
+        if not (
+            np.array_equal(p_ids, ids[:n])
+            and np.array_equal(p_mask, mask[:n])
+            and np.array_equal(p_lps.view(np.uint32), lps[:n].view(np.uint32))
+        ):
+            raise ExportError(f"{where}: tokens before the fork differ from the parent's")
+        got = [_no_seq(_turn_from_dict(t, where, 0)) for t in raw_shared]
+        if got != [_no_seq(t) for t in shared]:
+            raise ExportError(f"{where}: turns before the fork differ from the parent's")
+        return ids[n:], mask[n:], lps[n:]
 
 
 def _tree(d: Mapping[str, Any], arrays_of: Any) -> TrajectoryTree:
     try:
-        if d.get("format") != FORMAT or d.get("version") != FORMAT_VERSION:
+        version = d.get("version")
+        if d.get("format") != FORMAT or version not in _READABLE_VERSIONS:
             raise ExportError(
-                f"not a {FORMAT} v{FORMAT_VERSION} export: {d.get('format')!r} v{d.get('version')!r}"
+                f"not a {FORMAT} v{'/'.join(map(str, _READABLE_VERSIONS))} export: "
+                f"{d.get('format')!r} v{version!r}"
             )
-        branches = [_branch(b, arrays_of(b)) for b in d["branches"]]
+        importer = _Importer(int(version))  # type: ignore[arg-type]
+        branches = [importer.branch(b, arrays_of(b)) for b in d["branches"]]
         tree = TrajectoryTree.from_branches(branches, _int(d["active_branch"], "active_branch"))
         metadata = d.get("metadata") or {}
         if not isinstance(metadata, dict):
@@ -281,6 +368,21 @@ def _tree(d: Mapping[str, Any], arrays_of: Any) -> TrajectoryTree:
         raise
     except (TrajectoryError, KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise ExportError(f"malformed trajectory export: {type(exc).__name__}: {exc}") from exc
+
+
+def branch_line(d: Mapping[str, Any], branch_id: int) -> dict[str, Any]:
+    """One branch's whole line from an export dict: ``token_ids``, ``loss_mask``,
+    ``logprobs`` (lists) and ``turns``, its ancestors' parts up to each fork point
+    followed by its own (what version 1 exports stored per branch)."""
+    tree = from_dict(d)
+    traj = tree.get(branch_id).trajectory
+    ids, lps, mask = traj.arrays()
+    return {
+        "token_ids": ids.tolist(),
+        "loss_mask": mask.tolist(),
+        "logprobs": lps.tolist(),
+        "turns": [_turn_to_dict(t) for t in traj.turns],
+    }
 
 
 def from_dict(d: Mapping[str, Any]) -> TrajectoryTree:

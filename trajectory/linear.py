@@ -18,12 +18,21 @@ next turn's prompt can follow a closed assistant turn.
 Checkpoint 0 is the empty trajectory; checkpoint k is the position right after
 turn k. `commit_turn` is atomic (all checks before any write) and costs
 O(new tokens); `rollback` truncates to a checkpoint.
+
+**Shared prefixes.** `fork_at(k)` gives a new trajectory that continues from
+checkpoint k without copying a token: its first tokens are *segments*
+(buffer, start, end) of the buffers it forked from, pinned there so they never
+change, and only what it adds lives in its own buffer. A session with B
+branches therefore stores each token once (O(unique tokens)). Reading the whole
+id array of a forked trajectory concatenates its segments (O(length), which
+is what the engine request and the trainer pay anyway); `tail`, `len` and
+`commit_turn` stay O(new tokens).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +44,8 @@ from trajectory.errors import CheckpointError, InvariantError
 Message = Mapping[str, Any]
 WeightVersion = str | int | float | None
 WeightSpan = tuple[int, int, WeightVersion]
+Segment = tuple[TokenBuffer, int, int]
+"""Tokens ``[start, end)`` of a buffer: a prefix this trajectory shares with another."""
 
 LOGPROB_MAX = 1e-6
 """Largest logprob accepted (a little above 0.0 for engines' rounding noise)."""
@@ -60,6 +71,9 @@ class TurnRecord:
     request_messages: tuple[Message, ...] = ()  # the new messages this turn added
     assistant_message: Message | None = None  # what we returned to the agent
     extra: dict[str, Any] = field(default_factory=dict)
+    # commit order across a session's branches (the tree's clock; the turn index
+    # when committed outside a tree): what "later" means when picking samples
+    seq: int = -1
 
     @property
     def weight_version(self) -> WeightVersion:
@@ -161,20 +175,30 @@ def _normalise_spans(
 class LinearTrajectory:
     """A branch's tokens, mask, logprobs, turns and messages (see module doc)."""
 
-    __slots__ = ("_buf", "_turns", "_checkpoints", "_messages", "_message_counts")
+    __slots__ = ("_buf", "_base", "_base_len", "_turns", "_checkpoints", "_messages",
+                 "_message_counts", "_clock")
 
     def __init__(self) -> None:
-        self._buf = TokenBuffer()
+        self._buf = TokenBuffer()  # the tokens this trajectory added itself
+        self._base: tuple[Segment, ...] = ()  # a shared prefix (fork_at), never written
+        self._base_len = 0
         self._turns: list[TurnRecord] = []
         self._checkpoints: list[int] = [0]
         self._messages: list[Message] = []
         self._message_counts: list[int] = [0]
+        self._clock: Callable[[], int] | None = None  # a tree's commit counter
 
     @classmethod
-    def from_parts(cls, buffer: TokenBuffer, turns: Sequence[TurnRecord]) -> LinearTrajectory:
-        """Rebuild from stored tokens and turns (import, copy); checks every invariant."""
+    def from_parts(
+        cls, buffer: TokenBuffer, turns: Sequence[TurnRecord], *, base: Sequence[Segment] = ()
+    ) -> LinearTrajectory:
+        """Rebuild from stored tokens and turns (import); checks every invariant.
+
+        `base` is a shared prefix (segments of other buffers) that precedes
+        `buffer`; `turns` are all the turns, the shared ones included."""
         traj = cls()
         traj._buf = buffer
+        traj._set_base(base)
         for turn in turns:
             traj._turns.append(turn)
             traj._checkpoints.append(turn.end)
@@ -185,30 +209,90 @@ class LinearTrajectory:
         traj.check_invariants()
         return traj
 
+    def _set_base(self, base: Sequence[Segment]) -> None:
+        for buf, start, end in base:
+            if not (isinstance(buf, TokenBuffer) and 0 <= start <= end <= len(buf)):
+                raise InvariantError(f"segment [{start}, {end}) is not inside its buffer")
+        self._base = tuple((b, s, e) for b, s, e in base if e > s)
+        self._base_len = sum(e - s for _, s, e in self._base)
+
     # -- reading ---------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._buf)
+        return self._base_len + len(self._buf)
 
     @property
     def buffer(self) -> TokenBuffer:
+        """The buffer of the tokens this trajectory added (all of them when unshared)."""
         return self._buf
 
     @property
+    def shared_len(self) -> int:
+        """Leading tokens shared with the trajectory this one forked from (0 when unshared)."""
+        return self._base_len
+
+    def segments(self) -> tuple[Segment, ...]:
+        """Where every token lives: the shared prefix's segments, then the own buffer."""
+        own = ((self._buf, 0, len(self._buf)),) if len(self._buf) else ()
+        return self._base + own
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this trajectory allocated for tokens (its own buffer; a shared prefix
+        is counted where it lives)."""
+        return self._buf.nbytes
+
+    def _gather(self, attr: str, end: int | None) -> np.ndarray:
+        n = len(self) if end is None else max(0, min(int(end), len(self)))
+        if not self._base:
+            view: np.ndarray = getattr(self._buf, attr)[:n]
+            return view
+        parts = []
+        left = n
+        for buf, start, stop in self.segments():
+            if left <= 0:
+                break
+            take = min(stop - start, left)
+            parts.append(getattr(buf, attr)[start : start + take])
+            left -= take
+        out = np.concatenate(parts) if parts else getattr(self._buf, attr)[:0].copy()
+        out.flags.writeable = False
+        return out
+
+    @property
     def ids(self) -> np.ndarray:
-        return self._buf.ids
+        """Read-only int32 ids (a view when unshared, else one concatenation)."""
+        return self._gather("ids", None)
 
     @property
     def logprobs(self) -> np.ndarray:
-        return self._buf.logprobs
+        return self._gather("logprobs", None)
 
     @property
     def mask(self) -> np.ndarray:
-        return self._buf.mask
+        return self._gather("mask", None)
+
+    def arrays(self, end: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids, logprobs and mask of the tokens before `end` (read-only; O(end))."""
+        return self._gather("ids", end), self._gather("logprobs", end), self._gather("mask", end)
+
+    def ids_until(self, end: int) -> np.ndarray:
+        """Read-only ids of the tokens before `end` (a view when unshared)."""
+        return self._gather("ids", end)
 
     def tail(self, k: int) -> list[int]:
         """The last `k` token ids (what the codec needs to close a turn)."""
-        return self._buf.tail(k)
+        own = self._buf.tail(k)
+        if len(own) >= k or not self._base:
+            return own
+        need = k - len(own)
+        out: list[int] = []
+        for buf, start, stop in reversed(self._base):
+            take = min(stop - start, need - len(out))
+            out = buf.ids[stop - take : stop].tolist() + out
+            if len(out) >= need:
+                break
+        return out + own
 
     @property
     def turns(self) -> tuple[TurnRecord, ...]:
@@ -235,6 +319,14 @@ class LinearTrajectory:
     def messages(self) -> list[Message]:
         """Committed history: per turn, its request messages then its assistant message."""
         return list(self._messages)
+
+    def message(self, i: int) -> Message:
+        """Message `i` of the committed history (no copy of the list)."""
+        return self._messages[i]
+
+    @property
+    def num_messages(self) -> int:
+        return len(self._messages)
 
     # -- writing ---------------------------------------------------------
 
@@ -277,7 +369,7 @@ class LinearTrajectory:
         if engine is not None and not isinstance(engine, str):
             raise InvariantError(f"engine must be a str or None, got {engine!r}")
 
-        prompt_start = len(self._buf)
+        prompt_start = len(self)
         output_start = prompt_start + int(prompt.shape[0])
         output_end = output_start + n_sampled
         end = output_end + int(repair.shape[0])
@@ -304,6 +396,7 @@ class LinearTrajectory:
             request_messages=request,
             assistant_message=assistant_message,
             extra=dict(extra) if extra else {},
+            seq=len(self._turns) if self._clock is None else self._clock(),
         )
 
         ids = np.concatenate((prompt, sampled, repair))
@@ -322,23 +415,46 @@ class LinearTrajectory:
         return turn
 
     def rollback(self, checkpoint: int) -> None:
-        """Truncate tokens, turns and messages back to `checkpoint`."""
+        """Truncate tokens, turns and messages back to `checkpoint` (never below a
+        prefix another branch shares: that raises and changes nothing)."""
         self._check_checkpoint(checkpoint)
-        self._buf.truncate(self._checkpoints[checkpoint])
+        n = self._checkpoints[checkpoint]
+        if n >= self._base_len:
+            self._buf.truncate(n - self._base_len)
+        else:
+            self._buf.truncate(0)
+            self._set_base(self._prefix_segments(n))
         del self._turns[checkpoint:]
         del self._checkpoints[checkpoint + 1 :]
         del self._messages[self._message_counts[checkpoint] :]
         del self._message_counts[checkpoint + 1 :]
 
-    def copy_to_checkpoint(self, checkpoint: int) -> LinearTrajectory:
-        """A new trajectory equal to this one rolled back to `checkpoint` (O(prefix) copy)."""
+    def _prefix_segments(self, n: int) -> list[Segment]:
+        out: list[Segment] = []
+        left = n
+        for buf, start, stop in self.segments():
+            if left <= 0:
+                break
+            take = min(stop - start, left)
+            out.append((buf, start, start + take))
+            left -= take
+        return out
+
+    def fork_at(self, checkpoint: int) -> LinearTrajectory:
+        """A new trajectory equal to this one rolled back to `checkpoint`, sharing its
+        tokens instead of copying them (O(turns + segments), no token copied). The
+        shared tokens are pinned: this trajectory can no longer roll back below them."""
         self._check_checkpoint(checkpoint)
+        n = self._checkpoints[checkpoint]
         out = LinearTrajectory()
-        out._buf = self._buf.copy_prefix(self._checkpoints[checkpoint])
+        out._set_base(self._prefix_segments(n))
+        if n > self._base_len:
+            self._buf.pin(n - self._base_len)
         out._turns = self._turns[:checkpoint]
         out._checkpoints = self._checkpoints[: checkpoint + 1]
         out._message_counts = self._message_counts[: checkpoint + 1]
         out._messages = self._messages[: out._message_counts[-1]]
+        out._clock = self._clock
         return out
 
     def _check_checkpoint(self, checkpoint: int) -> None:
@@ -359,7 +475,7 @@ class LinearTrajectory:
         O(tokens) vectorised plus O(turns); meant for tests, import and debugging,
         not the per-turn path.
         """
-        ids, lps, mask = self._buf.ids, self._buf.logprobs, self._buf.mask
+        ids, lps, mask = self.arrays()
         n = ids.shape[0]
         if not (lps.shape[0] == mask.shape[0] == n):
             raise InvariantError("ids, logprobs and mask differ in length")

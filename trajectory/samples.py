@@ -282,9 +282,10 @@ def _sample(
     n_keep = _kept_turns(traj.checkpoints, max_seq_len)
     end = traj.checkpoints[n_keep]
     kept = turns[:n_keep]
-    ids = np.array(traj.ids[:end], dtype=np.int32)
-    mask = np.array(traj.mask[:end], dtype=np.uint8)
-    lps = np.array(traj.logprobs[:end], dtype=np.float32)
+    ids_view, lps_view, mask_view = traj.arrays(end)
+    ids = np.array(ids_view, dtype=np.int32)
+    mask = np.array(mask_view, dtype=np.uint8)
+    lps = np.array(lps_view, dtype=np.float32)
     trained_before = 0
     while trained_before < n_keep and (owners[trained_before], trained_before) in claimed:
         trained_before += 1

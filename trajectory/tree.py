@@ -2,11 +2,16 @@
 
 Nothing a session committed is ever thrown away. A rollback (the agent re-sent
 an earlier prefix) or a fork (the history was rewritten) starts a new *active*
-branch; the old one stays in the tree for the trainer. A branch created at a
-checkpoint of its parent starts with a copy of the parent's prefix (tokens,
-mask, logprobs, turns and messages up to that checkpoint): O(prefix) once,
-which is fine because rollbacks and forks are rare, and it keeps every branch
-a self-contained trajectory that the hot path can append to in O(new tokens).
+branch; the old one stays in the tree for the trainer, and a later request can
+go back to it (`activate`). A branch created at a checkpoint of its parent
+*shares* the parent's prefix (`LinearTrajectory.fork_at`): its tokens up to the
+fork point are segments of its ancestors' buffers, never a copy, so the tree
+holds each token once (memory O(unique tokens), `unique_tokens`/`nbytes`). The
+turn and message lists of the prefix are shared by reference (O(turns) pointers).
+
+Every turn committed on any branch gets the tree's next sequence number
+(`TurnRecord.seq`), so "which continuation is later" is known even when an
+agent returns to an older branch.
 
 Branch ids are small ints in creation order; branch 0 is the empty root.
 """
@@ -14,11 +19,12 @@ Branch ids are small ints in creation order; branch 0 is the empty root.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from trajectory.errors import BranchError, CheckpointError, InvariantError
-from trajectory.linear import LinearTrajectory
+from trajectory.linear import LinearTrajectory, TurnRecord
 
 ROOT_REASON = "root"
 ROLLBACK_REASON = "rollback"
@@ -39,13 +45,24 @@ class Branch:
 class TrajectoryTree:
     """All branches of one session, with one active branch that turns append to."""
 
-    __slots__ = ("_branches", "_active", "metadata")
+    __slots__ = ("_branches", "_active", "_seq", "metadata")
 
     def __init__(self) -> None:
-        root = Branch(0, None, 0, 0, LinearTrajectory(), ROOT_REASON)
+        self._seq = 0
+        root = Branch(0, None, 0, 0, self._own(LinearTrajectory()), ROOT_REASON)
         self._branches: dict[int, Branch] = {0: root}
         self._active = 0
         self.metadata: dict = {}  # carried by export when no explicit metadata is given
+
+    def _tick(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _own(self, traj: LinearTrajectory) -> LinearTrajectory:
+        """Stamp `traj`'s commits with this tree's sequence numbers."""
+        traj._clock = self._tick
+        return traj
 
     @classmethod
     def from_branches(cls, branches: list[Branch], active_id: int) -> TrajectoryTree:
@@ -59,6 +76,12 @@ class TrajectoryTree:
         if active_id not in tree._branches:
             raise InvariantError(f"active branch {active_id} is not in the tree")
         tree._active = active_id
+        for b in branches:
+            tree._own(b.trajectory)
+        seqs = [t.seq for b in branches for t in b.trajectory.turns[b.fork_checkpoint :]]
+        if len(set(seqs)) != len(seqs) or any(q < 0 for q in seqs):
+            raise InvariantError("turn sequence numbers must be distinct and >= 0")
+        tree._seq = max(seqs, default=-1) + 1
         tree.check_invariants()
         return tree
 
@@ -83,6 +106,15 @@ class TrajectoryTree:
     def __len__(self) -> int:
         return len(self._branches)
 
+    def unique_tokens(self) -> int:
+        """Tokens stored in the tree, each once (what every branch added itself)."""
+        return sum(len(b.trajectory.buffer) for b in self._branches.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for the tree's tokens (every buffer once, growth slack included)."""
+        return sum(b.trajectory.nbytes for b in self._branches.values())
+
     def activate(self, branch_id: int) -> Branch:
         """Make an existing branch the one turns append to."""
         branch = self.get(branch_id)
@@ -90,10 +122,10 @@ class TrajectoryTree:
         return branch
 
     def branch_from(self, parent_id: int, checkpoint: int, reason: str) -> Branch:
-        """Start a new active branch holding the parent's prefix up to `checkpoint`."""
+        """Start a new active branch sharing the parent's prefix up to `checkpoint`."""
         parent = self.get(parent_id)
         try:
-            traj = parent.trajectory.copy_to_checkpoint(checkpoint)
+            traj = parent.trajectory.fork_at(checkpoint)
         except CheckpointError as exc:
             raise CheckpointError(f"branch {parent_id}: {exc}") from None
         new_id = max(self._branches) + 1
@@ -108,6 +140,10 @@ class TrajectoryTree:
         self._branches[new_id] = branch
         self._active = new_id
         return branch
+
+    def commit_turn(self, *args: Any, **kwargs: Any) -> TurnRecord:
+        """`LinearTrajectory.commit_turn` on the active branch (stamped with the next seq)."""
+        return self.active.trajectory.commit_turn(*args, **kwargs)
 
     def rollback(self, checkpoint: int) -> Branch:
         """Continue from an earlier checkpoint of the active branch; the old branch is kept."""
@@ -145,10 +181,14 @@ class TrajectoryTree:
         if k > c.num_turns or c.checkpoints[k] != child.fork_index:
             raise InvariantError(f"{where}: fork point is not a checkpoint of the branch")
         n = child.fork_index
+        if c.shared_len != n:
+            raise InvariantError(f"{where}: shares {c.shared_len} tokens, not the {n} before its fork")
+        p_ids, p_lps, p_mask = p.arrays(n)
+        c_ids, c_lps, c_mask = c.arrays(n)
         if not (
-            np.array_equal(p.ids[:n], c.ids[:n])
-            and np.array_equal(p.mask[:n], c.mask[:n])
-            and np.array_equal(p.logprobs[:n].view(np.uint32), c.logprobs[:n].view(np.uint32))
+            np.array_equal(p_ids, c_ids)
+            and np.array_equal(p_mask, c_mask)
+            and np.array_equal(p_lps.view(np.uint32), c_lps.view(np.uint32))
         ):
             raise InvariantError(f"{where}: tokens before the fork differ from the parent's")
         if p.turns[:k] != c.turns[:k]:

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from session_server.demo import TOOLS, run_agent
 from trajectory.codec import decode_text
+from trajectory.export import branch_line
 
 from .conftest import live_stack
 
@@ -155,6 +156,9 @@ async def test_retry_of_last_turn_rolls_back_to_a_new_branch(qwen3_dir: Path) ->
     old, new = traj["branches"]
     assert new["parent_id"] == old["id"] and new["reason"] == "rollback"
     cut = old["turns"][0]["end"]
-    assert new["token_ids"][:cut] == old["token_ids"][:cut]
-    assert len(new["turns"]) == 2 and len(old["turns"]) == 2
+    # the new branch shares the first turn (exported once, on the parent) and adds its own
+    assert new["fork_index"] == cut and new["fork_checkpoint"] == 1
+    line = branch_line(traj, new["id"])
+    assert line["token_ids"][:cut] == old["token_ids"][:cut]
+    assert len(line["turns"]) == 2 and len(new["turns"]) == 1 and len(old["turns"]) == 2
     assert view["active_branch"] == new["id"]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.fast.trajectory.test_linear import commit, turn_inputs
 from trajectory.errors import ExportError
-from trajectory.export import from_dict, from_npz_bytes, to_dict, to_npz_bytes
+from trajectory.export import branch_line, from_dict, from_npz_bytes, to_dict, to_npz_bytes
 from trajectory.tree import TrajectoryTree
 
 
@@ -163,7 +163,8 @@ def _corrupt(d: dict, path: tuple, value: object) -> dict:
         pytest.param(("branches", 0, "turns", 0, "weight_spans"), [], id="spans-missing"),
         pytest.param(("branches", 0, "messages"), [], id="messages-disagree"),
         pytest.param(("branches", 1, "fork_index"), 3, id="fork-index"),
-        pytest.param(("branches", 1, "token_ids", 0), 99, id="prefix-differs"),
+        pytest.param(("branches", 1, "turns", 0, "seq"), 0, id="seq-repeated"),
+        pytest.param(("branches", 1, "fork_checkpoint"), 5, id="fork-checkpoint"),
         pytest.param(("branches", 1, "parent_id"), 7, id="unknown-parent"),
         pytest.param(("active_branch",), 9, id="unknown-active"),
         pytest.param(("branches", 0, "turns"), None, id="turns-null"),
@@ -175,6 +176,44 @@ def test_from_dict_rejects(path: tuple, value: object) -> None:
     from_dict(orjson.loads(orjson.dumps(d)))  # the uncorrupted copy is fine
     with pytest.raises(ExportError):
         from_dict(_corrupt(d, path, value))
+
+
+def _as_v1(tree: TrajectoryTree) -> dict:
+    """The version-1 layout: every branch a full copy of its line (no seq)."""
+    d = orjson.loads(orjson.dumps(to_dict(tree)))
+    d["version"] = 1
+    for b in d["branches"]:
+        line = branch_line(to_dict(tree), b["id"])
+        b.update(token_ids=line["token_ids"], loss_mask=line["loss_mask"], logprobs=line["logprobs"])
+        b["turns"] = line["turns"]
+        b["messages"] = [dict(m) for m in tree.get(b["id"]).trajectory.messages()]
+        for t in b["turns"]:
+            del t["seq"]
+    return d
+
+
+def test_10_1_export_stores_each_token_once() -> None:
+    """Version 2: a rollback branch exports only what it added after its fork point."""
+    tree = sample_tree()
+    d = to_dict(tree)
+    total = sum(len(b["token_ids"]) for b in d["branches"])
+    assert total == tree.unique_tokens()
+    child = d["branches"][1]
+    assert child["fork_index"] > 0 and len(child["token_ids"]) == len(tree.get(1).trajectory) - child["fork_index"]
+    assert [t["index"] for t in child["turns"]] == list(range(child["fork_checkpoint"], tree.get(1).trajectory.num_turns))
+    line = branch_line(d, 1)
+    assert line["token_ids"] == tree.get(1).trajectory.ids.tolist()
+
+
+def test_10_1_version_1_exports_still_import() -> None:
+    tree = sample_tree()
+    back = from_dict(_as_v1(tree))
+    assert_same(tree, back)
+    assert back.unique_tokens() == tree.unique_tokens()  # the copies were dropped on import
+    bad = _as_v1(tree)
+    bad["branches"][1]["token_ids"][0] = 99  # the copied prefix disagrees with the parent
+    with pytest.raises(ExportError):
+        from_dict(bad)
 
 
 def test_unserialisable_metadata_is_an_export_error() -> None:

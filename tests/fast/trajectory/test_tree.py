@@ -73,9 +73,9 @@ def test_check_invariants_detects_a_rewritten_parent() -> None:
     _turn(tree, 0)
     _turn(tree, 1)
     tree.rollback(2)
-    tree.get(0).trajectory.rollback(1)  # the parent lost the child's prefix
-    with pytest.raises(InvariantError):
-        tree.check_invariants()
+    with pytest.raises(InvariantError):  # the child shares that prefix: the parent cannot drop it
+        tree.get(0).trajectory.rollback(1)
+    tree.check_invariants()
 
 
 def test_activate() -> None:
@@ -103,9 +103,13 @@ _ops = st.lists(
 @given(_ops)
 def test_random_tree_operations_keep_invariants(ops: list) -> None:
     tree = TrajectoryTree()
+    committed = 0  # tokens committed by any turn: each is stored once (10.1)
+    lines: dict[int, list[int]] = {}  # each branch's ids as built, checked after every op
     for op in ops:
         if isinstance(op, dict):
+            before = len(tree.active.trajectory)
             commit(tree.active.trajectory, op)
+            committed += len(tree.active.trajectory) - before
         elif op[0] == "rollback":
             n = tree.active.trajectory.num_turns
             tree.rollback(int(op[1] * n))
@@ -119,3 +123,13 @@ def test_random_tree_operations_keep_invariants(ops: list) -> None:
         else:
             tree.activate(tree.branches()[int(op[1] * (len(tree) - 1))].id)
         tree.check_invariants()
+        # memory is the unique tokens: a branch shares its prefix, never copies it
+        assert tree.unique_tokens() == committed
+        assert tree.nbytes <= 11.25 * committed
+        for b in tree.branches():  # appends elsewhere never change a branch's line
+            ids = b.trajectory.ids.tolist()
+            if b.id in lines:
+                assert ids[: len(lines[b.id])] == lines[b.id]
+            lines[b.id] = ids
+        seqs = [t.seq for b in tree.branches() for t in b.trajectory.turns[b.fork_checkpoint :]]
+        assert sorted(seqs) == list(range(len(seqs)))  # one commit order over the tree
