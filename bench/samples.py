@@ -1,7 +1,7 @@
 """Training samples at library level: throughput, peak RSS, and memory per unique token with forks.
 
 No server: trees are built the way the server commits turns
-(`TrajectoryTree` + `LinearTrajectory.commit_turn` on the active branch).
+(`TrajectoryTree.commit_turn`, i.e. `LinearTrajectory.commit_turn` on the active branch).
 
 1. **Throughput.** 1,000 sessions of about 8K tokens (8 turns each: a long first
    prompt, then tool output, sampled output with logprobs and a weight version,
@@ -15,7 +15,7 @@ No server: trees are built the way the server commits turns
 2. **Peak RSS** of the whole run (``ru_maxrss``).
 3. **Bytes per unique token with forks.** A session whose final line is about
    50K tokens, built twice from the same turns: once with 8 rollbacks (at 8
-   evenly spaced turns the agent retries its last turn: `tree.rollback(k - 1)`
+   evenly spaced turns k the agent abandons turn k: `tree.rollback(k)`
    then a new turn), once linearly (the same turns, retried ones included,
    committed one after the other). Memory of each tree is measured from outside
    (a `tracemalloc` snapshot diff around building it; numpy reports its buffers
@@ -102,8 +102,9 @@ def make_turns(rng: np.random.Generator, total: int, n_turns: int) -> list[Turn]
 
 
 def commit(tree: TrajectoryTree, t: Turn) -> None:
-    tree.active.trajectory.commit_turn(t.prompt, t.sampled, t.logprobs, finish_reason=t.finish_reason,
-                                       repair_ids=t.repair, weight_version=t.weight_version)
+    """`TrajectoryTree.commit_turn`: `LinearTrajectory.commit_turn` on the active branch."""
+    tree.commit_turn(t.prompt, t.sampled, t.logprobs, finish_reason=t.finish_reason,
+                     repair_ids=t.repair, weight_version=t.weight_version)
 
 
 def turn_tokens(t: Turn) -> int:
