@@ -200,3 +200,20 @@ def test_llama31_two_tool_calls_refused(load_tokenizer: Any) -> None:
     asst = {"role": "assistant", "content": None, "tool_calls": [CALL, {**CALL, "id": "call_2"}]}
     res = codec.bridge([USER, asst], [], [TOOL, {**TOOL, "tool_call_id": "call_2"}])
     assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.RENDER_FAILED
+
+
+def test_10_3_rewrite_offset_is_the_first_token_a_full_render_changes(load_tokenizer: Any) -> None:
+    """The per-turn TITO diagnostic: found on the one-turn window, it is exactly where the
+    whole re-rendered conversation first departs from the committed tokens."""
+    tok, codec, asst, committed, _before, new, res = _qwen_after_reasoning(
+        load_tokenizer, HistoryPolicy.APPEND
+    )
+    assert isinstance(res, BridgeResult) and res.rewrites_history and res.rewrite_offset is not None
+    output_start = len(codec.render_first([USER]))
+    full = tok.encode(
+        tok.apply_chat_template([USER, asst, *new], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    first = next(i for i, (x, y) in enumerate(zip(committed, full, strict=False)) if x != y)
+    assert output_start + res.rewrite_offset == first
+    assert tok.decode(committed[first:first + 3]).startswith("<think>")
