@@ -10,10 +10,10 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,6 +24,7 @@ from trajectory import export
 from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
+from . import samples_api
 from .api.dialects import OPENAI_CHAT, respond
 from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
 from .api.models import (
@@ -31,6 +32,9 @@ from .api.models import (
     EngineAdd,
     PauseRequest,
     ResumeRequest,
+    RewardRequest,
+    SampleFormat,
+    SamplesBatch,
     SessionCreate,
     WeightVersion,
     parse_json_model,
@@ -53,6 +57,7 @@ from .turns import TurnRunner
 __all__ = ["AppConfig", "create_app", "session_view"]
 
 JSON = "application/json"
+OCTETS = "application/octet-stream"
 PARTIAL = {207: "some engines failed; the report names them"}
 
 
@@ -119,6 +124,7 @@ def session_view(s: Session) -> dict[str, Any]:
         "diagnostics": list(s.diagnostics),
         "control": dataclasses.asdict(s.control_totals),
         "turns_discarded": s.turns_discarded,
+        **samples_api.reward_view(s),
     }
 
 
@@ -147,7 +153,10 @@ def create_app(config: AppConfig) -> FastAPI:
         lifespan=lifespan,
         middleware=[Middleware(ContainErrors, on_error=count_internal)],
     )
-    install_openapi(app, [SessionCreate, ChatRequest, PauseRequest, ResumeRequest, WeightVersion, EngineAdd])
+    install_openapi(
+        app,
+        [SessionCreate, ChatRequest, PauseRequest, ResumeRequest, WeightVersion, EngineAdd, RewardRequest, SamplesBatch],
+    )
     model_name = _served_model_name(config.tokenizer)
     install_auth(app, settings.admin_token)
 
@@ -244,6 +253,35 @@ def create_app(config: AppConfig) -> FastAPI:
         s = ctx.store.get(sid)
         ctx.store.touch(s)
         return await _trajectory_response(ctx, s, format)
+
+    @app.get("/sessions/{sid}/samples", **route_doc(None, 400, 404, media=(JSON, OCTETS)))
+    async def get_samples(
+        sid: str,
+        format: SampleFormat = "json",
+        picker: str = samples_api.DEFAULT_PICKER,
+        max_seq_len: Annotated[int | None, Query(ge=1)] = None,
+    ) -> Response:
+        ctx = ctx_of()
+        s = ctx.store.get(sid)
+        ctx.store.touch(s)
+        return await samples_api.session_response(ctx, s, format, picker, max_seq_len)
+
+    @app.post("/sessions/{sid}/reward", **route_doc(RewardRequest, 400, 404, 413))
+    async def post_reward(sid: str, request: Request) -> Response:
+        ctx = ctx_of()
+        ctx.store.get(sid)  # 404 before reading a body for an unknown session
+        body = await _read_body(request, ctx.settings.max_body_bytes)
+        spec: RewardRequest = await ctx.offload.run_sized(len(body), parse_json_model, body, RewardRequest)
+        s = ctx.store.get(sid)
+        ctx.store.touch(s)
+        return _json(await samples_api.set_reward(ctx, s, spec))
+
+    @app.post("/samples", **route_doc(SamplesBatch, 400, 404, 409, 413, media=(JSON, OCTETS)))
+    async def post_samples(request: Request) -> Response:
+        ctx = ctx_of()
+        body = await _read_body(request, ctx.settings.max_body_bytes)
+        spec: SamplesBatch = await ctx.offload.run_sized(len(body), parse_json_model, body, SamplesBatch)
+        return samples_api.batch_response(ctx, spec)
 
     @app.delete(
         "/sessions/{sid}",

@@ -33,12 +33,13 @@ sends it as `Retry-After` (whole seconds) so clients back off instead of hammeri
 
 `trajectory.errors.ValidationError` maps to UpstreamInvalid at the turn pipeline;
 `trajectory.errors.CodecError` raised while serving a request maps to TemplateError
-(`from_library`); at start-up `TemplateNotSupported` stops the server instead.
+and `SampleError` (a bad samples request) to BadRequest (`from_library`); at start-up
+`TemplateNotSupported` stops the server instead.
 """
 
 from __future__ import annotations
 
-from trajectory.errors import CodecError
+from trajectory.errors import CodecError, SampleError
 
 
 def _rebuild(cls: type[ServiceError], message: str, state: dict[str, object]) -> ServiceError:
@@ -188,6 +189,8 @@ def from_library(exc: Exception) -> ServiceError | None:
     the template refuses it, that is the client's input, a 400 naming the reason."""
     if isinstance(exc, CodecError):
         return TemplateError(str(exc))
+    if isinstance(exc, SampleError):  # an unknown picker, a bad max_seq_len or reward
+        return BadRequest(str(exc))
     return None
 
 

@@ -100,6 +100,10 @@ class Session:
         self.turn: asyncio.Task[Any] | None = None  # the in-flight turn's work; a DELETE cancels it
         self.control_totals = ControlTotals()
         self.token = secrets.token_urlsafe(32)  # the agent's api_key; checked by auth.py when auth is on
+        # set after the episode by POST /sessions/{sid}/reward, carried into every sample (samples_api.py)
+        self.reward: float | None = None
+        self.leaf_rewards: dict[int, float] = {}  # per-leaf rewards, overriding `reward`
+        self.reward_metadata: dict[str, Any] = {}  # merged over config.metadata
 
     def transition(self, new: SessionState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -6,6 +6,7 @@ on are typed strictly so bad input is a clear 400, never a 500.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -14,6 +15,7 @@ import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trajectory.codec.base import HistoryPolicy
+from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample
 
 from ..errors import BadRequest
 from ..structured import ResponseFormat, ToolChoice
@@ -214,16 +216,74 @@ def _check_tool_calls(where: str, calls: Any) -> None:
             raise ValueError(f"{where}[{j}].function.arguments must be a JSON object, not {type(args).__name__}")
 
 
+SAMPLE_METADATA_RESERVED = frozenset({"session_id", *(f.name for f in dataclasses.fields(Sample))})
+MAX_BATCH_SESSIONS = 10_000
+
+
+def _sample_metadata(v: dict[str, Any]) -> dict[str, Any]:
+    """Session metadata is copied into every training sample, beside fields the server
+    owns: a client key named like one would shadow or forge it (issue 10.4)."""
+    owned = sorted(SAMPLE_METADATA_RESERVED.intersection(v))
+    if owned:
+        raise ValueError(f"keys {owned} are set by the server in every sample, not by the client")
+    return v
+
+
+SampleMetadata = Annotated[dict[str, Any], AfterValidator(_sample_metadata)]
+SampleFormat = Literal["json", "npz", "safetensors"]
+
+
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: SampleMetadata = Field(default_factory=dict)
     ttl_s: float | None = Field(default=None, gt=0, le=TTL_S_MAX, allow_inf_nan=False)
     max_context_tokens: int | None = Field(default=None, strict=True, ge=1, le=MAX_CONTEXT_TOKENS_LIMIT)
     sampling: SessionSampling = Field(default_factory=SessionSampling)
     lora: str | None = None
     chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
     history_policy: Literal["append", "template"] = HistoryPolicy.APPEND.value
+
+
+class RewardRequest(BaseModel):
+    """`POST /sessions/{sid}/reward`: a reward for the session's samples (issue 10.4)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float | None = Field(
+        strict=True, allow_inf_nan=False,
+        description="without `leaf`: every kept leaf's reward; with it: that leaf's (overrides); null unsets",
+    )
+    metadata: SampleMetadata = Field(default_factory=dict, description="merged over the session's metadata")
+    leaf: int | None = Field(default=None, strict=True, ge=0, le=INT64_MAX, description="a leaf branch id")
+
+
+def _known_picker(v: str) -> str:
+    if v not in PICKERS:
+        raise ValueError(f"unknown picker {v!r}; known: {sorted(PICKERS)}")
+    return v
+
+
+Picker = Annotated[str, AfterValidator(_known_picker)]
+
+
+class SamplesBatch(BaseModel):
+    """`POST /samples`: the samples of many sessions in one streamed payload (issue 10.5)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_ids: list[Annotated[str, Field(max_length=256)]] = Field(min_length=1, max_length=MAX_BATCH_SESSIONS)
+    close: bool = Field(default=False, strict=True, description="close each session once its samples are read")
+    format: SampleFormat = "json"
+    picker: Picker = DEFAULT_PICKER
+    max_seq_len: int | None = Field(default=None, strict=True, ge=1)
+
+    @field_validator("session_ids")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("session_ids must be unique")
+        return v
 
 
 def parse_json_model(body: bytes, model: type[BaseModel]) -> Any:

@@ -31,6 +31,10 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("GET", "/sessions/{sid}"): Access.ADMIN,
     ("GET", "/sessions/{sid}/trajectory"): Access.ADMIN,
     ("DELETE", "/sessions/{sid}"): Access.ADMIN,  # also ?return_trajectory=true
+    # training samples and rewards (issue 10): the trainer's, never the agent's
+    ("GET", "/sessions/{sid}/samples"): Access.ADMIN,
+    ("POST", "/sessions/{sid}/reward"): Access.ADMIN,
+    ("POST", "/samples"): Access.ADMIN,
     ("POST", "/control/pause"): Access.ADMIN,
     ("POST", "/control/resume"): Access.ADMIN,
     ("GET", "/control/state"): Access.ADMIN,
@@ -119,8 +123,8 @@ def test_auth_route_matrix(client: TestClient, method: str, path: str, cred: str
 
 
 def test_auth_unknown_route_needs_admin_token(client: TestClient) -> None:
-    assert client.get("/samples").status_code == 401
-    assert client.get("/samples", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+    assert client.get("/no-such-route").status_code == 401  # (it was /samples, a route since issue 10)
+    assert client.get("/no-such-route", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
 
 
 def test_auth_session_token_also_accepted_as_x_api_key_on_agent_routes(client: TestClient) -> None:

@@ -1,0 +1,145 @@
+"""Training samples over HTTP (issue 10): one session's, a streamed batch's, and rewards.
+
+The library (`trajectory.samples.build_samples`, `trajectory.sample_formats`) does the
+work; this module decides what each session contributes and where it runs:
+
+* every sample's `metadata` is the session's creation metadata, then the metadata of
+  its reward posts merged over it, then ``session_id`` (set by the server; clients
+  cannot send any key the server owns: `api.models.SAMPLE_METADATA_RESERVED`);
+* its `reward` is the leaf's own reward when one was posted with ``leaf`` and that
+  branch still holds a leaf, else the session's trajectory-level reward (or None);
+* samples are built under the session's lock (a commit must not mutate the tree
+  while the offload thread reads it) on the CPU offload threads, and serialized
+  there after the lock is released.
+
+A batch (`POST /samples`) is validated whole before a byte is sent (unknown id: 404;
+``close`` with a turn in flight: 409), then streamed one session at a time: build,
+hand to the format's batch writer, drop, yield to the loop. Only one session's
+samples are alive at once; npz and safetensors spool the arrays
+(`trajectory.sample_formats.SampleBatchWriter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import Response, StreamingResponse
+
+from trajectory.errors import SampleError
+from trajectory.sample_formats import BATCH_WRITERS, MEDIA_TYPES, SERIALIZERS, SampleBatchWriter
+from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample, build_samples, tree_lines
+
+from .api.models import RewardRequest, SamplesBatch
+from .context import ServerContext
+from .errors import BadRequest, SessionBusy, from_library
+from .sessions import Session, SessionState
+
+__all__ = ["DEFAULT_PICKER", "batch_response", "reward_view", "session_response", "set_reward"]
+
+
+def sample_metadata(s: Session) -> dict[str, Any]:
+    """What every sample of `s` carries as `metadata` (server-owned keys last: they win)."""
+    return {**s.config.metadata, **s.reward_metadata, "session_id": s.id}
+
+
+def reward_view(s: Session) -> dict[str, Any]:
+    """The rewards posted so far (session view and the reward answer); leaf ids as JSON keys."""
+    return {"reward": s.reward, "leaf_rewards": {str(k): v for k, v in sorted(s.leaf_rewards.items())}}
+
+
+def session_samples(s: Session, picker: str, max_seq_len: int | None) -> list[Sample]:
+    """The samples of one session; runs on an offload thread under `s.lock`."""
+    reward: float | dict[int, float | None] | None = s.reward
+    if s.leaf_rewards:  # a per-leaf reward only while its branch still holds a leaf
+        reward = {leaf: s.leaf_rewards.get(leaf, s.reward) for leaf in tree_lines(s.tree).leaves}
+    try:
+        return build_samples(s.tree, picker=picker, max_seq_len=max_seq_len, reward=reward, metadata=sample_metadata(s))
+    except SampleError as exc:  # the routes validate first; this is the backstop
+        raise from_library(exc) or BadRequest(str(exc)) from exc
+
+
+async def _built(ctx: ServerContext, s: Session, picker: str, max_seq_len: int | None) -> list[Sample]:
+    async with s.lock:
+        return await ctx.offload.run(session_samples, s, picker, max_seq_len)
+
+
+def check_picker(picker: str) -> None:
+    if picker not in PICKERS:
+        raise BadRequest(f"unknown picker {picker!r}; known: {sorted(PICKERS)}")
+
+
+async def session_response(
+    ctx: ServerContext, s: Session, fmt: str, picker: str, max_seq_len: int | None
+) -> Response:
+    """`GET /sessions/{sid}/samples`: the session's samples as one payload."""
+    check_picker(picker)
+    samples = await _built(ctx, s, picker, max_seq_len)
+    payload = await ctx.offload.run(SERIALIZERS[fmt], samples)
+    return Response(content=payload, media_type=MEDIA_TYPES[fmt])
+
+
+def _leaves(s: Session) -> list[int]:
+    return tree_lines(s.tree).leaves
+
+
+def _reward_body(s: Session) -> dict[str, Any]:
+    return {"session_id": s.id, **reward_view(s), "metadata": sample_metadata(s)}
+
+
+async def set_reward(ctx: ServerContext, s: Session, spec: RewardRequest) -> dict[str, Any]:
+    """`POST /sessions/{sid}/reward`: store a trajectory-level or per-leaf reward and
+    merge metadata; null unsets (the session's reward, or that leaf's override)."""
+    async with s.lock:  # the leaf check reads the tree; samples read these fields under it
+        if spec.leaf is not None:
+            leaves = await ctx.offload.run(_leaves, s)
+            if spec.leaf not in leaves:
+                raise BadRequest(f"leaf {spec.leaf} is not a leaf branch of session {s.id} (leaves: {leaves})")
+            if spec.reward is None:
+                s.leaf_rewards.pop(spec.leaf, None)
+            else:
+                s.leaf_rewards[spec.leaf] = float(spec.reward)
+        else:
+            s.reward = None if spec.reward is None else float(spec.reward)
+        s.reward_metadata.update(spec.metadata)
+        return await ctx.offload.run(_reward_body, s)
+
+
+def _validated(ctx: ServerContext, spec: SamplesBatch) -> list[Session]:
+    """Every session of the batch, or the error, before anything is streamed."""
+    sessions = [ctx.store.get(sid) for sid in spec.session_ids]  # 404 on the first unknown
+    if spec.close:
+        busy = [s.id for s in sessions if s.inflight is not None]
+        if busy:
+            raise SessionBusy(f"{len(busy)} session(s) have a chat in flight, e.g. {busy[0]}; nothing read or closed")
+    for s in sessions:
+        ctx.store.touch(s)  # reading is using: none expires while the batch streams
+    return sessions
+
+
+async def _stream(ctx: ServerContext, sessions: list[Session], spec: SamplesBatch) -> AsyncIterator[bytes]:
+    writer: SampleBatchWriter = BATCH_WRITERS[spec.format]()
+    try:
+        if head := writer.head():
+            yield head
+        for s in sessions:
+            samples = await _built(ctx, s, spec.picker, spec.max_seq_len)
+            if spec.close and s.state is SessionState.ACTIVE:
+                ctx.store.close(s.id)
+            part = await ctx.offload.run(writer.add, samples)
+            del samples
+            if part:
+                yield part
+            await asyncio.sleep(0)  # other requests run between sessions
+        chunks = writer.chunks()
+        while (chunk := await ctx.offload.run(next, chunks, None)) is not None:
+            yield chunk
+    finally:
+        writer.close()
+
+
+def batch_response(ctx: ServerContext, spec: SamplesBatch) -> StreamingResponse:
+    """`POST /samples`: validate every id now (errors are answered whole), then stream."""
+    sessions = _validated(ctx, spec)
+    return StreamingResponse(_stream(ctx, sessions, spec), media_type=MEDIA_TYPES[spec.format])
