@@ -2,8 +2,10 @@
 
 Property tests build random trees with the real tree API (appends with varying
 finish reasons, weight versions and repair tokens; rollbacks, i.e. retries;
-forks) while an oracle records every committed turn with a global id and when
-each rollback happened, independently of `trajectory.samples`. Hand-written
+forks; going back to an older line, i.e. sub-agent interleaving) while an
+oracle records every committed turn with a global id in commit order and
+decides by brute force which turns were abandoned, independently of
+`trajectory.samples`. Hand-written
 trees pin the picker semantics, statuses, truncation and the formats.
 """
 
@@ -47,12 +49,12 @@ VERSIONS = (None, 1, 2, 1.0, "v3")
 
 @dataclass
 class Oracle:
-    """Every committed turn by global id, each branch's line, and the rollbacks."""
+    """Every committed turn by global id (its commit time), each branch's line, and the
+    conversation each first turn answered."""
 
     tree: TrajectoryTree = field(default_factory=TrajectoryTree)
     gid: dict[tuple[int, int], int] = field(default_factory=dict)  # (branch, turn) -> id
     line: dict[int, list[int]] = field(default_factory=lambda: {0: []})  # branch -> turn ids
-    rollbacks: list[tuple[int | None, int, int]] = field(default_factory=list)  # (node, time, conv)
     clock: int = 0
     conv: int = 0  # the conversation a fork starts: its first request differs from the others
     conv_of: dict[int, int] = field(default_factory=dict)  # first turn id -> its conversation
@@ -83,23 +85,35 @@ class Oracle:
         self.line[new.id] = self.line[old][: new.fork_checkpoint]
         if fork:
             self.conv = self.clock  # a rewritten history: a new first request
-        else:
-            node = self.line[old][checkpoint - 1] if checkpoint else None
-            self.rollbacks.append((node, self.clock, self.conv))
         self.clock += 1
 
     def retried(self) -> set[int]:
-        """Turns a later rollback from the node before them replaced (at the root: a
-        rollback that retried the same first request)."""
+        """Abandoned turns, by brute force over commit times: a turn is abandoned when an
+        alternative continuation of the same node (at the root: of the same first
+        request) has a later commit somewhere below it than anything below the turn."""
         parent: dict[int, int | None] = {}
         for ids in self.line.values():
             for i, t in enumerate(ids):
                 parent[t] = ids[i - 1] if i else None
-        return {
-            t for t, p in parent.items()
-            if any(n == p and at > t and (p is not None or conv == self.conv_of[t])
-                   for n, at, conv in self.rollbacks)
-        }
+        below: dict[int, int] = dict.fromkeys(parent, -1)  # latest commit in each subtree
+        for u in parent:
+            t: int | None = u
+            while t is not None:
+                below[t] = max(below[t], u)
+                t = parent[t]
+
+        def group(t: int) -> Any:
+            return ("root", self.conv_of[t]) if parent[t] is None else parent[t]
+
+        return {t for t in parent if any(group(x) == group(t) and below[x] > below[t] for x in parent)}
+
+    def resume(self, pick: float) -> None:
+        """Go back to an existing line (a sub-agent interleave, or the agent returns to a
+        line it left): later commits extend that branch."""
+        leaves = self.leaves()
+        b = leaves[int(pick * (len(leaves) - 1))]
+        self.tree.activate(b)
+        self.conv = self.conv_of[self.line[b][0]]
 
     def leaves(self) -> list[int]:
         bs = self.tree.branches()
@@ -113,11 +127,13 @@ def trees(draw: st.DrawFn) -> Oracle:
     o = Oracle()
     for _ in range(draw(st.integers(1, 14))):
         n_turns = o.tree.active.trajectory.num_turns
-        op = draw(st.sampled_from(["turn", "turn", "turn", "retry", "fork"]))
+        op = draw(st.sampled_from(["turn", "turn", "turn", "retry", "fork", "resume"]))
         if op == "retry" and n_turns:
             o.branch(draw(st.integers(0, n_turns)), fork=False)
         elif op == "fork" and n_turns:
             o.branch(0, fork=True)
+        elif op == "resume" and n_turns:
+            o.resume(draw(st.floats(0.0, 1.0)))
         o.commit(
             draw(st.integers(0, 3)), draw(st.integers(0, 4)), draw(st.integers(0, 1)),
             draw(st.sampled_from(FINISH)),
