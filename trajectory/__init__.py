@@ -21,8 +21,8 @@ from .errors import (
     TrajectoryError,
     ValidationError,
 )
-from .export import from_dict, from_npz_bytes, to_dict, to_npz_bytes
-from .history import Plan, reconcile
+from .export import branch_line, from_dict, from_npz_bytes, to_dict, to_npz_bytes
+from .history import Attachment, Plan, attach, reconcile
 from .linear import LinearTrajectory, TurnRecord, WeightSpan, WeightVersion
 from .sample_formats import (
     load_samples_json,
@@ -37,6 +37,7 @@ from .tree import Branch, TrajectoryTree
 from .validate import Expectations, GenerationLike, ValidGeneration, validate_generation
 
 __all__ = [
+    "Attachment",
     "Branch",
     "BranchError",
     "CheckpointError",
@@ -59,6 +60,8 @@ __all__ = [
     "ValidationError",
     "WeightSpan",
     "WeightVersion",
+    "attach",
+    "branch_line",
     "build_samples",
     "from_dict",
     "from_npz_bytes",

@@ -10,7 +10,7 @@ tool-call JSON, dropped ``reasoning_content``) is the codec's business.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -97,19 +97,23 @@ class Attachment:
     renames: dict[str, Any] = field(default_factory=dict)  # client tool-call id -> ours (last turn)
 
 
-def _returned_positions(traj: Any) -> set[int]:
-    """Indices in a line's messages of the assistant messages we returned."""
-    counts = traj.checkpoint_message_counts
-    return {counts[i + 1] - 1 for i, t in enumerate(traj.turns) if t.assistant_message is not None}
+def _is_returned(traj: Any, counts: Sequence[int], i: int) -> bool:
+    """Whether message `i` of a line is an assistant message we returned: the last
+    message of a turn that has one (O(log turns))."""
+    k = bisect_left(counts, i + 1)
+    return k < len(counts) and counts[k] == i + 1 and traj.turn(k - 1).assistant_message is not None
 
 
-def _match_line(traj: Any, request: Sequence[Message], start: int, returned: set[int]) -> int:
+def _match_line(traj: Any, counts: Sequence[int], request: Sequence[Message], start: int) -> int:
     """How far `request` equals the line's messages, comparing from `start` on."""
     m = start
     limit = min(traj.num_messages, len(request))
     while m < limit:
         committed, sent = traj.message(m), request[m]
-        same = match_returned(committed, sent) is not None if m in returned else messages_equal(committed, sent)
+        if _is_returned(traj, counts, m):
+            same = match_returned(committed, sent) is not None
+        else:
+            same = messages_equal(committed, sent)
         if not same:
             break
         m += 1
@@ -153,7 +157,7 @@ def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
         if inherited < shared:
             m = inherited  # diverged before the fork point: same result as the parent's line
         else:
-            m = _match_line(traj, request, shared, _returned_positions(traj))
+            m = _match_line(traj, counts, request, shared)
         matched[b.id] = m
         k = bisect_right(counts, m) - 1  # the latest checkpoint whose messages all match
         if k == 0:
@@ -167,7 +171,7 @@ def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
     traj = branch.trajectory
     counts = traj.checkpoint_message_counts
     new = list(request[counts[best_k] :])
-    last = traj.turns[best_k - 1].assistant_message
+    last = traj.turn(best_k - 1).assistant_message
     renames = {}
     if last is not None:
         renames = match_returned(last, request[counts[best_k] - 1]) or {}

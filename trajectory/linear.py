@@ -302,6 +302,10 @@ class LinearTrajectory:
     def num_turns(self) -> int:
         return len(self._turns)
 
+    def turn(self, i: int) -> TurnRecord:
+        """Turn `i` (no copy of the list, unlike `turns`)."""
+        return self._turns[i]
+
     @property
     def last_turn(self) -> TurnRecord | None:
         return self._turns[-1] if self._turns else None

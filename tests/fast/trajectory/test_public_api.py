@@ -22,6 +22,8 @@ def test_trajectory_all_is_pinned() -> None:
         "PICKERS", "Sample", "SampleError", "build_samples", "register_picker",
         "samples_to_json", "samples_to_npz", "samples_to_safetensors",
         "load_samples_json", "load_samples_npz", "load_samples_safetensors",
+        # issue 10.1/10.2: the shared-prefix export's lines, matching against the whole tree
+        "Attachment", "attach", "branch_line",
     }
     for name in trajectory.__all__ + trajectory.codec.__all__:
         assert getattr(trajectory, name, None) is not None or getattr(trajectory.codec, name, None) is not None
