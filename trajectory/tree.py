@@ -18,6 +18,7 @@ Branch ids are small ints in creation order; branch 0 is the empty root.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,20 +49,17 @@ class TrajectoryTree:
     __slots__ = ("_branches", "_active", "_seq", "metadata")
 
     def __init__(self) -> None:
-        self._seq = 0
+        # the commit counter is shared with the branches' trajectories; it is its own
+        # object (not a method of the tree) so no reference cycle keeps a tree alive
+        self._seq = itertools.count()
         root = Branch(0, None, 0, 0, self._own(LinearTrajectory()), ROOT_REASON)
         self._branches: dict[int, Branch] = {0: root}
         self._active = 0
         self.metadata: dict = {}  # carried by export when no explicit metadata is given
 
-    def _tick(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
-
     def _own(self, traj: LinearTrajectory) -> LinearTrajectory:
         """Stamp `traj`'s commits with this tree's sequence numbers."""
-        traj._clock = self._tick
+        traj._clock = self._seq.__next__
         return traj
 
     @classmethod
@@ -76,12 +74,12 @@ class TrajectoryTree:
         if active_id not in tree._branches:
             raise InvariantError(f"active branch {active_id} is not in the tree")
         tree._active = active_id
-        for b in branches:
-            tree._own(b.trajectory)
         seqs = [t.seq for b in branches for t in b.trajectory.turns[b.fork_checkpoint :]]
         if len(set(seqs)) != len(seqs) or any(q < 0 for q in seqs):
             raise InvariantError("turn sequence numbers must be distinct and >= 0")
-        tree._seq = max(seqs, default=-1) + 1
+        tree._seq = itertools.count(max(seqs, default=-1) + 1)
+        for b in branches:
+            tree._own(b.trajectory)
         tree.check_invariants()
         return tree
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from tests.fast.trajectory.test_linear import commit, turn_inputs
 from trajectory.errors import BranchError, CheckpointError, InvariantError
+from trajectory.linear import LinearTrajectory
 from trajectory.tree import TrajectoryTree
 
 
@@ -133,3 +134,25 @@ def test_random_tree_operations_keep_invariants(ops: list) -> None:
             lines[b.id] = ids
         seqs = [t.seq for b in tree.branches() for t in b.trajectory.turns[b.fork_checkpoint :]]
         assert sorted(seqs) == list(range(len(seqs)))  # one commit order over the tree
+
+
+def test_10_1_a_tree_is_freed_without_the_cycle_collector() -> None:
+    """The commit counter the branches share holds no reference back to the tree, so a
+    dropped session's tree is freed by reference counting (100K sessions: no GC debt)."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        tree = TrajectoryTree()
+        _turn(tree, 0)
+        tree.rollback(1)
+        _turn(tree, 1)
+        del tree
+        gc.collect()
+        assert not [o for o in gc.garbage if isinstance(o, TrajectoryTree | LinearTrajectory)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
