@@ -79,7 +79,9 @@ def load_tokenizer(spec: str) -> Any:
                     f"tokenizer {spec!r} is not in the local cache and the model hub is unreachable; {instead}"
                 ) from None
         return AutoTokenizer.from_pretrained(path_or_name)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:
+        # ImportError: with tiktoken installed (a `renderers` dependency) transformers tries
+        # converting an empty directory's slow tokenizer and asks for protobuf
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TokenizerUnavailable(f"cannot load tokenizer {spec!r} ({first}); {instead}") from None
 

@@ -283,10 +283,27 @@ def _build_backend(spec: _FamilySpec):  # -> tokenizers.Tokenizer
 
 def build_tokenizer(family: str, out_dir: Path) -> Path:
     """Train the family's tokenizer, attach its chat template and save it to `out_dir`."""
+    return _save(_spec(family), chat_template_text(family), Path(out_dir))
+
+
+def build_template_tokenizer(
+    out_dir: Path,
+    template: str,
+    special_tokens: tuple[str, ...],
+    *,
+    bos: str | None = None,
+    eos: str,
+    pad: str | None = None,
+) -> Path:
+    """An offline tokenizer for any template: the given special tokens (BOS/EOS
+    included) on the shared BPE, carrying `template` verbatim (issue 11.5)."""
+    spec = _FamilySpec("", tuple(dict.fromkeys(special_tokens)), bos, eos, pad or eos, False, _QWEN_SPLIT)
+    return _save(spec, template, Path(out_dir))
+
+
+def _save(spec: _FamilySpec, template: str, out_dir: Path) -> Path:
     from transformers import PreTrainedTokenizerFast
 
-    spec = _spec(family)
-    out_dir = Path(out_dir)
     backend = _build_backend(spec)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -296,7 +313,7 @@ def build_tokenizer(family: str, out_dir: Path) -> Path:
         clean_up_tokenization_spaces=False,
         model_max_length=131072,
     )
-    fast.chat_template = chat_template_text(family)
+    fast.chat_template = template
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
     return out_dir

@@ -35,3 +35,23 @@ def load_tokenizer(tokenizer_dirs: dict[str, Path]) -> Callable[[str], Any]:
         return cache[family]
 
     return _load
+
+
+@pytest.fixture(scope="session")
+def load_renderer_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+    """`load_renderer_tokenizer(name)` -> the offline tokenizer of a renderers family
+    (tests/fast/trajectory/renderer_families.py), built once, loaded from disk."""
+    from transformers import AutoTokenizer
+
+    from tests.fast.trajectory.renderer_families import BY_NAME, build
+
+    root = tmp_path_factory.mktemp("renderer-tokenizers")
+    cache: dict[str, Any] = {}
+
+    def _load(name: str) -> Any:
+        if name not in cache:
+            path = build(BY_NAME[name], root / name.replace(".", "_"))
+            cache[name] = AutoTokenizer.from_pretrained(str(path))
+        return cache[name]
+
+    return _load

@@ -41,9 +41,13 @@ arguments = st.dictionaries(st.sampled_from(["city", "n", "flag", "q"]), arg_val
 
 
 @st.composite
-def conversations(draw: Any, family: str) -> tuple[list[dict], list[list[dict]], bool]:
+def conversations(
+    draw: Any, family: str, reasoning: bool | None = None, max_calls: int | None = None
+) -> tuple[list[dict], list[list[dict]], bool]:
     """(prefix up to the first assistant, [assistant, *followers] per turn, use tools)."""
-    use_tools = family != "llama3" and draw(st.booleans())
+    reasoning = REASONING[family] if reasoning is None else reasoning
+    max_calls = MAX_CALLS[family] if max_calls is None else max_calls
+    use_tools = max_calls > 0 and draw(st.booleans())
     prefix: list[dict] = []
     if draw(st.booleans()):
         prefix.append({"role": "system", "content": draw(text)})
@@ -51,9 +55,9 @@ def conversations(draw: Any, family: str) -> tuple[list[dict], list[list[dict]],
     turns = []
     for t in range(draw(st.integers(1, 3))):
         asst: dict[str, Any] = {"role": "assistant", "content": draw(text)}
-        if REASONING[family] and draw(st.booleans()):
+        if reasoning and draw(st.booleans()):
             asst["reasoning_content"] = draw(text)
-        n_calls = draw(st.integers(0, MAX_CALLS[family])) if use_tools else 0
+        n_calls = draw(st.integers(0, max_calls)) if use_tools else 0
         if n_calls:
             asst["tool_calls"] = [
                 {
@@ -85,9 +89,11 @@ def full_ids(tok: Any, messages: list[dict], tools: Any) -> list[int]:
     return tok.encode(rendered, add_special_tokens=False)
 
 
-def play(tok: Any, family: str, conv: Any, policy: HistoryPolicy) -> dict[str, int]:
+def play(
+    tok: Any, family: str, conv: Any, policy: HistoryPolicy, codec: Any = None
+) -> dict[str, int]:
     """Run the conversation incrementally; returns counts of checked/rewritten steps."""
-    codec = load_codec(tok)
+    codec = load_codec(tok) if codec is None else codec
     prefix, turns, use_tools = conv
     tools = TOOLS if use_tools else None
     msgs = list(prefix)

@@ -1,0 +1,383 @@
+"""A codec behind our `ChatCodec` interface, backed by a `renderers` renderer (issue 11.1).
+
+Owns adapting the `renderers` library (PyPI, Apache-2.0, pinned 0.1.12) to our
+contract: render, bridge, parse, close and stop ids for the hand-coded families it
+ships (Qwen3.5, GLM-4.5/4.7/5, DeepSeek V3/V4, gpt-oss, Kimi K2, MiniMax M2, ...).
+
+Facts about renderers 0.1.12 this module relies on (read from its source, checked
+by tests/fast/trajectory/test_renderers_codec.py, never assumed elsewhere):
+
+- `create_renderer(tokenizer, config)` with a typed config from
+  `config_from_name(name)` builds the renderer of family `name` (a key of its
+  registry, e.g. "qwen3.5", "glm-5", "deepseek-v3", "kimi-k2", "minimax-m2",
+  "gpt-oss"). With no config it matches `tokenizer.name_or_path` *exactly* against
+  `MODEL_RENDERER_MAP` and silently falls back to `DefaultRenderer` (which never
+  bridges): so we always pass a config and detect the family ourselves.
+- Template kwargs (`enable_thinking`, ...) are config fields, validated by
+  `merge_chat_template_kwargs(config, kwargs)` (unknown kwargs raise ValueError);
+  one renderer per distinct kwargs, cached.
+- `render_ids(messages, tools=, add_generation_prompt=)` is meant to be
+  token-identical to `tokenizer.apply_chat_template` + encode for the model's own
+  template. Renderers tokenize piecewise (scaffold and content separately), so
+  this is a claim we check against the template (contract suite), not trust.
+- `bridge_to_next_turn(prev_prompt_ids, prev_completion_ids, new_messages, tools=)`
+  returns the whole next prompt (prior ids + new) or None when it cannot prove the
+  prior ids stay a prefix. It refuses assistant messages in `new_messages`, scans
+  the completion (with the prompt as context) for an unclosed reasoning block,
+  trims the prior ids back to the last turn-close token *inside the completion*
+  (synthesising the canonical close when there is none), and applies its
+  `thinking_retention` policy: "template"/"tool_cycle" return None on a new user
+  query (the template would drop earlier reasoning), "all" bridges anyway.
+- `parse_response(ids, tools=, prompt_ids=)` strips stop tokens and returns
+  content, reasoning_content and one `ParsedToolCall` per attempt (status OK or a
+  typed failure); `prompt_ids` tells it whether the prompt opened reasoning.
+- `get_stop_token_ids()` are the ids the engine stops on (GLM: role tokens).
+
+How we use it. The delta of a turn comes from *their* bridge, fed a synthetic
+prior that ends exactly like our committed tokens: the generation prompt of a
+dummy query, then the canonical rendering of the previous assistant message
+(reasoning left out, as templates drop it) whose final stop token is replaced
+by the one actually committed. Their result must extend that prior unchanged
+(else we refuse: they trimmed or re-rendered); the suffix is our delta, so the
+committed tokens are never re-tokenized. History rewrites are detected by us as
+in `TemplateCodec` (render of H a prefix of render of H + new, with the
+renderer's own ids): TEMPLATE refuses with HISTORY_REWRITE, APPEND bridges with
+a renderer built with `thinking_retention="all"` and flags the rewrite.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trajectory.codec.base import (
+    BridgeRefusal,
+    BridgeResult,
+    HistoryPolicy,
+    Message,
+    ParsedAssistant,
+    ParsedToolCall,
+    RefusalReason,
+    ToolCallParseStatus,
+)
+from trajectory.codec.probe import DUMMY_SYSTEM, DUMMY_USER, decode_text, is_prefix, render_form
+from trajectory.errors import CodecError, TemplateNotSupported
+
+# renderer names we serve (text families of renderers 0.1.12; VL/multimodal-only and
+# DefaultRenderer are left out: the latter never bridges, our generic prober does)
+RENDERER_FAMILIES: tuple[str, ...] = (
+    "qwen3",
+    "prime-qwen3",
+    "qwen3.5",
+    "qwen3.6",
+    "qwen3.8",
+    "glm-4.5",
+    "glm-5",
+    "glm-5.1",
+    "glm-5.3",
+    "minimax-m2",
+    "deepseek-v3",
+    "deepseek-r1",
+    "deepseek-v4",
+    "kimi-k2",
+    "kimi-k2.5",
+    "nemotron-3",
+    "nemotron-3.5",
+    "llama-3",
+    "gpt-oss",
+    "gemma4",
+    "hy3",
+    "laguna-xs.2",
+    "laguna-xs-2.1",
+    "laguna-s-2.1",
+)
+
+_ROLES = ("user", "tool", "system", "developer")
+
+
+def _renderers() -> Any:
+    try:
+        import renderers
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise TemplateNotSupported("the `renderers` package is not installed") from exc
+    return renderers
+
+
+class RenderersCodec:
+    """A `ChatCodec` for one `renderers` family (see module doc for the contract)."""
+
+    def __init__(self, tokenizer: Any, renderer_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.renderer_name = renderer_name
+        self.family = renderer_name
+        self.vocab_size = len(tokenizer)
+        self._cache: dict[tuple[str, str], Any] = {}
+        try:
+            base = self._renderer(None)
+        except Exception as exc:
+            raise TemplateNotSupported(f"renderers {renderer_name!r}: {exc}") from exc
+        stops = [int(t) for t in base.get_stop_token_ids()]
+        self.stop_token_ids = tuple(dict.fromkeys(stops))
+        self.eot_ids = self.stop_token_ids
+        prompt = self._prompt_ids(None, None)
+        full = self._ids([DUMMY_SYSTEM, DUMMY_USER], tools=None, gen=False, kw=None)
+        if not is_prefix(full, prompt):
+            raise TemplateNotSupported(f"{renderer_name}: generation prompt does not extend the history")
+        self.generation_prompt_ids = tuple(prompt[len(full) :])
+        closed = self.canonical_assistant_ids({"role": "assistant", "content": "ok"})
+        # the close the model samples (ChatML <|im_end|>); None: the next role token
+        # closes the turn (GLM), so there is nothing to repair
+        self._close: int | None = closed[-1] if self._closes_itself() else None
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        self.developer_role = "developer" in template
+
+    # -- renderers plumbing ------------------------------------------------------
+
+    def _renderer(self, kw: Mapping[str, Any] | None, *, retention: str | None = None) -> Any:
+        """The renderer for these template kwargs (and bridge retention), cached."""
+        key = (json.dumps(dict(kw or {}), sort_keys=True, default=str), retention or "")
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        r = _renderers()
+        config = r.config_from_name(self.renderer_name)
+        if retention is not None:
+            try:
+                config = type(config)(thinking_retention=retention)
+            except Exception:  # the family's own knob forbids it: keep its default
+                config = r.config_from_name(self.renderer_name)
+        renderer = r.create_renderer(self.tokenizer, config, chat_template_kwargs=dict(kw or {}) or None)
+        self._cache[key] = renderer
+        return renderer
+
+    def _ids(self, messages: Sequence[Message], *, tools: Any, gen: bool, kw: Any,
+             retention: str | None = None) -> list[int]:
+        return list(
+            self._renderer(kw, retention=retention).render_ids(
+                [render_form(m) for m in messages],
+                tools=list(tools) if tools else None,
+                add_generation_prompt=gen,
+            )
+        )
+
+    def _prompt_ids(self, tools: Any, kw: Any) -> list[int]:
+        return self._ids([DUMMY_SYSTEM, DUMMY_USER], tools=tools, gen=True, kw=kw)
+
+    def _closes_itself(self) -> bool:
+        """Whether an assistant render ends in a stop token of its own (an EOT)."""
+        full = self._ids([DUMMY_SYSTEM, DUMMY_USER, {"role": "assistant", "content": "ok"}],
+                         tools=None, gen=False, kw=None)
+        tail = full[-3:]
+        return any(t in self.stop_token_ids for t in tail)
+
+    # -- ChatCodec ---------------------------------------------------------------
+
+    def render_first(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Whole prompt of turn 0 (or a fork), generation prompt included."""
+        if not messages:
+            raise CodecError("render_first needs at least one message")
+        try:
+            return self._ids(messages, tools=tools, gen=True, kw=template_kwargs)
+        except Exception as exc:
+            raise CodecError(f"{self.family}: renderer failed: {exc}") from exc
+
+    def close_turn(self, sampled_ids: Sequence[int]) -> list[int]:
+        """The canonical close when the turn did not end on a stop token (their
+        `trim_to_turn_close(synthesize_close=...)`); [] for role-token families."""
+        if self._close is None or (sampled_ids and sampled_ids[-1] in self.stop_token_ids):
+            return []
+        return [self._close]
+
+    def bridge(
+        self,
+        history: Sequence[Message],
+        committed_tail: Sequence[int],
+        new_messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        policy: HistoryPolicy = HistoryPolicy.APPEND,
+    ) -> BridgeResult | BridgeRefusal:
+        """Their bridge on a synthetic prior ending like ours (module doc); never a guess."""
+        if not history or history[-1].get("role") != "assistant":
+            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
+        if not new_messages:
+            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
+        roles = _ROLES if self.developer_role else _ROLES[:3]
+        if any(m.get("role") not in roles for m in new_messages):
+            return BridgeRefusal(
+                RefusalReason.UNSUPPORTED_MESSAGE, "renderers bridges only user/tool/system messages"
+            )
+        if self._close is not None and committed_tail and committed_tail[-1] not in self.stop_token_ids:
+            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
+        kw = template_kwargs
+        new = list(new_messages)
+        window = list(history) if policy == HistoryPolicy.TEMPLATE else [DUMMY_SYSTEM, DUMMY_USER, dict(history[-1])]
+        try:
+            rewrites = not is_prefix(
+                self._ids(window, tools=tools, gen=False, kw=kw),
+                self._ids(window + new, tools=tools, gen=True, kw=kw),
+            )
+            prompt = self._prompt_ids(tools, kw)
+            prev = {k: v for k, v in history[-1].items() if k != "reasoning_content"}
+            completion = self._completion_ids(prev, prompt, tools=tools, kw=kw)
+        except Exception as exc:
+            return BridgeRefusal(RefusalReason.RENDER_FAILED, f"renderer raised: {exc}")
+        if rewrites and policy == HistoryPolicy.TEMPLATE:
+            return BridgeRefusal(
+                RefusalReason.HISTORY_REWRITE,
+                "the template re-renders earlier turns when these messages are appended",
+            )
+        last = committed_tail[-1] if committed_tail else None
+        if completion and completion[-1] in self.stop_token_ids:
+            completion = completion[:-1]
+        if last is not None and last in self.stop_token_ids:
+            if self._close is None and completion and last != self._canonical_stop(prev, tools, kw):
+                rewrites = True  # GLM: sampled another role token than a re-render has
+            completion = [*completion, last]
+        prior = prompt + completion
+        try:
+            out = self._renderer(kw, retention="all").bridge_to_next_turn(
+                list(prompt), list(completion), [render_form(m) for m in new],
+                tools=list(tools) if tools else None,
+            )
+        except Exception as exc:
+            return BridgeRefusal(RefusalReason.RENDER_FAILED, f"renderers bridge raised: {exc}")
+        if out is None:
+            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "renderers cannot prove this step append-only")
+        ids = list(out.token_ids)
+        if not is_prefix(prior, ids):
+            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "renderers bridge changed the prior tokens")
+        delta = ids[len(prior) :]
+        if not delta:
+            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "renderers bridge added no tokens")
+        return BridgeResult(prompt_ids=delta, rewrites_history=rewrites)
+
+    def _completion_ids(self, message: Message, prompt: list[int], *, tools: Any, kw: Any) -> list[int]:
+        """What a model sampling `message` canonically emits after `prompt` (through
+        its stop token where the family has one)."""
+        full = self._ids([DUMMY_SYSTEM, DUMMY_USER, message], tools=tools, gen=False, kw=kw)
+        if is_prefix(prompt, full):
+            ids = full[len(prompt) :]
+        else:  # the prompt's last token merges with the reply (Qwen3.5 `<think>\n`)
+            p_text = decode_text(self.tokenizer, prompt)
+            f_text = decode_text(self.tokenizer, full)
+            if f_text.startswith(p_text):
+                ids = list(self.tokenizer.encode(f_text[len(p_text) :], add_special_tokens=False))
+            else:
+                ids = self._after_prefill(prompt, full)
+        # drop what the template renders after the close (ChatML "\n"): never sampled
+        cut = max((i for i, t in enumerate(ids) if t in self.stop_token_ids), default=None)
+        return ids if cut is None else ids[: cut + 1]
+
+    def _after_prefill(self, prompt: list[int], full: list[int]) -> list[int]:
+        """The prompt opens reasoning (`<think>`) that a re-render of a message without
+        reasoning does not show (GLM-4.7, MiniMax M2, Nemotron 3): the model samples the
+        rest of the render after the opener (`</think>ok`)."""
+        k = next((i for i, (x, y) in enumerate(zip(prompt, full, strict=False)) if x != y),
+                 min(len(prompt), len(full)))
+        if decode_text(self.tokenizer, prompt[k:]).strip() not in ("<think>",):
+            raise CodecError(f"{self.family}: assistant render does not extend the prompt")
+        return full[k:]
+
+    def _canonical_stop(self, message: Message, tools: Any, kw: Any) -> int | None:
+        """Role-token families: the stop token a re-render puts after `message`."""
+        stop = self.canonical_assistant_ids(message, template_kwargs=kw)
+        return stop[-1] if stop else None
+
+    def parse_assistant(
+        self,
+        sampled_ids: Sequence[int],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> ParsedAssistant:
+        """Their `parse_response`, mapped to ours; never raises on bad markup."""
+        ids = [int(t) for t in sampled_ids]
+        try:
+            parsed = self._renderer(template_kwargs).parse_response(
+                ids, tools=list(tools) if tools else None, prompt_ids=self._prompt_ids(tools, template_kwargs)
+            )
+        except Exception as exc:
+            return ParsedAssistant(
+                content="", reasoning_content=None,
+                status=ToolCallParseStatus.INVALID_FORMAT, status_detail=f"unparseable: {exc}",
+            )
+        return to_parsed_assistant(parsed, tools_offered=bool(tools))
+
+    def same_tools(
+        self,
+        a: Sequence[Mapping[str, Any]] | None,
+        b: Sequence[Mapping[str, Any]] | None,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Whether two tool lists render the same prompt (a change of tools forks)."""
+        if json.dumps(a or []) == json.dumps(b or []):
+            return True
+        try:
+            return self._prompt_ids(a or None, template_kwargs) == self._prompt_ids(b or None, template_kwargs)
+        except Exception:
+            return False
+
+    def canonical_assistant_ids(
+        self, message: Message, *, template_kwargs: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Ids the renderer places for `message` after the generation prompt, through
+        its stop token (role-token families: the next role token it renders)."""
+        try:
+            prompt = self._prompt_ids(None, template_kwargs)
+            ids = self._completion_ids(message, prompt, tools=None, kw=template_kwargs)
+            if ids and ids[-1] in self.stop_token_ids:
+                return ids
+            follow = {"role": "tool", "content": "x"} if message.get("tool_calls") else {"role": "user", "content": "x"}
+            base = [DUMMY_SYSTEM, DUMMY_USER, message]
+            before = self._ids(base, tools=None, gen=False, kw=template_kwargs)
+            after = self._ids([*base, follow], tools=None, gen=True, kw=template_kwargs)
+        except CodecError:
+            raise
+        except Exception as exc:
+            raise CodecError(f"{self.family}: cannot render assistant message: {exc}") from exc
+        # the first stop token where the render with a follower departs from the one
+        # without (a follower may also hide this message's reasoning: GLM)
+        j = next((i for i, (x, y) in enumerate(zip(before, after, strict=False)) if x != y),
+                 min(len(before), len(after)))
+        stop = next((t for t in after[j:] if t in self.stop_token_ids), None)
+        if stop is not None:
+            return ids + [stop]
+        raise CodecError(f"{self.family}: no stop token after this assistant message")
+
+
+def to_parsed_assistant(parsed: Any, *, tools_offered: bool) -> ParsedAssistant:
+    """Their `ParsedResponse` as our `ParsedAssistant` (ids for calls without one)."""
+    calls: list[ParsedToolCall] = []
+    status, detail = ToolCallParseStatus.OK, ""
+    for tc in parsed.tool_calls:
+        st = str(getattr(tc.status, "value", tc.status))
+        if st != "ok":
+            status = ToolCallParseStatus.INVALID_JSON if st == "invalid_json" else ToolCallParseStatus.INVALID_FORMAT
+            detail = f"{st}: {tc.raw[:200]}"
+            continue
+        args = tc.arguments if isinstance(tc.arguments, str) else json.dumps(tc.arguments or {}, ensure_ascii=False)
+        calls.append(ParsedToolCall(id=tc.id or f"call_{uuid.uuid4().hex[:24]}", name=tc.name or "", arguments=args))
+    if not tools_offered and (calls or status is not ToolCallParseStatus.OK):
+        # no tools offered: any call is the model's mistake, kept visible as a status
+        return ParsedAssistant(
+            content=parsed.content, reasoning_content=parsed.reasoning_content,
+            status=ToolCallParseStatus.INVALID_FORMAT, status_detail="tool call markup but no tools offered",
+        )
+    return ParsedAssistant(
+        content=parsed.content,
+        reasoning_content=parsed.reasoning_content or None,
+        tool_calls=calls,
+        status=status,
+        status_detail=detail,
+    )
