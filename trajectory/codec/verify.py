@@ -11,7 +11,8 @@ tokenizer's own full chat-template render:
   the history (as text), i.e. the template never rewrites committed turns here;
 - bridge: on an append-only step, committed + bridged ids must equal the full
   render token for token (else a *hard mismatch*, with the first differing token
-  and decoded context); on a step that is not append-only a typed refusal or a
+  and decoded context); a typed refusal there is a *warning* (the server refuses
+  a step it could take), and on a step that is not append-only a refusal or a
   flagged rewrite is reported, never a failure;
 - parse: every probe assistant message survives canonical ids -> parse_assistant.
 
@@ -99,9 +100,14 @@ class StepReport:
 
     @property
     def hard(self) -> bool:
-        """A failure: on an append-only step, bridged ids differ from the full render
-        or the bridge refused (the server would answer 400 where the template is fine)."""
-        return bool(self.append_only) and self.outcome in ("mismatch", "refused")
+        """A failure: on an append-only step, bridged ids differ from the full render."""
+        return bool(self.append_only) and self.outcome == "mismatch"
+
+    @property
+    def warn(self) -> bool:
+        """Not a failure, but a lost step: the bridge refused where the template is
+        append-only (the server answers 400 or forks where it need not)."""
+        return bool(self.append_only) and self.outcome == "refused"
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,10 @@ class VerifyReport:
         return out
 
     @property
+    def warnings(self) -> list[str]:
+        return [f"{s.scenario}[{s.step}] ({s.thinking}): {s.detail}" for s in self.steps if s.warn]
+
+    @property
     def ok(self) -> bool:
         return not self.hard_failures
 
@@ -173,8 +183,9 @@ class VerifyReport:
             "thinking_modes": self.thinking_modes,
             "error": self.error,
             "hard_failures": self.hard_failures,
+            "warnings": self.warnings,
             "roles": self.roles(),
-            "steps": [asdict(s) | {"hard": s.hard} for s in self.steps],
+            "steps": [asdict(s) | {"hard": s.hard, "warn": s.warn} for s in self.steps],
             "parses": [asdict(p) for p in self.parses],
             "engine": {"url": self.engine, "status": self.engine_status},
         }
@@ -205,9 +216,10 @@ class VerifyReport:
         notes = [s for s in self.steps if s.outcome != "exact"]
         odd_parses = [p for p in self.parses if p.ok is not True]
         if notes or odd_parses:
-            lines.append("\nnot token-exact or not checked (FAIL: hard mismatch; note: reported only):")
+            lines.append("\nnot token-exact or not checked "
+                         "(FAIL: hard mismatch; WARN: refused an append-only step; note: reported only):")
         for s in notes:
-            tag = "FAIL" if s.hard else "note"
+            tag = "FAIL" if s.hard else "WARN" if s.warn else "note"
             lines.append(
                 f"  [{tag}] {s.scenario}[{s.step}] +{'+'.join(s.roles)} thinking={s.thinking}: "
                 f"{s.outcome}{' - ' + s.detail if s.detail else ''}"
@@ -218,7 +230,8 @@ class VerifyReport:
         if self.engine:
             lines.append(f"\nengine {self.engine}: {self.engine_status}")
         lines.append("")
-        lines.append("OK" if self.ok else f"FAILED: {len(self.hard_failures)} hard mismatch(es)")
+        warned = f" ({len(self.warnings)} warning(s))" if self.warnings else ""
+        lines.append(("OK" if self.ok else f"FAILED: {len(self.hard_failures)} hard mismatch(es)") + warned)
         return "\n".join(lines)
 
 
@@ -373,15 +386,15 @@ def play_scenario(codec: ChatCodec, tokenizer: Any, sc: Scenario, thinking: str,
     """Play `sc` as the server does; report each bridged step and each parse."""
     tools = TOOLS if sc.tools else None
     steps: list[StepReport] = []
-    parses: list[ParseReport] = []
     msgs: list[Message] = list(sc.prefix)
+    parses = [check_parse(codec, tokenizer, sc.name, thinking, asst, tools, kw) for asst, _ in sc.turns]
     try:
         ids = codec.render_first(msgs, tools=tools, template_kwargs=kw)
     except CodecError as exc:
-        steps.append(StepReport(sc.name, 0, thinking, ("first",), None, "unsupported", str(exc)))
+        steps.append(StepReport(sc.name, 0, thinking, ("first",), None, "unsupported",
+                                f"render_first failed: {exc}"))
         return steps, parses
     for n, (asst, new) in enumerate(sc.turns):
-        parses.append(check_parse(codec, tokenizer, sc.name, thinking, asst, tools, kw))
         roles = tuple(str(m["role"]) for m in new)
         step = _step(codec, tokenizer, sc.name, n, thinking, roles, msgs, ids, asst, list(new), tools, kw)
         steps.append(step.report)
@@ -424,7 +437,7 @@ def _step(codec: ChatCodec, tok: Any, name: str, n: int, thinking: str, roles: t
     if isinstance(res, BridgeRefusal):
         detail = f"BridgeRefusal({res.reason.value}): {res.detail}"
         if append_only:
-            detail += " (the template is append-only here: the server would refuse a valid step)"
+            detail += " (the template is append-only here: the server refuses a step it could take)"
         return _Step(report(append_only, "refused", detail), full)
     got = committed + list(res.prompt_ids)
     diff = first_difference(tok, full, got)

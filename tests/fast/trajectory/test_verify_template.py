@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from trajectory.codec import BridgeRefusal, RefusalReason, load_codec
 from trajectory.codec.verify import first_difference, verify_template
 
 # Known codec bug the verifier found (issue 11.4): Qwen3 with thinking on renders a
@@ -91,6 +92,28 @@ def test_11_4_broken_parse_is_a_round_trip_failure(tokenizer_dirs: dict[str, Pat
     assert {p.scenario for p in bad} == {"tool_append_json", "parallel_tool_calls"}
     assert "tool_calls" in bad[0].detail and '"metric": true' in bad[0].detail
     assert any("parse tool_append_json" in f for f in report.hard_failures)
+
+
+class _RefusingCodec:
+    """A codec that refuses every bridge (as a library that cannot prove a step would)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def bridge(self, *_a: Any, **_kw: Any) -> BridgeRefusal:
+        return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "cannot prove it")
+
+
+def test_11_4_refusal_on_an_append_only_step_is_a_warning_not_a_failure(load_tokenizer: Any) -> None:
+    tok = load_tokenizer("llama3")
+    report = verify_template(tok, codec=_RefusingCodec(load_codec(tok)))
+    assert report.ok and report.warnings
+    assert all(s.outcome == "refused" and s.warn and not s.hard for s in report.steps)
+    text = report.format_text()
+    assert "[WARN]" in text and "BridgeRefusal(not_append_only)" in text and "warning(s)" in text
 
 
 def test_11_4_unknown_family_is_an_error_not_a_crash(load_tokenizer: Any) -> None:
