@@ -1,4 +1,4 @@
-"""`session-server serve | sim-engine | demo`."""
+"""`session-server serve | sim-engine | verify-template | demo`."""
 
 from __future__ import annotations
 
@@ -155,6 +155,25 @@ def _demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(out_dir=args.out, turns=args.turns, protocol=args.protocol))
 
 
+def _verify_template(args: argparse.Namespace) -> int:
+    """Check a chat template against our codec contract; exit 1 on a hard mismatch."""
+    import json
+
+    from trajectory.codec.verify import verify_template
+
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except TokenizerUnavailable as exc:
+        print(f"session-server verify-template: error: {exc}", file=sys.stderr)
+        return 2
+    report = verify_template(tokenizer, family=args.family, thinking=args.thinking)
+    if args.engine:
+        report.engine = args.engine
+        report.engine_status = "not run (driving a real engine is not implemented yet; template checks only)"
+    print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else report.format_text())
+    return 0 if report.ok else 1
+
+
 def _sim_epilog() -> str:
     from .sim import FAULT_KINDS
 
@@ -265,6 +284,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--padding", choices=("base64", "floats"), default=None,
                    help="add a routed-experts-like payload to every reply (default: none)")
     e.set_defaults(func=_sim_engine)
+
+    v = sub.add_parser(
+        "verify-template", help="check a tokenizer's chat template against the TITO codec contract",
+        formatter_class=_HelpFormatter,
+        description="Play probe conversations (user, tool, parallel-tool, system and injected assistant "
+                    "appends; reasoning on/off; unicode; JSON true/false/null) through our codec and "
+                    "compare every bridged step with the template's own full render. Exit 1 on a hard "
+                    "mismatch (bridge != full render on an append-only step, or a parse round-trip "
+                    "failure), 0 otherwise, 2 when the tokenizer cannot be loaded.",
+    )
+    v.add_argument("--tokenizer", required=True,
+                   help=f"a local tokenizer directory, a hub name, or a built-in offline name ({builtin})")
+    v.add_argument("--family", default=None, help="force a chat-template family (default: detected from the template)")
+    v.add_argument("--thinking", choices=("on", "off", "both"), default="both",
+                   help="reasoning modes to check (enable_thinking), where the template has the switch")
+    v.add_argument("--json", action="store_true", help="machine-readable output")
+    v.add_argument("--engine", default=None,
+                   help="engine URL for a live check (accepted; not run yet, reported as such)")
+    v.set_defaults(func=_verify_template)
 
     d = sub.add_parser("demo", help="sim engines + server + an openai-client agent, offline", formatter_class=_HelpFormatter)
     d.add_argument("--out", default="demo_output", help="directory for the exported trajectory")

@@ -1,0 +1,134 @@
+"""Issue 11.4: `verify_template` checks a chat template against our codec contract:
+it passes on our offline families and fails, saying where, on broken templates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trajectory.codec import BridgeRefusal, RefusalReason, load_codec
+from trajectory.codec.verify import first_difference, verify_template
+
+# Known codec bug the verifier found (issue 11.4): Qwen3 with thinking on renders a
+# client-injected assistant message that follows the last user turn with an empty
+# `<think>\n\n</think>\n\n` block while it is the last message; the bridge's base has
+# no user turn, so it bridges the message without the block.
+QWEN3_KNOWN = {("assistant_append", "on")}
+
+
+def fresh(tokenizer_dirs: dict[str, Path], family: str, edit: tuple[str, str] | None = None) -> Any:
+    """A private tokenizer of `family` (never the shared cached one), template edited."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dirs[family]))
+    if edit is not None:
+        old, new = edit
+        assert old in tok.chat_template
+        tok.chat_template = tok.chat_template.replace(old, new)
+    return tok
+
+
+# the tool result carries its position in the conversation: still append-only, but a
+# bridge computed on a short base renders a different index than the full history
+BROKEN_BRIDGE = ("'\\n<tool_response>\\n'", "'\\n<tool_response n=' + loop.index0|string + '>\\n'")
+# the call is rendered with an `args` key the Hermes parser does not read
+BROKEN_PARSE = ('\'", "arguments": \'', '\'", "args": \'')
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama3.1", "glm4moe"])
+def test_11_4_verify_passes_on_offline_families(load_tokenizer: Any, family: str) -> None:
+    report = verify_template(load_tokenizer(family))
+    assert report.ok, report.format_text()
+    assert report.family == family
+    compared = [s for s in report.steps if s.outcome in ("exact", "mismatch")]
+    assert compared and all(s.outcome == "exact" for s in compared)
+    assert report.parses and all(p.ok is not False for p in report.parses)
+
+
+def test_11_4_qwen3_fails_only_on_the_known_injected_assistant_bug(load_tokenizer: Any) -> None:
+    report = verify_template(load_tokenizer("qwen3"))
+    hard = {(s.scenario, s.thinking) for s in report.steps if s.hard}
+    assert hard == QWEN3_KNOWN, report.format_text()
+    assert all(p.ok for p in report.parses)
+    roles = report.roles()
+    assert roles["tool"]["exact"] == roles["tool"]["compared"] > 0
+    assert roles["user"]["append_only"] == "no"  # Qwen3 drops earlier reasoning on a user turn
+    # every other step is token-exact or a reported (not failed) rewrite
+    assert {s.outcome for s in report.steps} <= {"exact", "rewrite", "mismatch"}
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: Qwen3 injected assistant after reasoning (issue 11.4)")
+def test_11_4_verify_passes_on_qwen3(load_tokenizer: Any) -> None:
+    assert verify_template(load_tokenizer("qwen3")).ok
+
+
+def test_11_4_thinking_modes_follow_the_template_switch(load_tokenizer: Any) -> None:
+    assert verify_template(load_tokenizer("qwen3"), thinking="off").thinking_modes == ["off"]
+    both = verify_template(load_tokenizer("glm4moe"), thinking="both")
+    assert both.thinking_switch and both.thinking_modes == ["on", "off"]
+    plain = verify_template(load_tokenizer("llama3"), thinking="on")
+    assert not plain.thinking_switch and plain.thinking_modes == ["default"]
+
+
+def test_11_4_broken_bridge_is_a_hard_mismatch_with_the_first_token(tokenizer_dirs: dict[str, Path]) -> None:
+    report = verify_template(fresh(tokenizer_dirs, "qwen3", BROKEN_BRIDGE), thinking="on")
+    assert not report.ok
+    bad = [s for s in report.steps if s.hard and (s.scenario, s.thinking) not in QWEN3_KNOWN]
+    assert bad and all(s.outcome == "mismatch" and "tool" in s.roles for s in bad)
+    diff = bad[0].difference
+    assert diff is not None and "tool_response n=" in diff.expected_context
+    assert "tool_response n=" in diff.got_context  # both sides, with different indices
+    text = report.format_text()
+    assert "[FAIL]" in text and "first differing token at index" in text and "FAILED" in text
+
+
+def test_11_4_broken_parse_is_a_round_trip_failure(tokenizer_dirs: dict[str, Path]) -> None:
+    report = verify_template(fresh(tokenizer_dirs, "qwen3", BROKEN_PARSE), thinking="on")
+    assert not report.ok
+    bad = [p for p in report.parses if p.ok is False]
+    assert {p.scenario for p in bad} == {"tool_append_json", "parallel_tool_calls"}
+    assert "tool_calls" in bad[0].detail and '"metric": true' in bad[0].detail
+    assert any("parse tool_append_json" in f for f in report.hard_failures)
+
+
+class _RefusingCodec:
+    """A codec that refuses every bridge (as a library that cannot prove a step would)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def bridge(self, *_a: Any, **_kw: Any) -> BridgeRefusal:
+        return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "cannot prove it")
+
+
+def test_11_4_refusal_on_an_append_only_step_is_a_warning_not_a_failure(load_tokenizer: Any) -> None:
+    tok = load_tokenizer("llama3")
+    report = verify_template(tok, codec=_RefusingCodec(load_codec(tok)))
+    assert report.ok and report.warnings
+    assert all(s.outcome == "refused" and s.warn and not s.hard for s in report.steps)
+    text = report.format_text()
+    assert "[WARN]" in text and "BridgeRefusal(not_append_only)" in text and "warning(s)" in text
+
+
+def test_11_4_unknown_family_is_an_error_not_a_crash(load_tokenizer: Any) -> None:
+    report = verify_template(load_tokenizer("llama3"), family="no-such-family")
+    assert not report.ok and report.error and "no-such-family" in report.error
+    json.dumps(report.to_dict())
+
+
+def test_11_4_first_difference_shows_context_on_both_sides(load_tokenizer: Any) -> None:
+    tok = load_tokenizer("llama3")
+    a = tok.encode("the weather is sunny in Paris today", add_special_tokens=False)
+    b = tok.encode("the weather is rainy in Paris today", add_special_tokens=False)
+    diff = first_difference(tok, a, b)
+    assert diff is not None and a[: diff.index] == b[: diff.index] and a[diff.index] != b[diff.index]
+    assert "sunny" in diff.expected_context or "sun" in diff.expected_context
+    assert "is" in diff.expected_context.split("|")[0]
+    assert first_difference(tok, a, list(a)) is None
+    assert first_difference(tok, a, a[:-1]) is not None  # a shorter sequence differs at its end
