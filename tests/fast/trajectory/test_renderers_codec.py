@@ -38,13 +38,16 @@ TEMPLATE_MISMATCH: dict[str, str] = {
 }
 
 
-def _params(extra: dict[str, str] | None = None) -> list[Any]:
+def _params(extra: dict[str, str] | None = None, *, strict: bool = True) -> list[Any]:
+    """One param per family, known mismatches marked xfail. `strict=False` for the
+    hypothesis-driven contract tests: a random search may miss the failing
+    conversation in a run, and an XPASS there is luck, not a fix."""
     out = []
     known = {**KNOWN_MISMATCH, **(extra or {})}
     for f in RENDERER_FAMILIES:
         marks = []
         if f.name in known:
-            marks.append(pytest.mark.xfail(reason=known[f.name], strict=True))
+            marks.append(pytest.mark.xfail(reason=known[f.name], strict=strict))
         out.append(pytest.param(f.name, id=f.name, marks=marks))
     return out
 
@@ -60,14 +63,14 @@ def test_11_1_render_first_equals_template(load_renderer_tokenizer: Any, name: s
         assert codec.render_first(msgs) == full_ids(tok, msgs, None)
 
 
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", _params(strict=False))
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_11_1_contract_append_policy(load_renderer_tokenizer: Any, name: str, data: Any) -> None:
     _contract(load_renderer_tokenizer, name, HistoryPolicy.APPEND, data)
 
 
-@pytest.mark.parametrize("name", _params(TEMPLATE_MISMATCH))
+@pytest.mark.parametrize("name", _params(TEMPLATE_MISMATCH, strict=False))
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_11_1_contract_template_policy(load_renderer_tokenizer: Any, name: str, data: Any) -> None:
