@@ -20,7 +20,11 @@ from .settings import ENV_PREFIX, Settings
 
 HUB_PROBE_TIMEOUT_S = 3.0
 # older flag names kept working beside the ones built from the Settings fields
-_FLAG_ALIASES = {"default_ttl_s": ("--ttl-s",), "prefill_slots_per_engine": ("--prefill-slots",)}
+_FLAG_ALIASES = {
+    "default_ttl_s": ("--ttl-s",),
+    "prefill_slots_per_engine": ("--prefill-slots",),
+    "template_family": ("--family",),
+}
 _MIB = 1024 * 1024
 
 
@@ -120,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Fewer, later cyclic-GC passes: the server allocates many short-lived objects per
     # request, and a young-generation pass every 700 allocations adds tail latency.
     gc.set_threshold(args.gc_gen0_threshold, 20, 20)
-    app = create_app(AppConfig(tokenizer=tokenizer, engines=args.engine, settings=settings, family=args.family))
+    app = create_app(AppConfig(tokenizer=tokenizer, engines=args.engine, settings=settings))
     options = uvicorn_options(
         host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
@@ -257,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", required=True,
                    help=f"the engine model's tokenizer: a local directory, a hub name (needs the hub or its "
                         f"local cache), or a built-in offline name for the simulator ({builtin})")
-    s.add_argument("--family", default=None, help="force a chat-template family (default: detected from the template)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
     _add_settings_flags(s)

@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from trajectory.codec import load_codec
+from trajectory.codec import codec_for, resolve_family
 
 from .context import ServerContext, log
 from .control import ControlPlane
@@ -41,7 +41,7 @@ class AppConfig:
     tokenizer: str | Any  # path/name for AutoTokenizer.from_pretrained, or a tokenizer object
     engines: Sequence[str] = ()  # "URL", "sglang=URL" or "vllm=URL"
     settings: Settings = field(default_factory=Settings)
-    family: str | None = None  # force a codec family instead of detecting it
+    family: str | None = None  # force a codec family (over settings.template_family) instead of detecting it
 
 
 async def build_context(config: AppConfig) -> ServerContext:
@@ -51,7 +51,9 @@ async def build_context(config: AppConfig) -> ServerContext:
     tok = config.tokenizer
     if isinstance(tok, str):
         tok = await offload.run(AutoTokenizer.from_pretrained, tok)
-    codec = await offload.run(load_codec, tok, family=config.family)
+    detection = await offload.run(resolve_family, tok, config.family or settings.template_family)
+    log.info("chat-template family: %s", detection.describe())
+    codec = await offload.run(codec_for, tok, detection)
     decoder = ReplyDecoder(offload, processes=settings.decode_processes)
     await decoder.start()
     engines = EnginePool(make_policy(settings.routing_policy))

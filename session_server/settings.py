@@ -57,6 +57,10 @@ class Settings(BaseSettings):
         None, validation_alias=AliasChoices(f"{ENV_PREFIX}ADMIN_TOKEN", ADMIN_TOKEN_ENV),
         description=f"turn on bearer auth with this admin token (env {ENV_PREFIX}ADMIN_TOKEN or "
         f"{ADMIN_TOKEN_ENV}; unset: auth off). Prefer the variable: a flag shows in `ps`")
+    template_family: str | None = Field(
+        None, min_length=1, description="force the chat-template family: one of ours (qwen3, llama3, llama3.1, "
+        "glm4moe), a renderers family (e.g. qwen3.5, glm-5), renderers:NAME, or generic (unset: detected from the "
+        "tokenizer's own template, never its name)")
     instance_id: str | None = Field(
         None, min_length=1, description="what /health reports as instance_id (unset: random per start)")
 
@@ -66,6 +70,19 @@ class Settings(BaseSettings):
         if v not in POLICY_NAMES:
             raise ValueError(f"unknown routing policy {v!r}; choose from {', '.join(POLICY_NAMES)}")
         return v
+
+    @field_validator("template_family")
+    @classmethod
+    def _known_family(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from trajectory.codec.detect import check_family_name
+        from trajectory.errors import TemplateNotSupported
+
+        try:
+            return check_family_name(v)
+        except TemplateNotSupported as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("admin_token")
     @classmethod

@@ -166,6 +166,10 @@ def test_9_every_setting_is_a_serve_flag_with_the_models_default() -> None:
             assert f"(default: {info.default})" in text, name
 
 
+_UNKNOWN_FAMILY = ("--template-family / TITO_TEMPLATE_FAMILY: unknown template family 'qwen-9000'; "
+                   "known: qwen3, llama3, llama3.1, glm4moe, prime-qwen3, qwen3.5")
+
+
 def test_9_environment_fills_settings_and_a_flag_beats_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TITO_MAX_SESSIONS", "77")
     monkeypatch.setenv("TITO_CLAMP_LOGPROB_SENTINEL", "true")
@@ -180,6 +184,8 @@ def test_9_environment_fills_settings_and_a_flag_beats_it(monkeypatch: pytest.Mo
     ([], {"TITO_MAX_SESSIONS": "abc"}, "--max-sessions / TITO_MAX_SESSIONS"),
     (["--turn-timeout-s", "-1"], {}, "--turn-timeout-s"),
     (["--max-body-mb", "1", "--max-body-bytes", "4096"], {}, "not both"),
+    (["--template-family", "qwen-9000"], {}, _UNKNOWN_FAMILY),  # issue 11.2
+    ([], {"TITO_TEMPLATE_FAMILY": "qwen-9000"}, _UNKNOWN_FAMILY),
 ])
 def test_9_bad_setting_is_one_line_and_exit_2(
     argv: list[str], env: dict[str, str], needle: str, monkeypatch: pytest.MonkeyPatch,
@@ -191,3 +197,35 @@ def test_9_bad_setting_is_one_line_and_exit_2(
     err = capsys.readouterr().err.strip()
     assert rc == 2 and needle in err and len(err.splitlines()) == 1, err
     assert "app" not in no_uvicorn
+
+
+def test_11_2_template_family_flag_alias_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--template-family`, its alias `--family` and TITO_TEMPLATE_FAMILY fill one setting."""
+    assert _settings([]).template_family is None
+    assert _settings(["--template-family", "qwen3.5"]).template_family == "qwen3.5"
+    assert _settings(["--family", "glm-5"]).template_family == "glm-5"
+    monkeypatch.setenv("TITO_TEMPLATE_FAMILY", "generic")
+    assert _settings([]).template_family == "generic"
+    assert _settings(["--family", "llama3"]).template_family == "llama3"
+    flags = [a.option_strings for a in _serve_parser()._actions if "--family" in a.option_strings]
+    assert flags == [["--template-family", "--family"]]  # one option, not two
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    ([], "chat-template family: qwen3 (digest: "),
+    (["--family", "generic"], "chat-template family: generic (forced: "),
+])
+def test_11_2_serve_logs_the_family_and_why(
+    no_uvicorn: dict[str, Any], monkeypatch: pytest.MonkeyPatch, builtin_cache: Path,
+    caplog: pytest.LogCaptureFixture, argv: list[str], line: str,
+) -> None:
+    from starlette.testclient import TestClient
+
+    monkeypatch.setenv("TITO_CACHE_DIR", str(builtin_cache))
+    base = ["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "qwen3", "--cpu-workers", "1",
+            "--decode-processes", "0"]
+    assert cli.main([*base, *argv]) == 0
+    with caplog.at_level("INFO"), TestClient(no_uvicorn["app"]) as c:
+        assert c.get("/health").status_code in (200, 503)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chat-template family:")]
+    assert len(lines) == 1 and lines[0].startswith(line), lines

@@ -1,9 +1,11 @@
 """The chat-template codec (TITO): load one per tokenizer with `load_codec`.
 
 Owns the package's public surface: the contract types from `base`, the family
-codecs and `load_codec`, which detects the family, probes the template and
-validates the probe against the family's exact data (or, for an unknown
-template, probes and verifies it generically, else refuses).
+codecs and `load_codec`, which detects the family from the template alone
+(`detect.py`: probe renders compared with each candidate), then builds that
+family's codec: one of ours (its probe validated against the family's exact
+data), a `renderers`-backed one, or, for an unknown template, the generic
+prober + verifier (which refuses what it cannot verify).
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ from trajectory.codec.base import (
     ToolCallParseStatus,
 )
 from trajectory.codec.chatml_qwen3 import Qwen3Codec
+from trajectory.codec.detect import (
+    RENDERERS_PREFIX,
+    Detection,
+    detect_family,
+    known_families,
+    resolve_family,
+)
 from trajectory.codec.generic import GenericCodec
 from trajectory.codec.glm4 import Glm4Codec
 from trajectory.codec.llama3 import Llama3Codec
 from trajectory.codec.llama31 import Llama31Codec
 from trajectory.codec.probe import decode_text, probe_template
-from trajectory.codec.registry import FAMILY_DATA, detect_family, validate_probe
+from trajectory.codec.registry import FAMILY_DATA, validate_probe
+from trajectory.codec.renderers_codec import RENDERER_FAMILIES, RenderersCodec
 from trajectory.codec.template import TemplateCodec
 from trajectory.errors import TemplateNotSupported
 
@@ -36,6 +46,7 @@ __all__ = [
     "BridgeRefusal",
     "BridgeResult",
     "ChatCodec",
+    "Detection",
     "GenericCodec",
     "Glm4Codec",
     "HistoryPolicy",
@@ -46,11 +57,15 @@ __all__ = [
     "ParsedToolCall",
     "Qwen3Codec",
     "RefusalReason",
+    "RenderersCodec",
     "TemplateCodec",
     "ToolCallParseStatus",
+    "codec_for",
     "decode_text",
     "detect_family",
+    "known_families",
     "load_codec",
+    "resolve_family",
 ]
 
 _CODECS: dict[str, type[TemplateCodec]] = {
@@ -64,17 +79,29 @@ _CODECS: dict[str, type[TemplateCodec]] = {
 def load_codec(tokenizer_or_path: Any, *, family: str | None = None) -> ChatCodec:
     """A codec for a tokenizer object or a path/name (`AutoTokenizer.from_pretrained`).
 
-    `family` forces a known family (still validated); "generic" forces probing."""
+    `family=None` detects it from the template (`detect_family`); a name forces it:
+    one of ours (still validated), a `renderers` family (e.g. "qwen3.5", "glm-5"), or
+    "generic" (probe + verify). An unknown name raises `TemplateNotSupported` listing
+    the known ones."""
     tokenizer = tokenizer_or_path
     if isinstance(tokenizer_or_path, (str, PathLike)):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_or_path))
-    fam = family if family is not None else detect_family(tokenizer)
-    if fam is None or fam == "generic":
+    return codec_for(tokenizer, resolve_family(tokenizer, family))
+
+
+def codec_for(tokenizer: Any, detection: Detection) -> ChatCodec:
+    """The codec of an already resolved family (`resolve_family`)."""
+    fam = detection.family
+    if fam == "generic":
         return GenericCodec(tokenizer)
+    if fam.startswith(RENDERERS_PREFIX):
+        return RenderersCodec(tokenizer, fam.removeprefix(RENDERERS_PREFIX))
+    if fam in RENDERER_FAMILIES and fam not in _CODECS:
+        return RenderersCodec(tokenizer, fam)
     if fam not in _CODECS:
-        raise TemplateNotSupported(f"unknown codec family {fam!r}; known: {sorted(_CODECS)}")
+        raise TemplateNotSupported(f"unknown codec family {fam!r}; known: {', '.join(known_families())}")
     probe = probe_template(tokenizer)
     if fam in FAMILY_DATA:
         validate_probe(fam, tokenizer, probe)

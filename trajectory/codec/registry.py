@@ -1,7 +1,8 @@
 """Family detection and the exact data each known family must probe to.
 
-Owns mapping a tokenizer to a codec family: first by the exact (sha256) text
-of the packaged public templates, then by unambiguous markers in the template.
+Owns what identifies our hand-written families: the exact (sha256) text of the
+packaged public templates and unambiguous markers in a template (used by
+`detect.detect_family`, which decides).
 For every known family the probed EOT, gap and generation prompt are checked
 against the exact strings below, so a look-alike template that behaves
 differently is refused instead of being handled with the wrong assumptions.
@@ -62,14 +63,14 @@ def _known_digests() -> dict[str, str]:
     return out
 
 
-def detect_family(tokenizer: Any) -> str | None:
-    """The family of the tokenizer's chat template, or None when unknown."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or not template:
-        return None
-    exact = _known_digests().get(_digest(template))
-    if exact is not None:
-        return exact
+def match_digest(template: str) -> str | None:
+    """Our family whose packaged template is exactly `template` (sha256), or None."""
+    return _known_digests().get(_digest(template))
+
+
+def match_markers(template: str) -> str | None:
+    """Our family whose unambiguous markers `template` carries, or None (a hint only:
+    `detect.detect_family` validates the probe before trusting it)."""
     if "[gMASK]" in template and "<arg_key>" in template:
         return "glm4moe"
     if "<|start_header_id|>" in template and "<|eot_id|>" in template:
