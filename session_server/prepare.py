@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -156,6 +156,11 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared) -> Render
         tools=prep.tools,
         template_kwargs=prep.template_kwargs,
         policy=session.config.history_policy,
+        # TEMPLATE is exact by definition: the codec compares every committed id with
+        # the full re-render (O(context), in the pool); APPEND stays O(new tokens)
+        # (the int32 array itself: the codec reads it in the pool, no copy on the loop)
+        committed=cast("Sequence[int]", prep.context_ids)
+        if session.config.history_policy is HistoryPolicy.TEMPLATE else None,
     )
     if isinstance(result, BridgeRefusal):
         if session.config.history_policy is HistoryPolicy.TEMPLATE:

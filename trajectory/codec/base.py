@@ -141,13 +141,19 @@ class ChatCodec(Protocol):
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         policy: HistoryPolicy = HistoryPolicy.APPEND,
+        committed: Sequence[int] | None = None,
     ) -> BridgeResult | BridgeRefusal:
         """New prompt ids for `new_messages` after the committed history (see module doc).
 
         `history` is the branch's committed messages (last one is the assistant
         message we returned); `committed_tail` the last few committed token ids
         (at least the closed previous turn's final tokens), used to drop a
-        boundary token the model already sampled (GLM role tokens)."""
+        boundary token the model already sampled (GLM role tokens). `committed`:
+        all committed ids of the branch (prompt and sampled tokens), given under
+        TEMPLATE policy (O(context) there) so the codec refuses with HISTORY_REWRITE
+        exactly when they are not a prefix of the full re-render of history + new
+        (a rewrite at the edge of the sampled tokens, e.g. a prefilled `<think>`
+        re-tokenized, is invisible to a message-level comparison)."""
         ...
 
     def parse_assistant(

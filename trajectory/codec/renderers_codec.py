@@ -41,8 +41,21 @@ by the one actually committed. Their result must extend that prior unchanged
 (else we refuse: they trimmed or re-rendered); the suffix is our delta, so the
 committed tokens are never re-tokenized. History rewrites are detected by us as
 in `TemplateCodec` (render of H a prefix of render of H + new, with the
-renderer's own ids): TEMPLATE refuses with HISTORY_REWRITE, APPEND bridges with
-a renderer built with `thinking_retention="all"` and flags the rewrite.
+renderer's own ids): APPEND bridges with a renderer built with
+`thinking_retention="all"` and flags the rewrite. TEMPLATE, given every committed
+id (the server passes them), is exact by definition: the delta is the full
+re-render past the committed ids, HISTORY_REWRITE exactly when they are not its
+prefix (this sees a prefilled `<think>` re-tokenized or dropped at the edge of the
+sampled tokens, which a message-level comparison misses).
+
+Load-time checks (prefer the tokenizer's template, the truth of what the model was
+trained with): the renderer's prompts must equal the template's on probe
+conversations (default system prompt, explicit system, tool declaration), else
+TemplateNotSupported names the first difference (template-version drift: Kimi K2's
+older templates). Where the renderer has a knob for it, it is set from the
+template instead: MiniMax's `model_identity` (its default system prompt) and
+Llama 3's `date_string` (prompts print the template's date, not the renderer's
+pinned 26 Jul 2024; APPEND's comparison renders keep the pin).
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from trajectory.codec.base import (
@@ -62,7 +76,15 @@ from trajectory.codec.base import (
     RefusalReason,
     ToolCallParseStatus,
 )
-from trajectory.codec.probe import DUMMY_SYSTEM, DUMMY_USER, decode_text, is_prefix, render_form
+from trajectory.codec.probe import (
+    DUMMY_SYSTEM,
+    DUMMY_USER,
+    decode_text,
+    encode,
+    is_prefix,
+    render_form,
+    render_text,
+)
 from trajectory.errors import CodecError, TemplateNotSupported
 
 # renderer names we serve (text families of renderers 0.1.12; VL/multimodal-only and
@@ -108,13 +130,19 @@ def _renderers() -> Any:
 class RenderersCodec:
     """A `ChatCodec` for one `renderers` family (see module doc for the contract)."""
 
-    def __init__(self, tokenizer: Any, renderer_name: str) -> None:
+    def __init__(self, tokenizer: Any, renderer_name: str, *, verify: bool = True) -> None:
+        """`verify`: refuse (TemplateNotSupported) when the renderer's prompts differ
+        from the tokenizer's own chat template on probe conversations (see
+        `template_difference`): the template is the truth of what the model was
+        trained with, a renderer written for another template version is not."""
         self.tokenizer = tokenizer
         self.renderer_name = renderer_name
         self.family = renderer_name
         self.vocab_size = len(tokenizer)
         self._cache: dict[tuple[str, str], Any] = {}
+        self._overrides: dict[str, Any] = {}
         try:
+            self._overrides = self._template_identity()
             base = self._renderer(None)
         except Exception as exc:
             raise TemplateNotSupported(f"renderers {renderer_name!r}: {exc}") from exc
@@ -132,6 +160,18 @@ class RenderersCodec:
         self._close: int | None = closed[-1] if self._closes_itself() else None
         template = str(getattr(tokenizer, "chat_template", "") or "")
         self.developer_role = "developer" in template
+        # Llama 3: the renderer pins `date_string` (26 Jul 2024); the template prints
+        # today's date. Prompts follow the template; APPEND's comparison renders keep
+        # the pin (the delta never holds the system block, so a date change between
+        # turns cannot break it)
+        config = type(_renderers().config_from_name(renderer_name))
+        self._dated = "date_string" in getattr(config, "model_fields", {})
+        if verify and template:
+            diff = template_difference(self)
+            if diff is not None:
+                raise TemplateNotSupported(
+                    f"renderers {renderer_name!r} does not render this tokenizer's chat template: {diff}"
+                )
 
     # -- renderers plumbing ------------------------------------------------------
 
@@ -143,11 +183,13 @@ class RenderersCodec:
             return hit
         r = _renderers()
         config = r.config_from_name(self.renderer_name)
+        if self._overrides:
+            config = type(config)(**self._overrides)
         if retention is not None:
             try:
-                config = type(config)(thinking_retention=retention)
+                config = type(config)(thinking_retention=retention, **self._overrides)
             except Exception:  # the family's own knob forbids it: keep its default
-                config = r.config_from_name(self.renderer_name)
+                pass
         renderer = r.create_renderer(self.tokenizer, config, chat_template_kwargs=dict(kw or {}) or None)
         self._cache[key] = renderer
         return renderer
@@ -164,6 +206,37 @@ class RenderersCodec:
 
     def _prompt_ids(self, tools: Any, kw: Any) -> list[int]:
         return self._ids([DUMMY_SYSTEM, DUMMY_USER], tools=tools, gen=True, kw=kw)
+
+    def _template_identity(self) -> dict[str, Any]:
+        """Config overrides that make the renderer print the template's own default
+        system prompt: renderers ships one identity per family (MiniMax: the M2.5
+        one) while each template version prints its own (MiniMax-M2: "You are a
+        helpful assistant."). Read from the template: its render of [user] against
+        [system MARK, user]; {} when the renderer has no such knob or the template
+        prints no default."""
+        fields = getattr(type(_renderers().config_from_name(self.renderer_name)), "model_fields", {})
+        if "model_identity" not in fields or not getattr(self.tokenizer, "chat_template", None):
+            return {}
+        mark, user = "\u2063MARK\u2063", {"role": "user", "content": "Go."}
+        try:
+            with_sys = render_text(self.tokenizer, [{"role": "system", "content": mark}, user],
+                                   add_generation_prompt=False)
+            bare = render_text(self.tokenizer, [user], add_generation_prompt=False)
+        except Exception:
+            return {}
+        head, _, rest = with_sys.partition(mark)
+        if not rest or not bare.startswith(head) or not bare.endswith(rest) or len(bare) < len(head) + len(rest):
+            return {}
+        identity = bare[len(head): len(bare) - len(rest)]
+        return {"model_identity": identity} if identity else {}
+
+    def _prompt_kwargs(self, kw: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        """Kwargs for a prompt the model sees: the template's own date where it prints
+        one (`strftime_now("%d %b %Y")`, as transformers renders it) unless the caller
+        pinned `date_string`."""
+        if not self._dated or (kw and "date_string" in kw):
+            return kw
+        return {**dict(kw or {}), "date_string": today()}
 
     def _closes_itself(self) -> bool:
         """Whether an assistant render ends in a stop token of its own (an EOT)."""
@@ -185,7 +258,7 @@ class RenderersCodec:
         if not messages:
             raise CodecError("render_first needs at least one message")
         try:
-            return self._ids(messages, tools=tools, gen=True, kw=template_kwargs)
+            return self._ids(messages, tools=tools, gen=True, kw=self._prompt_kwargs(template_kwargs))
         except Exception as exc:
             raise CodecError(f"{self.family}: renderer failed: {exc}") from exc
 
@@ -205,8 +278,13 @@ class RenderersCodec:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         policy: HistoryPolicy = HistoryPolicy.APPEND,
+        committed: Sequence[int] | None = None,
     ) -> BridgeResult | BridgeRefusal:
-        """Their bridge on a synthetic prior ending like ours (module doc); never a guess."""
+        """Their bridge on a synthetic prior ending like ours (module doc); never a guess.
+
+        TEMPLATE with `committed` (all committed ids): exact by definition, the delta
+        is the full re-render past the committed ids, refused when they are not its
+        prefix. APPEND (or no `committed`): O(new tokens), through their bridge."""
         if not history or history[-1].get("role") != "assistant":
             return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
         if not new_messages:
@@ -220,6 +298,8 @@ class RenderersCodec:
             return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
         kw = template_kwargs
         new = list(new_messages)
+        if policy == HistoryPolicy.TEMPLATE and committed is not None:
+            return self._bridge_template(list(history) + new, committed, tools=tools, kw=kw)
         window = list(history) if policy == HistoryPolicy.TEMPLATE else [DUMMY_SYSTEM, DUMMY_USER, dict(history[-1])]
         try:
             rewrites = not is_prefix(
@@ -239,6 +319,7 @@ class RenderersCodec:
         last = committed_tail[-1] if committed_tail else None
         if completion and completion[-1] in self.stop_token_ids:
             completion = completion[:-1]
+        completion = self._close_reasoning(prompt, completion)
         if last is not None and last in self.stop_token_ids:
             if self._close is None and completion and last != self._canonical_stop(prev, tools, kw):
                 rewrites = True  # GLM: sampled another role token than a re-render has
@@ -261,6 +342,43 @@ class RenderersCodec:
             return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "renderers bridge added no tokens")
         return BridgeResult(prompt_ids=delta, rewrites_history=rewrites)
 
+    def _bridge_template(self, messages: list[Message], committed: Sequence[int], *, tools: Any,
+                         kw: Any) -> BridgeResult | BridgeRefusal:
+        """TEMPLATE policy: the full re-render of history + new must extend the
+        committed ids token for token (prompt and sampled tokens alike), else the
+        template would rewrite what the model saw: HISTORY_REWRITE. This sees rewrites
+        a message-level comparison misses: a prefilled `<think>` (Qwen3.5, GLM-4.6,
+        GLM-4.7) whose re-render tokenizes the reasoning boundary differently, or
+        drops the opener. O(context): this policy forks on a rewrite anyway."""
+        try:
+            full = self._ids(messages, tools=tools, gen=True, kw=self._prompt_kwargs(kw))
+        except Exception as exc:
+            return BridgeRefusal(RefusalReason.RENDER_FAILED, f"renderer raised: {exc}")
+        done = [int(t) for t in committed]
+        if not is_prefix(done, full):
+            k = next((i for i, (x, y) in enumerate(zip(done, full, strict=False)) if x != y),
+                     min(len(done), len(full)))
+            return BridgeRefusal(
+                RefusalReason.HISTORY_REWRITE,
+                f"the template re-renders committed tokens when these messages are appended "
+                f"(first difference at token {k} of {len(done)})",
+            )
+        if len(full) == len(done):
+            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "the full render adds no tokens")
+        return BridgeResult(prompt_ids=full[len(done):], rewrites_history=False)
+
+    def _close_reasoning(self, prompt: list[int], completion: list[int]) -> list[int]:
+        """The synthetic completion with `</think>` first when the prompt leaves reasoning
+        open and the re-render of a message without reasoning never closes it (MiniMax
+        M2: prompt `<think>\n`, render `ok`): a model always closes it before its answer,
+        and their bridge refuses a turn that stopped inside reasoning. Only the synthetic
+        prior changes; the delta after it does not."""
+        if not decode_text(self.tokenizer, prompt).rstrip().endswith("<think>"):
+            return completion
+        if "</think>" in decode_text(self.tokenizer, completion):
+            return completion
+        return [*encode(self.tokenizer, "</think>"), *completion]
+
     def _completion_ids(self, message: Message, prompt: list[int], *, tools: Any, kw: Any) -> list[int]:
         """What a model sampling `message` canonically emits after `prompt` (through
         its stop token where the family has one)."""
@@ -279,12 +397,17 @@ class RenderersCodec:
         return ids if cut is None else ids[: cut + 1]
 
     def _after_prefill(self, prompt: list[int], full: list[int]) -> list[int]:
-        """The prompt opens reasoning (`<think>`) that a re-render of a message without
-        reasoning does not show (GLM-4.7, MiniMax M2, Nemotron 3): the model samples the
-        rest of the render after the opener (`</think>ok`)."""
+        """The prompt opens reasoning that a re-render of a message without reasoning
+        shows otherwise: dropped (GLM-4.7, MiniMax M2: prompt `<think>`, render `ok`) or
+        closed without the prompt's whitespace (Nemotron 3: prompt `<think>\n`, render
+        `<think></think>ok`). The model samples the rest of the render after where the
+        two part (`</think>ok`); the prompt's own tail there may only be the opener
+        and whitespace, else the render is not a continuation of the prompt."""
         k = next((i for i, (x, y) in enumerate(zip(prompt, full, strict=False)) if x != y),
                  min(len(prompt), len(full)))
-        if decode_text(self.tokenizer, prompt[k:]).strip() not in ("<think>",):
+        rest = decode_text(self.tokenizer, prompt[k:]).strip()
+        opens = decode_text(self.tokenizer, prompt).rstrip().endswith("<think>")
+        if not opens or rest not in ("<think>", ""):
             raise CodecError(f"{self.family}: assistant render does not extend the prompt")
         return full[k:]
 
@@ -354,6 +477,46 @@ class RenderersCodec:
         if stop is not None:
             return ids + [stop]
         raise CodecError(f"{self.family}: no stop token after this assistant message")
+
+
+# probe conversations whose prompt must equal the template's (verify at load): the
+# default system prompt, an explicit one, and the tool declaration
+_VERIFY_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+_VERIFY: tuple[tuple[str, list[Message], Any], ...] = (
+    ("default system prompt", [{"role": "user", "content": "Hello"}], None),
+    ("system prompt", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}], None),
+    ("tool declaration", [{"role": "user", "content": "Hello"}], _VERIFY_TOOLS),
+)
+
+
+def template_difference(codec: RenderersCodec) -> str | None:
+    """The first probe (default system prompt, explicit system, tools) whose prompt
+    the renderer renders unlike the tokenizer's template, with the differing text;
+    None when all are token-identical. Tells template-version drift (another default
+    system prompt, another tool-JSON layout) from a working renderer at load."""
+    tok = codec.tokenizer
+    for what, msgs, tools in _VERIFY:
+        try:
+            want = encode(tok, render_text(tok, msgs, tools=tools, add_generation_prompt=True))
+        except Exception:
+            continue  # the template cannot render this probe: nothing to compare
+        try:
+            got = codec.render_first(msgs, tools=tools)
+        except Exception as exc:
+            return f"{what}: renderer raised {exc}"
+        if got != want:
+            k = next((i for i, (x, y) in enumerate(zip(got, want, strict=False)) if x != y),
+                     min(len(got), len(want)))
+            return (f"{what} differs at token {k}: renderer {decode_text(tok, got[k:k + 12])!r}, "
+                    f"template {decode_text(tok, want[k:k + 12])!r}")
+    return None
+
+
+def today() -> str:
+    """Today's date as chat templates print it (transformers' `strftime_now`)."""
+    return datetime.now().strftime("%d %b %Y")
 
 
 def to_parsed_assistant(parsed: Any, *, tools_offered: bool) -> ParsedAssistant:

@@ -141,8 +141,14 @@ class TemplateCodec:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         policy: HistoryPolicy = HistoryPolicy.APPEND,
+        committed: Sequence[int] | None = None,
     ) -> BridgeResult | BridgeRefusal:
-        """New prompt ids for `new_messages` (see module doc); never a guess."""
+        """New prompt ids for `new_messages` (see module doc); never a guess.
+
+        `committed` is accepted for the protocol and unused here: TEMPLATE compares the
+        text of H with H + new (the contract suite checks it for these families), and
+        comparison renders pin kwargs the prompt did not (Llama 3.1's date), so they
+        could not be compared with the committed ids token for token."""
         if not history or history[-1].get("role") != "assistant":
             return BridgeRefusal(
                 RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn"

@@ -106,7 +106,9 @@ def play(
         ids += sampled
         history = [*msgs, asst]
         committed = list(ids)
-        res = codec.bridge(history, ids[-8:], follow, tools=tools, policy=policy)
+        # TEMPLATE gets every committed id, as the server passes them (exact by definition)
+        whole = committed if policy == HistoryPolicy.TEMPLATE else None
+        res = codec.bridge(history, ids[-8:], follow, tools=tools, policy=policy, committed=whole)
         msgs = history + follow
         full = full_ids(tok, msgs, tools)
         if isinstance(res, BridgeRefusal):

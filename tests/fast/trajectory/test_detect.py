@@ -3,9 +3,9 @@
 Every offline tokenizer (our four families, the renderers families, the real Qwen3 and
 DeepSeek tokenizers, unknown templates) is detected, also when its directory is a path
 that says nothing about the model. A renderers family whose renderer is known not to
-reproduce its template (test_renderers_codec.KNOWN_MISMATCH) is not detected (its
+reproduce its template (test_renderers_codec.REFUSED) is not detected (its
 fallback is pinned below); when that mismatch is fixed and removed from
-KNOWN_MISMATCH, this test expects the renderer instead.
+REFUSED, this test expects the renderer instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from session_server.sim.tokenizers import FAMILIES, build_template_tokenizer
 from tests.fast.real_tokenizers import real_tokenizer_dir
 from tests.fast.trajectory.renderer_families import _NAMED, BY_NAME, RENDERER_FAMILIES, TEMPLATES
-from tests.fast.trajectory.test_renderers_codec import KNOWN_MISMATCH
+from tests.fast.trajectory.test_renderers_codec import REFUSED
 from trajectory.codec import (
     GenericCodec,
     RenderersCodec,
@@ -36,14 +36,14 @@ from trajectory.errors import TemplateNotSupported
 # renderers families whose template one of ours also reproduces on every probe: ours
 # wins the tie (it passes the contract suite under both policies, as today)
 OURS_FIRST = {"qwen3-r": "qwen3", "glm-4.6": "glm4moe"}
-# what serves a family whose renderer does not reproduce its template (KNOWN_MISMATCH)
+# what serves a family whose renderer does not reproduce its template (REFUSED)
 FALLBACK = {"llama-3.2": ("llama3.1", "markers")}
 
 
 def _expected(name: str) -> tuple[str, str]:
     if name in OURS_FIRST:
         return OURS_FIRST[name], "probes"
-    if name in KNOWN_MISMATCH:
+    if name in REFUSED:
         return FALLBACK.get(name, ("generic", "generic"))
     return BY_NAME[name].renderer, "probes"
 
