@@ -30,6 +30,11 @@ _KIMI = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|i
          "<think>", "</think>")
 _MINIMAX = ("]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>",
             "</minimax:tool_call>")
+_GEMMA = ("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>",
+          "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
+          "<|image|>", "<|audio|>", "<|video|>", '<|"|>', "<|image>", "<image|>", "<|audio>", "<audio|>")
+_DS4 = _DS + tuple(f"<\uff5c{n}\uff5c>" for n in (
+    "latest_reminder", "action", "authority", "domain", "query", "read_url", "title")) + ("\uff5cDSML\uff5c",)
 _LLAMA = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
           "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
 
@@ -63,6 +68,9 @@ RENDERER_FAMILIES: tuple[RendererFamily, ...] = (
     RendererFamily("minimax-m2", "minimax-m2", "MiniMax-M2.jinja", _MINIMAX, "]~!b[", "[e~["),
     RendererFamily("nemotron-3-nano", "nemotron-3", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
                    _QWEN, None, "<|im_end|>"),
+    RendererFamily("qwen3-coder", "qwen3.5", "Qwen3-Coder.jinja", _QWEN + _VISION, None, "<|im_end|>"),
+    RendererFamily("deepseek-v4-flash", "deepseek-v4", "deepseek-ai-DeepSeek-V4-Flash-0731.jinja", _DS4,
+                   _DS[0], _DS[1]),
     RendererFamily("llama-3.2", "llama-3", "meta-llama-Llama-3.2-3B-Instruct.jinja", _LLAMA,
                    "<|begin_of_text|>", "<|eot_id|>", reasoning=False, max_calls=1),
 )
