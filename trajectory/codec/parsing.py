@@ -180,6 +180,8 @@ def _call_from_obj(obj: Any, args_key: str) -> ParsedToolCall | str | None:
     """A call from a decoded JSON object; a str is an INVALID_JSON detail; None a bad shape."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
+    if not {args_key, "arguments", "parameters"} & obj.keys() and obj.keys() - {"name", "type", "id"}:
+        return None  # no arguments key but other keys (`"args"`): a call of no arguments would lose them
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):
         try:

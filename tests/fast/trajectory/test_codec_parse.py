@@ -122,6 +122,11 @@ def test_llama3_plain_keeps_json_as_content(load_tokenizer: Any) -> None:
             ToolCallParseStatus.INVALID_FORMAT,
         ),
         ("llama3.1", '{"name": "f", "parameters": {"a": }', ToolCallParseStatus.INVALID_JSON),
+        (  # arguments under another key: not a call of no arguments (they would be lost)
+            "qwen3",
+            '<tool_call>\n{"name": "f", "args": {"a": 1}}\n</tool_call>',
+            ToolCallParseStatus.INVALID_FORMAT,
+        ),
         (
             "glm4moe",
             "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1",
@@ -142,6 +147,14 @@ def test_malformed_calls_are_flagged_not_raised(
     assert p.status == status and p.tool_calls == []
     assert p.content is not None and p.content.strip() != ""
     assert p.status_detail
+
+
+def test_a_call_without_arguments_has_empty_arguments(load_tokenizer: Any) -> None:
+    tok = load_tokenizer("qwen3")
+    p = load_codec(tok).parse_assistant(
+        enc(tok, '<tool_call>\n{"name": "f"}\n</tool_call>'), tools=tools("f"))
+    assert p.status == ToolCallParseStatus.OK
+    assert [(c.name, json.loads(c.arguments)) for c in p.tool_calls] == [("f", {})]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3", "llama3.1", "glm4moe"])
