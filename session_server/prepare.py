@@ -78,7 +78,7 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
     plan = attach(tree, request_msgs)  # compared in normal form, anywhere in the tree
     branch = tree.get(plan.branch_id)
     traj = branch.trajectory
-    counts = traj.checkpoint_message_counts
+    counts = traj.message_counts_view()
     kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
     tools = req.tools or None
     kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
@@ -123,7 +123,7 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
 def _prev_output(traj: Any, checkpoint: int) -> tuple[int, int, int] | None:
     if checkpoint < 1:
         return None
-    t = traj.turns[checkpoint - 1]
+    t = traj.turn(checkpoint - 1)
     return (t.index, t.output_start, t.output_end)
 
 
@@ -132,7 +132,9 @@ def last_weight_version(tree: TrajectoryTree) -> Any:
     turn with the highest commit seq that sampled anything; None: none known)."""
     best: tuple[int, Any] | None = None
     for b in tree.branches():
-        for t in reversed(b.trajectory.turns[b.fork_checkpoint :]):
+        traj = b.trajectory
+        for i in range(traj.num_turns - 1, b.fork_checkpoint - 1, -1):  # own turns, newest first
+            t = traj.turn(i)
             if t.weight_spans:
                 if best is None or t.seq > best[0]:
                     best = (t.seq, t.weight_spans[-1][2])

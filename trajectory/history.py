@@ -151,7 +151,7 @@ def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
     best_k = 0
     for b in sorted(tree.branches(), key=lambda x: x.id):  # parents before children
         traj = b.trajectory
-        counts = traj.checkpoint_message_counts
+        counts = traj.message_counts_view()  # no copy: O(1) per branch
         shared = counts[b.fork_checkpoint]
         inherited = 0 if b.parent_id is None else matched[b.parent_id]
         if inherited < shared:
@@ -169,7 +169,7 @@ def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
         return Attachment("fork", tree.active_id, 0, list(request))
     branch = tree.get(best[3])
     traj = branch.trajectory
-    counts = traj.checkpoint_message_counts
+    counts = traj.message_counts_view()
     new = list(request[counts[best_k] :])
     last = traj.turn(best_k - 1).assistant_message
     renames = {}

@@ -320,6 +320,11 @@ class LinearTrajectory:
         """Number of messages in `messages()` at each checkpoint (for `history.reconcile`)."""
         return tuple(self._message_counts)
 
+    def message_counts_view(self) -> Sequence[int]:
+        """`checkpoint_message_counts` without the copy, for per-turn readers that only
+        look (`history.attach` bisects it for every branch): do not mutate."""
+        return self._message_counts
+
     def messages(self) -> list[Message]:
         """Committed history: per turn, its request messages then its assistant message."""
         return list(self._messages)
