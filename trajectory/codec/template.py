@@ -202,6 +202,8 @@ class TemplateCodec:
             if at < 0 or ids_b[at] not in self.eot_ids:
                 return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "base render lacks the EOT")
         delta = ids_bn[len(ids_b) - len(gap) :]
+        if not rewrites and any(m.get("role") == "assistant" for m in new):
+            delta = self._positional_delta(h_text, hn_text, len(gap)) or delta
         if self.probe.boundary_ids and committed_tail:
             last = committed_tail[-1]
             if delta and last == delta[0]:
@@ -212,6 +214,21 @@ class TemplateCodec:
         if rewrites and policy != HistoryPolicy.TEMPLATE:
             offset = self._rewrite_offset(window, new, tools=tools, template_kwargs=kw)
         return BridgeResult(prompt_ids=list(delta), rewrites_history=rewrites, rewrite_offset=offset)
+
+    def _positional_delta(self, h_text: str, hn_text: str, gap_len: int) -> list[int] | None:
+        """The delta as the window (a real user query before the last turn) renders it.
+
+        B has no user message, and some templates render an assistant message by where
+        it stands: Qwen3 gives the last assistant after the last query an empty
+        `<think></think>` block. So a client-injected assistant message is taken from
+        the window, whose render of the previous turn is not rewritten by the append
+        (checked by the caller). None when its ids do not extend the window's."""
+        h_ids, hn_ids = encode(self.tokenizer, h_text), encode(self.tokenizer, hn_text)
+        if not is_prefix(h_ids, hn_ids) or len(hn_ids) == len(h_ids) or gap_len > len(h_ids):
+            return None
+        if gap_len and h_ids[-gap_len:] != list(self.probe.gap_ids):
+            return None
+        return hn_ids[len(h_ids) - gap_len :]
 
     def _rewrite_offset(self, window: list, new: list, *, tools: Any, template_kwargs: Any) -> int | None:
         """First token of the window's last assistant message that the re-render with

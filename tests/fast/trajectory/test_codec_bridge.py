@@ -217,3 +217,29 @@ def test_10_3_rewrite_offset_is_the_first_token_a_full_render_changes(load_token
     first = next(i for i, (x, y) in enumerate(zip(committed, full, strict=False)) if x != y)
     assert output_start + res.rewrite_offset == first
     assert tok.decode(committed[first:first + 3]).startswith("<think>")
+
+
+@pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE])
+def test_11_4_qwen3_injected_assistant_last_renders_as_the_template_does(
+    load_tokenizer: Any, policy: HistoryPolicy
+) -> None:
+    """Qwen3 gives the last assistant message after the last query an empty think block;
+    an assistant message the client injects after a reasoning turn is bridged with it
+    (found by verify-template), for the window's position, not B's."""
+    tok = load_tokenizer("qwen3")
+    codec = load_codec(tok)
+    asst = {"role": "assistant", "content": "", "reasoning_content": "Need data.", "tool_calls": [CALL]}
+    committed = codec.render_first([USER]) + codec.canonical_assistant_ids(asst)
+    res1 = codec.bridge([USER, asst], committed[-8:], [TOOL], policy=policy)
+    assert isinstance(res1, BridgeResult) and not res1.rewrites_history
+    committed += res1.prompt_ids
+    reply = {"role": "assistant", "content": "Sunny.", "reasoning_content": "Got it."}
+    committed += codec.canonical_assistant_ids(reply)
+    injected = {"role": "assistant", "content": "Anything else?"}
+    history = [USER, asst, TOOL, reply]
+    res = codec.bridge(history, committed[-8:], [injected], policy=policy)
+    assert isinstance(res, BridgeResult) and not res.rewrites_history
+    native = {**asst, "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    full = tok.apply_chat_template([USER, native, TOOL, reply, injected], add_generation_prompt=True, tokenize=False)
+    assert "<think>\n\n</think>\n\nAnything else?" in full
+    assert committed + res.prompt_ids == tok.encode(full, add_special_tokens=False)
