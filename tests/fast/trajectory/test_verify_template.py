@@ -128,3 +128,25 @@ def test_11_4_first_difference_shows_context_on_both_sides(load_tokenizer: Any) 
     assert "is" in diff.expected_context.split("|")[0]
     assert first_difference(tok, a, list(a)) is None
     assert first_difference(tok, a, a[:-1]) is not None  # a shorter sequence differs at its end
+
+
+def test_11_4_real_llama31_template_is_served_by_ours(tmp_path: Path) -> None:
+    """The real Meta Llama 3.1 template (Llama 3.3's is the same file): detected as our
+    llama3.1 family without the model's name, every bridged step token-exact; parallel
+    calls are the template's own refusal (it raises on more than one call)."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from tests.fast.trajectory.renderer_families import BY_NAME, build
+
+    spec = dataclasses.replace(BY_NAME["llama-3.2"], name="llama-3.1",
+                               template="meta-llama-Llama-3.1-8B-Instruct.jinja")
+    tok = AutoTokenizer.from_pretrained(str(build(spec, tmp_path / "my-finetune")))
+    report = verify_template(tok)
+    assert report.ok and report.family == "llama3.1", report.format_text()
+    roles = report.roles()
+    assert all(roles[r]["append_only"] == "yes" and roles[r]["exact"] == roles[r]["compared"] > 0
+               for r in ("user", "tool", "system", "assistant"))
+    assert all(p.ok is not False for p in report.parses)
+    assert {s.scenario for s in report.steps if s.outcome == "unsupported"} == {"parallel_tool_calls"}
