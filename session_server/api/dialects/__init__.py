@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from ...context import ServerContext
 from ...turns import TurnOutput
 from ..models import ChatRequest
+from ..stream_events import StreamEncoder
 from .openai_chat import OPENAI_CHAT, OpenAIChat
 
 __all__ = ["OPENAI_CHAT", "Dialect", "OpenAIChat", "respond"]
@@ -44,8 +45,13 @@ class Dialect(Protocol):
         """A committed turn as one JSON response body."""
         ...
 
+    def encoder(self, req: ChatRequest, tokenizer: Any) -> StreamEncoder:
+        """A new encoder of one turn's stream events (`api/stream_events.py`) into this
+        dialect's SSE frames: fed by `replay` of a committed turn, or live."""
+        ...
+
     def stream(self, out: TurnOutput, req: ChatRequest, tokenizer: Any) -> list[bytes]:
-        """A committed turn as server-sent-event frames."""
+        """A committed turn as server-sent-event frames (its `replay` through `encoder`)."""
         ...
 
 

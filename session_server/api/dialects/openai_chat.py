@@ -1,5 +1,6 @@
 """The OpenAI chat-completions dialect: request body -> `ChatRequest`, and a committed
-turn -> a `chat.completion` JSON body or SSE `chat.completion.chunk` frames.
+turn -> a `chat.completion` JSON body, or stream events (`api/stream_events.py`) -> SSE
+`chat.completion.chunk` frames.
 
 All three are pure; the shared respond phase (`dialects.respond`) runs them on the
 CPU offload threads when large: a response carries per-token logprobs when asked,
@@ -9,6 +10,7 @@ which is proportional to the turn's output.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -17,17 +19,30 @@ from trajectory.codec.probe import decode_text
 
 from ...turns import TurnOutput
 from ..models import ChatRequest, parse_json_model
+from ..stream_events import (
+    ContentDelta,
+    ReasoningDelta,
+    StreamEvent,
+    TokensDelta,
+    ToolArgumentsDelta,
+    ToolCallStarted,
+    TurnCommitted,
+    TurnStarted,
+    replay,
+)
 
 _MODEL = "tito-session"
 
 
-def _logprobs_content(out: TurnOutput, tokenizer: Any, top_k: int) -> list[dict[str, Any]]:
+def _logprobs_content(
+    ids: Sequence[int], logprobs: Sequence[float], top_logprobs: Sequence[Any] | None, tokenizer: Any, top_k: int
+) -> list[dict[str, Any]]:
     content = []
-    for i, (tid, lp) in enumerate(zip(out.sampled_ids, out.logprobs, strict=True)):
+    for i, (tid, lp) in enumerate(zip(ids, logprobs, strict=True)):
         text = decode_text(tokenizer, [tid])
         top: list[dict[str, Any]] = []
-        if top_k and out.top_logprobs is not None and i < len(out.top_logprobs):
-            for alt_id, alt_lp in list(out.top_logprobs[i])[:top_k]:
+        if top_k and top_logprobs is not None and i < len(top_logprobs):
+            for alt_id, alt_lp in list(top_logprobs[i])[:top_k]:
                 alt_text = decode_text(tokenizer, [int(alt_id)])
                 top.append({"token": alt_text, "logprob": float(alt_lp), "bytes": list(alt_text.encode())})
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": top})
@@ -47,7 +62,8 @@ def completion_body(out: TurnOutput, *, model: str | None, logprobs: bool, top_k
     choice: dict[str, Any] = {
         "index": 0,
         "message": out.message,
-        "logprobs": {"content": _logprobs_content(out, tokenizer, top_k)} if logprobs else None,
+        "logprobs": {"content": _logprobs_content(out.sampled_ids, out.logprobs, out.top_logprobs, tokenizer, top_k)}
+        if logprobs else None,
         "finish_reason": out.finish_reason,
     }
     body = {
@@ -61,36 +77,48 @@ def completion_body(out: TurnOutput, *, model: str | None, logprobs: bool, top_k
     return orjson.dumps(body)
 
 
-def stream_chunks(out: TurnOutput, *, model: str | None, logprobs: bool, top_k: int, tokenizer: Any) -> list[bytes]:
-    """The whole turn as SSE frames: role, reasoning, content, tool calls, finish, usage, [DONE]."""
-    base = {
-        "id": f"chatcmpl-{out.request_id}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model or _MODEL,
-    }
+class ChatStreamEncoder:
+    """One turn as `chat.completion.chunk` SSE frames, the way OpenAI streams them: the
+    role first, then reasoning / content deltas, each tool call's id and name and then
+    its argument deltas, the finish reason, a usage chunk (`choices: []`) and `[DONE]`.
+    Logprobs ride on their own chunk per `TokensDelta` (16.6: a tool-only turn has
+    them too); an error is `data: {"error": ...}` then `[DONE]`."""
 
-    def frame(delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+    def __init__(self, *, model: str | None, logprobs: bool, top_k: int, tokenizer: Any) -> None:
+        self._logprobs, self._top_k, self._tokenizer = logprobs, top_k, tokenizer
+        self._base: dict[str, Any] = {"object": "chat.completion.chunk", "created": int(time.time()),
+                                      "model": model or _MODEL}
+
+    def _frame(self, delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if extra:
             choice.update(extra)
-        return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
+        return b"data: " + orjson.dumps({**self._base, "choices": [choice]}) + b"\n\n"
 
-    msg = out.message
-    # every sampled token's logprob rides on the first delta, whatever the turn holds
-    # (content, reasoning, tool calls only): a tool-only turn has no content frame (16.6)
-    lp = {"logprobs": {"content": _logprobs_content(out, tokenizer, top_k)}} if logprobs else None
-    frames = [frame({"role": "assistant", "content": ""}, extra=lp)]
-    if msg.get("reasoning_content"):
-        frames.append(frame({"reasoning_content": msg["reasoning_content"]}))
-    if msg.get("content"):
-        frames.append(frame({"content": msg["content"]}))
-    for i, tc in enumerate(msg.get("tool_calls") or []):
-        frames.append(frame({"tool_calls": [{"index": i, **tc}]}))
-    frames.append(frame({}, out.finish_reason))
-    frames.append(b"data: " + orjson.dumps({**base, "choices": [], "usage": _usage(out)}) + b"\n\n")
-    frames.append(b"data: [DONE]\n\n")
-    return frames
+    def encode(self, event: StreamEvent) -> list[bytes]:
+        if isinstance(event, TurnStarted):
+            self._base = {"id": f"chatcmpl-{event.request_id}", **self._base}
+            return [self._frame({"role": "assistant", "content": ""})]
+        if isinstance(event, TokensDelta):
+            if not self._logprobs or not event.ids:
+                return []
+            content = _logprobs_content(event.ids, event.logprobs, event.top_logprobs, self._tokenizer, self._top_k)
+            return [self._frame({}, extra={"logprobs": {"content": content}})]
+        if isinstance(event, ReasoningDelta):
+            return [self._frame({"reasoning_content": event.text})]
+        if isinstance(event, ContentDelta):
+            return [self._frame({"content": event.text})]
+        if isinstance(event, ToolCallStarted):
+            call = {"index": event.index, "id": event.id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+            return [self._frame({"tool_calls": [call]})]
+        if isinstance(event, ToolArgumentsDelta):
+            return [self._frame({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})]
+        if isinstance(event, TurnCommitted):
+            usage = b"data: " + orjson.dumps({**self._base, "choices": [], "usage": _usage(event.out)}) + b"\n\n"
+            return [self._frame({}, event.out.finish_reason), usage, b"data: [DONE]\n\n"]
+        error = {"error": {"type": event.type, "message": event.message, "code": event.status}}
+        return [b"data: " + orjson.dumps(error) + b"\n\n", b"data: [DONE]\n\n"]
 
 
 class OpenAIChat:
@@ -108,9 +136,13 @@ class OpenAIChat:
         return completion_body(out, model=req.model, logprobs=req.logprobs, top_k=req.top_logprobs or 0,
                                tokenizer=tokenizer)
 
+    def encoder(self, req: ChatRequest, tokenizer: Any) -> ChatStreamEncoder:
+        return ChatStreamEncoder(model=req.model, logprobs=req.logprobs, top_k=req.top_logprobs or 0,
+                                 tokenizer=tokenizer)
+
     def stream(self, out: TurnOutput, req: ChatRequest, tokenizer: Any) -> list[bytes]:
-        return stream_chunks(out, model=req.model, logprobs=req.logprobs, top_k=req.top_logprobs or 0,
-                             tokenizer=tokenizer)
+        enc = self.encoder(req, tokenizer)
+        return [f for ev in replay(out) for f in enc.encode(ev)]
 
 
 OPENAI_CHAT = OpenAIChat()

@@ -110,7 +110,10 @@ async def test_streaming_and_logprobs_through_openai_client(qwen3_dir: Path) -> 
             c = chunk.choices[0]
             content += c.delta.content or ""
             reasoning += getattr(c.delta, "reasoning_content", None) or ""
-            calls += [(tc.function.name, tc.function.arguments) for tc in c.delta.tool_calls or [] if tc.function]
+            for tc in c.delta.tool_calls or []:  # id and name first, then argument deltas (as OpenAI streams)
+                if tc.index == len(calls):
+                    calls.append((tc.function.name, ""))
+                calls[tc.index] = (calls[tc.index][0], calls[tc.index][1] + (tc.function.arguments or ""))
             streamed_lps += c.logprobs.content if c.logprobs and c.logprobs.content else []
             finish = c.finish_reason or finish
         await client.close()
