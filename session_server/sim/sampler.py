@@ -56,6 +56,9 @@ class SimModel:
     name: str = "sim-model"
     # text -> ids with the real tokenizer (constrained outputs); None: constraints unsupported
     encode: Callable[[str], list[int]] | None = None
+    # (function name, call index in the conversation) -> the id the model samples (Kimi
+    # `functions.NAME:IDX`); None: the family's ids are not sampled (ours are minted)
+    call_id: Callable[[str, int], str] | None = None
 
 
 def _h(*parts: bytes | int | str) -> int:
@@ -139,9 +142,11 @@ class ScriptedPolicy:
             for j in range(1 + (h >> 40) % 2):
                 name, arg, values = _TOOLS[(h >> (44 + 2 * j)) % len(_TOOLS)]
                 value = values[(h >> (50 + 2 * j)) % len(values)]
+                call_id = self.model.call_id
                 calls.append(
                     {
-                        "id": f"call_{_h(self.seed, h, j) % 16**8:08x}",
+                        "id": call_id(name, 2 * tool_turns_done + j) if call_id else
+                        f"call_{_h(self.seed, h, j) % 16**8:08x}",
                         "type": "function",
                         "function": {"name": name, "arguments": json.dumps({arg: value})},
                     }
@@ -295,6 +300,7 @@ def sim_model_from_tokenizer(tokenizer: Any, *, name: str | None = None) -> SimM
         splitter=splitter,
         name=name or str(getattr(tokenizer, "name_or_path", "") or "sim-model"),
         encode=lambda text: [int(t) for t in tokenizer.encode(text, add_special_tokens=False)],
+        call_id=getattr(codec, "tool_call_id", None),
     )
 
 

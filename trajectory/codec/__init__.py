@@ -34,6 +34,7 @@ from trajectory.codec.detect import (
 )
 from trajectory.codec.generic import GenericCodec
 from trajectory.codec.glm4 import Glm4Codec
+from trajectory.codec.kimi import KimiCodec
 from trajectory.codec.llama3 import Llama3Codec
 from trajectory.codec.llama31 import Llama31Codec
 from trajectory.codec.probe import decode_text, probe_template
@@ -50,6 +51,7 @@ __all__ = [
     "GenericCodec",
     "Glm4Codec",
     "HistoryPolicy",
+    "KimiCodec",
     "Llama31Codec",
     "Llama3Codec",
     "Message",
@@ -73,6 +75,7 @@ _CODECS: dict[str, type[TemplateCodec]] = {
     "llama3": Llama3Codec,
     "llama3.1": Llama31Codec,
     "glm4moe": Glm4Codec,
+    "kimi-k2": KimiCodec,
 }
 
 

@@ -31,6 +31,10 @@ Candidates, tried in this fixed preference order (ties go to the earlier one):
    probed end-of-turn, gap and generation prompt equal that family's exact data
    (`registry.match_markers` + `validate_probe`, today's behaviour for variants
    of our templates, e.g. Llama 3.2 served by the llama3.1 codec).
+Kimi K2 (`registry.MARKER_FAMILIES`) is found before the probes, by its role and tool-call
+section tokens: our `KimiCodec` serves every template version (renderers' `kimi-k2` is
+refused at load for these templates) and refuses, with the reason, one it cannot render.
+
 4. nothing: `generic`, our prober + verifier (which serves an append-only
    template or refuses it with `TemplateNotSupported`).
 
@@ -48,7 +52,13 @@ from importlib import resources
 from typing import Any
 
 from trajectory.codec.probe import decode_text, probe_template, render_form
-from trajectory.codec.registry import FAMILY_DATA, match_digest, match_markers, validate_probe
+from trajectory.codec.registry import (
+    FAMILY_DATA,
+    match_digest,
+    match_marker_family,
+    match_markers,
+    validate_probe,
+)
 from trajectory.codec.renderers_codec import RENDERER_FAMILIES, RenderersCodec
 from trajectory.errors import TemplateNotSupported
 
@@ -261,6 +271,9 @@ def detect_family(tokenizer: Any) -> Detection:
     exact = match_digest(template)
     if exact is not None:
         return Detection(exact, "digest", f"the template is the packaged {exact} template (sha256)")
+    marked_own = match_marker_family(template)
+    if marked_own is not None:
+        return Detection(marked_own, "markers", f"the template carries {marked_own}'s role and tool-call tokens")
     expected, skipped = _expected(tokenizer)
     if not expected:
         return Detection(GENERIC, GENERIC, "the template renders none of the probes")

@@ -80,6 +80,19 @@ def match_markers(template: str) -> str | None:
     return None
 
 
+# families of ours that no packaged template pins (several template versions), found by
+# their markers alone and served by the codec of that name (which verifies the template)
+MARKER_FAMILIES: tuple[str, ...] = ("kimi-k2",)
+
+
+def match_marker_family(template: str) -> str | None:
+    """Our marker-only family `template` belongs to (Kimi's role and tool-call section
+    tokens), or None. Its codec refuses, at load, a template it cannot serve."""
+    from trajectory.codec.kimi import is_kimi_template
+
+    return "kimi-k2" if is_kimi_template(template) else None
+
+
 def validate_probe(family: str, tokenizer: Any, probe: ProbeResult) -> None:
     """Raise `TemplateNotSupported` unless the probe matches the family's exact data."""
     data = FAMILY_DATA[family]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -297,6 +297,27 @@ def scenarios(*, reasoning: bool) -> list[Scenario]:
     ]
 
 
+def with_call_ids(sc: Scenario, call_id: Callable[[str, int], str]) -> Scenario:
+    """`sc` with its tool-call ids in the family's own format (`call_id(name, n)`, n counting
+    the scenario's calls), tool results following: a template that renders ids (Kimi's
+    `functions.NAME:IDX`) then renders what its model samples, which the parse reads back."""
+    renames: dict[str, str] = {}
+
+    def rename(msg: Message) -> Message:
+        if msg.get("tool_calls"):
+            calls = []
+            for tc in msg["tool_calls"]:
+                renames[tc["id"]] = call_id(tc["function"]["name"], len(renames))
+                calls.append({**tc, "id": renames[tc["id"]]})
+            return {**msg, "tool_calls": calls}
+        if msg.get("role") == "tool" and msg.get("tool_call_id") in renames:
+            return {**msg, "tool_call_id": renames[msg["tool_call_id"]]}
+        return msg
+
+    turns = tuple((rename(a), tuple(rename(m) for m in new)) for a, new in sc.turns)
+    return Scenario(sc.name, sc.prefix, turns, sc.tools)
+
+
 # -- the checks -------------------------------------------------------------------
 
 
@@ -487,6 +508,8 @@ def verify_template(tokenizer: Any, *, family: str | None = None, thinking: str 
     renders_reasoning = "reasoning_content" in template
     for label, kw in plan:
         for sc in scenarios(reasoning=renders_reasoning and label != "off"):
+            call_id = getattr(codec, "tool_call_id", None)
+            sc = with_call_ids(sc, call_id) if callable(call_id) else sc
             steps, parses = play_scenario(codec, tokenizer, sc, label, kw)
             report.steps += steps
             report.parses += parses

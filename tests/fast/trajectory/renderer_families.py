@@ -71,6 +71,14 @@ RENDERER_FAMILIES: tuple[RendererFamily, ...] = (
     RendererFamily("qwen3-coder", "qwen3.5", "Qwen3-Coder.jinja", _QWEN + _VISION, None, "<|im_end|>"),
     RendererFamily("deepseek-v4-flash", "deepseek-v4", "deepseek-ai-DeepSeek-V4-Flash-0731.jinja", _DS4,
                    _DS[0], _DS[1]),
+    # K2-Instruct/K2-Thinking with the tool-call ids taken from the messages (tool_call['id'],
+    # the result's tool_call_id), as the model repository's templates render them; the
+    # llama.cpp copies above compute them with `list.append`, which transformers' sandbox
+    # refuses (issue 11: served by our KimiCodec, not by renderers)
+    RendererFamily("kimi-k2-instruct-ids", "kimi-k2", "Kimi-K2-Instruct-ids.jinja", _KIMI, "[BOS]",
+                   "<|im_end|>", reasoning=False),
+    RendererFamily("kimi-k2-thinking-ids", "kimi-k2", "Kimi-K2-Thinking-ids.jinja", _KIMI, "[BOS]",
+                   "<|im_end|>"),
     RendererFamily("llama-3.2", "llama-3", "meta-llama-Llama-3.2-3B-Instruct.jinja", _LLAMA,
                    "<|begin_of_text|>", "<|eot_id|>", reasoning=False, max_calls=1),
 )

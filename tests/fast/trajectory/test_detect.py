@@ -37,7 +37,12 @@ from trajectory.errors import TemplateNotSupported
 # wins the tie (it passes the contract suite under both policies, as today)
 OURS_FIRST = {"qwen3-r": "qwen3", "glm-4.6": "glm4moe"}
 # what serves a family whose renderer does not reproduce its template (REFUSED)
-FALLBACK = {"llama-3.2": ("llama3.1", "markers")}
+FALLBACK = {"llama-3.2": ("llama3.1", "markers"),
+            **{n: ("kimi-k2", "markers") for n in BY_NAME if n.startswith("kimi-k2")}}
+# detected, and refused at load by their codec with the reason (issue 11, Kimi: the
+# template mutates a list, which transformers' immutable sandbox forbids)
+REFUSED_AT_LOAD = {"kimi-k2-instruct": "ImmutableSandboxedEnvironment",
+                   "kimi-k2-thinking": "ImmutableSandboxedEnvironment"}
 
 
 def _expected(name: str) -> tuple[str, str]:
@@ -85,6 +90,10 @@ def test_11_2_renderer_families_detected_under_an_anonymous_path(
             load_codec(tok)
         except TemplateNotSupported as exc:
             assert str(exc)
+        return
+    if name in REFUSED_AT_LOAD:
+        with pytest.raises(TemplateNotSupported, match=REFUSED_AT_LOAD[name]):
+            load_codec(tok)
         return
     codec = load_codec(tok)  # detection is what load_codec serves
     assert codec.family == det.family

@@ -34,6 +34,8 @@ REFUSED: dict[str, str] = {
                         "tokenizer's deep_sort_dict), this template `tools | tojson` (', ' separators, client order)",
     "kimi-k2-thinking": "the renderer puts '\\n' after the default system's <|im_end|>, this template does not "
                         "(the renderer follows K2-Instruct); tool declaration differs as for K2-Instruct",
+    "kimi-k2-instruct-ids": "as kimi-k2-instruct (the same template, tool-call ids taken from the messages)",
+    "kimi-k2-thinking-ids": "as kimi-k2-thinking (the same template, tool-call ids taken from the messages)",
     "qwen3-coder": "no Qwen3-Coder renderer: qwen3.5/qwen3.6 (same XML tool calls) prefill `<think>\\n`, this "
                    "non-thinking template does not; qwen3's tool declaration is the JSON one",
     "deepseek-v4-flash": "the deepseek-v4 renderer puts '\\n\\n' before '## Tools' when there is no system "
@@ -133,7 +135,7 @@ def test_11_1_renderer_refused_where_template_differs(load_renderer_tokenizer: A
     """Template-version drift is refused at load with the probe and the differing text."""
     with pytest.raises(TemplateNotSupported) as err:
         RenderersCodec(load_renderer_tokenizer(name), BY_NAME[name].renderer)
-    probe = "tool declaration" if name in ("kimi-k2-instruct", "deepseek-v4-flash") else "default system prompt"
+    probe = "tool declaration" if name in ("kimi-k2-instruct", "kimi-k2-instruct-ids", "deepseek-v4-flash") else "default system prompt"
     assert probe in str(err.value) and "template" in str(err.value)
 
 
