@@ -25,6 +25,7 @@ from trajectory.codec.base import (
     ToolCallParseStatus,
 )
 from trajectory.codec.chatml_qwen3 import Qwen3Codec
+from trajectory.codec.deepseek import DeepSeekCodec
 from trajectory.codec.detect import (
     RENDERERS_PREFIX,
     Detection,
@@ -46,6 +47,7 @@ __all__ = [
     "BridgeRefusal",
     "BridgeResult",
     "ChatCodec",
+    "DeepSeekCodec",
     "Detection",
     "GenericCodec",
     "Glm4Codec",
@@ -73,6 +75,7 @@ _CODECS: dict[str, type[TemplateCodec]] = {
     "llama3": Llama3Codec,
     "llama3.1": Llama31Codec,
     "glm4moe": Glm4Codec,
+    "deepseek": DeepSeekCodec,
 }
 
 
