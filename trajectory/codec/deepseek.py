@@ -201,7 +201,9 @@ class DeepSeekCodec(TemplateCodec):
         if rewrites and policy == HistoryPolicy.TEMPLATE:
             return BridgeRefusal(RefusalReason.HISTORY_REWRITE,
                                  "the template re-renders the last turn (prefill or reasoning) here")
-        offset = self._rewrite_offset(window, new, tools=tools, template_kwargs=kw) if rewrites else None
+        # a prefill-only rewrite lies in the prompt before the output: no offset to find
+        offset = (self._rewrite_offset(window, new, tools=tools, template_kwargs=kw)
+                  if not text.startswith(closed) else None)
         return BridgeResult(prompt_ids=ids, rewrites_history=rewrites, rewrite_offset=offset)
 
     def _prefill_kept(self, last: Message, after: str, *, tools: Any, kw: Any) -> bool:
