@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from session_server.sim.tokenizers import FAMILIES, cached_tokenizer_dir  # noqa: E402
 from trajectory.codec import load_codec  # noqa: E402
+from trajectory.errors import TemplateNotSupported  # noqa: E402
 from trajectory.history import attach  # noqa: E402
 from trajectory.linear import LinearTrajectory  # noqa: E402
 from trajectory.tree import TrajectoryTree  # noqa: E402
@@ -95,7 +96,9 @@ def run_context(codec: Any, tokenizer: Any, context: int, turns: int) -> tuple[f
 
 
 def _load(family: str, root: Path) -> tuple[Any, Any]:
-    """(tokenizer, codec) of one of our families or a renderers-backed one."""
+    """(tokenizer, codec) of one of our families or a renderers-backed one; a renderers
+    family whose renderer refuses its template (DeepSeek V3.1/V3.2/V4-Flash) is measured
+    with the codec that serves it (detected from the template, as the server does)."""
     if family in FAMILIES:
         tokenizer = AutoTokenizer.from_pretrained(str(cached_tokenizer_dir(family)))
         return tokenizer, load_codec(tokenizer)
@@ -104,7 +107,10 @@ def _load(family: str, root: Path) -> tuple[Any, Any]:
 
     spec = BY_NAME[family]
     tokenizer = AutoTokenizer.from_pretrained(str(build(spec, root / family)))
-    return tokenizer, RenderersCodec(tokenizer, spec.renderer)
+    try:
+        return tokenizer, RenderersCodec(tokenizer, spec.renderer)
+    except TemplateNotSupported:
+        return tokenizer, load_codec(tokenizer)
 
 
 def measure(family: str, turns: int, root: Path) -> dict[str, Any]:

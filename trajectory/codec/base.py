@@ -184,3 +184,23 @@ class ChatCodec(Protocol):
         """The ids the template renders for `message` after the generation prompt,
         through its end-of-turn/stop token: what a model sampling canonically emits."""
         ...
+
+
+def extend_committed(full: Sequence[int], committed: Sequence[int]) -> BridgeResult | BridgeRefusal:
+    """TEMPLATE policy's exact bridge: the full re-render `full` of history + new must
+    extend every committed id (prompt and sampled alike), else HISTORY_REWRITE with the
+    first difference; the delta is its tail. Sees a rewrite at the edge of the sampled
+    tokens (a prefilled `<think>` dropped or re-tokenized) that a message-level
+    comparison misses."""
+    done = [int(t) for t in committed]
+    if list(full[: len(done)]) != done:
+        k = next((i for i, (x, y) in enumerate(zip(done, full, strict=False)) if x != y),
+                 min(len(done), len(full)))
+        return BridgeRefusal(
+            RefusalReason.HISTORY_REWRITE,
+            f"the template re-renders committed tokens when these messages are appended "
+            f"(first difference at token {k} of {len(done)})",
+        )
+    if len(full) == len(done):
+        return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "the full render adds no tokens")
+    return BridgeResult(prompt_ids=list(full[len(done):]))

@@ -13,6 +13,12 @@ the one reproducing the most knob variants wins (the reason names the variants i
 misses: e.g. renderers' qwen3.5 renders an empty think block in earlier turns with
 `enable_thinking=False`, the Qwen3.5 template does not).
 
+Before the candidates: a template with DeepSeek's turn and tool-call markers that our
+`DeepSeekCodec` can build for (its self-check plays the template with thinking on and
+off) is `deepseek` (`source="markers"`): V3.1, V3.2 and V4 templates differ, so there
+is no one reference template to compare probes with, and renderers' deepseek-v3/v4
+serve none of them (issue 11).
+
 Candidates, tried in this fixed preference order (ties go to the earlier one):
 
 1. our hand-written families (`registry.FAMILY_DATA`: qwen3, llama3, llama3.1,
@@ -51,6 +57,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from trajectory.codec.deepseek import DeepSeekCodec, is_deepseek_template
 from trajectory.codec.probe import decode_text, probe_template, render_form
 from trajectory.codec.registry import (
     FAMILY_DATA,
@@ -63,7 +70,7 @@ from trajectory.codec.renderers_codec import RENDERER_FAMILIES, RenderersCodec
 from trajectory.errors import TemplateNotSupported
 
 __all__ = [
-    "GENERIC", "OUR_FAMILIES", "RENDERERS_PREFIX", "Detection", "check_family_name", "detect_family",
+    "DEEPSEEK", "GENERIC", "OUR_FAMILIES", "RENDERERS_PREFIX", "Detection", "check_family_name", "detect_family",
     "known_families", "resolve_family",
 ]
 
@@ -73,6 +80,9 @@ GENERIC = "generic"
 # forces the renderers codec for a name ours also has ("renderers:qwen3")
 RENDERERS_PREFIX = "renderers:"
 OUR_FAMILIES: tuple[str, ...] = tuple(FAMILY_DATA)
+# ours without one reference template (V3.1, V3.2 and V4 differ): chosen by markers
+# and its own construction check (`DeepSeekCodec`), before any probe candidate
+DEEPSEEK = "deepseek"
 # template kwargs that switch reasoning on and off, probed both ways when the template reads them
 _THINKING_KNOBS = ("enable_thinking", "thinking")
 
@@ -133,7 +143,7 @@ class Detection:
 
 def known_families() -> tuple[str, ...]:
     """Every name `resolve_family` / `load_codec(family=...)` accepts."""
-    return tuple(dict.fromkeys((*OUR_FAMILIES, *RENDERER_FAMILIES, GENERIC)))
+    return tuple(dict.fromkeys((*OUR_FAMILIES, DEEPSEEK, *RENDERER_FAMILIES, GENERIC)))
 
 
 def check_family_name(family: str) -> str:
@@ -271,6 +281,14 @@ def detect_family(tokenizer: Any) -> Detection:
     exact = match_digest(template)
     if exact is not None:
         return Detection(exact, "digest", f"the template is the packaged {exact} template (sha256)")
+    if is_deepseek_template(template):
+        try:
+            DeepSeekCodec(tokenizer)
+        except Exception as exc:  # not served as DeepSeek: the candidates below decide
+            log.debug("deepseek markers but no DeepSeek codec: %s", exc)
+        else:
+            return Detection(DEEPSEEK, "markers", "DeepSeek turn and tool-call markers; its prefill-aware "
+                             "codec plays the template token for token with thinking on and off")
     marked_own = match_marker_family(template)
     if marked_own is not None:
         return Detection(marked_own, "markers", f"the template carries {marked_own}'s role and tool-call tokens")

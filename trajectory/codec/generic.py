@@ -42,30 +42,32 @@ class GenericCodec(TemplateCodec):
         return ParsedAssistant(content=text, reasoning_content=reasoning)
 
 
-def verify_round_trip(codec: TemplateCodec) -> None:
+def verify_round_trip(codec: TemplateCodec, *, template_kwargs: dict[str, Any] | None = None) -> None:
     """Play user/assistant/user incrementally; it must equal the full render at every
-    step the bridge calls append-only (a detected rewrite continues as a fork)."""
+    step the bridge calls append-only (a detected rewrite continues as a fork).
+    `template_kwargs`: played with them (a family codec checks each thinking mode)."""
+    kw = template_kwargs or None
     tok = codec.tokenizer
     msgs: list[dict[str, Any]] = [
         DUMMY_SYSTEM,
         {"role": "user", "content": "What is two plus two?"},
     ]
     try:
-        ids = codec.render_first(msgs)
+        ids = codec.render_first(msgs, template_kwargs=kw)
         for reply, follow in (("It is four.", "And three plus three?"), ("It is six.", None)):
             asst = {"role": "assistant", "content": reply}
-            sampled = codec.canonical_assistant_ids(asst)
+            sampled = codec.canonical_assistant_ids(asst, template_kwargs=kw)
             ids += sampled + codec.close_turn(sampled)
             msgs.append(asst)
             if follow is None:
                 break
             new = [{"role": "user", "content": follow}]
-            res = codec.bridge(msgs, ids[-8:], new)
+            res = codec.bridge(msgs, ids[-8:], new, template_kwargs=kw)
             if not isinstance(res, BridgeResult):
                 raise TemplateNotSupported(f"bridge refused a plain user turn: {res.detail}")
             ids += res.prompt_ids
             msgs += new
-            full = encode(tok, render_text(tok, msgs, add_generation_prompt=True))
+            full = encode(tok, render_text(tok, msgs, add_generation_prompt=True, template_kwargs=kw))
             if res.rewrites_history:
                 ids = full  # detected rewrite: continue as a fork from the re-render
             elif full != ids:

@@ -56,7 +56,7 @@ async def test_11_5_real_qwen3_tool_episode_is_token_exact(real_dirs: dict[str, 
 async def test_11_5_real_deepseek_multi_turn_is_token_exact(
     real_dirs: dict[str, Path], name: str, protocol: str
 ) -> None:
-    """DeepSeek has no family module yet: the generic prober serves it (user turns)."""
+    """Served by our `DeepSeekCodec`, detected from the template (user turns)."""
     path = _dir(real_dirs, name)
     async with live_stack(path, protocol) as st:
         sid = await st.session()

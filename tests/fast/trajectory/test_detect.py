@@ -38,7 +38,8 @@ from trajectory.errors import TemplateNotSupported
 OURS_FIRST = {"qwen3-r": "qwen3", "glm-4.6": "glm4moe"}
 # what serves a family whose renderer does not reproduce its template (REFUSED)
 FALLBACK = {"llama-3.2": ("llama3.1", "markers"),
-            **{n: ("kimi-k2", "markers") for n in BY_NAME if n.startswith("kimi-k2")}}
+            **{n: ("kimi-k2", "markers") for n in BY_NAME if n.startswith("kimi-k2")},
+            **{n: ("deepseek", "markers") for n in ("deepseek-v3.1", "deepseek-v3.2", "deepseek-v4-flash")}}
 # detected, and refused at load by their codec with the reason (issue 11, Kimi: the
 # template mutates a list, which transformers' immutable sandbox forbids)
 REFUSED_AT_LOAD = {"kimi-k2-instruct": "ImmutableSandboxedEnvironment",
@@ -117,7 +118,7 @@ def test_11_2_a_tie_goes_to_our_family(load_renderer_tokenizer: Callable[[str], 
 def test_11_2_reason_names_probes_and_closest_candidates(load_renderer_tokenizer: Callable[[str], Any]) -> None:
     det = detect_family(load_renderer_tokenizer("glm-4.7"))
     assert det.source == "probes" and "12/12 probes" in det.reason and "tool-call+result" in det.reason
-    det = detect_family(load_renderer_tokenizer("deepseek-v3.1"))
+    det = detect_family(load_renderer_tokenizer("kimi-k2"))
     assert det.family == "generic" and "no candidate renders every probe" in det.reason
     assert "cannot be built for this tokenizer" in det.reason
 
@@ -156,12 +157,13 @@ def test_11_2_unknown_template_falls_back_to_generic(tmp_path: Path, template: s
 
 
 @pytest.mark.parametrize(("name", "family"), [
-    ("qwen3-real", "qwen3"), ("deepseek-v3.1-real", "generic"), ("deepseek-v4-real", "generic"),
+    ("qwen3-real", "qwen3"), ("deepseek-v3.1-real", "deepseek"), ("deepseek-v4-real", "deepseek"),
+    ("deepseek-v3.2-real", "deepseek"),
 ])
 def test_11_2_real_tokenizers(tmp_path: Path, name: str, family: str) -> None:
-    """Qwen3's real template is ours; renderers has no DeepSeek V3.1 renderer and its
+    """Qwen3's real template is ours; renderers has no DeepSeek V3.1/V3.2 renderer and its
     deepseek-v4 differs from the real V4 template (tools without a system message, the
-    `thinking` kwarg), so both are served by the generic prober, as before."""
+    `thinking` kwarg), so DeepSeek's markers pick our `DeepSeekCodec` (issue 11)."""
     tok = _anonymous(real_tokenizer_dir(name, tmp_path / "src"), tmp_path)
     det = detect_family(tok)
     assert det.family == family, det.describe()

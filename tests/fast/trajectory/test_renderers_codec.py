@@ -25,7 +25,7 @@ from trajectory.errors import TemplateNotSupported
 # prompts differ from the tokenizer's own template on the verify probes; we prefer the
 # template, the truth of what the model was trained with)
 _DS = ("no V3.1/V3.2 renderer in renderers 0.1.12: deepseek-v3's generation prompt lacks the "
-       "template's `<think></think>` prefill (our generic prober serves V3.1, see test_codec_tokenizers)")
+       "template's `<think></think>` prefill (our DeepSeekCodec serves them, see test_deepseek_codec)")
 REFUSED: dict[str, str] = {
     "deepseek-v3.1": _DS,
     "deepseek-v3.2": _DS,
