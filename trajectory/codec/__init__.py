@@ -32,6 +32,7 @@ from trajectory.codec.detect import (
     known_families,
     resolve_family,
 )
+from trajectory.codec.gemma4 import Gemma4Codec
 from trajectory.codec.generic import GenericCodec
 from trajectory.codec.glm4 import Glm4Codec
 from trajectory.codec.llama3 import Llama3Codec
@@ -47,6 +48,7 @@ __all__ = [
     "BridgeResult",
     "ChatCodec",
     "Detection",
+    "Gemma4Codec",
     "GenericCodec",
     "Glm4Codec",
     "HistoryPolicy",
@@ -73,6 +75,7 @@ _CODECS: dict[str, type[TemplateCodec]] = {
     "llama3": Llama3Codec,
     "llama3.1": Llama31Codec,
     "glm4moe": Glm4Codec,
+    "gemma4": Gemma4Codec,
 }
 
 

@@ -322,3 +322,21 @@ class TemplateCodec:
     def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
         """Family grammar; the generic codec keeps the text as content."""
         return ParsedAssistant(content=text, reasoning_content=None)
+
+
+def exact_bridge(full: Sequence[int], committed: Sequence[int]) -> BridgeResult | BridgeRefusal:
+    """TEMPLATE policy given every committed id: the delta is the full re-render `full`
+    past them, HISTORY_REWRITE when they are not its prefix (token for token: this sees
+    a dropped prefill or a re-tokenized reasoning boundary a message-level check misses)."""
+    done = [int(t) for t in committed]
+    if not is_prefix(done, full):
+        k = next((i for i, (x, y) in enumerate(zip(done, full, strict=False)) if x != y),
+                 min(len(done), len(full)))
+        return BridgeRefusal(
+            RefusalReason.HISTORY_REWRITE,
+            f"the template re-renders committed tokens when these messages are appended "
+            f"(first difference at token {k} of {len(done)})",
+        )
+    if len(full) == len(done):
+        return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "the full render adds no tokens")
+    return BridgeResult(prompt_ids=list(full[len(done):]), rewrites_history=False)

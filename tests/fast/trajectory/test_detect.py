@@ -38,9 +38,13 @@ from trajectory.errors import TemplateNotSupported
 OURS_FIRST = {"qwen3-r": "qwen3", "glm-4.6": "glm4moe"}
 # what serves a family whose renderer does not reproduce its template (REFUSED)
 FALLBACK = {"llama-3.2": ("llama3.1", "markers")}
+# families one of ours packages the template of (test_renderers_codec.OURS)
+PACKAGED = {"gemma-4": ("gemma4", "digest")}
 
 
 def _expected(name: str) -> tuple[str, str]:
+    if name in PACKAGED:
+        return PACKAGED[name]
     if name in OURS_FIRST:
         return OURS_FIRST[name], "probes"
     if name in REFUSED:
