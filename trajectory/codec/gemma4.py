@@ -241,7 +241,7 @@ class Gemma4Codec(TemplateCodec):
             raise TemplateNotSupported(f"gemma4: template failed on a probe: {exc}") from exc
         self.eot_ids = tuple(dict.fromkeys((*self.eot_ids, self._tool_stop)))
         self.stop_token_ids = tuple(dict.fromkeys((*self.eot_ids, *self.stop_token_ids)))
-        self._heads: dict[str, tuple[str, str]] = {}
+        self._heads: dict[str, tuple[str, str, str]] = {}
 
     # -- what the template says, read once ---------------------------------------
 
@@ -273,9 +273,10 @@ class Gemma4Codec(TemplateCodec):
             return CHANNEL_OPEN + "thought\n", "\n" + CHANNEL_CLOSE
         return text[opens:at], text[at + len(_MARK) : closes + len(CHANNEL_CLOSE)]
 
-    def _head(self, kw: Mapping[str, Any] | None) -> tuple[str, str]:
-        """(turn header of a history assistant turn, what the generation prompt adds
-        after it): ("<|turn>model\\n", "<|channel>thought\\n<channel|>") with thinking off."""
+    def _head(self, kw: Mapping[str, Any] | None) -> tuple[str, str, str]:
+        """(render of the dummy query, turn header of a history assistant turn, what the
+        generation prompt adds after it): (..., "<|turn>model\\n", "<|channel>thought\\n<channel|>")
+        with thinking off. Cached per kwargs: every turn's diagnostic needs it."""
         key = json.dumps(dict(kw or {}), sort_keys=True, default=str)
         hit = self._heads.get(key)
         if hit is not None:
@@ -291,7 +292,7 @@ class Gemma4Codec(TemplateCodec):
         prompt = gen[len(hist) :]
         if not prompt.startswith(header):
             raise CodecError("gemma4: the generation prompt does not start with the turn header")
-        self._heads[key] = (header, prompt[len(header) :])
+        self._heads[key] = (hist, header, prompt[len(header) :])
         return self._heads[key]
 
     # -- ChatCodec ---------------------------------------------------------------
@@ -317,8 +318,7 @@ class Gemma4Codec(TemplateCodec):
         kw = self._internal_kwargs(template_kwargs)
         base = [DUMMY_SYSTEM, DUMMY_USER]
         try:
-            header, _ = self._head(kw)
-            hist = self._render(base, tools=None, gen=False, template_kwargs=kw)
+            hist, header, _ = self._head(kw)
             full = self._render([*base, message], tools=None, gen=False, template_kwargs=kw)
         except CodecError:
             raise
@@ -384,7 +384,7 @@ class Gemma4Codec(TemplateCodec):
         if at < 0 or ids_b[at + 1 :] not in ([], list(self.probe.gap_ids)):
             return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY,
                                  "the template does not close this message with the sampled stop token")
-        rewrites, offset = self._last_turn_rewrite(prev, new, tools=tools, kw=kw)
+        rewrites, offset = self._last_turn_rewrite(prev, new, kw=kw)
         if rewrites and policy == HistoryPolicy.TEMPLATE:
             return BridgeRefusal(RefusalReason.HISTORY_REWRITE,
                                  "the template re-renders the last turn when these messages are appended")
@@ -400,17 +400,19 @@ class Gemma4Codec(TemplateCodec):
             return BridgeRefusal(RefusalReason.RENDER_FAILED, f"template raised: {exc}")
         return exact_bridge(full, committed)
 
-    def _last_turn_rewrite(self, prev: Message, new: list[Message], *, tools: Any,
+    def _last_turn_rewrite(self, prev: Message, new: list[Message], *,
                            kw: Mapping[str, Any]) -> tuple[bool, int | None]:
         """Whether a re-render of the last message with `new` after it differs from what
         the model saw (prompt + canonical sample), and where in its output (None: in the
-        prompt, e.g. the dropped thought prefill). A diagnostic: never fails a turn."""
+        prompt, e.g. the dropped thought prefill). A diagnostic: never fails a turn.
+        Without the tool declarations (they render only in the system turn)."""
         base = [DUMMY_SYSTEM, DUMMY_USER]
         try:
-            seen = self._ids(base, tools=tools, gen=True, template_kwargs=kw)
+            hist, header, prefill = self._head(kw)
+            seen = encode(self.tokenizer, hist + header + prefill)
             head = len(seen)
             seen += self.canonical_assistant_ids(prev, template_kwargs=kw)
-            again = self._ids([*base, prev, *new], tools=tools, gen=True, template_kwargs=kw)
+            again = self._ids([*base, prev, *new], tools=None, gen=True, template_kwargs=kw)
         except Exception:
             return True, None
         if is_prefix(seen, again):
