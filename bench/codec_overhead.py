@@ -13,7 +13,8 @@ bytes per stored token of the 100K trajectory (target <= 12).
 
 `--family` is one of our hand-written families (qwen3, llama3, llama3.1, glm4moe:
 offline tokenizers with the real templates), a `renderers`-backed family of
-`tests/fast/trajectory/renderer_families.py` (e.g. qwen3.5, glm-4.7; issue 11), or
+`tests/fast/trajectory/renderer_families.py` (e.g. qwen3.5, glm-4.7; issue 11; gemma-4
+runs our Gemma4Codec, which serves it), or
 `all` (every one of both; a family whose codec cannot run the turn is reported
 with its error).
 """
@@ -39,6 +40,8 @@ from trajectory.linear import LinearTrajectory  # noqa: E402
 from trajectory.tree import TrajectoryTree  # noqa: E402
 
 CONTEXTS = (1000, 10000, 100000)
+# renderer_families entries one of our codecs serves (its family name)
+SERVED_BY_OURS = {"gemma-4": "gemma4"}
 
 
 def _long_text(tokenizer: Any, n_tokens: int) -> str:
@@ -107,9 +110,11 @@ def _load(family: str, root: Path) -> tuple[Any, Any]:
 
     spec = BY_NAME[family]
     tokenizer = AutoTokenizer.from_pretrained(str(build(spec, root / family)))
+    if family in SERVED_BY_OURS:  # our codec serves it, not the renderer (test_renderers_codec.OURS)
+        return tokenizer, load_codec(tokenizer, family=SERVED_BY_OURS[family])
     try:
         return tokenizer, RenderersCodec(tokenizer, spec.renderer)
-    except TemplateNotSupported:
+    except TemplateNotSupported:  # refused at load: measure what serves it
         return tokenizer, load_codec(tokenizer)
 
 

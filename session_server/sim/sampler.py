@@ -3,7 +3,9 @@
 
 How one request is answered (`ScriptedPolicy.start`):
 1. the current assistant turn starts after the *last* occurrence of the generation
-   prompt ids (no occurrence: the whole context is the prompt);
+   prompt ids, or of the model's resume ids (templates whose model continues its own
+   turn after tool results with no generation prompt: Gemma 4's `<tool_response|>`);
+   no occurrence: the whole context is the prompt;
 2. the *planned response* is drawn from a hash of (seed, context before that point):
    while fewer tool turns have happened than the episode's script asks for
    (1-3, drawn from the episode's first prompt), reasoning plus one or two tool
@@ -59,6 +61,9 @@ class SimModel:
     # (function name, call index in the conversation) -> the id the model samples (Kimi
     # `functions.NAME:IDX`); None: the family's ids are not sampled (ours are minted)
     call_id: Callable[[str, int], str] | None = None
+    # a prompt ending in these ids resumes the model's turn (no generation prompt follows
+    # tool results: Gemma 4); () when every turn opens with the generation prompt
+    resume_ids: tuple[int, ...] = ()
 
 
 def _h(*parts: bytes | int | str) -> int:
@@ -166,13 +171,13 @@ class ScriptedPolicy:
         return out
 
     def plan(self, prefix: np.ndarray, turn_starts: np.ndarray) -> tuple[list[int], dict[str, Any]]:
-        """Planned ids (through EOT) of the turn that follows `prefix`."""
+        """Planned ids (through EOT) of the turn that follows `prefix`; `turn_starts`:
+        where each turn of the context began to be sampled (`_turn_starts`)."""
         key = _digest(prefix)
         cached = self._plans.get(key)
         if cached is not None:
             return cached
-        g = len(self.model.generation_prompt_ids)
-        first = int(turn_starts[0]) + g if len(turn_starts) else len(prefix)
+        first = int(turn_starts[0]) if len(turn_starts) else len(prefix)
         episode_h = _h(self.seed, _digest(prefix[:first]))
         script_len = 1 + episode_h % 3
         tool_turns_done = max(0, len(turn_starts) - 1)
@@ -197,12 +202,19 @@ class ScriptedPolicy:
         self._plans[key] = (ids, message)
         return ids, message
 
+    def _turn_starts(self, ctx: np.ndarray) -> np.ndarray:
+        """Sorted positions right after each generation prompt (and each resume point)."""
+        gp, resume = self.model.generation_prompt_ids, self.model.resume_ids
+        starts = _occurrences(ctx, gp) + len(gp)
+        if resume:
+            starts = np.union1d(starts, _occurrences(ctx, resume) + len(resume))
+        return starts
+
     def start(self, context: Sequence[int], constrained: str | None = None) -> Cursor:
         """`constrained`: the text a constraint forces (sim/constrained.py), then EOS."""
         ctx = np.asarray(context, dtype=np.int64)
-        gp = self.model.generation_prompt_ids
-        starts = _occurrences(ctx, gp)
-        turn_start = int(starts[-1]) + len(gp) if len(starts) else len(ctx)
+        starts = self._turn_starts(ctx)
+        turn_start = int(starts[-1]) if len(starts) else len(ctx)
         prefix = ctx[:turn_start]
         if constrained is not None and self.model.encode is not None:
             message: dict[str, Any] = {}
@@ -292,6 +304,7 @@ def sim_model_from_tokenizer(tokenizer: Any, *, name: str | None = None) -> SimM
         return None
 
     return SimModel(
+        resume_ids=_resume_ids(chat, gen_ids, special | _added_special(tokenizer)),
         generation_prompt_ids=gen_ids,
         render=render,
         decode=lambda ids: decode_text(tokenizer, ids),
@@ -302,6 +315,30 @@ def sim_model_from_tokenizer(tokenizer: Any, *, name: str | None = None) -> SimM
         encode=lambda text: [int(t) for t in tokenizer.encode(text, add_special_tokens=False)],
         call_id=getattr(codec, "tool_call_id", None),
     )
+
+
+def _resume_ids(chat: Callable[[list[dict[str, Any]], bool], list[int]], gen_ids: tuple[int, ...],
+                special: set[int]) -> tuple[int, ...]:
+    """The template's last token after tool results when it adds no generation prompt
+    there (the model resumes its own turn: Gemma 4 `<tool_response|>`); else ()."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "r"}]
+    try:
+        ids = chat(msgs, True)
+    except Exception:  # noqa: BLE001 - a template without tool calls: every turn has a prompt
+        return ()
+    if not ids or tuple(ids[-len(gen_ids):]) == gen_ids or ids[-1] not in special:
+        return ()
+    return (ids[-1],)
+
+
+def _added_special(tokenizer: Any) -> set[int]:
+    """Ids of added tokens marked special (Gemma's `<tool_response|>` is not in
+    `all_special_ids`)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {int(i) for i, t in decoder.items() if getattr(t, "special", False)}
 
 
 def _codec(tokenizer: Any) -> Any:

@@ -167,7 +167,7 @@ def test_9_every_setting_is_a_serve_flag_with_the_models_default() -> None:
 
 
 _UNKNOWN_FAMILY = ("--template-family / TITO_TEMPLATE_FAMILY: unknown template family 'qwen-9000'; "
-                   "known: qwen3, llama3, llama3.1, glm4moe, deepseek, prime-qwen3, qwen3.5")
+                   "known: qwen3, llama3, llama3.1, glm4moe, gemma4, deepseek, prime-qwen3")
 
 
 def test_9_environment_fills_settings_and_a_flag_beats_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,7 @@ from trajectory.codec.detect import (
     known_families,
     resolve_family,
 )
+from trajectory.codec.gemma4 import Gemma4Codec
 from trajectory.codec.generic import GenericCodec
 from trajectory.codec.glm4 import Glm4Codec
 from trajectory.codec.kimi import KimiCodec
@@ -50,6 +51,7 @@ __all__ = [
     "ChatCodec",
     "DeepSeekCodec",
     "Detection",
+    "Gemma4Codec",
     "GenericCodec",
     "Glm4Codec",
     "HistoryPolicy",
@@ -79,6 +81,7 @@ _CODECS: dict[str, type[TemplateCodec]] = {
     "glm4moe": Glm4Codec,
     "kimi-k2": KimiCodec,
     "deepseek": DeepSeekCodec,
+    "gemma4": Gemma4Codec,
 }
 
 

@@ -22,7 +22,7 @@ serve none of them (issue 11).
 Candidates, tried in this fixed preference order (ties go to the earlier one):
 
 1. our hand-written families (`registry.FAMILY_DATA`: qwen3, llama3, llama3.1,
-   glm4moe), each rendering the probes with its packaged reference template. They
+   glm4moe, gemma4), each rendering the probes with its packaged reference template. They
    come first because they pass the whole contract suite under both history
    policies, and they render with the tokenizer's own template, so choosing them
    keeps today's codec for these templates. An exact (sha256) copy of a packaged

@@ -45,6 +45,10 @@ FAMILY_DATA: dict[str, FamilyData] = {
     "glm4moe": FamilyData(
         "glm4moe.jinja", "", "", "<|assistant|>", ("<|user|>", "<|observation|>")
     ),
+    # thinking off (the template's default): an empty thought channel is prefilled
+    "gemma4": FamilyData(
+        "gemma4.jinja", "<turn|>", "\n", "<|turn>model\n<|channel>thought\n<channel|>", ()
+    ),
 }
 
 
@@ -77,6 +81,8 @@ def match_markers(template: str) -> str | None:
         return "llama3.1" if '"parameters"' in template else "llama3"
     if "<|im_start|>" in template and "<think>" in template and "<tool_call>" in template:
         return "qwen3"
+    if "<|turn>" in template and "<|channel>" in template and "<|tool_call>" in template:
+        return "gemma4"
     return None
 
 

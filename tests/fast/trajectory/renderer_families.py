@@ -81,6 +81,9 @@ RENDERER_FAMILIES: tuple[RendererFamily, ...] = (
                    "<|im_end|>"),
     RendererFamily("llama-3.2", "llama-3", "meta-llama-Llama-3.2-3B-Instruct.jinja", _LLAMA,
                    "<|begin_of_text|>", "<|eot_id|>", reasoning=False, max_calls=1),
+    # served by our Gemma4Codec (trajectory/codec/gemma4.py), not the renderer: see
+    # test_renderers_codec.OURS
+    RendererFamily("gemma-4", "gemma4", "google-gemma-4-31B-it.jinja", _GEMMA, "<bos>", "<eos>"),
 )
 BY_NAME = {f.name: f for f in RENDERER_FAMILIES}
 

@@ -82,35 +82,41 @@ def conversations(
     return prefix, turns, use_tools
 
 
-def full_ids(tok: Any, messages: list[dict], tools: Any) -> list[int]:
+def full_ids(tok: Any, messages: list[dict], tools: Any, **template_kwargs: Any) -> list[int]:
     rendered = tok.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
     )
     return tok.encode(rendered, add_special_tokens=False)
 
 
 def play(
-    tok: Any, family: str, conv: Any, policy: HistoryPolicy, codec: Any = None
+    tok: Any, family: str, conv: Any, policy: HistoryPolicy, codec: Any = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, int]:
-    """Run the conversation incrementally; returns counts of checked/rewritten steps."""
+    """Run the conversation incrementally; returns counts of checked/rewritten steps.
+    `template_kwargs` (e.g. enable_thinking) go to every codec call and full render."""
     codec = load_codec(tok) if codec is None else codec
+    kw = dict(template_kwargs or {})
+    # codecs whose canonical sample depends on the kwargs take them (verify._canonical)
+    canon_kw = {"template_kwargs": kw} if kw else {}
     prefix, turns, use_tools = conv
     tools = TOOLS if use_tools else None
     msgs = list(prefix)
-    ids = codec.render_first(msgs, tools=tools)
-    assert ids == full_ids(tok, msgs, tools)
+    ids = codec.render_first(msgs, tools=tools, template_kwargs=kw or None)
+    assert ids == full_ids(tok, msgs, tools, **kw)
     stats = {"checked": 0, "rewrites": 0}
     for asst, *follow in turns:
-        sampled = codec.canonical_assistant_ids(asst)
+        sampled = codec.canonical_assistant_ids(asst, **canon_kw)
         assert codec.close_turn(sampled) == []
         ids += sampled
         history = [*msgs, asst]
         committed = list(ids)
         # TEMPLATE gets every committed id, as the server passes them (exact by definition)
         whole = committed if policy == HistoryPolicy.TEMPLATE else None
-        res = codec.bridge(history, ids[-8:], follow, tools=tools, policy=policy, committed=whole)
+        res = codec.bridge(history, ids[-8:], follow, tools=tools, policy=policy, committed=whole,
+                           template_kwargs=kw or None)
         msgs = history + follow
-        full = full_ids(tok, msgs, tools)
+        full = full_ids(tok, msgs, tools, **kw)
         if isinstance(res, BridgeRefusal):
             assert policy == HistoryPolicy.TEMPLATE
             assert res.reason == RefusalReason.HISTORY_REWRITE

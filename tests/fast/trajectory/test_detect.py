@@ -44,9 +44,13 @@ FALLBACK = {"llama-3.2": ("llama3.1", "markers"),
 # template mutates a list, which transformers' immutable sandbox forbids)
 REFUSED_AT_LOAD = {"kimi-k2-instruct": "ImmutableSandboxedEnvironment",
                    "kimi-k2-thinking": "ImmutableSandboxedEnvironment"}
+# families one of ours packages the template of (test_renderers_codec.OURS)
+PACKAGED = {"gemma-4": ("gemma4", "digest")}
 
 
 def _expected(name: str) -> tuple[str, str]:
+    if name in PACKAGED:
+        return PACKAGED[name]
     if name in OURS_FIRST:
         return OURS_FIRST[name], "probes"
     if name in REFUSED:

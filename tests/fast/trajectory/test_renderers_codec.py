@@ -75,9 +75,20 @@ def _pinned_today(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(renderers_codec, "datetime", _Fixed)
 
 
+# family -> why our own codec serves it and the renderer's contract is not run here
+# (tests/fast/trajectory/test_gemma4.py runs the contract on ours; the difference is
+# pinned by test_11_gemma4_renderer_keeps_the_prefill_the_template_drops)
+OURS: dict[str, str] = {
+    "gemma-4": "renderers gemma4 re-emits the disabled-thinking `<|channel>thought\\n<channel|>` prefill in "
+               "history turns (a deliberate deviation, its module doc); the 31B template drops it",
+}
+
+
 def _params() -> list[Any]:
     out = []
     for f in RENDERER_FAMILIES:
+        if f.name in OURS:
+            continue
         marks = []
         if f.name in REFUSED:
             marks.append(pytest.mark.xfail(reason=REFUSED[f.name], raises=TemplateNotSupported, strict=True))
