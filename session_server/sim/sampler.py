@@ -329,8 +329,8 @@ def _resume_ids(chat: Callable[[list[dict[str, Any]], bool], list[int]], gen_ids
         ids = chat(msgs, True)
     except Exception:  # noqa: BLE001 - a template without tool calls: every turn has a prompt
         return ()
-    if not ids or tuple(ids[-len(gen_ids):]) == gen_ids or ids[-1] not in special:
-        return ()
+    if not ids or tuple(ids[-len(gen_ids):]) == gen_ids or ids[-1] not in special or ids[-1] in gen_ids:
+        return ()  # a generation prompt, or part of one (DeepSeek V3.2's `<think></think>` prefill)
     return (ids[-1],)
 
 
