@@ -25,7 +25,7 @@ from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
 from . import samples_api
-from .api.dialects import OPENAI_CHAT, respond
+from .api.dialects import OPENAI_CHAT, Dialect, Rendered, as_response, render
 from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
 from .api.models import (
     ChatRequest,
@@ -50,6 +50,7 @@ from .errors import (
     from_http_status,
     from_library,
 )
+from .idempotency import Hold, ReplayLog, identify
 from .lifecycle import AppConfig, build_context, shutdown, start_background
 from .sessions import Session, SessionConfig
 from .turns import TurnRunner
@@ -137,6 +138,10 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx = await build_context(config)
         state["ctx"] = app.state.ctx = ctx
         state["runner"] = app.state.runner = TurnRunner(ctx)
+        state["replays"] = app.state.replays = ReplayLog(
+            ctx.metrics, per_session=settings.replay_per_session, max_bytes=settings.replay_store_bytes,
+            grace_s=settings.replay_grace_s)
+        ctx.store.on_remove.append(lambda s: state["replays"].forget(s.id))
         background = start_background(ctx)
         try:
             yield
@@ -234,11 +239,22 @@ def create_app(config: AppConfig) -> FastAPI:
         **route_doc(OPENAI_CHAT.request_model, 400, 404, 409, 413, 429, 502, 503, 504, media=(JSON, "text/event-stream")),
     )
     async def chat(sid: str, request: Request) -> Response:
+        return await dialect_turn(sid, request, OPENAI_CHAT)
+
+    async def dialect_turn(sid: str, request: Request, dialect: Dialect) -> Response:
+        """One turn of any dialect's route: read the body, answer a replayed request
+        from its original (`idempotency.py`), else run the turn and render it."""
         ctx = ctx_of()
         ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
-        req, out = await state["runner"].run(sid, body, parse=OPENAI_CHAT.parse, client_gone=_client_gone(request))
-        return await respond(ctx, OPENAI_CHAT, req, out)
+        ident = await identify(ctx.offload, sid, dialect.name, request.headers, body)
+
+        async def produce(hold: Hold) -> Rendered:
+            req, out = await state["runner"].run(sid, body, parse=dialect.parse,
+                                                 client_gone=hold(_client_gone(request)))
+            return await render(ctx, dialect, req, out)
+
+        return as_response(await state["replays"].serve(ident, produce))
 
     @app.get("/sessions/{sid}", **route_doc(None, 404))
     async def get_session(sid: str) -> Response:

@@ -11,6 +11,7 @@
     ├── SessionBusy                      409 session_busy
     ├── SessionClosed                    409 session_closed
     ├── PayloadTooLarge                  413 payload_too_large
+    ├── IdempotencyKeyReused             422 idempotency_key_reused (same Idempotency-Key, other body)
     ├── OverCapacity                     429 over_capacity   Retry-After: 5
     ├── BranchLimit                      429 branch_limit    Retry-After: 60 (names the cap)
     ├── ClientGone                       499 client_gone (client disconnected mid-turn; logged, never sent)
@@ -105,6 +106,13 @@ class SessionClosed(ServiceError):
 
 class PayloadTooLarge(ServiceError):
     status, type = 413, "payload_too_large"
+
+
+class IdempotencyKeyReused(ServiceError):
+    """An `Idempotency-Key` already named another request body on this session and route:
+    a key identifies one request (IETF draft-ietf-httpapi-idempotency-key-header: 422)."""
+
+    status, type = 422, "idempotency_key_reused"
 
 
 class OverCapacity(ServiceError):

@@ -24,6 +24,14 @@ class Metrics:
         self.cached_tokens_total = Counter("tito_cached_tokens_total", "Prompt tokens the engine reported cached", registry=r)
         self.sessions_active = Gauge("tito_sessions", "Sessions in the store", registry=r)
         self.sessions_expired_total = Counter("tito_sessions_expired_total", "Sessions removed by TTL", registry=r)
+        self.replays_total = Counter(
+            "tito_replays_total", "Replayed requests (SDK retries) answered without a new turn, by where the "
+            "response came from: in_flight (waited for the original) or stored", ["source"], registry=r,
+        )
+        self.replay_store_bytes = Gauge("tito_replay_store_bytes", "Bytes of stored responses kept for replays",
+                                        registry=r)
+        self.replays_evicted_total = Counter("tito_replays_evicted_total", "Stored responses evicted (per-session "
+                                             "count or the byte budget)", registry=r)
         self.branches_total = Counter("tito_branches_total", "Branches created, by reason", ["reason"], registry=r)
 
     def observe_phase(self, phase: str, seconds: float) -> None:

@@ -61,6 +61,14 @@ class Settings(BaseSettings):
         None, min_length=1, description="force the chat-template family: one of ours (qwen3, llama3, llama3.1, "
         "glm4moe), a renderers family (e.g. qwen3.5, glm-5), renderers:NAME, or generic (unset: detected from the "
         "tokenizer's own template, never its name)")
+    replay_grace_s: float = Field(
+        10.0, ge=0, description="how long a turn whose client hung up waits for the SDK's retry (a request with "
+        "x-stainless-retry-count or Idempotency-Key) before it is cancelled; a retry in time adopts it")
+    replay_per_session: int = Field(
+        4, ge=0, description="committed responses kept per session to answer replayed requests")
+    replay_store_bytes: int = Field(
+        256 * 1024 * 1024, ge=0, description="bytes of stored responses kept for replays over all sessions "
+        "(oldest evicted first)")
     instance_id: str | None = Field(
         None, min_length=1, description="what /health reports as instance_id (unset: random per start)")
 

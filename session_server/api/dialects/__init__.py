@@ -4,14 +4,17 @@ completions, `openai_chat.py`). The turn pipeline between them (`turns.py`) is s
     body --dialect.parse--> ChatRequest --pipeline--> TurnOutput --dialect.body / .stream--> bytes
 
 A dialect is three pure functions (run on the offload threads when large) and its
-request model for the OpenAPI document; `respond` here is the respond phase every
-dialect shares: offloading, the response type, and the `respond` phase timer.
+request model for the OpenAPI document; `render` here is the respond phase every
+dialect shares (offloading, the `respond` phase timer) and gives bytes (`Rendered`),
+which `idempotency.py` stores for replayed requests; `as_response` makes them HTTP.
+A route runs its turn through the app's `dialect_turn`, which applies the replay rules.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -23,7 +26,7 @@ from ..models import ChatRequest
 from ..stream_events import StreamEncoder
 from .openai_chat import OPENAI_CHAT, OpenAIChat
 
-__all__ = ["OPENAI_CHAT", "Dialect", "OpenAIChat", "respond"]
+__all__ = ["OPENAI_CHAT", "Dialect", "OpenAIChat", "Rendered", "as_response", "render", "respond"]
 
 
 class Dialect(Protocol):
@@ -55,22 +58,49 @@ class Dialect(Protocol):
         ...
 
 
-async def respond(ctx: ServerContext, dialect: Dialect, req: ChatRequest, out: TurnOutput) -> Response:
-    """The respond phase (timed as `respond`): a JSON body, or an SSE stream when asked."""
+@dataclass(frozen=True)
+class Rendered:
+    """What the respond phase produced for one committed turn: a JSON body, or the SSE
+    frames of a stream. Kept as bytes so that a replayed request (`idempotency.py`) gets
+    exactly what the original got."""
+
+    media_type: str
+    body: bytes = b""
+    frames: tuple[bytes, ...] | None = None  # set for a stream
+
+    @property
+    def size(self) -> int:
+        return len(self.body) + sum(len(f) for f in self.frames or ())
+
+
+async def render(ctx: ServerContext, dialect: Dialect, req: ChatRequest, out: TurnOutput) -> Rendered:
+    """The respond phase (timed as `respond`): a JSON body, or SSE frames when asked."""
     t0 = time.perf_counter()
     # per-token logprobs make a response proportional to the output: offloaded; else inline
     size = len(out.sampled_ids) * 64 if req.logprobs else 0
-    response: Response
+    rendered: Rendered
     if req.stream:
         frames = await ctx.offload.run_sized(size, dialect.stream, out, req, ctx.tokenizer)
-        response = StreamingResponse(_frames(frames), media_type="text/event-stream")
+        rendered = Rendered("text/event-stream", frames=tuple(frames))
     else:
         payload = await ctx.offload.run_sized(size, dialect.body, out, req, ctx.tokenizer)
-        response = Response(content=payload, media_type="application/json")
+        rendered = Rendered("application/json", body=payload)
     ctx.metrics.observe_phase("respond", time.perf_counter() - t0)
-    return response
+    return rendered
 
 
-async def _frames(frames: list[bytes]) -> AsyncIterator[bytes]:
+def as_response(rendered: Rendered) -> Response:
+    """The HTTP response of a rendered turn (a fresh one per request: a replay reuses the bytes)."""
+    if rendered.frames is not None:
+        return StreamingResponse(_frames(rendered.frames), media_type=rendered.media_type)
+    return Response(content=rendered.body, media_type=rendered.media_type)
+
+
+async def respond(ctx: ServerContext, dialect: Dialect, req: ChatRequest, out: TurnOutput) -> Response:
+    """The respond phase as one response: `render`, then `as_response`."""
+    return as_response(await render(ctx, dialect, req, out))
+
+
+async def _frames(frames: Sequence[bytes]) -> AsyncIterator[bytes]:
     for f in frames:
         yield f

@@ -99,11 +99,13 @@ async def live_stack(
     noncanonical: bool = False,
     settings: Settings | None = None,
     extra_engines: Sequence[str] = (),
+    **sim_kwargs: Any,
 ) -> AsyncIterator[Stack]:
     async with contextlib.AsyncExitStack() as stack:
         urls = [
             await stack.enter_async_context(
-                running_sim(protocol, str(tokenizer_dir), seed=3 + i, dp=dp, latency_ms=latency_ms, noncanonical=noncanonical)
+                running_sim(protocol, str(tokenizer_dir), seed=3 + i, dp=dp, latency_ms=latency_ms, noncanonical=noncanonical,
+                            **sim_kwargs)
             )
             for i in range(n_engines)
         ]

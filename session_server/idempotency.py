@@ -1,0 +1,237 @@
+"""Idempotent retries (issue 12.3): a request an SDK replays never becomes a second turn.
+
+SDKs retry a request that timed out or lost its connection: the `openai` and
+`anthropic` Python SDKs send `x-stainless-retry-count: N` (0 on the first attempt),
+other clients an `Idempotency-Key`. A request is a **replay** of an earlier one on
+the same session and route (dialect) when
+
+- it carries an `Idempotency-Key` that an earlier request carried: the key names the
+  request by itself; the same key with another body is refused with 422
+  `idempotency_key_reused` (IETF draft-ietf-httpapi-idempotency-key-header), or
+- it carries `x-stainless-retry-count` > 0 and its body's digest (SHA-256 of the raw
+  bytes) equals an earlier request's.
+
+A replay of a request still in flight waits for it (no 409) and gets its response;
+of a committed one, the stored response (the same bytes: a JSON body, or the same SSE
+frames). If the original fails (any error, or its client left and the turn was
+discarded), nothing is stored and the replay runs as a fresh attempt: it is the
+client's retry. A request that carries neither header is not recorded and is never a
+replay: resending it is a deliberate retry (`trajectory` rolls back to a new branch).
+
+A recorded request whose client disconnects mid-turn keeps its turn for
+`replay_grace_s`: an SDK that timed out comes back within its backoff, and its replay
+then adopts the turn, which runs on to commit (a slow turn is not cancelled on every
+timeout, so the SDK gets the answer on a later attempt). If no replay comes within the
+grace, the turn is cancelled as today (nothing committed).
+
+Memory is bounded: per session the last `replay_per_session` committed responses, and
+`replay_store_bytes` over all sessions (oldest evicted first); a session's records go
+with the session. A replay of an evicted response is a new request (for the last turn:
+a rollback to a new branch, as any resend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .api.dialects import Rendered
+from .errors import BadRequest, IdempotencyKeyReused
+from .metrics import Metrics
+from .offload import CpuOffload
+
+__all__ = ["IDEMPOTENCY_KEY", "RETRY_COUNT", "Hold", "Ident", "ReplayLog", "identify"]
+
+RETRY_COUNT = "x-stainless-retry-count"
+IDEMPOTENCY_KEY = "idempotency-key"
+MAX_KEY_CHARS = 255
+
+ClientGone = Callable[[], Coroutine[Any, Any, None]]
+Hold = Callable[[ClientGone], ClientGone]
+"""Wraps a request's `client_gone` watcher: what `TurnRunner.run` takes for it."""
+
+
+@dataclass(frozen=True)
+class Ident:
+    """Who a turn request is, for replay detection: its session, route and body digest,
+    and what the client said about retrying."""
+
+    session_id: str
+    route: str
+    digest: bytes
+    key: str | None  # Idempotency-Key
+    retry_count: int | None  # x-stainless-retry-count (None: absent or not an integer)
+
+    @property
+    def recorded(self) -> bool:
+        """A client that sends either header may retry: its request is remembered."""
+        return self.key is not None or self.retry_count is not None
+
+
+def _retry_count(headers: Mapping[str, str]) -> int | None:
+    raw = headers.get(RETRY_COUNT)
+    if raw is None:
+        return None
+    try:
+        return max(0, int(raw.strip()))
+    except ValueError:
+        return None  # not ours to judge: an unreadable count is no claim of a retry
+
+
+def _key(headers: Mapping[str, str]) -> str | None:
+    key = (headers.get(IDEMPOTENCY_KEY) or "").strip()
+    if len(key) > MAX_KEY_CHARS:
+        raise BadRequest(f"Idempotency-Key is longer than {MAX_KEY_CHARS} characters")
+    return key or None
+
+
+def _sha256(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+async def identify(offload: CpuOffload, session_id: str, route: str, headers: Mapping[str, str], body: bytes) -> Ident:
+    """The request's `Ident`; the digest is O(body), so a large body hashes off the loop."""
+    key, count = _key(headers), _retry_count(headers)
+    digest = await offload.run_sized(len(body), _sha256, body) if key or count is not None else b""
+    return Ident(session_id, route, digest, key, count)
+
+
+class _Entry:
+    """One recorded request: in flight until `done`, then stored (`rendered`) or gone."""
+
+    __slots__ = ("adopted", "digest", "done", "key", "rendered", "route")
+
+    def __init__(self, ident: Ident) -> None:
+        self.route, self.digest, self.key = ident.route, ident.digest, ident.key
+        self.done = asyncio.Event()
+        self.adopted = asyncio.Event()  # a replay waits for this turn
+        self.rendered: Rendered | None = None
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+def _no_hold(gone: ClientGone) -> ClientGone:
+    return gone
+
+
+class ReplayLog:
+    """Recorded requests of every session: the in-flight ones and the last committed
+    responses. Loop-only state (no locks): every method runs on the event loop."""
+
+    def __init__(self, metrics: Metrics, *, per_session: int, max_bytes: int, grace_s: float) -> None:
+        self._metrics = metrics
+        self.per_session, self.max_bytes, self.grace_s = per_session, max_bytes, grace_s
+        self._sessions: dict[str, list[_Entry]] = {}  # oldest first
+        self._stored: OrderedDict[_Entry, str] = OrderedDict()  # stored entry -> session, oldest first
+        self._bytes = 0
+
+    async def serve(self, ident: Ident, produce: Callable[[Hold], Awaitable[Rendered]]) -> Rendered:
+        """The response to `ident`: a stored one, the in-flight original's, or `produce`'s
+        (which runs the turn; `Hold` wraps its client watcher, see the module doc)."""
+        while (entry := self._find(ident)) is not None:
+            if entry.rendered is None:
+                entry.adopted.set()
+                await entry.done.wait()
+                if entry.rendered is None:
+                    continue  # the original failed: look again, then run as a fresh attempt
+                self._served("in_flight")
+            else:
+                self._served("stored")
+            return entry.rendered
+        if not ident.recorded:
+            return await produce(_no_hold)
+        entry = _Entry(ident)
+        self._sessions.setdefault(ident.session_id, []).append(entry)
+        try:
+            rendered = await produce(lambda gone: self._held(entry, gone))
+        except BaseException:
+            self._drop(ident.session_id, entry)
+            entry.done.set()
+            raise
+        self._store(ident.session_id, entry, rendered)
+        return rendered
+
+    def forget(self, session_id: str) -> None:
+        """The session left the store: its records go with it."""
+        for entry in self._sessions.pop(session_id, []):
+            self._unstore(entry)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._bytes
+
+    def _find(self, ident: Ident) -> _Entry | None:
+        """The newest recorded request `ident` replays, if any (see the module doc)."""
+        if ident.key is None and not ident.retry_count:
+            return None
+        for entry in reversed(self._sessions.get(ident.session_id, ())):
+            if entry.route != ident.route:
+                continue
+            if ident.key is not None:
+                if entry.key != ident.key:
+                    continue
+                if entry.digest != ident.digest:
+                    raise IdempotencyKeyReused(
+                        f"Idempotency-Key {ident.key!r} was already used on this session for another request "
+                        "body; a key names one request: send a new key for a new request")
+                return entry
+            if entry.digest == ident.digest:
+                return entry
+        return None
+
+    def _held(self, entry: _Entry, gone: ClientGone) -> ClientGone:
+        """`gone`, unless a replay adopts the turn: after the client hangs up, wait up to
+        the grace for a replay; adopted, the watcher never fires and the turn commits."""
+
+        async def held() -> None:
+            await gone()
+            if not entry.adopted.is_set():
+                try:
+                    await asyncio.wait_for(entry.adopted.wait(), self.grace_s)
+                except TimeoutError:
+                    return  # nobody came back for it: the turn is cancelled
+            await _forever()
+
+        return held
+
+    def _store(self, session_id: str, entry: _Entry, rendered: Rendered) -> None:
+        entry.rendered = rendered
+        entry.done.set()
+        if session_id not in self._sessions:  # the session was removed meanwhile
+            return
+        self._stored[entry] = session_id
+        self._bytes += rendered.size
+        stored = [e for e in self._sessions[session_id] if e in self._stored]
+        for old in stored[: max(0, len(stored) - self.per_session)]:
+            self._evict(old)
+        while self._bytes > self.max_bytes and self._stored:
+            self._evict(next(iter(self._stored)))
+        self._metrics.replay_store_bytes.set(self._bytes)
+
+    def _evict(self, entry: _Entry) -> None:
+        session_id = self._stored.get(entry)
+        if session_id is not None:
+            self._drop(session_id, entry)
+            self._metrics.replays_evicted_total.inc()
+
+    def _drop(self, session_id: str, entry: _Entry) -> None:
+        entries = self._sessions.get(session_id)
+        if entries is not None and entry in entries:
+            entries.remove(entry)
+            if not entries:
+                del self._sessions[session_id]
+        self._unstore(entry)
+
+    def _unstore(self, entry: _Entry) -> None:
+        if self._stored.pop(entry, None) is not None and entry.rendered is not None:
+            self._bytes -= entry.rendered.size
+            self._metrics.replay_store_bytes.set(self._bytes)
+
+    def _served(self, source: str) -> None:
+        self._metrics.replays_total.labels(source=source).inc()
