@@ -25,7 +25,8 @@ from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
 from . import samples_api
-from .api.dialects import OPENAI_CHAT, Dialect, Rendered, as_response, render
+from .api.dialects import ANTHROPIC_MESSAGES, OPENAI_CHAT, Dialect, Rendered, as_response, render
+from .api.dialects import anthropic_messages as anthropic
 from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
 from .api.models import (
     ChatRequest,
@@ -160,7 +161,7 @@ def create_app(config: AppConfig) -> FastAPI:
     )
     install_openapi(
         app,
-        [SessionCreate, ChatRequest, PauseRequest, ResumeRequest, WeightVersion, EngineAdd, RewardRequest, SamplesBatch],
+        [SessionCreate, ChatRequest, anthropic.MessagesRequest, anthropic.CountTokensRequest, PauseRequest, ResumeRequest, WeightVersion, EngineAdd, RewardRequest, SamplesBatch],
     )
     model_name = _served_model_name(config.tokenizer)
     install_auth(app, settings.admin_token)
@@ -176,7 +177,9 @@ def create_app(config: AppConfig) -> FastAPI:
             log.info("%s %s: %s", request.method, request.url.path, exc.message)
         elif exc.status >= 500:
             log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status, exc.type, exc.message)
-        resp = _json(exc.to_body(), exc.status)
+        # the one place an error takes its route's dialect shape (Anthropic's on its routes)
+        body = anthropic.error_body(exc) if anthropic.owns_path(request.url.path) else exc.to_body()
+        resp = _json(body, exc.status)
         if exc.retry_after_s is not None:
             resp.headers["retry-after"] = str(exc.retry_after_s)
         return resp
@@ -255,6 +258,22 @@ def create_app(config: AppConfig) -> FastAPI:
             return await render(ctx, dialect, req, out)
 
         return as_response(await state["replays"].serve(ident, produce))
+
+    @app.post(
+        "/sessions/{sid}/v1/messages",
+        **route_doc(ANTHROPIC_MESSAGES.request_model, 400, 404, 409, 413, 429, 502, 503, 504,
+                    media=(JSON, "text/event-stream")),
+    )
+    async def messages(sid: str, request: Request) -> Response:
+        return await dialect_turn(sid, request, ANTHROPIC_MESSAGES)
+
+    @app.post("/sessions/{sid}/v1/messages/count_tokens", **route_doc(anthropic.CountTokensRequest, 400, 404, 413))
+    async def count_tokens(sid: str, request: Request) -> Response:
+        ctx = ctx_of()
+        ctx.store.get(sid)
+        body = await _read_body(request, ctx.settings.max_body_bytes)
+        n = await state["runner"].prompt_tokens(sid, body, parse=ANTHROPIC_MESSAGES.parse_count)
+        return _json({"input_tokens": n})
 
     @app.get("/sessions/{sid}", **route_doc(None, 404))
     async def get_session(sid: str) -> Response:

@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from .api.dialects.anthropic_messages import error_body as anthropic_error_body
+from .api.dialects.anthropic_messages import owns_path as anthropic_owns_path
 from .errors import Unauthorized
 
 Scope = MutableMapping[str, Any]
@@ -118,7 +120,8 @@ class BearerAuth:
         ctx = getattr(scope["app"].state, "ctx", None)
         if ctx is not None:
             ctx.metrics.errors_total.labels(type=err.type).inc()
-        body = orjson.dumps(err.to_body())
+        # the Anthropic routes answer in their dialect's shape, as every other error there
+        body = orjson.dumps(anthropic_error_body(err) if anthropic_owns_path(scope["path"]) else err.to_body())
         challenge = b'Bearer error="invalid_token"' if had_token else b"Bearer"
         await send({
             "type": "http.response.start",

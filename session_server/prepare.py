@@ -142,9 +142,11 @@ def last_weight_version(tree: TrajectoryTree) -> Any:
     return None if best is None else best[1]
 
 
-async def render(ctx: ServerContext, session: Session, prep: Prepared) -> Rendered:
-    """The new prompt tokens: the whole render at turn 0 or a fork, else only the delta."""
+async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: bool = True) -> Rendered:
+    """The new prompt tokens: the whole render at turn 0 or a fork, else only the delta.
+    `note=False` (a token count, not a turn): the session's diagnostics stay untouched."""
     codec = ctx.codec
+    session_note = session.note if note else _no_note
     if prep.kind in ("first", "fork"):
         ids = await ctx.offload.run(
             codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
@@ -168,7 +170,7 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared) -> Render
         if session.config.history_policy is HistoryPolicy.TEMPLATE:
             # follow the template: a new branch rendered from the whole request
             full: list[Message] = [*prep.history, *prep.new_messages]
-            session.note("fork", reason=result.reason.value, detail=result.detail)
+            session_note("fork", reason=result.reason.value, detail=result.detail)
             forked = replace(prep, kind="fork", checkpoint=0, new_messages=full,
                              context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[])
             ids = await ctx.offload.run(
@@ -181,10 +183,14 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared) -> Render
         )
     if result.rewrites_history:
         rewrite = _history_rewrite(prep, result.rewrite_offset)
-        session.note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw",
+        session_note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw",
                      **rewrite)
         return Rendered(list(result.prompt_ids), replace(prep, history_rewrite=rewrite))
     return Rendered(list(result.prompt_ids), prep)
+
+
+def _no_note(kind: str, **fields: Any) -> None:
+    """`Session.note` for a render that is not a turn."""
 
 
 def _history_rewrite(prep: Prepared, offset: int | None) -> dict[str, Any]:

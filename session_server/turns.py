@@ -54,6 +54,7 @@ class TurnOutput:
     turn_index: int
     branch_id: int
     timings_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    matched_stop: int | str | None = None  # the engine's matched stop string or token id (Anthropic stop_sequence)
 
 
 class _Timer:
@@ -161,6 +162,19 @@ class TurnRunner:
         ctx.metrics.turns_total.labels(outcome="committed").inc()
         return req, _output(call, gen, checked, done, dict(timer.phases))
 
+    async def prompt_tokens(self, session_id: str, body: bytes, *, parse: Callable[[bytes], ChatRequest]) -> int:
+        """How many prompt tokens this request would send to the engine now (Anthropic
+        `count_tokens`): parse, prepare and render as a turn would, then stop. No claim
+        (a turn in flight is not disturbed: the count is against the committed history),
+        nothing generated, committed or noted in the session's diagnostics."""
+        ctx = self.ctx
+        session = ctx.store.get(session_id)
+        ctx.store.touch(session)
+        req: ChatRequest = await ctx.offload.run_sized(len(body), parse, body)
+        prep = await self._prepare(session, req, len(body))
+        rendered = await render(ctx, session, prep, note=False)
+        return len(rendered.prep.context_ids) + len(rendered.prompt_ids)
+
     async def _prepare(self, session: Session, req: ChatRequest, body_len: int) -> Prepared:
         """`prepare` under the session lock. O(history): the agent resends every message,
         so it runs on the offload threads (inline when the body is small); the claim keeps
@@ -185,4 +199,5 @@ def _output(call: EngineCall, gen: Generated, checked: Checked, done: Committed,
         turn_index=done.turn_index,
         branch_id=done.branch_id,
         timings_s=timings_s,
+        matched_stop=gen.result.matched_stop,
     )

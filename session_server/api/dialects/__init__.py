@@ -1,5 +1,5 @@
-"""Client API dialects: one module per API a client speaks (today OpenAI chat
-completions, `openai_chat.py`). The turn pipeline between them (`turns.py`) is shared:
+"""Client API dialects: one module per API a client speaks (OpenAI chat completions,
+`openai_chat.py`; Anthropic Messages, `anthropic_messages.py`). The turn pipeline between them (`turns.py`) is shared:
 
     body --dialect.parse--> ChatRequest --pipeline--> TurnOutput --dialect.body / .stream--> bytes
 
@@ -24,9 +24,11 @@ from ...context import ServerContext
 from ...turns import TurnOutput
 from ..models import ChatRequest
 from ..stream_events import StreamEncoder
+from .anthropic_messages import ANTHROPIC_MESSAGES, AnthropicMessages
 from .openai_chat import OPENAI_CHAT, OpenAIChat
 
-__all__ = ["OPENAI_CHAT", "Dialect", "OpenAIChat", "Rendered", "as_response", "render", "respond"]
+__all__ = ["ANTHROPIC_MESSAGES", "OPENAI_CHAT", "AnthropicMessages", "Dialect", "OpenAIChat", "Rendered", "as_response",
+           "render", "respond"]
 
 
 class Dialect(Protocol):

@@ -28,6 +28,8 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("GET", "/metrics"): Access.ADMIN,
     ("POST", "/sessions"): Access.ADMIN,  # rollout workers create sessions with the admin token
     ("POST", "/sessions/{sid}/v1/chat/completions"): Access.SESSION,
+    ("POST", "/sessions/{sid}/v1/messages"): Access.SESSION,
+    ("POST", "/sessions/{sid}/v1/messages/count_tokens"): Access.SESSION,
     ("GET", "/sessions/{sid}"): Access.ADMIN,
     ("GET", "/sessions/{sid}/trajectory"): Access.ADMIN,
     ("DELETE", "/sessions/{sid}"): Access.ADMIN,  # also ?return_trajectory=true
@@ -118,7 +120,10 @@ def test_auth_route_matrix(client: TestClient, method: str, path: str, cred: str
         assert r.status_code != 401, (method, url, cred, r.text)
     else:
         assert r.status_code == 401, (method, url, cred, r.status_code, r.text)
-        assert r.json() == {"error": {"type": "unauthorized", "message": r.json()["error"]["message"]}}
+        if "/v1/messages" in path:  # the Anthropic routes answer in Anthropic's shape (issue 12.1)
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+        else:
+            assert r.json() == {"error": {"type": "unauthorized", "message": r.json()["error"]["message"]}}
         assert r.headers["www-authenticate"].startswith("Bearer")
 
 
