@@ -349,3 +349,18 @@ async def _raw_chat(st_: Stack, sid: str, body: dict[str, Any], headers: dict[st
     )
     await writer.drain()
     return writer
+
+
+async def test_12_3_anthropic_messages_replay_is_the_stored_response(qwen3_dir: Path) -> None:
+    """Every dialect's route goes through the same replay store (`dialect_turn`)."""
+    async with live_stack(qwen3_dir) as st_:
+        sid = await st_.session()
+        body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Hello there."}]}
+        url = f"/sessions/{sid}/v1/messages"
+        first = await st_.http.post(url, json=body, headers={RETRY: "0"})
+        again = await st_.http.post(url, json=body, headers={RETRY: "2"})
+        traj = await st_.trajectory(sid)
+        log = await st_.engine_log()
+    assert first.status_code == again.status_code == 200, again.text
+    assert again.content == first.content and first.json()["type"] == "message"
+    assert len(traj["branches"]) == 1 and _turns(traj) == 1 and len(log) == 1
