@@ -25,7 +25,7 @@ from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
 from . import samples_api
-from .api.dialects import OPENAI_CHAT, respond
+from .api.dialects import OPENAI_CHAT, OPENAI_RESPONSES, respond
 from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
 from .api.models import (
     ChatRequest,
@@ -155,7 +155,7 @@ def create_app(config: AppConfig) -> FastAPI:
     )
     install_openapi(
         app,
-        [SessionCreate, ChatRequest, PauseRequest, ResumeRequest, WeightVersion, EngineAdd, RewardRequest, SamplesBatch],
+        [SessionCreate, ChatRequest, OPENAI_RESPONSES.request_model, PauseRequest, ResumeRequest, WeightVersion, EngineAdd, RewardRequest, SamplesBatch],
     )
     model_name = _served_model_name(config.tokenizer)
     install_auth(app, settings.admin_token)
@@ -239,6 +239,27 @@ def create_app(config: AppConfig) -> FastAPI:
         body = await _read_body(request, ctx.settings.max_body_bytes)
         req, out = await state["runner"].run(sid, body, parse=OPENAI_CHAT.parse, client_gone=_client_gone(request))
         return await respond(ctx, OPENAI_CHAT, req, out)
+
+    @app.post(
+        "/sessions/{sid}/v1/responses",
+        **route_doc(OPENAI_RESPONSES.request_model, 400, 404, 409, 413, 429, 502, 503, 504,
+                    media=(JSON, "text/event-stream")),
+    )
+    async def responses(sid: str, request: Request) -> Response:
+        ctx = ctx_of()
+        s = ctx.store.get(sid)  # 404 before reading a body for an unknown session
+        body = await _read_body(request, ctx.settings.max_body_bytes)
+        parse = OPENAI_RESPONSES.parser(s, ctx.tokenizer)  # previous_response_id resolves in this session
+        req, out = await state["runner"].run(sid, body, parse=parse, client_gone=_client_gone(request))
+        OPENAI_RESPONSES.remember(s, req, out, ctx.tokenizer)
+        return await respond(ctx, OPENAI_RESPONSES, req, out)
+
+    @app.get("/sessions/{sid}/v1/responses/{response_id}", **route_doc(None, 404))
+    async def get_response(sid: str, response_id: str) -> Response:
+        store = ctx_of().store
+        s = store.get(sid)
+        store.touch(s)
+        return Response(content=OPENAI_RESPONSES.stored_body(s, response_id), media_type=JSON)
 
     @app.get("/sessions/{sid}", **route_doc(None, 404))
     async def get_session(sid: str) -> Response:

@@ -1,5 +1,5 @@
 """Client API dialects: one module per API a client speaks (today OpenAI chat
-completions, `openai_chat.py`). The turn pipeline between them (`turns.py`) is shared:
+completions, `openai_chat.py`; OpenAI Responses, `openai_responses.py`). The turn pipeline between them (`turns.py`) is shared:
 
     body --dialect.parse--> ChatRequest --pipeline--> TurnOutput --dialect.body / .stream--> bytes
 
@@ -22,8 +22,9 @@ from ...turns import TurnOutput
 from ..models import ChatRequest
 from ..stream_events import StreamEncoder
 from .openai_chat import OPENAI_CHAT, OpenAIChat
+from .openai_responses import OPENAI_RESPONSES, OpenAIResponses
 
-__all__ = ["OPENAI_CHAT", "Dialect", "OpenAIChat", "respond"]
+__all__ = ["OPENAI_CHAT", "OPENAI_RESPONSES", "Dialect", "OpenAIChat", "OpenAIResponses", "respond"]
 
 
 class Dialect(Protocol):
