@@ -174,7 +174,7 @@ def _text(where: str, content: Any) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
+        if not isinstance(kind, str) or kind not in _TEXT_PARTS:
             raise _bad(f"{where}[{j}]", f"content part type {kind!r} is not supported (text models: input_text, "
                                         "output_text)")
         if not isinstance(part.get("text"), str):
@@ -291,7 +291,10 @@ def chat_tool_choice(choice: str | dict[str, Any] | None,
     if kind == "function":
         return {"type": "function", "function": {"name": _str_field(choice, "name", "tool_choice")}}, tools
     if kind == "allowed_tools":
-        names = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)}
+        listed = choice.get("tools")
+        if not isinstance(listed, list):
+            raise _bad("tool_choice.tools", "must be a list of {type: function, name}")
+        names = {t.get("name") for t in listed if isinstance(t, dict) and isinstance(t.get("name"), str)}
         kept = [t for t in tools or [] if t["function"]["name"] in names]
         return choice.get("mode", "auto"), kept or None
     raise _bad("tool_choice.type", f"{kind!r} is not supported (function tools only)")

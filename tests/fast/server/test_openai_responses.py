@@ -310,3 +310,65 @@ def test_12_1_failed_stream_is_an_error_then_response_failed() -> None:
     assert events[2][1]["code"] == "upstream_invalid" and events[2][1]["message"] == "bad chunk"
     assert events[3][1]["response"]["status"] == "failed"
     assert [e["sequence_number"] for _, e in events] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "streamed"])
+async def test_12_1_openai_agents_responses_model_episode(qwen3_dir: Path, stream: bool) -> None:
+    """openai-agents' `OpenAIResponsesModel` (its default model for OpenAI): the agent
+    replays its own items each turn; every turn appends to one line."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @agents.function_tool
+    def read_file(path: str) -> str:
+        """Read a file."""
+        calls.append(path)
+        return "def test(): assert 1 == 2"
+
+    @agents.function_tool
+    def run_shell(command: str) -> str:
+        """Run a shell command."""
+        calls.append(command)
+        return "1 failed"
+
+    @agents.function_tool
+    def search(query: str) -> str:
+        """Search the code."""
+        calls.append(query)
+        return "tests/test_core.py:1"
+
+    async with live_stack(qwen3_dir, "vllm") as st:
+        sid = await st.session()
+        client = _client(st, sid)
+        agent = agents.Agent(
+            name="fixer", instructions=INSTRUCTIONS, tools=[read_file, run_shell, search],
+            model=agents.OpenAIResponsesModel(model="m", openai_client=client),
+            model_settings=agents.ModelSettings(max_tokens=300),
+        )
+        if stream:
+            run = agents.Runner.run_streamed(agent, TASK, max_turns=8)
+            async for _ in run.stream_events():
+                pass
+            final = run.final_output
+        else:
+            final = (await agents.Runner.run(agent, TASK, max_turns=8)).final_output
+        await client.close()
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+    assert isinstance(final, str) and final and calls
+    (branch,) = traj["branches"]
+    assert len(branch["turns"]) >= 2
+    assert_trajectory_matches_engine(branch, log, f"openai-agents/{stream}")
+
+
+@pytest.mark.parametrize("body", [
+    {"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]},
+    {"input": "x", "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": 3}},
+    {"input": [{"type": "reasoning", "id": "rs", "summary": [], "encrypted_content": "tito-reasoning-v1:%%%"}]},
+    {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "not json"}]},
+    {"input": "x", "reasoning": {"effort": "extreme"}},
+])
+def test_12_1_malformed_fields_are_400_not_500(body: dict[str, Any]) -> None:
+    with pytest.raises(BadRequest):
+        parse_responses(orjson.dumps(body))
