@@ -25,7 +25,15 @@ from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
 from . import samples_api
-from .api.dialects import ANTHROPIC_MESSAGES, OPENAI_CHAT, Dialect, Rendered, as_response, render
+from .api.dialects import (
+    ANTHROPIC_MESSAGES,
+    OPENAI_CHAT,
+    OPENAI_RESPONSES,
+    Dialect,
+    Rendered,
+    as_response,
+    render,
+)
 from .api.dialects import anthropic_messages as anthropic
 from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
 from .api.models import (
@@ -54,7 +62,7 @@ from .errors import (
 from .idempotency import Hold, ReplayLog, identify
 from .lifecycle import AppConfig, build_context, shutdown, start_background
 from .sessions import Session, SessionConfig
-from .turns import TurnRunner
+from .turns import TurnOutput, TurnRunner
 
 __all__ = ["AppConfig", "create_app", "session_view"]
 
@@ -161,7 +169,8 @@ def create_app(config: AppConfig) -> FastAPI:
     )
     install_openapi(
         app,
-        [SessionCreate, ChatRequest, anthropic.MessagesRequest, anthropic.CountTokensRequest, PauseRequest, ResumeRequest, WeightVersion, EngineAdd, RewardRequest, SamplesBatch],
+        [SessionCreate, ChatRequest, anthropic.MessagesRequest, anthropic.CountTokensRequest, OPENAI_RESPONSES.request_model,
+         PauseRequest, ResumeRequest, WeightVersion, EngineAdd, RewardRequest, SamplesBatch],
     )
     model_name = _served_model_name(config.tokenizer)
     install_auth(app, settings.admin_token)
@@ -244,17 +253,24 @@ def create_app(config: AppConfig) -> FastAPI:
     async def chat(sid: str, request: Request) -> Response:
         return await dialect_turn(sid, request, OPENAI_CHAT)
 
-    async def dialect_turn(sid: str, request: Request, dialect: Dialect) -> Response:
+    async def dialect_turn(
+        sid: str, request: Request, dialect: Dialect, *, parse: Callable[[bytes], ChatRequest] | None = None,
+        committed: Callable[[ChatRequest, TurnOutput], None] | None = None,
+    ) -> Response:
         """One turn of any dialect's route: read the body, answer a replayed request
-        from its original (`idempotency.py`), else run the turn and render it."""
+        from its original (`idempotency.py`), else run the turn and render it.
+        `parse` replaces the dialect's (one bound to the session); `committed` runs
+        once per committed turn (not for a replay), before the response is rendered."""
         ctx = ctx_of()
         ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
         ident = await identify(ctx.offload, sid, dialect.name, request.headers, body)
 
         async def produce(hold: Hold) -> Rendered:
-            req, out = await state["runner"].run(sid, body, parse=dialect.parse,
+            req, out = await state["runner"].run(sid, body, parse=parse or dialect.parse,
                                                  client_gone=hold(_client_gone(request)))
+            if committed is not None:
+                committed(req, out)
             return await render(ctx, dialect, req, out)
 
         return as_response(await state["replays"].serve(ident, produce))
@@ -274,6 +290,27 @@ def create_app(config: AppConfig) -> FastAPI:
         body = await _read_body(request, ctx.settings.max_body_bytes)
         n = await state["runner"].prompt_tokens(sid, body, parse=ANTHROPIC_MESSAGES.parse_count)
         return _json({"input_tokens": n})
+
+    @app.post(
+        "/sessions/{sid}/v1/responses",
+        **route_doc(OPENAI_RESPONSES.request_model, 400, 404, 409, 413, 429, 502, 503, 504,
+                    media=(JSON, "text/event-stream")),
+    )
+    async def responses(sid: str, request: Request) -> Response:
+        ctx = ctx_of()
+        s = ctx.store.get(sid)
+        return await dialect_turn(
+            sid, request, OPENAI_RESPONSES,
+            parse=OPENAI_RESPONSES.parser(s, ctx.tokenizer),  # previous_response_id resolves in this session
+            committed=lambda req, out: OPENAI_RESPONSES.remember(s, req, out, ctx.tokenizer),
+        )
+
+    @app.get("/sessions/{sid}/v1/responses/{response_id}", **route_doc(None, 404))
+    async def get_response(sid: str, response_id: str) -> Response:
+        store = ctx_of().store
+        s = store.get(sid)
+        store.touch(s)
+        return Response(content=OPENAI_RESPONSES.stored_body(s, response_id), media_type=JSON)
 
     @app.get("/sessions/{sid}", **route_doc(None, 404))
     async def get_session(sid: str) -> Response:

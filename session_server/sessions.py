@@ -104,6 +104,8 @@ class Session:
         self.reward: float | None = None
         self.leaf_rewards: dict[int, float] = {}  # per-leaf rewards, overriding `reward`
         self.reward_metadata: dict[str, Any] = {}  # merged over config.metadata
+        # Responses API: response id -> its turn's place in the tree (api/dialects/openai_responses.py)
+        self.responses: dict[str, Any] = {}
 
     def transition(self, new: SessionState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -1,5 +1,6 @@
 """Client API dialects: one module per API a client speaks (OpenAI chat completions,
-`openai_chat.py`; Anthropic Messages, `anthropic_messages.py`). The turn pipeline between them (`turns.py`) is shared:
+`openai_chat.py`; Anthropic Messages, `anthropic_messages.py`; OpenAI Responses,
+`openai_responses.py`). The turn pipeline between them (`turns.py`) is shared:
 
     body --dialect.parse--> ChatRequest --pipeline--> TurnOutput --dialect.body / .stream--> bytes
 
@@ -26,9 +27,10 @@ from ..models import ChatRequest
 from ..stream_events import StreamEncoder
 from .anthropic_messages import ANTHROPIC_MESSAGES, AnthropicMessages
 from .openai_chat import OPENAI_CHAT, OpenAIChat
+from .openai_responses import OPENAI_RESPONSES, OpenAIResponses
 
-__all__ = ["ANTHROPIC_MESSAGES", "OPENAI_CHAT", "AnthropicMessages", "Dialect", "OpenAIChat", "Rendered", "as_response",
-           "render", "respond"]
+__all__ = ["ANTHROPIC_MESSAGES", "OPENAI_CHAT", "OPENAI_RESPONSES", "AnthropicMessages", "Dialect", "OpenAIChat",
+           "OpenAIResponses", "Rendered", "as_response", "render", "respond"]
 
 
 class Dialect(Protocol):

@@ -48,6 +48,9 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("GET", "/v1/models"): Access.OPEN,
     ("GET", "/sessions/{sid}/v1/models"): Access.SESSION,
     ("GET", "/sessions/{sid}/v1/models/{model_id:path}"): Access.SESSION,
+    # the Responses dialect (issue 12.1): the agent's own turns and stored responses
+    ("POST", "/sessions/{sid}/v1/responses"): Access.SESSION,
+    ("GET", "/sessions/{sid}/v1/responses/{response_id}"): Access.SESSION,
     # FastAPI's schema and docs pages: public description of the API, no data
     ("GET", "/openapi.json"): Access.OPEN,
     ("HEAD", "/openapi.json"): Access.OPEN,

@@ -364,3 +364,18 @@ async def test_12_3_anthropic_messages_replay_is_the_stored_response(qwen3_dir: 
     assert first.status_code == again.status_code == 200, again.text
     assert again.content == first.content and first.json()["type"] == "message"
     assert len(traj["branches"]) == 1 and _turns(traj) == 1 and len(log) == 1
+
+
+async def test_12_3_responses_replay_is_the_stored_response(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir) as st_:
+        sid = await st_.session()
+        body = {"model": "m", "max_output_tokens": 64, "input": "Hello there."}
+        url = f"/sessions/{sid}/v1/responses"
+        first = await st_.http.post(url, json=body, headers={RETRY: "0"})
+        again = await st_.http.post(url, json=body, headers={RETRY: "1"})
+        stored = await st_.http.get(f"{url}/{first.json()['id']}")
+        traj = await st_.trajectory(sid)
+        log = await st_.engine_log()
+    assert first.status_code == again.status_code == stored.status_code == 200, again.text
+    assert again.content == first.content and first.json()["object"] == "response"
+    assert len(traj["branches"]) == 1 and _turns(traj) == 1 and len(log) == 1
