@@ -34,6 +34,7 @@ from trajectory.codec.detect import (
 )
 from trajectory.codec.generic import GenericCodec
 from trajectory.codec.glm4 import Glm4Codec
+from trajectory.codec.harmony import HarmonyCodec
 from trajectory.codec.llama3 import Llama3Codec
 from trajectory.codec.llama31 import Llama31Codec
 from trajectory.codec.probe import decode_text, probe_template
@@ -49,6 +50,7 @@ __all__ = [
     "Detection",
     "GenericCodec",
     "Glm4Codec",
+    "HarmonyCodec",
     "HistoryPolicy",
     "Llama31Codec",
     "Llama3Codec",
@@ -73,6 +75,7 @@ _CODECS: dict[str, type[TemplateCodec]] = {
     "llama3": Llama3Codec,
     "llama3.1": Llama31Codec,
     "glm4moe": Glm4Codec,
+    "harmony": HarmonyCodec,
 }
 
 

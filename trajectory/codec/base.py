@@ -64,6 +64,23 @@ class BridgeRefusal:
     detail: str
 
 
+def delta_after_committed(full: Sequence[int], committed: Sequence[int]) -> BridgeResult | BridgeRefusal:
+    """TEMPLATE policy's exact bridge: the full re-render past every committed id, or
+    HISTORY_REWRITE (with the first differing position) when they are not its prefix."""
+    done, full = [int(t) for t in committed], list(full)
+    if full[: len(done)] != done:
+        k = next((i for i, (x, y) in enumerate(zip(done, full, strict=False)) if x != y),
+                 min(len(done), len(full)))
+        return BridgeRefusal(
+            RefusalReason.HISTORY_REWRITE,
+            f"the template re-renders committed tokens when these messages are appended "
+            f"(first difference at token {k} of {len(done)})",
+        )
+    if len(full) == len(done):
+        return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "the full render adds no tokens")
+    return BridgeResult(prompt_ids=full[len(done):], rewrites_history=False)
+
+
 class ToolCallParseStatus(enum.StrEnum):
     """Parse status of the sampled text, kept as data (never raised)."""
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from trajectory.codec.harmony import is_harmony_template
 from trajectory.codec.probe import decode_text, probe_template, render_form
 from trajectory.codec.registry import FAMILY_DATA, match_digest, match_markers, validate_probe
 from trajectory.codec.renderers_codec import RENDERER_FAMILIES, RenderersCodec
@@ -63,6 +64,9 @@ GENERIC = "generic"
 # forces the renderers codec for a name ours also has ("renderers:qwen3")
 RENDERERS_PREFIX = "renderers:"
 OUR_FAMILIES: tuple[str, ...] = tuple(FAMILY_DATA)
+# gpt-oss: detected from its harmony markers before any probe (renderers' gpt-oss
+# renderer needs openai-harmony's vocabulary download, and renders unlike the template)
+HARMONY = "harmony"
 # template kwargs that switch reasoning on and off, probed both ways when the template reads them
 _THINKING_KNOBS = ("enable_thinking", "thinking")
 
@@ -123,7 +127,7 @@ class Detection:
 
 def known_families() -> tuple[str, ...]:
     """Every name `resolve_family` / `load_codec(family=...)` accepts."""
-    return tuple(dict.fromkeys((*OUR_FAMILIES, *RENDERER_FAMILIES, GENERIC)))
+    return tuple(dict.fromkeys((*OUR_FAMILIES, HARMONY, *RENDERER_FAMILIES, GENERIC)))
 
 
 def check_family_name(family: str) -> str:
@@ -258,6 +262,9 @@ def detect_family(tokenizer: Any) -> Detection:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or not template:
         return Detection(GENERIC, GENERIC, "the tokenizer has no chat template")
+    if is_harmony_template(tokenizer):
+        return Detection(HARMONY, "markers", "the template speaks harmony (<|start|>/<|channel|>/<|message|>, "
+                         "stops <|return|>/<|call|>, generation prompt <|start|>assistant)")
     exact = match_digest(template)
     if exact is not None:
         return Detection(exact, "digest", f"the template is the packaged {exact} template (sha256)")

@@ -75,6 +75,7 @@ from trajectory.codec.base import (
     ParsedToolCall,
     RefusalReason,
     ToolCallParseStatus,
+    delta_after_committed,
 )
 from trajectory.codec.probe import (
     DUMMY_SYSTEM,
@@ -354,18 +355,7 @@ class RenderersCodec:
             full = self._ids(messages, tools=tools, gen=True, kw=self._prompt_kwargs(kw))
         except Exception as exc:
             return BridgeRefusal(RefusalReason.RENDER_FAILED, f"renderer raised: {exc}")
-        done = [int(t) for t in committed]
-        if not is_prefix(done, full):
-            k = next((i for i, (x, y) in enumerate(zip(done, full, strict=False)) if x != y),
-                     min(len(done), len(full)))
-            return BridgeRefusal(
-                RefusalReason.HISTORY_REWRITE,
-                f"the template re-renders committed tokens when these messages are appended "
-                f"(first difference at token {k} of {len(done)})",
-            )
-        if len(full) == len(done):
-            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "the full render adds no tokens")
-        return BridgeResult(prompt_ids=full[len(done):], rewrites_history=False)
+        return delta_after_committed(full, committed)
 
     def _close_reasoning(self, prompt: list[int], completion: list[int]) -> list[int]:
         """The synthetic completion with `</think>` first when the prompt leaves reasoning

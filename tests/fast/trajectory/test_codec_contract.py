@@ -97,8 +97,9 @@ def play(
     prefix, turns, use_tools = conv
     tools = TOOLS if use_tools else None
     msgs = list(prefix)
+    form = getattr(codec, "template_messages", list)  # the template's field names (gpt-oss: `thinking`)
     ids = codec.render_first(msgs, tools=tools)
-    assert ids == full_ids(tok, msgs, tools)
+    assert ids == full_ids(tok, form(msgs), tools)
     stats = {"checked": 0, "rewrites": 0}
     for asst, *follow in turns:
         sampled = codec.canonical_assistant_ids(asst)
@@ -110,7 +111,7 @@ def play(
         whole = committed if policy == HistoryPolicy.TEMPLATE else None
         res = codec.bridge(history, ids[-8:], follow, tools=tools, policy=policy, committed=whole)
         msgs = history + follow
-        full = full_ids(tok, msgs, tools)
+        full = full_ids(tok, form(msgs), tools)
         if isinstance(res, BridgeRefusal):
             assert policy == HistoryPolicy.TEMPLATE
             assert res.reason == RefusalReason.HISTORY_REWRITE
