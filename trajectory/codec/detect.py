@@ -127,7 +127,7 @@ class Detection:
 
 def known_families() -> tuple[str, ...]:
     """Every name `resolve_family` / `load_codec(family=...)` accepts."""
-    return tuple(dict.fromkeys((*OUR_FAMILIES, HARMONY, *RENDERER_FAMILIES, GENERIC)))
+    return tuple(dict.fromkeys((*OUR_FAMILIES, *RENDERER_FAMILIES, HARMONY, GENERIC)))
 
 
 def check_family_name(family: str) -> str:
