@@ -41,13 +41,14 @@ from trajectory.codec.verify import verify_template  # noqa: E402
 
 def _cases(root: Path) -> list[tuple[str, Path]]:
     from tests.fast.real_tokenizers import REAL_TOKENIZERS, installed, real_tokenizer_dir
-    from tests.fast.trajectory.renderer_families import BY_NAME, RENDERER_FAMILIES, build
+    from tests.fast.trajectory.renderer_families import BY_NAME, GPT_OSS, RENDERER_FAMILIES, build
 
     out = [(f, cached_tokenizer_dir(f)) for f in FAMILIES]
     out += [(f.name, build(f, root / f.name.replace(".", "_"))) for f in RENDERER_FAMILIES]
     # the real Meta Llama 3.1 template (3.3's is byte-identical) on Llama 3.2's specials
     llama31 = replace(BY_NAME["llama-3.2"], name="llama-3.1/3.3", template="meta-llama-Llama-3.1-8B-Instruct.jinja")
     out.append((llama31.name, build(llama31, root / "llama-3_1")))
+    out.append((GPT_OSS.name, build(GPT_OSS, root / "gpt-oss")))  # our harmony codec
     out += [(n, real_tokenizer_dir(n, root / n)) for n in REAL_TOKENIZERS if installed(n)]
     return out
 

@@ -36,6 +36,7 @@ from trajectory.codec.detect import (
 from trajectory.codec.gemma4 import Gemma4Codec
 from trajectory.codec.generic import GenericCodec
 from trajectory.codec.glm4 import Glm4Codec
+from trajectory.codec.harmony import HarmonyCodec
 from trajectory.codec.kimi import KimiCodec
 from trajectory.codec.llama3 import Llama3Codec
 from trajectory.codec.llama31 import Llama31Codec
@@ -54,6 +55,7 @@ __all__ = [
     "Gemma4Codec",
     "GenericCodec",
     "Glm4Codec",
+    "HarmonyCodec",
     "HistoryPolicy",
     "KimiCodec",
     "Llama31Codec",
@@ -82,6 +84,7 @@ _CODECS: dict[str, type[TemplateCodec]] = {
     "kimi-k2": KimiCodec,
     "deepseek": DeepSeekCodec,
     "gemma4": Gemma4Codec,
+    "harmony": HarmonyCodec,
 }
 
 

@@ -58,6 +58,7 @@ from importlib import resources
 from typing import Any
 
 from trajectory.codec.deepseek import DeepSeekCodec, is_deepseek_template
+from trajectory.codec.harmony import is_harmony_template
 from trajectory.codec.probe import decode_text, probe_template, render_form
 from trajectory.codec.registry import (
     FAMILY_DATA,
@@ -83,6 +84,9 @@ OUR_FAMILIES: tuple[str, ...] = tuple(FAMILY_DATA)
 # ours without one reference template (V3.1, V3.2 and V4 differ): chosen by markers
 # and its own construction check (`DeepSeekCodec`), before any probe candidate
 DEEPSEEK = "deepseek"
+# gpt-oss: detected from its harmony markers before any probe (renderers' gpt-oss
+# renderer needs openai-harmony's vocabulary download, and renders unlike the template)
+HARMONY = "harmony"
 # template kwargs that switch reasoning on and off, probed both ways when the template reads them
 _THINKING_KNOBS = ("enable_thinking", "thinking")
 
@@ -143,7 +147,7 @@ class Detection:
 
 def known_families() -> tuple[str, ...]:
     """Every name `resolve_family` / `load_codec(family=...)` accepts."""
-    return tuple(dict.fromkeys((*OUR_FAMILIES, DEEPSEEK, *RENDERER_FAMILIES, GENERIC)))
+    return tuple(dict.fromkeys((*OUR_FAMILIES, DEEPSEEK, *RENDERER_FAMILIES, HARMONY, GENERIC)))
 
 
 def check_family_name(family: str) -> str:
@@ -278,6 +282,9 @@ def detect_family(tokenizer: Any) -> Detection:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or not template:
         return Detection(GENERIC, GENERIC, "the tokenizer has no chat template")
+    if is_harmony_template(tokenizer):
+        return Detection(HARMONY, "markers", "the template speaks harmony (<|start|>/<|channel|>/<|message|>, "
+                         "stops <|return|>/<|call|>, generation prompt <|start|>assistant)")
     exact = match_digest(template)
     if exact is not None:
         return Detection(exact, "digest", f"the template is the packaged {exact} template (sha256)")

@@ -441,11 +441,13 @@ def _step(codec: ChatCodec, tok: Any, name: str, n: int, thinking: str, roles: t
         return StepReport(name, n, thinking, roles, append_only, outcome, detail, diff)
 
     history = [*msgs, asst]
+    # the template's own field names (gpt-oss reads reasoning from `thinking`)
+    form = getattr(codec, "template_messages", list)
     try:
         sampled = _canonical(codec, asst, kw)
-        before = render_text(tok, history, tools=tools, add_generation_prompt=False, template_kwargs=kw)
-        after = render_text(tok, history + new, tools=tools, add_generation_prompt=True, template_kwargs=kw)
-        full = _full_ids(tok, history + new, tools, kw)
+        before = render_text(tok, form(history), tools=tools, add_generation_prompt=False, template_kwargs=kw)
+        after = render_text(tok, form(history + new), tools=tools, add_generation_prompt=True, template_kwargs=kw)
+        full = _full_ids(tok, form(history + new), tools, kw)
     except Exception as exc:  # the template itself cannot render this conversation
         return _Step(report(None, "unsupported", f"template cannot render this step: {exc}"), None)
     committed = ids + sampled + codec.close_turn(sampled)
@@ -475,15 +477,23 @@ def _step(codec: ChatCodec, tok: Any, name: str, n: int, thinking: str, roles: t
     return _Step(report(False, "rewrite", detail, diff), full)
 
 
-def thinking_plan(tokenizer: Any, mode: str) -> tuple[bool, list[tuple[str, dict[str, Any] | None]]]:
-    """(template has the switch, [(label, template_kwargs)]) for `--thinking MODE`."""
+def thinking_plan(tokenizer: Any, mode: str, codec: ChatCodec | None = None,
+                  ) -> tuple[bool, list[tuple[str, dict[str, Any] | None]]]:
+    """(template has the switch, [(label, template_kwargs)]) for `--thinking MODE`.
+
+    A codec may name its template's own switch (`thinking_switch`: gpt-oss has no
+    `enable_thinking`; "on" is its highest reasoning effort with reasoning in every
+    turn, "off" its lowest with none, since it cannot stop reasoning)."""
     if mode not in THINKING_MODES:
         raise ValueError(f"thinking must be one of {THINKING_MODES}, not {mode!r}")
     template = str(getattr(tokenizer, "chat_template", "") or "")
-    if "enable_thinking" not in template:
+    own = getattr(codec, "thinking_switch", None)
+    if own is None and "enable_thinking" not in template:
         return False, [("default", None)]
     plan: dict[str, list[tuple[str, dict[str, Any] | None]]] = {
         "on": [("on", {"enable_thinking": True})], "off": [("off", {"enable_thinking": False})]}
+    if own is not None:
+        plan = {label: [(label, dict(kw))] for label, kw in own.items()}
     return True, plan["on"] + plan["off"] if mode == "both" else plan[mode]
 
 
@@ -504,8 +514,11 @@ def verify_template(tokenizer: Any, *, family: str | None = None, thinking: str 
             report.error = f"no codec for this template: {exc}"
             return report
     report.family = codec.family
+    switch, plan = thinking_plan(tokenizer, thinking, codec)
+    report.thinking_switch, report.thinking_modes = switch, [label for label, _ in plan]
     template = str(getattr(tokenizer, "chat_template", "") or "")
-    renders_reasoning = "reasoning_content" in template
+    # a codec that maps reasoning to the template's own field (`template_messages`) renders it
+    renders_reasoning = "reasoning_content" in template or hasattr(codec, "template_messages")
     for label, kw in plan:
         for sc in scenarios(reasoning=renders_reasoning and label != "off"):
             call_id = getattr(codec, "tool_call_id", None)

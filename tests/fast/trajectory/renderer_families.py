@@ -107,3 +107,11 @@ def build(family: RendererFamily, out_dir: Path) -> Path:
     return build_template_tokenizer(
         out_dir, template_text(family), special_tokens(family), bos=family.bos, eos=family.eos
     )
+
+# gpt-oss (issue 11): served by our harmony codec, not renderers (its renderer needs
+# openai-harmony's vocabulary download and renders tool calls unlike the template), so it
+# is kept out of RENDERER_FAMILIES; `build(GPT_OSS, dir)` gives the offline tokenizer.
+_HARMONY = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+            "<|end|>", "<|message|>", "<|call|>", "<|endofprompt|>")
+GPT_OSS = RendererFamily("gpt-oss", "gpt-oss", "openai-gpt-oss-120b.jinja", _HARMONY, "<|startoftext|>",
+                         "<|return|>", max_calls=1)

@@ -102,8 +102,9 @@ def play(
     prefix, turns, use_tools = conv
     tools = TOOLS if use_tools else None
     msgs = list(prefix)
+    form = getattr(codec, "template_messages", list)  # the template's field names (gpt-oss: `thinking`)
     ids = codec.render_first(msgs, tools=tools, template_kwargs=kw or None)
-    assert ids == full_ids(tok, msgs, tools, **kw)
+    assert ids == full_ids(tok, form(msgs), tools, **kw)
     stats = {"checked": 0, "rewrites": 0}
     for asst, *follow in turns:
         sampled = codec.canonical_assistant_ids(asst, **canon_kw)
@@ -116,7 +117,7 @@ def play(
         res = codec.bridge(history, ids[-8:], follow, tools=tools, policy=policy, committed=whole,
                            template_kwargs=kw or None)
         msgs = history + follow
-        full = full_ids(tok, msgs, tools, **kw)
+        full = full_ids(tok, form(msgs), tools, **kw)
         if isinstance(res, BridgeRefusal):
             assert policy == HistoryPolicy.TEMPLATE
             assert res.reason == RefusalReason.HISTORY_REWRITE
