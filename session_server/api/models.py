@@ -167,7 +167,7 @@ class ChatRequest(SamplingFields):
     def _roles(cls, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for i, m in enumerate(msgs):
             role = m.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:  # a list or dict is not hashable
                 raise ValueError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
             if role == "tool" and not isinstance(m.get("content"), str | list):
                 raise ValueError(f"messages[{i}]: tool message needs content")

@@ -209,3 +209,14 @@ async def test_16_6_streamed_tool_only_turn_carries_its_logprobs(qwen3_dir: Path
     lps = [t for c in chunks if c["choices"] and c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["content"]]
     turn = traj["branches"][0]["turns"][0]
     assert len(lps) == turn["output_end"] - turn["output_start"] > 0
+
+
+@pytest.mark.parametrize("role", [["user"], {"r": 1}, 3, None])
+def test_8_2_a_role_that_is_not_a_string_is_400_not_500(role: Any) -> None:
+    """Found by the fuzz test: a list role was a TypeError (unhashable) inside validation."""
+    from session_server.api.models import ChatRequest, parse_json_model
+    from session_server.errors import BadRequest
+
+    body = json.dumps({"messages": [{"role": role, "content": "hi"}]}).encode()
+    with pytest.raises(BadRequest, match="role must be one of"):
+        parse_json_model(body, ChatRequest)
