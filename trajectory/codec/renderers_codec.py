@@ -302,10 +302,8 @@ class RenderersCodec:
             return self._bridge_template(list(history) + new, committed, tools=tools, kw=kw)
         window = list(history) if policy == HistoryPolicy.TEMPLATE else [DUMMY_SYSTEM, DUMMY_USER, dict(history[-1])]
         try:
-            rewrites = not is_prefix(
-                self._ids(window, tools=tools, gen=False, kw=kw),
-                self._ids(window + new, tools=tools, gen=True, kw=kw),
-            )
+            extended = self._ids(window + new, tools=tools, gen=True, kw=kw)
+            rewrites = not is_prefix(self._ids(window, tools=tools, gen=False, kw=kw), extended)
             prompt = self._prompt_ids(tools, kw)
             prev = {k: v for k, v in history[-1].items() if k != "reasoning_content"}
             completion = self._completion_ids(prev, prompt, tools=tools, kw=kw)
@@ -340,6 +338,17 @@ class RenderersCodec:
         delta = ids[len(prior) :]
         if not delta:
             return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "renderers bridge added no tokens")
+        if extended[-len(delta):] != delta:
+            # their bridge and their own full render disagree on the new tokens (MiniMax M2:
+            # the template, and render_ids, drop a system message past the first; the bridge
+            # renders it): no exact delta to claim. TEMPLATE forks (render_first follows the
+            # template); APPEND answers 409
+            return BridgeRefusal(
+                RefusalReason.NOT_APPEND_ONLY,
+                "renderers bridge renders the new messages unlike its own full render "
+                f"({decode_text(self.tokenizer, delta[:16])!r} vs "
+                f"{decode_text(self.tokenizer, extended[-len(delta):][:16])!r})",
+            )
         return BridgeResult(prompt_ids=delta, rewrites_history=rewrites)
 
     def _bridge_template(self, messages: list[Message], committed: Sequence[int], *, tools: Any,
