@@ -85,6 +85,7 @@ from trajectory.codec.probe import (
     render_form,
     render_text,
 )
+from trajectory.codec.xml_args import xml_arguments
 from trajectory.errors import CodecError, TemplateNotSupported
 
 # renderer names we serve (text families of renderers 0.1.12; VL/multimodal-only and
@@ -443,7 +444,7 @@ class RenderersCodec:
                 content="", reasoning_content=None,
                 status=ToolCallParseStatus.INVALID_FORMAT, status_detail=f"unparseable: {exc}",
             )
-        return to_parsed_assistant(parsed, tools_offered=bool(tools))
+        return to_parsed_assistant(parsed, tools_offered=bool(tools), tools=tools)
 
     def same_tools(
         self,
@@ -528,12 +529,21 @@ def today() -> str:
     return datetime.now().strftime("%d %b %Y")
 
 
-def to_parsed_assistant(parsed: Any, *, tools_offered: bool) -> ParsedAssistant:
-    """Their `ParsedResponse` as our `ParsedAssistant` (ids for calls without one)."""
+def to_parsed_assistant(parsed: Any, *, tools_offered: bool,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedAssistant:
+    """Their `ParsedResponse` as our `ParsedAssistant` (ids for calls without one).
+
+    A `<function=...><parameter=...>` call they flag `invalid_json` is read again with
+    the template's own value rule (`xml_args`: `True`/`None`, plain strings)."""
     calls: list[ParsedToolCall] = []
     status, detail = ToolCallParseStatus.OK, ""
     for tc in parsed.tool_calls:
         st = str(getattr(tc.status, "value", tc.status))
+        again = xml_arguments(tc.raw, tools) if st == "invalid_json" and "<parameter=" in (tc.raw or "") else None
+        if again is not None:
+            calls.append(ParsedToolCall(id=tc.id or f"call_{uuid.uuid4().hex[:24]}", name=again[0],
+                                        arguments=json.dumps(again[1], ensure_ascii=False)))
+            continue
         if st != "ok":
             status = ToolCallParseStatus.INVALID_JSON if st == "invalid_json" else ToolCallParseStatus.INVALID_FORMAT
             detail = f"{st}: {tc.raw[:200]}"
