@@ -171,11 +171,23 @@ def _verify_template(args: argparse.Namespace) -> int:
         print(f"session-server verify-template: error: {exc}", file=sys.stderr)
         return 2
     report = verify_template(tokenizer, family=args.family, thinking=args.thinking)
-    if args.engine:
-        report.engine = args.engine
-        report.engine_status = "not run (driving a real engine is not implemented yet; template checks only)"
-    print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else report.format_text())
-    return 0 if report.ok else 1
+    if not args.engine:
+        print(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else report.format_text())
+        return 0 if report.ok else 1
+    import asyncio
+
+    from .verify_engine import verify_engine
+
+    engine = f"{args.protocol}={args.engine}" if args.protocol and "=" not in args.engine else args.engine
+    live = asyncio.run(verify_engine(tokenizer, engine, family=args.family, thinking=args.thinking,
+                                     max_tokens=args.engine_max_tokens))
+    if args.json:
+        out = {**report.to_dict(), "engine": live.to_dict(), "ok": report.ok and live.ok}
+        print(json.dumps(out, indent=2, ensure_ascii=False))
+    else:
+        print("\n".join([report.format_text(), "", *live.format_lines(), "",
+                         "engine: OK" if live.ok else "engine: FAILED"]))
+    return 0 if report.ok and live.ok else 1
 
 
 def _sim_epilog() -> str:
@@ -304,7 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reasoning modes to check (enable_thinking), where the template has the switch")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.add_argument("--engine", default=None,
-                   help="engine URL for a live check (accepted; not run yet, reported as such)")
+                   help="engine URL (or sglang=URL / vllm=URL) serving this tokenizer's model: also drive it "
+                        "through the server and check every turn is token-exact with what the engine saw and "
+                        "sampled (a GPU check)")
+    v.add_argument("--protocol", choices=("sglang", "vllm"), default=None,
+                   help="the engine's protocol (default: probed)")
+    v.add_argument("--engine-max-tokens", type=int, default=256, help="max_tokens per engine turn")
     v.set_defaults(func=_verify_template)
 
     d = sub.add_parser("demo", help="sim engines + server + an openai-client agent, offline", formatter_class=_HelpFormatter)

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from session_server.loopback import serving_aiohttp
 from session_server.sim.engine import EngineCore
 from session_server.sim.faults import FAULT_KINDS
 from session_server.sim.sampler import SimModel, sim_model_from_tokenizer
@@ -145,16 +146,8 @@ async def running_sim(
         protocol, load_sim_model(tokenizer), seed=seed, dp=dp, latency_ms=latency_ms,
         noncanonical=noncanonical, padding=padding, **engine_kwargs,
     )
-    runner = web.AppRunner(engine.make_app(), handler_cancellation=True, shutdown_timeout=1.0,
-                           access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving_aiohttp(engine.make_app(), handler_cancellation=True) as url:
+        yield url
 
 
 def run_sim_engine(

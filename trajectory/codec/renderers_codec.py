@@ -86,6 +86,7 @@ from trajectory.codec.probe import (
     render_form,
     render_text,
 )
+from trajectory.codec.xml_args import xml_arguments
 from trajectory.errors import CodecError, TemplateNotSupported
 
 # renderer names we serve (text families of renderers 0.1.12; VL/multimodal-only and
@@ -303,10 +304,8 @@ class RenderersCodec:
             return self._bridge_template(list(history) + new, committed, tools=tools, kw=kw)
         window = list(history) if policy == HistoryPolicy.TEMPLATE else [DUMMY_SYSTEM, DUMMY_USER, dict(history[-1])]
         try:
-            rewrites = not is_prefix(
-                self._ids(window, tools=tools, gen=False, kw=kw),
-                self._ids(window + new, tools=tools, gen=True, kw=kw),
-            )
+            extended = self._ids(window + new, tools=tools, gen=True, kw=kw)
+            rewrites = not is_prefix(self._ids(window, tools=tools, gen=False, kw=kw), extended)
             prompt = self._prompt_ids(tools, kw)
             prev = {k: v for k, v in history[-1].items() if k != "reasoning_content"}
             completion = self._completion_ids(prev, prompt, tools=tools, kw=kw)
@@ -341,6 +340,17 @@ class RenderersCodec:
         delta = ids[len(prior) :]
         if not delta:
             return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "renderers bridge added no tokens")
+        if extended[-len(delta):] != delta:
+            # their bridge and their own full render disagree on the new tokens (MiniMax M2:
+            # the template, and render_ids, drop a system message past the first; the bridge
+            # renders it): no exact delta to claim. TEMPLATE forks (render_first follows the
+            # template); APPEND answers 409
+            return BridgeRefusal(
+                RefusalReason.NOT_APPEND_ONLY,
+                "renderers bridge renders the new messages unlike its own full render "
+                f"({decode_text(self.tokenizer, delta[:16])!r} vs "
+                f"{decode_text(self.tokenizer, extended[-len(delta):][:16])!r})",
+            )
         return BridgeResult(prompt_ids=delta, rewrites_history=rewrites)
 
     def _bridge_template(self, messages: list[Message], committed: Sequence[int], *, tools: Any,
@@ -424,7 +434,7 @@ class RenderersCodec:
                 content="", reasoning_content=None,
                 status=ToolCallParseStatus.INVALID_FORMAT, status_detail=f"unparseable: {exc}",
             )
-        return to_parsed_assistant(parsed, tools_offered=bool(tools))
+        return to_parsed_assistant(parsed, tools_offered=bool(tools), tools=tools)
 
     def same_tools(
         self,
@@ -509,12 +519,21 @@ def today() -> str:
     return datetime.now().strftime("%d %b %Y")
 
 
-def to_parsed_assistant(parsed: Any, *, tools_offered: bool) -> ParsedAssistant:
-    """Their `ParsedResponse` as our `ParsedAssistant` (ids for calls without one)."""
+def to_parsed_assistant(parsed: Any, *, tools_offered: bool,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedAssistant:
+    """Their `ParsedResponse` as our `ParsedAssistant` (ids for calls without one).
+
+    A `<function=...><parameter=...>` call they flag `invalid_json` is read again with
+    the template's own value rule (`xml_args`: `True`/`None`, plain strings)."""
     calls: list[ParsedToolCall] = []
     status, detail = ToolCallParseStatus.OK, ""
     for tc in parsed.tool_calls:
         st = str(getattr(tc.status, "value", tc.status))
+        again = xml_arguments(tc.raw, tools) if st == "invalid_json" and "<parameter=" in (tc.raw or "") else None
+        if again is not None:
+            calls.append(ParsedToolCall(id=tc.id or f"call_{uuid.uuid4().hex[:24]}", name=again[0],
+                                        arguments=json.dumps(again[1], ensure_ascii=False)))
+            continue
         if st != "ok":
             status = ToolCallParseStatus.INVALID_JSON if st == "invalid_json" else ToolCallParseStatus.INVALID_FORMAT
             detail = f"{st}: {tc.raw[:200]}"

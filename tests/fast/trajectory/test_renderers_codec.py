@@ -205,3 +205,30 @@ def test_11_1_llama32_prompt_prints_the_template_date(load_renderer_tokenizer: A
     pinned = tok.decode(codec.render_first([{"role": "user", "content": "Hello"}],
                                            template_kwargs={"date_string": "26 Jul 2024"}))
     assert "Today Date: 26 Jul 2024" in pinned
+
+
+def test_11_1_minimax_mid_system_append_refused_never_inexact(load_renderer_tokenizer: Any) -> None:
+    """MiniMax M2: the template (and renderers' own `render_ids`) drop a system message
+    past the first; renderers' `bridge_to_next_turn` renders it (`]~b]system ...`). APPEND
+    refuses the step (the server answers 409) instead of committing tokens the template
+    never shows; TEMPLATE follows the full render, token-exact with the template."""
+    tok = load_renderer_tokenizer("minimax-m2")
+    codec = RenderersCodec(tok, "minimax-m2")
+    user, asst = {"role": "user", "content": "q"}, {"role": "assistant", "content": "It is sunny."}
+    system = [{"role": "system", "content": "Answer in one word."}]
+    committed = codec.render_first([user]) + codec.canonical_assistant_ids(asst)
+    full = full_ids(tok, [user, asst, *system], None)
+    assert "Answer in one word" not in tok.decode(full)  # the template drops it
+    res = codec.bridge([user, asst], committed[-8:], system, policy=HistoryPolicy.APPEND)
+    assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.NOT_APPEND_ONLY
+    assert "unlike its own full render" in res.detail
+    # TEMPLATE: the committed ids as the template renders them (reasoning kept: no user follows)
+    thought = {**asst, "reasoning_content": "Sun."}
+    full = full_ids(tok, [user, thought, *system], None)
+    done = full[: full.index(tok.convert_tokens_to_ids("[e~["), len(codec.render_first([user]))) + 1]
+    ok = codec.bridge([user, thought], done[-8:], system, policy=HistoryPolicy.TEMPLATE, committed=done)
+    assert isinstance(ok, BridgeResult) and done + ok.prompt_ids == full
+    # a user append still bridges exactly (the check costs nothing where they agree)
+    more = [{"role": "user", "content": "And tomorrow?"}]
+    got = codec.bridge([user, asst], committed[-8:], more, policy=HistoryPolicy.APPEND)
+    assert isinstance(got, BridgeResult) and full_ids(tok, [user, asst, *more], None)[-len(got.prompt_ids):] == got.prompt_ids
