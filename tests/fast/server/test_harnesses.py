@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from .conftest import Stack, live_stack
@@ -61,6 +62,30 @@ async def _one_branch(st: Stack, sid: str, tag: str) -> dict[str, Any]:
     branch: dict[str, Any] = traj["branches"][0]
     assert_trajectory_matches_engine(branch, log, tag)
     return branch
+
+
+def assert_every_branch_matches_engine(traj: dict[str, Any], log: list[dict[str, Any]], tag: str) -> None:
+    """`assert_trajectory_matches_engine` for sessions with several branches (a harness's
+    side requests, such as Claude Code's title, start their own): every turn of every
+    branch is one served engine request (prompt, sampled ids, logprobs), the mask is 1
+    exactly on sampled ids, and every served request is some turn."""
+    served = [r for r in log if r["status"] == 200]
+    used: set[int] = set()
+    for k, branch in enumerate(traj["branches"]):
+        ids, mask = branch["token_ids"], np.asarray(branch["loss_mask"])
+        lps = np.asarray(branch["logprobs"], dtype=np.float32)
+        expected = np.zeros_like(mask)
+        for turn in branch["turns"]:
+            a, b = turn["output_start"], turn["output_end"]
+            hits = [i for i, r in enumerate(served) if r["input_ids"] == ids[:a] and r["output_ids"] == ids[a:b]]
+            assert hits, f"{tag}: branch {k} turn {turn['index']} is no engine request"
+            used.add(hits[0])
+            np.testing.assert_array_equal(lps[a:b], np.asarray(served[hits[0]]["logprobs"], dtype=np.float32),
+                                          err_msg=tag)
+            expected[a:b] = 1
+        np.testing.assert_array_equal(mask, expected, err_msg=f"{tag}: mask must be 1 exactly on sampled ids")
+        assert np.all(lps[mask == 0] == 0.0), tag
+    assert used == set(range(len(served))), f"{tag}: engine requests no turn stores"
 
 
 # --- mini-swe-agent (litellm, chat completions) ------------------------------------------
@@ -122,3 +147,67 @@ async def test_12_4_sim_script_route_sets_and_validates(qwen3_dir: Path) -> None
         sid = await st.session()
         r = await st.chat(sid)
         assert r.json()["choices"][0]["message"]["content"] == "Scripted."
+
+
+# --- Claude Code (Anthropic Messages, streamed) -------------------------------------------
+
+
+def test_12_4_messages_accepts_what_claude_code_sends() -> None:
+    """Claude Code's requests: a `system` message inside `messages` (beta
+    `mid-conversation-system-2026-04-07`) and `output_config.format` (its title
+    side-request's structured output) used to be a 400 and ignored."""
+    from session_server.api.dialects.anthropic_messages import ANTHROPIC_MESSAGES
+    from session_server.errors import BadRequest
+
+    body = {"model": "m", "max_tokens": 64, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {
+                "type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}}},
+            "system": [{"type": "text", "text": "S", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "system", "content": "Agent types: ..."},
+                         {"role": "system", "content": [{"type": "text", "text": "more"}]}]}
+    req = ANTHROPIC_MESSAGES.parse(json.dumps(body).encode())
+    assert req.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                            {"role": "system", "content": "Agent types: ..."}, {"role": "system", "content": "more"}]
+    assert req.response_format is not None and req.response_format.type == "json_schema"
+    assert req.response_format.json_schema is not None
+    assert req.response_format.json_schema.schema_ == body["output_config"]["format"]["schema"]  # type: ignore[index]
+    for bad in ({"output_config": {"format": {"type": "regex"}}},
+                {"messages": [{"role": "system", "content": 3}]}):
+        with pytest.raises(BadRequest):
+            ANTHROPIC_MESSAGES.parse(json.dumps({**body, **bad}).encode())
+
+CLAUDE_SCRIPT = [
+    {"reasoning_content": "Read the notes.",
+     "tool_calls": [{"name": "Bash", "arguments": {"command": "cat notes.txt", "description": "Print the notes"}}]},
+    {"reasoning_content": "Got it.", "content": "The notes say hello."},
+]
+
+
+async def test_12_4_claude_code_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
+    """`claude -p ... --output-format json` with ANTHROPIC_BASE_URL = the session root: its
+    streamed Messages requests (system blocks with cache_control, 25 built-in tools,
+    adaptive thinking, mid-conversation system messages, betas) run a Bash tool call and
+    answer; its title side-request (structured output) is a branch of its own."""
+    claude = _tool("TITO_CLAUDE_BIN", "claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("hello from the sandbox\n")
+    async with live_stack(qwen3_dir, "sglang", script=CLAUDE_SCRIPT) as st:
+        sid = await st.session()
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_API_KEY": "x",
+               "ANTHROPIC_BASE_URL": f"{st.url}/sessions/{sid}", "DISABLE_TELEMETRY": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+        rc, out, err = await _run([claude, "-p", "Print the notes", "--output-format", "json",
+                                   "--allowedTools", "Bash"], cwd=work, env=env)
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+    assert rc == 0, f"claude exited {rc}: {out[-2000:]} {err[-2000:]}"
+    result = json.loads(out)
+    assert result["is_error"] is False and result["result"] == "The notes say hello.", result
+    assert_every_branch_matches_engine(traj, log, "claude-code")
+    main = max(traj["branches"], key=lambda b: len(b["turns"]))
+    assert len(main["turns"]) == 2
+    tool_msgs = [m for m in main["messages"] if m["role"] == "tool"]
+    assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
