@@ -211,3 +211,67 @@ async def test_12_4_claude_code_episode_trajectory_equals_engine_io(qwen3_dir: P
     assert len(main["turns"]) == 2
     tool_msgs = [m for m in main["messages"] if m["role"] == "tool"]
     assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
+
+
+# --- Codex CLI (OpenAI Responses, streamed) -----------------------------------------------
+
+CODEX_SCRIPT = [
+    {"reasoning_content": "Read the notes.",
+     "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "cat notes.txt"}}]},
+    {"reasoning_content": "Got it.", "content": "The notes say hello."},
+]
+
+
+def test_12_4_responses_leaves_tools_it_cannot_call_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Codex always sends a `namespace` group and the hosted `web_search` (and, for some
+    models, the freeform `custom` apply_patch): they were a 400, which stopped Codex."""
+    from session_server.api.dialects.openai_responses import chat_tools
+
+    fn = {"type": "function", "name": "exec_command", "parameters": {"type": "object"}}
+    tools = [fn, {"type": "namespace", "name": "multi_agent_v1", "tools": []}, {"type": "web_search"},
+             {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}}]
+    with caplog.at_level("WARNING", logger="session_server"):
+        out = chat_tools(tools)
+    assert out == [{"type": "function", "function": {"name": "exec_command", "parameters": {"type": "object"}}}]
+    assert "namespace:multi_agent_v1, web_search, custom:apply_patch" in caplog.text
+    assert chat_tools([{"type": "web_search"}]) is None
+
+
+CODEX_CONFIG = """model = "m"
+model_provider = "tito"
+
+[model_providers.tito]
+name = "tito session server"
+base_url = "{base_url}"
+env_key = "TITO_API_KEY"
+wire_api = "responses"
+"""
+
+
+async def test_12_4_codex_exec_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
+    """`codex exec` with a custom Responses provider whose base_url is the session's /v1:
+    its streamed requests (`store: false`, `include: [reasoning.encrypted_content]`, a
+    `namespace` tool group and the hosted `web_search`, which are left out of the prompt)
+    run an `exec_command` call and answer, on one branch."""
+    codex = _tool("TITO_CODEX_BIN", "codex")
+    work, home = tmp_path / "work", tmp_path / "codex-home"
+    work.mkdir()
+    home.mkdir()
+    (work / "notes.txt").write_text("hello from the sandbox\n")
+    last = tmp_path / "last.txt"
+    async with live_stack(qwen3_dir, "vllm", script=CODEX_SCRIPT) as st:
+        sid = await st.session()
+        (home / "config.toml").write_text(CODEX_CONFIG.format(base_url=f"{st.url}/sessions/{sid}/v1"))
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "CODEX_HOME": str(home),
+               "TITO_API_KEY": "x"}
+        rc, out, err = await _run([codex, "exec", "--skip-git-repo-check", "--ephemeral",
+                                   "-o", str(last), "Print the notes"], cwd=work, env=env)
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+    assert rc == 0, f"codex exited {rc}: {out[-2000:]} {err[-2000:]}"
+    assert last.read_text().strip() == "The notes say hello."
+    branch = traj["branches"][0]
+    assert len(traj["branches"]) == 1 and len(branch["turns"]) == 2
+    assert_trajectory_matches_engine(branch, log, "codex")
+    tool_msgs = [m for m in branch["messages"] if m["role"] == "tool"]
+    assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
