@@ -101,7 +101,6 @@ MINI_SCRIPT = [
 def _mini_episode(base_url: str, cwd: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One mini-swe-agent episode (its `mini.yaml` config, tool-calling `LitellmModel`,
     local environment in `cwd`); returns (exit info, the agent's messages)."""
-    os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
     import minisweagent
     import yaml
     from minisweagent.agents.default import DefaultAgent
@@ -119,7 +118,11 @@ def _mini_episode(base_url: str, cwd: Path) -> tuple[dict[str, Any], list[dict[s
     return info, agent.messages
 
 
-async def test_12_4_mini_swe_agent_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
+async def test_12_4_mini_swe_agent_episode_trajectory_equals_engine_io(
+        qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetch at import
+    monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
+    monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea-config"))  # not the user's config
     pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (pip install mini-swe-agent)")
     (tmp_path / "notes.txt").write_text("hello from the sandbox\n")
     async with live_stack(qwen3_dir, "sglang", script=MINI_SCRIPT) as st:
