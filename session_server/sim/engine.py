@@ -84,6 +84,7 @@ class EngineCore:
         page_size: int | None = None,
         weight_version: str = "default",
         abort_plan: Sequence[int] = (),
+        script: Sequence[dict[str, Any]] = (),
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"protocol must be sglang or vllm, not {protocol!r}")
@@ -92,6 +93,8 @@ class EngineCore:
         self.protocol = protocol
         self.model = model
         self.policy = ScriptedPolicy(model, seed=seed, noncanonical=noncanonical)
+        if script:
+            self.policy.set_script(script)
         self.dp = dp
         self.latency_ms = latency_ms
         self.request_latency_ms = request_latency_ms  # fixed per-request time (prefill/queueing)

@@ -15,6 +15,9 @@ How one request is answered (`ScriptedPolicy.start`):
 3. tokens already sampled after the turn start are skipped, so resubmitting
    prompt + partial continues identically (abort/resubmit relies on this);
    after the plan the model emits EOS.
+A test may replace step 2 with a *script* (`set_script`): turn k of an episode plays the
+k-th scripted assistant message (the last one repeats), rendered to ids the same way,
+so a real harness's own tools (mini-swe-agent's `bash`, Claude Code's `Bash`) get called.
 Logprobs are a hash of (seed, context digest, position, token), in (-5, 0].
 """
 
@@ -138,6 +141,29 @@ class ScriptedPolicy:
         self.seed = seed
         self.noncanonical = noncanonical and model.splitter is not None
         self._plans: dict[bytes, tuple[list[int], dict[str, Any]]] = {}
+        self._script: list[dict[str, Any]] = []
+
+    def set_script(self, turns: Sequence[dict[str, Any]]) -> None:
+        """Script the episode: turn k answers `turns[min(k, len - 1)]`; () restores the
+        hashed script. Each turn is `{"content"?, "reasoning_content"?, "tool_calls"?:
+        [{"name", "arguments": object}]}`; ValueError names what is malformed."""
+        self._script = [_scripted_message(t, k) for k, t in enumerate(turns)]
+        self._plans.clear()
+
+    def _scripted(self, h: int, tool_turns_done: int) -> dict[str, Any]:
+        """The scripted message of turn `tool_turns_done`, its call ids minted as usual."""
+        message = dict(self._script[min(tool_turns_done, len(self._script) - 1)])
+        calls = []
+        for j, (name, args) in enumerate(message.pop("calls")):
+            call_id = self.model.call_id
+            calls.append({
+                "id": call_id(name, 2 * tool_turns_done + j) if call_id else f"call_{_h(self.seed, h, j) % 16**8:08x}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args)},
+            })
+        if calls:
+            message["tool_calls"] = calls
+        return message
 
     def _message(self, h: int, tool_turns_done: int, script_len: int) -> dict[str, Any]:
         words = [_WORDS[(h >> (3 * i)) % len(_WORDS)] for i in range(6 + h % 7)]
@@ -182,7 +208,8 @@ class ScriptedPolicy:
         script_len = 1 + episode_h % 3
         tool_turns_done = max(0, len(turn_starts) - 1)
         h = _h(self.seed, key)
-        message = self._message(h, tool_turns_done, script_len)
+        message = (self._scripted(h, tool_turns_done) if self._script
+                   else self._message(h, tool_turns_done, script_len))
         try:
             ids = list(self.model.render(message))
         except Exception:
@@ -238,6 +265,25 @@ class ScriptedPolicy:
             vocab_size=self.model.vocab_size,
             message=message,
         )
+
+
+def _scripted_message(turn: Any, k: int) -> dict[str, Any]:
+    """One validated script turn as an assistant message; its calls kept as (name, args)
+    under "calls" until `_scripted` mints their ids."""
+    if not isinstance(turn, dict):
+        raise ValueError(f"script turn {k} must be an object, not {type(turn).__name__}")
+    content, reasoning = turn.get("content", ""), turn.get("reasoning_content")
+    if not isinstance(content, str) or not (reasoning is None or isinstance(reasoning, str)):
+        raise ValueError(f"script turn {k}: content and reasoning_content must be strings")
+    calls = []
+    for c in turn.get("tool_calls") or ():
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("arguments", {}), dict):
+            raise ValueError(f"script turn {k}: a tool call is {{name: str, arguments: object}}")
+        calls.append((c["name"], c.get("arguments", {})))
+    message: dict[str, Any] = {"role": "assistant", "content": content, "calls": calls}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def sim_model_from_tokenizer(tokenizer: Any, *, name: str | None = None) -> SimModel:

@@ -55,6 +55,7 @@ class SimEngine(EngineCore):
         r.add_get("/sim/weight_version", self.sim_weight_version)
         r.add_post("/sim/weight_version", self.sim_weight_version)
         r.add_delete("/sim/requests", self.sim_requests_clear)
+        r.add_post("/sim/script", self.sim_script)
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -79,6 +80,16 @@ class SimEngine(EngineCore):
     async def sim_faults_clear(self, request: web.Request) -> web.Response:
         self.faults.clear()
         return json_response({"pending": []})
+
+    async def sim_script(self, request: web.Request) -> web.Response:
+        """POST {"turns": [assistant message, ...]}: script the policy (`ScriptedPolicy.
+        set_script`); {"turns": []} restores the hashed script."""
+        try:
+            body = msgspec.json.decode(await request.read())
+            self.policy.set_script(body["turns"])
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+            return json_response({"error": f"expected {{turns: [...]}}: {exc}"}, 400)
+        return json_response({"turns": len(body["turns"])})
 
     async def sim_aborts(self, request: web.Request) -> web.Response:
         """The abort log: every abort call received and every rid that ended aborted."""

@@ -5,6 +5,8 @@ Request -> `ChatRequest` (the pipeline's input, the same one chat completions
 produces), so both dialects write the same trajectory and a session may mix them:
 
     system (string or text blocks)        -> a leading `system` message
+    a `system` message in `messages` (Claude Code's beta `mid-conversation-system-...`:
+    string or text blocks)               -> a `system` message at that position
     user text blocks                      -> a `user` message (one block: its string)
     user tool_result blocks               -> `tool` messages (`tool_call_id` = `tool_use_id`),
                                              in order, before the user text that follows
@@ -16,6 +18,9 @@ produces), so both dialects write the same trajectory and a session may mix them
     stop_sequences, max_tokens, temperature, top_p, top_k -> the same sampling fields
     thinking enabled | disabled           -> chat_template_kwargs.enable_thinking True | False
                                              (adaptive: the template's default)
+    output_config.format json_schema      -> response_format json_schema (structured output:
+                                             the engine's constrained decoding; Claude Code's
+                                             title side-request uses it)
 
 A committed turn -> a `message`: content `[thinking?, text?, tool_use...]` in the
 order the model wrote them (Qwen3-style reasoning comes first), which maps back to
@@ -81,7 +86,8 @@ class MessagesRequest(BaseModel):
     """`POST .../v1/messages` (anthropic SDK `types/message_create_params.py`).
 
     Fields Anthropic defines that a self-hosted model has no use for (`service_tier`,
-    `container`, `cache_control`, `speed`, `output_config`, ...) are accepted and
+    `container`, `cache_control`, `speed`, `output_config.effort`, `context_management`,
+    ...) are accepted and
     ignored, as OpenAI's extra fields are on chat completions. `chat_template_kwargs`
     and `timeout_s` are our extensions, as on chat completions."""
 
@@ -238,9 +244,13 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         role, content = m.get("role"), m.get("content")
         where = f"messages[{i}].content"
-        if role not in ("user", "assistant"):
-            raise BadRequest(f"messages[{i}].role must be 'user' or 'assistant', got {role!r}")
-        if isinstance(content, str):  # shorthand for one text block
+        if role not in ("user", "assistant", "system"):
+            raise BadRequest(f"messages[{i}].role must be 'user', 'assistant' or 'system', got {role!r}")
+        if role == "system":
+            if not isinstance(content, str | list):
+                raise BadRequest(f"{where} must be a string or a list of text blocks")
+            out.extend(_system(content) or [{"role": "system", "content": ""}])
+        elif isinstance(content, str):  # shorthand for one text block
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
             out.extend(_user(content, where) if role == "user" else [_assistant(content, where)])
@@ -315,6 +325,18 @@ def _thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any]:
     raise BadRequest(f"thinking.type must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
 
 
+def _response_format(output_config: Any) -> dict[str, Any] | None:
+    """`output_config.format` (`{"type": "json_schema", "schema"}`, Anthropic's structured
+    outputs) as chat completions' `response_format`; the rest of `output_config`
+    (`effort`) has no meaning for a self-hosted model."""
+    if not isinstance(output_config, dict) or output_config.get("format") is None:
+        return None
+    fmt = output_config["format"]
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise BadRequest("output_config.format must be {'type': 'json_schema', 'schema': {...}}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
 def to_chat_request(req: MessagesRequest) -> ChatRequest:
     """The pipeline's request; its own validators (roles, tool calls, bounds) run too."""
     kwargs = {**(req.chat_template_kwargs or {}), **_thinking_kwargs(req.thinking)}
@@ -323,6 +345,7 @@ def to_chat_request(req: MessagesRequest) -> ChatRequest:
         "model": req.model,
         "tools": _tools(req.tools),
         "tool_choice": _tool_choice(req.tool_choice),
+        "response_format": _response_format((req.model_extra or {}).get("output_config")),
         "max_tokens": req.max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -55,6 +56,7 @@ from ..stream_events import (
     replay,
 )
 
+_log = logging.getLogger("session_server")
 _MODEL = "tito-session"
 # `include` value that asks for reasoning the client can send back with `store: false`
 # (Codex does): ours is the reasoning text itself, tagged, not encrypted
@@ -84,7 +86,7 @@ class ResponsesRequest(BaseModel):
         description="a user message, or items: message, function_call, function_call_output, reasoning")
     model: str | None = None
     instructions: str | None = Field(default=None, description="a leading system message, this request only")
-    tools: list[dict[str, Any]] | None = Field(default=None, description="function tools only")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="function tools; other types are left out of the prompt")
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -263,22 +265,32 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Function tools in chat form. Built-in tools (web_search, file_search, custom,
-    ...) run on OpenAI's side: nothing here could run them, so they are a 400."""
+    """Function tools in chat form. Other tool types (hosted `web_search`, `file_search`,
+    Codex's `namespace` groups and freeform `custom` tools, ...) have no function-call
+    form a chat template renders, and hosted ones run on OpenAI's side: they are left
+    out of what the model sees, with a logged warning, so an agent that always sends
+    them (Codex CLI) still runs with its function tools. Forcing one through
+    `tool_choice` is a 400 (`chat_tool_choice`)."""
     if not tools:
         return None
     out = []
+    dropped: list[str] = []
     for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise _bad(f"tools[{i}]", "must be a tool object")
         kind = t.get("type")
         if kind != "function":
-            raise _bad(f"tools[{i}].type", f"tool type {kind!r} is not supported: this server runs function tools "
-                                           "only ({'type': 'function', 'name', 'parameters'})")
+            dropped.append(f"{kind}:{t['name']}" if isinstance(t.get("name"), str) else str(kind))
+            continue
         fn: dict[str, Any] = {"name": _str_field(t, "name", f"tools[{i}]")}
         for key in ("description", "parameters", "strict"):
             if t.get(key) is not None:
                 fn[key] = t[key]
         out.append({"type": "function", "function": fn})
-    return out
+    if dropped:
+        _log.warning("responses: tools the model cannot call here were left out of the prompt "
+                     "(function tools only): %s", ", ".join(dropped))
+    return out or None
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None,

@@ -320,7 +320,7 @@ async def test_12_1_errors_in_anthropic_shape(qwen3_dir: Path) -> None:
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
             {"max_tokens": 8, "messages": [USER, {"role": "assistant", "content": [
                 {"type": "redacted_thinking", "data": "xyz"}]}, USER]},
-            {"max_tokens": 8, "messages": [{"role": "system", "content": "x"}]},
+            {"max_tokens": 8, "messages": [{"role": "developer", "content": "x"}]},
             {"max_tokens": 8, "messages": [USER], "tool_choice": {"type": "sometimes"}},
             {"max_tokens": 8, "messages": [USER], "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
         ]

@@ -243,8 +243,9 @@ async def test_12_1_bad_input_is_400_and_unknown_previous_response_404(qwen3_dir
     async with live_stack(qwen3_dir) as st:
         sid, other = await st.session(), await st.session()
         client = _client(st, sid)
-        with pytest.raises(openai.BadRequestError, match="web_search"):
-            await client.responses.create(model="m", input=TASK, tools=[{"type": "web_search"}])
+        with pytest.raises(openai.BadRequestError, match="web_search"):  # forcing a tool it cannot call
+            await client.responses.create(model="m", input=TASK, tools=[{"type": "web_search"}],
+                                          tool_choice={"type": "web_search"})  # type: ignore[arg-type]
         with pytest.raises(openai.BadRequestError, match="input_image"):
             await client.responses.create(model="m", input=[{"role": "user", "content": [
                 {"type": "input_image", "image_url": "http://x/y.png"}]}])  # type: ignore[list-item]

@@ -1,0 +1,280 @@
+"""Issue 12.4: real agent harnesses, end to end, against the server and a simulated engine.
+
+Each harness runs one whole episode against a session's base URL: the simulated model is
+scripted (`/sim/script`, `ScriptedPolicy.set_script`) to call one of the harness's own
+tools and then to finish the way the harness expects. The test asserts the harness
+finished (exit code 0 / its final answer) and that the stored trajectory's sampled ids,
+logprobs and loss mask equal the engine's log exactly (`assert_trajectory_matches_engine`).
+
+A harness that is not installed skips its test with the reason:
+- mini-swe-agent: `pip install mini-swe-agent` (Python package `minisweagent`);
+- Claude Code: `npm install -g --prefix DIR @anthropic-ai/claude-code`; `claude` on PATH
+  or `$TITO_CLAUDE_BIN`;
+- Codex CLI: `npm install -g --prefix DIR @openai/codex`; `codex` on PATH or `$TITO_CODEX_BIN`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from .conftest import Stack, live_stack
+from .test_e2e import assert_trajectory_matches_engine
+
+SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+
+def _tool(env_var: str, name: str) -> str:
+    """The harness executable: `$env_var`, else `name` on PATH; skips when neither."""
+    path = os.environ.get(env_var) or shutil.which(name)
+    if not path or not Path(path).exists():
+        pytest.skip(f"{name} is not installed (put it on PATH or set ${env_var})")
+    return path
+
+
+async def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 120) -> tuple[int, str, str]:
+    """Run a harness CLI without blocking the loop the server runs on."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    return int(proc.returncode or 0), out.decode(errors="replace"), err.decode(errors="replace")
+
+
+async def _one_branch(st: Stack, sid: str, tag: str) -> dict[str, Any]:
+    """The session's single branch, checked against the engine's log; returned."""
+    traj = await st.trajectory(sid)
+    log = await st.engine_log()
+    assert len(traj["branches"]) == 1, f"{tag}: the episode forked: {[len(b['turns']) for b in traj['branches']]}"
+    branch: dict[str, Any] = traj["branches"][0]
+    assert_trajectory_matches_engine(branch, log, tag)
+    return branch
+
+
+def assert_every_branch_matches_engine(traj: dict[str, Any], log: list[dict[str, Any]], tag: str) -> None:
+    """`assert_trajectory_matches_engine` for sessions with several branches (a harness's
+    side requests, such as Claude Code's title, start their own): every turn of every
+    branch is one served engine request (prompt, sampled ids, logprobs), the mask is 1
+    exactly on sampled ids, and every served request is some turn."""
+    served = [r for r in log if r["status"] == 200]
+    used: set[int] = set()
+    for k, branch in enumerate(traj["branches"]):
+        ids, mask = branch["token_ids"], np.asarray(branch["loss_mask"])
+        lps = np.asarray(branch["logprobs"], dtype=np.float32)
+        expected = np.zeros_like(mask)
+        for turn in branch["turns"]:
+            a, b = turn["output_start"], turn["output_end"]
+            hits = [i for i, r in enumerate(served) if r["input_ids"] == ids[:a] and r["output_ids"] == ids[a:b]]
+            assert hits, f"{tag}: branch {k} turn {turn['index']} is no engine request"
+            used.add(hits[0])
+            np.testing.assert_array_equal(lps[a:b], np.asarray(served[hits[0]]["logprobs"], dtype=np.float32),
+                                          err_msg=tag)
+            expected[a:b] = 1
+        np.testing.assert_array_equal(mask, expected, err_msg=f"{tag}: mask must be 1 exactly on sampled ids")
+        assert np.all(lps[mask == 0] == 0.0), tag
+    assert used == set(range(len(served))), f"{tag}: engine requests no turn stores"
+
+
+# --- mini-swe-agent (litellm, chat completions) ------------------------------------------
+
+MINI_SCRIPT = [
+    {"reasoning_content": "Let me look at the file first.",
+     "tool_calls": [{"name": "bash", "arguments": {"command": "cat notes.txt"}}]},
+    {"reasoning_content": "The notes say hello. Submit.",
+     "tool_calls": [{"name": "bash", "arguments": {"command": f"echo {SUBMIT} && cat notes.txt"}}]},
+]
+
+
+def _mini_episode(base_url: str, cwd: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One mini-swe-agent episode (its `mini.yaml` config, tool-calling `LitellmModel`,
+    local environment in `cwd`); returns (exit info, the agent's messages)."""
+    import minisweagent
+    import yaml
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.environments.local import LocalEnvironment
+    from minisweagent.models.litellm_model import LitellmModel
+
+    config = yaml.safe_load((Path(minisweagent.package_dir) / "config" / "mini.yaml").read_text())
+    agent_cfg = {k: v for k, v in config["agent"].items() if k in ("system_template", "instance_template")}
+    model = LitellmModel(model_name="openai/m", cost_tracking="ignore_errors",
+                         model_kwargs={"api_base": base_url, "api_key": "x", "max_tokens": 256},
+                         **{k: v for k, v in config["model"].items() if k.endswith("_template")})
+    env = LocalEnvironment(cwd=str(cwd), **config.get("environment", {}))
+    agent = DefaultAgent(model, env, step_limit=6, **agent_cfg)
+    info = agent.run("Print the notes and submit.")
+    return info, agent.messages
+
+
+async def test_12_4_mini_swe_agent_episode_trajectory_equals_engine_io(
+        qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetch at import
+    monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
+    monkeypatch.setenv("MSWEA_GLOBAL_CONFIG_DIR", str(tmp_path / "mswea-config"))  # not the user's config
+    pytest.importorskip("minisweagent", reason="mini-swe-agent is not installed (pip install mini-swe-agent)")
+    (tmp_path / "notes.txt").write_text("hello from the sandbox\n")
+    async with live_stack(qwen3_dir, "sglang", script=MINI_SCRIPT) as st:
+        sid = await st.session()
+        info, messages = await asyncio.to_thread(_mini_episode, f"{st.url}/sessions/{sid}/v1", tmp_path)
+        branch = await _one_branch(st, sid, "mini-swe-agent")
+    assert info["exit_status"] == "Submitted", info
+    assert info["submission"] == "hello from the sandbox\n"
+    calls = [json.loads(tc["function"]["arguments"])["command"]
+             for m in messages if m["role"] == "assistant" for tc in m.get("tool_calls") or []]
+    assert calls == ["cat notes.txt", f"echo {SUBMIT} && cat notes.txt"]
+    assert len(branch["turns"]) == 2
+    # the observation of the first command reached the model's context
+    assert any("hello from the sandbox" in str(m.get("content")) for m in branch["messages"] if m["role"] == "tool")
+
+
+async def test_12_4_sim_script_route_sets_and_validates(qwen3_dir: Path) -> None:
+    """The scripting hook the harness tests use: a scripted turn is what the model says."""
+    async with live_stack(qwen3_dir, "vllm") as st:
+        async with httpx.AsyncClient() as c:
+            bad = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [{"tool_calls": [{"name": 3}]}]})
+            assert bad.status_code == 400 and "tool call" in bad.json()["error"]
+            ok = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [{"content": "Scripted."}]})
+            assert ok.status_code == 200, ok.text
+        sid = await st.session()
+        r = await st.chat(sid)
+        assert r.json()["choices"][0]["message"]["content"] == "Scripted."
+
+
+# --- Claude Code (Anthropic Messages, streamed) -------------------------------------------
+
+
+def test_12_4_messages_accepts_what_claude_code_sends() -> None:
+    """Claude Code's requests: a `system` message inside `messages` (beta
+    `mid-conversation-system-2026-04-07`) and `output_config.format` (its title
+    side-request's structured output) used to be a 400 and ignored."""
+    from session_server.api.dialects.anthropic_messages import ANTHROPIC_MESSAGES
+    from session_server.errors import BadRequest
+
+    body = {"model": "m", "max_tokens": 64, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {
+                "type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}}},
+            "system": [{"type": "text", "text": "S", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "system", "content": "Agent types: ..."},
+                         {"role": "system", "content": [{"type": "text", "text": "more"}]}]}
+    req = ANTHROPIC_MESSAGES.parse(json.dumps(body).encode())
+    assert req.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                            {"role": "system", "content": "Agent types: ..."}, {"role": "system", "content": "more"}]
+    assert req.response_format is not None and req.response_format.type == "json_schema"
+    assert req.response_format.json_schema is not None
+    assert req.response_format.json_schema.schema_ == body["output_config"]["format"]["schema"]  # type: ignore[index]
+    for bad in ({"output_config": {"format": {"type": "regex"}}},
+                {"messages": [{"role": "system", "content": 3}]}):
+        with pytest.raises(BadRequest):
+            ANTHROPIC_MESSAGES.parse(json.dumps({**body, **bad}).encode())
+
+CLAUDE_SCRIPT = [
+    {"reasoning_content": "Read the notes.",
+     "tool_calls": [{"name": "Bash", "arguments": {"command": "cat notes.txt", "description": "Print the notes"}}]},
+    {"reasoning_content": "Got it.", "content": "The notes say hello."},
+]
+
+
+async def test_12_4_claude_code_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
+    """`claude -p ... --output-format json` with ANTHROPIC_BASE_URL = the session root: its
+    streamed Messages requests (system blocks with cache_control, 25 built-in tools,
+    adaptive thinking, mid-conversation system messages, betas) run a Bash tool call and
+    answer; its title side-request (structured output) is a branch of its own."""
+    claude = _tool("TITO_CLAUDE_BIN", "claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("hello from the sandbox\n")
+    async with live_stack(qwen3_dir, "sglang", script=CLAUDE_SCRIPT) as st:
+        sid = await st.session()
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_API_KEY": "x",
+               "ANTHROPIC_BASE_URL": f"{st.url}/sessions/{sid}", "DISABLE_TELEMETRY": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+        rc, out, err = await _run([claude, "-p", "Print the notes", "--output-format", "json",
+                                   "--allowedTools", "Bash"], cwd=work, env=env)
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+    assert rc == 0, f"claude exited {rc}: {out[-2000:]} {err[-2000:]}"
+    result = json.loads(out)
+    assert result["is_error"] is False and result["result"] == "The notes say hello.", result
+    assert_every_branch_matches_engine(traj, log, "claude-code")
+    main = max(traj["branches"], key=lambda b: len(b["turns"]))
+    assert len(main["turns"]) == 2
+    tool_msgs = [m for m in main["messages"] if m["role"] == "tool"]
+    assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
+
+
+# --- Codex CLI (OpenAI Responses, streamed) -----------------------------------------------
+
+CODEX_SCRIPT = [
+    {"reasoning_content": "Read the notes.",
+     "tool_calls": [{"name": "exec_command", "arguments": {"cmd": "cat notes.txt"}}]},
+    {"reasoning_content": "Got it.", "content": "The notes say hello."},
+]
+
+
+def test_12_4_responses_leaves_tools_it_cannot_call_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Codex always sends a `namespace` group and the hosted `web_search` (and, for some
+    models, the freeform `custom` apply_patch): they were a 400, which stopped Codex."""
+    from session_server.api.dialects.openai_responses import chat_tools
+
+    fn = {"type": "function", "name": "exec_command", "parameters": {"type": "object"}}
+    tools = [fn, {"type": "namespace", "name": "multi_agent_v1", "tools": []}, {"type": "web_search"},
+             {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}}]
+    with caplog.at_level("WARNING", logger="session_server"):
+        out = chat_tools(tools)
+    assert out == [{"type": "function", "function": {"name": "exec_command", "parameters": {"type": "object"}}}]
+    assert "namespace:multi_agent_v1, web_search, custom:apply_patch" in caplog.text
+    assert chat_tools([{"type": "web_search"}]) is None
+
+
+CODEX_CONFIG = """model = "m"
+model_provider = "tito"
+
+[model_providers.tito]
+name = "tito session server"
+base_url = "{base_url}"
+env_key = "TITO_API_KEY"
+wire_api = "responses"
+"""
+
+
+async def test_12_4_codex_exec_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
+    """`codex exec` with a custom Responses provider whose base_url is the session's /v1:
+    its streamed requests (`store: false`, `include: [reasoning.encrypted_content]`, a
+    `namespace` tool group and the hosted `web_search`, which are left out of the prompt)
+    run an `exec_command` call and answer, on one branch."""
+    codex = _tool("TITO_CODEX_BIN", "codex")
+    work, home = tmp_path / "work", tmp_path / "codex-home"
+    work.mkdir()
+    home.mkdir()
+    (work / "notes.txt").write_text("hello from the sandbox\n")
+    last = tmp_path / "last.txt"
+    async with live_stack(qwen3_dir, "vllm", script=CODEX_SCRIPT) as st:
+        sid = await st.session()
+        (home / "config.toml").write_text(CODEX_CONFIG.format(base_url=f"{st.url}/sessions/{sid}/v1"))
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "CODEX_HOME": str(home),
+               "TITO_API_KEY": "x"}
+        rc, out, err = await _run([codex, "exec", "--skip-git-repo-check", "--ephemeral",
+                                   "-o", str(last), "Print the notes"], cwd=work, env=env)
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+    assert rc == 0, f"codex exited {rc}: {out[-2000:]} {err[-2000:]}"
+    assert last.read_text().strip() == "The notes say hello."
+    branch = traj["branches"][0]
+    assert len(traj["branches"]) == 1 and len(branch["turns"]) == 2
+    assert_trajectory_matches_engine(branch, log, "codex")
+    tool_msgs = [m for m in branch["messages"] if m["role"] == "tool"]
+    assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
