@@ -3,8 +3,9 @@
 Owns the self-check that makes an unrecognised template usable: after probing,
 a short conversation is played turn by turn (canonical sampling, close_turn,
 bridge) and must equal the template's own full render; otherwise the template
-is refused with `TemplateNotSupported`. Parsing is conservative: reasoning and
-Hermes tool calls only when the template itself mentions their markers.
+is refused with `TemplateNotSupported`. Parsing is conservative: reasoning, Hermes
+tool calls and XML (`<function=...>`) calls only when the template itself mentions
+their markers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from trajectory.codec.base import BridgeResult, ParsedAssistant
-from trajectory.codec.parsing import parse_hermes, split_reasoning
+from trajectory.codec.parsing import parse_hermes, parse_xml_calls, split_reasoning
 from trajectory.codec.probe import DUMMY_SYSTEM, encode, render_text
 from trajectory.codec.template import TemplateCodec
 from trajectory.errors import CodecError, TemplateNotSupported
@@ -28,6 +29,8 @@ class GenericCodec(TemplateCodec):
         template = str(getattr(tokenizer, "chat_template", "") or "")
         self._think = "</think>" in template
         self._hermes = "<tool_call>" in template
+        # Qwen3-Coder's XML calls inside <tool_call> (its renderer refuses the template)
+        self._xml = self._hermes and "<function=" in template and "<parameter=" in template
         verify_round_trip(self)
 
     def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
@@ -37,6 +40,8 @@ class GenericCodec(TemplateCodec):
             if reasoning is not None:
                 reasoning = reasoning.strip("\n") or None
                 text = text.lstrip("\n")
+        if self._xml:
+            return parse_xml_calls(text, reasoning, names)
         if self._hermes:
             return parse_hermes(text, reasoning, names)
         return ParsedAssistant(content=text, reasoning_content=reasoning)

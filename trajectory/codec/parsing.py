@@ -176,6 +176,40 @@ def parse_hermes(text: str, reasoning: str | None, names: frozenset[str]) -> Par
     return ParsedAssistant(content=content or None, reasoning_content=reasoning, tool_calls=calls)
 
 
+def parse_xml_calls(text: str, reasoning: str | None, names: frozenset[str]) -> ParsedAssistant:
+    """Qwen3-Coder style: `<tool_call>\n<function=NAME>\n<parameter=K>\nV\n</parameter>\n
+    </function>\n</tool_call>`, values read back as the template wrote them (`xml_args`).
+
+    Only when the request offered tools (`names`), and only calls to those names."""
+    from trajectory.codec.xml_args import xml_arguments
+
+    early = _no_calls(text, reasoning, names, content=text)
+    if early is not None:
+        return early
+    split = _blocks(text)
+    if split is None:
+        return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "unbalanced <tool_call> tags")
+    before, bodies, trailing = split
+    calls = []
+    for body in bodies:
+        inner = body.strip()
+        if not (inner.startswith("<function=") and inner.endswith("</function>")):
+            return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "tool call is not one <function=...> block")
+        parsed = xml_arguments(inner, None)
+        if parsed is None:
+            return _bad(text, reasoning, ToolCallParseStatus.INVALID_JSON, "a parameter value does not fit")
+        name, args = parsed
+        if name not in names:
+            return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, _unknown(name, names))
+        calls.append(ParsedToolCall(id=new_call_id(), name=name, arguments=_dump(args)))
+    if trailing.strip():
+        return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "text after tool calls")
+    # the template writes `content | trim` then `\n` and `\n<tool_call>`: no content it
+    # renders ends in a newline, so every newline before the first call is markup
+    content = before.rstrip("\n")
+    return ParsedAssistant(content=content or None, reasoning_content=reasoning, tool_calls=calls)
+
+
 def _call_from_obj(obj: Any, args_key: str) -> ParsedToolCall | str | None:
     """A call from a decoded JSON object; a str is an INVALID_JSON detail; None a bad shape."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
