@@ -45,6 +45,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +80,7 @@ from ..stream_events import (
 __all__ = ["ANTHROPIC_MESSAGES", "AnthropicMessages", "MessagesRequest", "error_body", "owns_path"]
 
 _MODEL = "tito-session"
+_log = logging.getLogger(__name__)
 MESSAGES_PATH_SUFFIXES = ("/v1/messages", "/v1/messages/count_tokens")
 
 
@@ -263,15 +265,19 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Client tools (`ToolParam`: name, description, input_schema) as OpenAI function tools.
-    Anthropic's server tools (`type` `web_search_...`, `bash_...`: run by Anthropic) have
-    no runner here: refused by name."""
+    Anthropic's server tools (`type` `web_search_...`, `bash_...`: run on Anthropic's side)
+    have no runner here: left out of what the model sees with a logged warning, as the
+    Responses dialect does with hosted tools, so a harness that always sends one still
+    runs with its client tools; a `tool_choice` forcing one is a 400 (structured.py)."""
     if not tools:
         return None
     out = []
+    dropped: list[str] = []
     for j, t in enumerate(tools):
         kind = t.get("type")
         if kind not in (None, "custom"):
-            raise BadRequest(f"tools[{j}]: server tool type {kind!r} is not supported (client tools only)")
+            dropped.append(f"{kind}:{t['name']}" if isinstance(t.get("name"), str) else str(kind))
+            continue
         name, schema = t.get("name"), t.get("input_schema")
         if not isinstance(name, str) or not name:
             raise BadRequest(f"tools[{j}].name must be a non-empty string")
@@ -285,7 +291,10 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
             fn["description"] = t["description"]
         fn["parameters"] = schema
         out.append({"type": "function", "function": fn})
-    return out
+    if dropped:
+        _log.warning("messages: server tools the model cannot call here were left out of the prompt "
+                     "(client tools only): %s", ", ".join(dropped))
+    return out or None
 
 
 def _tool_choice(choice: dict[str, Any] | None) -> Any:

@@ -322,7 +322,9 @@ async def test_12_1_errors_in_anthropic_shape(qwen3_dir: Path) -> None:
                 {"type": "redacted_thinking", "data": "xyz"}]}, USER]},
             {"max_tokens": 8, "messages": [{"role": "developer", "content": "x"}]},
             {"max_tokens": 8, "messages": [USER], "tool_choice": {"type": "sometimes"}},
-            {"max_tokens": 8, "messages": [USER], "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+            # a server tool is left out of the prompt; forcing it is a 400
+            {"max_tokens": 8, "messages": [USER], "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+             "tool_choice": {"type": "tool", "name": "web_search"}},
         ]
         for body in bad:
             with pytest.raises(anthropic.BadRequestError) as info:
@@ -490,3 +492,18 @@ async def test_12_1_openapi_declares_the_routes(qwen3_dir: Path) -> None:
             doc = (await c.get("/openapi.json")).json()
     assert "/sessions/{sid}/v1/messages" in doc["paths"] and "/sessions/{sid}/v1/messages/count_tokens" in doc["paths"]
     assert "MessagesRequest" in doc["components"]["schemas"]
+
+
+async def test_12_4_server_tools_are_left_out_with_a_warning(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Like the Responses dialect's hosted tools: a harness that always sends a server
+    tool (web search) still runs with its client tools; the model never sees it."""
+    from session_server.api.dialects.anthropic_messages import _tools
+
+    tools = [{"type": "web_search_20250305", "name": "web_search"},
+             {"name": "read", "description": "Read a file", "input_schema": {"type": "object"}}]
+    with caplog.at_level("WARNING"):
+        out = _tools(tools)
+    assert out == [{"type": "function", "function": {"name": "read", "description": "Read a file",
+                                                     "parameters": {"type": "object"}}}]
+    assert "web_search_20250305:web_search" in caplog.text
+    assert _tools([{"type": "web_search_20250305", "name": "web_search"}]) is None
