@@ -6,6 +6,7 @@ event loop only moves bytes; `/health` answers without touching any session.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
@@ -15,7 +16,7 @@ from typing import Annotated, Any
 import orjson
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
@@ -61,6 +62,7 @@ from .errors import (
 )
 from .idempotency import Hold, ReplayLog, identify
 from .lifecycle import AppConfig, build_context, shutdown, start_background
+from .live import LiveTurn
 from .sessions import Session, SessionConfig
 from .turns import TurnOutput, TurnRunner
 
@@ -266,14 +268,32 @@ def create_app(config: AppConfig) -> FastAPI:
         body = await _read_body(request, ctx.settings.max_body_bytes)
         ident = await identify(ctx.offload, sid, dialect.name, request.headers, body)
 
+        live = LiveTurn(ctx, dialect)
+
         async def produce(hold: Hold) -> Rendered:
             req, out = await state["runner"].run(sid, body, parse=parse or dialect.parse,
-                                                 client_gone=hold(_client_gone(request)))
+                                                 client_gone=hold(_client_gone(request)), live=live)
             if committed is not None:
                 committed(req, out)
+            if live.active:  # streamed as sampled: the frames sent are the response
+                return live.finish(out)
             return await render(ctx, dialect, req, out)
 
-        return as_response(await state["replays"].serve(ident, produce))
+        # a streamed turn answers once it starts (issue 12.2); anything before that
+        # (and a turn that is not streamed) answers as one response, errors as HTTP errors
+        task = asyncio.ensure_future(state["replays"].serve(ident, produce))
+        task.add_done_callback(live.on_done)
+        started = asyncio.ensure_future(live.started.wait())
+        try:
+            await asyncio.wait([task, started], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            started.cancel()
+        if not live.active:
+            return as_response(await task)
+        return StreamingResponse(live.stream(task), media_type="text/event-stream")
 
     @app.post(
         "/sessions/{sid}/v1/messages",

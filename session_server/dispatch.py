@@ -24,7 +24,7 @@ from .api.models import ChatRequest
 from .context import ServerContext, log
 from .control import ResilientResult, generate_resilient
 from .engine_request import EngineCall
-from .engines.base import GenerateRequest
+from .engines.base import GenerateRequest, TokenDelta
 from .errors import UpstreamHTTPError, UpstreamTransportError
 from .routing import prefix_block_hashes, record_failure
 from .routing.pool import TargetStats
@@ -51,11 +51,13 @@ class _EngineDown:
 
 
 async def generate(
-    ctx: ServerContext, session: Session, req: ChatRequest, call: EngineCall, on_routed: Callable[[], None]
+    ctx: ServerContext, session: Session, req: ChatRequest, call: EngineCall, on_routed: Callable[[], None],
+    on_delta: Callable[[TokenDelta], None] | None = None,
 ) -> Generated:
-    """Route, admit and generate; an engine's 4xx on a constraint is the client's 400."""
+    """Route, admit and generate; an engine's 4xx on a constraint is the client's 400.
+    `on_delta`: a streamed turn's engine deltas (`generate_resilient`)."""
     try:
-        return await dispatch(ctx, session, call.greq, call.expect, on_routed)
+        return await dispatch(ctx, session, call.greq, call.expect, on_routed, on_delta)
     except UpstreamHTTPError as exc:
         refusal = engine_refusal(exc, call.greq.sampling.constraint, req)
         if refusal is not None:
@@ -65,7 +67,7 @@ async def generate(
 
 async def dispatch(
     ctx: ServerContext, session: Session, greq: GenerateRequest, expect: Expectations,
-    on_routed: Callable[[], None],
+    on_routed: Callable[[], None], on_delta: Callable[[TokenDelta], None] | None = None,
 ) -> Generated:
     """Send to the session's home; when that engine is down, re-home once and retry.
 
@@ -79,14 +81,22 @@ async def dispatch(
         hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
     attempts = 2 if len(ctx.engines.engines) > 1 else 1
     deadline = time.monotonic() + greq.timeout_s  # once: a re-home does not restart the clock
+    shown = 0
+
+    def forward(delta: TokenDelta) -> None:
+        nonlocal shown
+        shown += 1
+        if on_delta is not None:
+            on_delta(delta)
+
     for attempt in range(attempts):
         target = route(ctx, session, len(greq.input_ids), hashes)
         if attempt == 0:
             on_routed()  # the engine request built and its target chosen
-        got = await _attempt(ctx, session, target, greq, expect, deadline)
+        got = await _attempt(ctx, session, target, greq, expect, deadline, forward if on_delta else None)
         if not isinstance(got, _EngineDown):
             return Generated(result=got, target_id=target.id)
-        if attempt == attempts - 1:
+        if attempt == attempts - 1 or shown:  # streamed tokens were shown: no other sample
             raise got.error
         # nothing was received and nothing committed: a fresh generation on the
         # new home is a valid sample of the same turn
@@ -103,7 +113,7 @@ def route(ctx: ServerContext, session: Session, context_tokens: int, hashes: Any
 
 async def _attempt(
     ctx: ServerContext, session: Session, target: TargetStats, greq: GenerateRequest,
-    expect: Expectations, deadline: float,
+    expect: Expectations, deadline: float, on_delta: Callable[[TokenDelta], None] | None = None,
 ) -> ResilientResult | _EngineDown:
     """One try on `target`, its load and outcome booked there (in flight, cache estimate,
     engine health). A dead engine is returned, not raised, so the caller can re-home."""
@@ -116,7 +126,8 @@ async def _attempt(
     target.in_flight += 1
     result: ResilientResult | None = None
     try:
-        result = await generate_resilient(adapter, pinned, ctx.control, expect=expect, admit=admit, deadline=deadline)
+        result = await generate_resilient(adapter, pinned, ctx.control, expect=expect, admit=admit, deadline=deadline,
+                                          on_delta=on_delta)
         return result
     except UpstreamTransportError as exc:
         if not await _engine_down(ctx, engine.id, exc):

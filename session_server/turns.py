@@ -34,6 +34,7 @@ from .context import ServerContext
 from .dispatch import Generated, generate
 from .engine_request import EngineCall, engine_request
 from .errors import ClientGone, SessionClosed
+from .live import LiveTurn
 from .prepare import Prepared, check_branch_cap, prepare, render
 from .sessions import Claim, Session
 
@@ -82,13 +83,16 @@ class TurnRunner:
 
     async def run(
         self, session_id: str, body: bytes, *, parse: Callable[[bytes], ChatRequest],
-        client_gone: Callable[[], Coroutine[Any, Any, None]] | None = None,
+        client_gone: Callable[[], Coroutine[Any, Any, None]] | None = None, live: LiveTurn | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """Claim the session and run the turn as its own task (`parse` is the client
         dialect's: body -> the pipeline's `ChatRequest`), which ends early when
 
         - the client hangs up (`client_gone` returns): `ClientGone` (499, never sent);
         - the session is deleted (`SessionStore.close` cancels `session.turn`): 409.
+
+        `live` streams the turn as it is sampled when the request asks for a stream
+        (`live.py`; the events still to send after commit are in `live.pending`).
 
         Cancelling the work aborts its engine request (`generate_resilient`) and commits
         nothing (commit has no await inside), so the claim is free at once for a retry."""
@@ -97,7 +101,7 @@ class TurnRunner:
         session, claim = ctx.store.claim(session_id)
         timer.lap("claim")
         ctx.metrics.turns_in_flight.inc()
-        work = asyncio.create_task(self._turn(session, claim, body, parse, timer), name=f"tito-turn-{session_id}")
+        work = asyncio.create_task(self._turn(session, claim, body, parse, timer, live), name=f"tito-turn-{session_id}")
         session.turn = work
         watcher: asyncio.Task[None] | None = None
         if client_gone is not None:
@@ -138,7 +142,8 @@ class TurnRunner:
         self.ctx.metrics.turns_total.labels(outcome="discarded").inc()
 
     async def _turn(
-        self, session: Session, claim: Claim, body: bytes, parse: Callable[[bytes], ChatRequest], timer: _Timer
+        self, session: Session, claim: Claim, body: bytes, parse: Callable[[bytes], ChatRequest], timer: _Timer,
+        live: LiveTurn | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """The phases in order, each lapped under its own name (claim was lapped by `run`;
         `route` is lapped inside generate, when the first target is chosen)."""
@@ -151,9 +156,12 @@ class TurnRunner:
         timer.lap("render")
         check_branch_cap(ctx, session, rendered.prep)
         call = engine_request(ctx, session, req, rendered.prep, rendered.prompt_ids)
-        gen = await generate(ctx, session, req, call, on_routed=lambda: timer.lap("route"))
+        on_delta = live.begin(req, call, rendered.prep) if live is not None else None
+        gen = await generate(ctx, session, req, call, on_routed=lambda: timer.lap("route"), on_delta=on_delta)
         timer.lap("generate")
         checked = await validate(ctx, gen.result, call.expect, req, rendered.prep)
+        if live is not None and live.active:
+            live.pending = live.check(checked)  # a stream that disagrees commits nothing
         timer.lap("validate")
         done = await commit(ctx, session, claim, rendered.prep, rendered.prompt_ids, call, gen.result, checked,
                             gen.target_id)

@@ -23,13 +23,20 @@ import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenIds
+from session_server.engines.base import (
+    EngineAdapter,
+    GenerateRequest,
+    GenerateResult,
+    StreamItem,
+    TokenDelta,
+    TokenIds,
+)
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
 from trajectory.errors import ValidationError
 from trajectory.validate import Expectations, is_int, validate_generation
@@ -131,6 +138,16 @@ def _check_partial(result: GenerateResult, seg_rid: str, prompt_len: int, budget
         raise UpstreamInvalid(f"aborted segment {seg_rid} rejected: {exc}") from exc
 
 
+async def _streamed(items: AsyncIterator[StreamItem], on_delta: Callable[[TokenDelta], None]) -> GenerateResult:
+    """One streamed segment: its deltas to `on_delta`, its final result returned."""
+    async for item in items:
+        if isinstance(item, TokenDelta):
+            on_delta(item)
+        else:
+            return item
+    raise UpstreamInvalid("the engine stream ended without a result")
+
+
 async def generate_resilient(
     adapter: EngineAdapter,
     request: GenerateRequest,
@@ -140,6 +157,7 @@ async def generate_resilient(
     on_abort: Callable[[AbortEvent], None] | None = None,
     deadline: float | None = None,
     admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None = None,
+    on_delta: Callable[[TokenDelta], None] | None = None,
 ) -> ResilientResult:
     """Generate one turn through any number of pauses: abort -> accumulate -> resubmit.
 
@@ -152,6 +170,10 @@ async def generate_resilient(
     `admit(uncached_guess)` (prefill admission; None = the caller's own estimate, for the
     first segment) is held per segment, never while waiting at the gate; waiting for it
     or for the adapter's `slot()` past `deadline` is `UpstreamTimeout` (504).
+    `on_delta` (a streamed turn, issue 12.2) gets each `TokenDelta` as the engine streams
+    it, when the adapter can stream and the turn is unconstrained (a constrained partial
+    may be dropped on a pause, so it is never shown early); an aborted segment's deltas
+    are its kept partial, so the resubmitted segment's deltas continue the same stream.
     Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
     empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
     """
@@ -169,6 +191,7 @@ async def generate_resilient(
     slot = getattr(adapter, "slot", None)
     first_salt = control.cache_salt()
     constrained = request.sampling.constraint is not None
+    streaming = getattr(adapter, "generate_stream", None) if on_delta is not None and not constrained else None
     while True:
         async with contextlib.AsyncExitStack() as held:
             # gate -> prefill admission -> engine slot -> gate again -> read version/salt:
@@ -200,7 +223,10 @@ async def generate_resilient(
             )
             with control.track_flight(seg_rid, engine=engine, lora=lora):
                 try:
-                    result = await adapter.generate(seg)
+                    if streaming is not None and on_delta is not None:
+                        result = await _streamed(streaming(seg), on_delta)
+                    else:
+                        result = await adapter.generate(seg)
                 except (asyncio.CancelledError, UpstreamTimeout):
                     control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
                     raise

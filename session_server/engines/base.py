@@ -102,12 +102,28 @@ class GenerateResult:
     abort_message: str | None = None
 
 
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens a streamed generation sampled since its last delta (issue 12.2), values raw
+    as the engine sent them; the stream's final `GenerateResult` is what is validated."""
+
+    ids: Sequence[Any]
+    logprobs: Sequence[Any]
+    top_logprobs: Sequence[Any] | None = None
+
+
+StreamItem = TokenDelta | GenerateResult
+"""What an adapter's `generate_stream` yields: deltas, then one final result (the same
+`GenerateResult` a non-streamed `generate` of the request would return)."""
+
+
 @runtime_checkable
 class EngineAdapter(Protocol):
     """One engine endpoint (one base URL, possibly several DP ranks): the typed control
     protocol the rest of the server uses, reached through `engines.registry`.
 
-    Optional capabilities, looked up with `getattr` where used: `get_load()` (the load
+    Optional capabilities, looked up with `getattr` where used: `generate_stream(request)`
+    (an async iterator of `StreamItem`: the engine's own stream, issue 12.2), `get_load()` (the load
     the engine reports about itself, SGLang), `dp_size()` (SGLang), and the
     protocol-specific bulk `abort(...)` a per-LoRA pause uses (see control/fanout.py)."""
 

@@ -23,15 +23,20 @@ import contextlib
 import random
 import resource
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import msgspec
 import orjson
 
-from session_server.errors import UpstreamHTTPError, UpstreamTimeout, UpstreamTransportError
+from session_server.errors import (
+    UpstreamHTTPError,
+    UpstreamInvalid,
+    UpstreamTimeout,
+    UpstreamTransportError,
+)
 
 T = TypeVar("T")
 
@@ -95,12 +100,19 @@ async def request_bytes(
     if body is not None:
         hdrs.setdefault("Content-Type", "application/json")
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
-    try:
+    with translate_errors(method, url, engine=engine, timeout_s=timeout_s):
         async with session.request(
             method, url, data=body, headers=hdrs, params=params, timeout=timeout
         ) as resp:
             data = await resp.read()
             return HTTPReply(resp.status, data, resp.content_type)
+
+
+@contextlib.contextmanager
+def translate_errors(method: str, url: str, *, engine: str, timeout_s: float | None) -> Iterator[None]:
+    """aiohttp's exceptions as `session_server.errors` engine errors (the module doc's table)."""
+    try:
+        yield
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         raise UpstreamTimeout(f"{method} {url}: no answer within {timeout_s} s", engine=engine) from exc
     except aiohttp.ClientConnectorError as exc:
@@ -158,6 +170,27 @@ def encode_json(payload: Any) -> bytes:
     """Request bodies: orjson serialises numpy id arrays natively, so the context
     (up to 100K+ ids) is never turned into Python ints on the event loop."""
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+class StreamFold(Protocol):
+    """An adapter's fold of one streamed generation (SGLangStream, VLLMStream)."""
+
+    done: bool
+
+    def add(self, payload: bytes) -> Any: ...
+
+    def result(self) -> Any: ...
+
+
+async def fold_stream(payloads: AsyncIterator[bytes], fold: StreamFold) -> AsyncIterator[Any]:
+    """The deltas `fold` makes of each SSE payload as it arrives, then its final result."""
+    async for data in payloads:
+        delta = fold.add(data)
+        if delta is not None:
+            yield delta
+        if fold.done:
+            break
+    yield fold.result()
 
 
 Offload = Callable[..., Awaitable[Any]]
@@ -251,6 +284,40 @@ class EngineHTTP:
                 return await self._send(path, body, timeout_s=timeout_s, headers=headers)
             async with self._sem:
                 return await self._send(path, body, timeout_s=timeout_s, headers=headers)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def stream(
+        self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None,
+        slot_held: bool = False,
+    ) -> AsyncIterator[bytes]:
+        """POST a streamed generation (SSE) under the concurrency cap, as `generate`; yields
+        each `data:` payload as it arrives (`[DONE]` included). Not retried: a stream that
+        started may have produced tokens. A non-200 answer raises its typed error."""
+        self._in_flight += 1
+        self._idle.clear()
+        url = self.base_url + path
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if not slot_held:
+                    await stack.enter_async_context(self._sem)
+                with translate_errors("POST", url, engine=self.base_url, timeout_s=timeout_s):
+                    resp = await stack.enter_async_context(self.session().post(
+                        url, data=body, headers=hdrs, timeout=aiohttp.ClientTimeout(total=timeout_s)))
+                    if resp.status != 200:
+                        reply = HTTPReply(resp.status, await resp.read(), resp.content_type)
+                        raise http_error(reply, what=f"{self.protocol} {path}", engine=self.base_url)
+                    try:
+                        async for line in resp.content:
+                            line = line.strip()
+                            if line.startswith(b"data:"):
+                                yield line[5:].strip()
+                    except ValueError as exc:  # aiohttp: a line over its buffer's high-water mark
+                        raise UpstreamInvalid(f"POST {url}: stream frame too large: {exc}",
+                                              engine=self.base_url) from exc
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:

@@ -11,7 +11,7 @@ null (mid-stream); a JSON list body (batch or n>1) is refused; unknown
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -20,6 +20,8 @@ import msgspec
 from session_server.engines.base import (
     GenerateRequest,
     GenerateResult,
+    StreamItem,
+    TokenDelta,
     optional_sampling_fields,
 )
 from session_server.engines.http import (
@@ -27,6 +29,7 @@ from session_server.engines.http import (
     EngineHTTP,
     Offload,
     encode_json,
+    fold_stream,
     http_error,
     raw_or_none,
     run_inline,
@@ -34,7 +37,7 @@ from session_server.engines.http import (
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
 from trajectory.validate import is_int
 
-__all__ = ["SGLangAdapter", "parse_sglang_generate", "parse_sglang_stream"]
+__all__ = ["SGLangAdapter", "SGLangStream", "parse_sglang_generate", "parse_sglang_stream"]
 
 
 class _Meta(msgspec.Struct):
@@ -193,27 +196,78 @@ def parse_sglang_generate(
     return _from_struct(resp, request_id=request_id, engine=engine, require_logprobs=require_logprobs)
 
 
-def parse_sglang_stream(body: bytes | str, *, request_id: str, engine: str = "") -> GenerateResult:
-    """Parse a whole cumulative SSE `/generate` stream: the last frame before `[DONE]` is the result."""
-    text = body.decode() if isinstance(body, bytes) else body
-    last: _Generate | None = None
-    done = False
-    for line in text.splitlines():
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            done = True
-            break
-        frame = _decode(payload.encode(), request_id=request_id, engine=engine)
+class SGLangStream:
+    """Folds the frames of one streamed `/generate` into deltas and the final result.
+
+    Frames are cumulative by default (each repeats every earlier token) and deltas with
+    the server's incremental streaming option: a frame whose `output_token_logprobs`
+    cover all `completion_tokens` is cumulative. The final result is the last frame
+    (cumulative) or the frames joined (incremental), parsed as a non-streamed body is."""
+
+    def __init__(self, *, request_id: str, engine: str = "") -> None:
+        self.request_id, self.engine = request_id, engine
+        self.last: _Generate | None = None
+        self.triples: list[Any] = []
+        self.tops: list[Any] = []
+        self.ids: list[Any] = []
+        self.incremental = False
+        self.done = False
+
+    def add(self, payload: bytes) -> TokenDelta | None:
+        """One `data:` payload; the tokens it adds (None: none, or `[DONE]`)."""
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        frame = _decode(payload, request_id=self.request_id, engine=self.engine)
         if frame.error is not None:
             raise UpstreamHTTPError(
-                f"sglang {request_id}: stream error: {_error_message(frame.error)}", engine=engine
+                f"sglang {self.request_id}: stream error: {_error_message(frame.error)}", engine=self.engine
             )
-        last = frame
-    if last is None or not done:
-        raise UpstreamInvalid(f"sglang {request_id}: stream ended without [DONE]", engine=engine)
-    return _from_struct(last, request_id=request_id, engine=engine, require_logprobs=True)
+        meta = frame.meta_info
+        self.last = frame
+        triples = meta.output_token_logprobs if meta is not None else None
+        if not isinstance(triples, list):
+            return None
+        tops = meta.output_top_logprobs if meta is not None and isinstance(meta.output_top_logprobs, list) else []
+        ct = meta.completion_tokens if meta is not None else None
+        cumulative = not self.incremental and (not is_int(ct) or ct == len(triples)) and len(triples) >= len(self.triples)
+        if cumulative:
+            new, new_tops = triples[len(self.triples):], tops[len(self.triples):]
+            self.triples, self.tops = triples, tops
+            self.ids = list(frame.output_ids) if isinstance(frame.output_ids, list) else []
+        else:
+            self.incremental = True
+            new, new_tops = triples, tops
+            self.triples = self.triples + triples
+            self.tops = self.tops + tops
+            if isinstance(frame.output_ids, list):
+                self.ids.extend(frame.output_ids)
+        ok = [t for t in new if isinstance(t, list) and len(t) >= 2]
+        if not ok:
+            return None
+        top = _top_logprobs(new_tops, 0) if new_tops else None
+        return TokenDelta(ids=[t[1] for t in ok], logprobs=[t[0] for t in ok], top_logprobs=top)
+
+    def result(self) -> GenerateResult:
+        """The final result; a stream cut before `[DONE]` is invalid."""
+        last = self.last
+        if last is None or not self.done:
+            raise UpstreamInvalid(f"sglang {self.request_id}: stream ended without [DONE]", engine=self.engine)
+        if self.incremental and last.meta_info is not None:
+            last.meta_info.output_token_logprobs = self.triples
+            last.meta_info.output_top_logprobs = self.tops or None
+            last.output_ids = self.ids
+        return _from_struct(last, request_id=self.request_id, engine=self.engine, require_logprobs=True)
+
+
+def parse_sglang_stream(body: bytes | str, *, request_id: str, engine: str = "") -> GenerateResult:
+    """Parse a whole SSE `/generate` stream (cumulative or incremental frames)."""
+    text = body.decode() if isinstance(body, bytes) else body
+    acc = SGLangStream(request_id=request_id, engine=engine)
+    for line in text.splitlines():
+        if line.startswith("data:") and not acc.done:
+            acc.add(line[5:].strip().encode())
+    return acc.result()
 
 
 def build_sglang_payload(request: GenerateRequest) -> dict[str, Any]:
@@ -283,6 +337,16 @@ class SGLangAdapter:
         return await self._offload(
             parse_sglang_generate, reply.body, request_id=request.request_id, engine=self.base_url
         )
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
+        """POST /generate with `stream: true`: a `TokenDelta` per frame as the engine sends
+        it, then the final `GenerateResult`, equal to what `generate` returns."""
+        payload = build_sglang_payload(request)
+        payload["stream"] = True
+        acc = SGLangStream(request_id=request.request_id, engine=self.base_url)
+        async for item in fold_stream(self.http.stream("/generate", encode_json(payload), timeout_s=request.timeout_s,
+                                                    slot_held=request.slot_held), acc):
+            yield item
 
     # --- control plane -------------------------------------------------------------
 

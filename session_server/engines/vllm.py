@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -24,6 +24,8 @@ import msgspec
 from session_server.engines.base import (
     GenerateRequest,
     GenerateResult,
+    StreamItem,
+    TokenDelta,
     optional_sampling_fields,
 )
 from session_server.engines.http import (
@@ -31,6 +33,7 @@ from session_server.engines.http import (
     EngineHTTP,
     Offload,
     encode_json,
+    fold_stream,
     http_error,
     raw_or_none,
     run_inline,
@@ -40,6 +43,7 @@ from trajectory.validate import is_int
 
 __all__ = [
     "VLLMAdapter",
+    "VLLMStream",
     "parse_vllm_completions",
     "parse_vllm_generate",
     "parse_vllm_logprob_content",
@@ -190,6 +194,10 @@ def _result(
 def parse_vllm_generate(body: bytes, *, request_id: str, engine: str = "") -> GenerateResult:
     """Parse one non-streaming `/inference/v1/generate` body (HTTP 200). Pure; no I/O."""
     env, choice = _decode(body, request_id=request_id, engine=engine)
+    return _generate_result(env, choice, request_id=request_id, engine=engine)
+
+
+def _generate_result(env: _Envelope, choice: _Choice, *, request_id: str, engine: str) -> GenerateResult:
     if not isinstance(choice.token_ids, list):
         raise UpstreamInvalid(f"vllm {request_id}: choice has no token_ids", engine=engine)
     lp = choice.logprobs
@@ -207,6 +215,10 @@ def parse_vllm_completions(body: bytes, *, request_id: str, engine: str = "") ->
     """Parse one non-streaming `/v1/completions` body requested with a token-id prompt,
     `return_token_ids` and `return_tokens_as_token_ids`. Pure; no I/O."""
     env, choice = _decode(body, request_id=request_id, engine=engine)
+    return _completions_result(env, choice, request_id=request_id, engine=engine)
+
+
+def _completions_result(env: _Envelope, choice: _Choice, *, request_id: str, engine: str) -> GenerateResult:
     if not isinstance(choice.token_ids, list):
         raise UpstreamInvalid(
             f"vllm {request_id}: choice has no token_ids (return_token_ids unsupported?)",
@@ -228,6 +240,80 @@ def parse_vllm_completions(body: bytes, *, request_id: str, engine: str = "") ->
         env, choice, ids=choice.token_ids, lps=lp["token_logprobs"], echo=echo, tops=tops,
         engine=engine, request_id=request_id,
     )
+
+
+class VLLMStream:
+    """Folds the frames of one streamed token-in generation into deltas and the final
+    result. vLLM streams deltas: `token_ids` and logprob entries per chunk, the finish
+    reason on the last choice chunk, `usage` on a last chunk without choices (always on
+    `/inference/v1/generate`, with `stream_options.include_usage` on completions),
+    `prompt_token_ids` on the first completions chunk; the joined frames are parsed as a
+    non-streamed body is."""
+
+    def __init__(self, *, completions: bool, request_id: str, engine: str = "") -> None:
+        self.completions, self.request_id, self.engine = completions, request_id, engine
+        self.env = _Envelope()
+        self.choice = _Choice(token_ids=[])
+        self.content: list[Any] = []  # generate: logprob entries
+        self.lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        self.done = False
+
+    def add(self, payload: bytes) -> TokenDelta | None:
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        try:
+            env = _DECODER.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise UpstreamInvalid(f"vllm {self.request_id}: malformed stream chunk: {exc}", engine=self.engine) from exc
+        if isinstance(env, list):
+            raise UpstreamInvalid(f"vllm {self.request_id}: stream chunk is a JSON list", engine=self.engine)
+        if env.error is not None:
+            _decode(payload, request_id=self.request_id, engine=self.engine)  # raises the typed error
+        self.env.id = env.id if env.id is not None else self.env.id
+        self.env.request_id = env.request_id if env.request_id is not None else self.env.request_id
+        if env.usage is not None:
+            self.env.usage = env.usage
+        if not env.choices:
+            return None
+        if len(env.choices) != 1:
+            raise UpstreamInvalid(f"vllm {self.request_id}: expected one choice, got {len(env.choices)}",
+                                  engine=self.engine)
+        return self._choice(env.choices[0])
+
+    def _choice(self, c: _Choice) -> TokenDelta | None:
+        acc = self.choice
+        for name in ("index", "finish_reason", "stop_reason", "prompt_token_ids"):
+            if getattr(c, name) is not None:
+                setattr(acc, name, getattr(c, name))
+        if raw_or_none(c.routed_experts) is not None:
+            acc.routed_experts = c.routed_experts
+        ids = c.token_ids if isinstance(c.token_ids, list) else []
+        acc.token_ids.extend(ids)
+        lp = c.logprobs
+        if self.completions:
+            if isinstance(lp, dict):
+                for k, v in self.lp.items():
+                    if isinstance(lp.get(k), list):
+                        v.extend(lp[k])
+            lps = lp.get("token_logprobs") if isinstance(lp, dict) else None
+        else:
+            entries = lp.get("content") if isinstance(lp, dict) else lp
+            if isinstance(entries, list):
+                self.content.extend(entries)
+            lps = [e.get("logprob") if isinstance(e, dict) else e for e in entries] if isinstance(entries, list) else None
+        if not ids:
+            return None
+        return TokenDelta(ids=ids, logprobs=list(lps) if isinstance(lps, list) else [])
+
+    def result(self) -> GenerateResult:
+        if not self.done:
+            raise UpstreamInvalid(f"vllm {self.request_id}: stream ended without [DONE]", engine=self.engine)
+        if self.completions:
+            self.choice.logprobs = self.lp
+            return _completions_result(self.env, self.choice, request_id=self.request_id, engine=self.engine)
+        self.choice.logprobs = {"content": self.content}
+        return _generate_result(self.env, self.choice, request_id=self.request_id, engine=self.engine)
 
 
 def _sampling(request: GenerateRequest) -> dict[str, Any]:
@@ -356,7 +442,8 @@ class VLLMAdapter:
                 self.endpoint = "completions" if reply.status in (404, 405) else "generate"
             return self.endpoint
 
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
+    async def _request(self, request: GenerateRequest, *, stream: bool) -> tuple[str, bytes, dict[str, str]]:
+        """(path, body, headers) of one generation on the discovered endpoint."""
         if self.endpoint is None or self.model is None:
             await self.discover()
         assert self.model is not None
@@ -367,8 +454,14 @@ class VLLMAdapter:
             path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(
                 request, self.model, legacy_guided=legacy
             )
-        body = encode_json(payload)
+            if stream:
+                payload["stream_options"] = {"include_usage": True}
+        payload["stream"] = stream
         headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
+        return path, encode_json(payload), headers
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        path, body, headers = await self._request(request, stream=False)
         reply = await self.http.generate(path, body, timeout_s=request.timeout_s, headers=headers,
                                          slot_held=request.slot_held)
         if reply.status != 200:
@@ -376,6 +469,16 @@ class VLLMAdapter:
         parse = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
         # a reply can carry a large routed-experts payload: decode it off the event loop
         return await self._offload(parse, reply.body, request_id=request.request_id, engine=self.base_url)
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
+        """The same request with `stream: true`: a `TokenDelta` per chunk as the engine
+        sends it, then the final `GenerateResult`, equal to what `generate` returns."""
+        path, body, headers = await self._request(request, stream=True)
+        acc = VLLMStream(completions=self.endpoint != "generate", request_id=request.request_id,
+                         engine=self.base_url)
+        async for item in fold_stream(self.http.stream(path, body, timeout_s=request.timeout_s, headers=headers,
+                                                    slot_held=request.slot_held), acc):
+            yield item
 
     # --- control plane (dev mode) -----------------------------------------------------
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from session_server.sim.engine import EngineCore, Job, Outcome
     from session_server.sim.sampler import SimModel
 
-__all__ = ["FAULT_KINDS", "FaultQueue", "abort_at", "answer_fault", "apply_value_fault"]
+__all__ = ["FAULT_KINDS", "VALUE_FAULTS", "FaultQueue", "abort_at", "answer_fault", "apply_value_fault"]
 
 FAULT_KINDS = (
     "http_500",  # HTTP 500 with the engine's error body
@@ -38,6 +38,10 @@ FAULT_KINDS = (
     "bad_finish",  # finish inconsistent with the output (length <-> stop)
     "repetition",  # vLLM: the repetition detector stops after half the planned tokens (SGLang: none)
 )
+
+# faults that corrupt a finished output's values (`apply_value_fault`)
+VALUE_FAULTS = frozenset({"nan_logprob", "oov_id", "length_mismatch", "bool_id", "positive_logprob",
+                          "prompt_tokens_mismatch", "cached_above_prompt", "bad_finish"})
 
 ErrorResponder = Callable[[int, str], web.Response]
 

@@ -1,6 +1,6 @@
 """The vLLM wire of the simulated engine: `/inference/v1/generate` (token-in),
 `/v1/completions`, aborts, pause/resume, models, version and the prefix-cache
-metrics, shaped as current vLLM does. Requests are answered unstreamed."""
+metrics, shaped as current vLLM does; generations stream when asked (`stream: true`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,16 @@ import msgspec
 from aiohttp import web
 
 from session_server.sim.engine import EngineCore, Job, Outcome
-from session_server.sim.wire import Constraint, attach_constraint, json_response, run_job, salt
+from session_server.sim.faults import VALUE_FAULTS, answer_fault
+from session_server.sim.wire import (
+    ENCODER,
+    Constraint,
+    attach_constraint,
+    finish_job,
+    json_response,
+    run_job,
+    salt,
+)
 
 __all__ = ["VLLMWire", "vllm_constraint"]
 
@@ -75,6 +84,30 @@ def _dp_rank(request: web.Request, dp: int) -> int | None | web.Response:
     return rank
 
 
+def _slice_logprobs(lp: Any, start: int) -> Any:
+    """A choice's logprobs from token `start` on (chat-style `content` or completions lists)."""
+    if not isinstance(lp, dict):
+        return lp
+    return {k: v[start:] if isinstance(v, list) else v for k, v in lp.items()}
+
+
+def _chunk(body: dict[str, Any], start: int, *, final: bool) -> dict[str, Any]:
+    """One stream chunk of a whole answer `body`: its tokens from `start` on; the finish
+    reason, routed experts and usage only at the end (usage goes in its own chunk)."""
+    choice = dict(body["choices"][0])
+    choice["token_ids"] = choice["token_ids"][start:]
+    choice["logprobs"] = _slice_logprobs(choice.get("logprobs"), start)
+    if "text" in choice:  # completions: the text of these tokens (`text_offset` says where it starts)
+        offsets = (body["choices"][0].get("logprobs") or {}).get("text_offset") or []
+        choice["text"] = choice["text"][offsets[start]:] if start < len(offsets) else ""
+    if start:
+        choice.pop("prompt_token_ids", None)
+    if not final:
+        choice["finish_reason"] = choice["stop_reason"] = None
+        choice.pop("routed_experts", None)
+    return {**body, "choices": [choice], "usage": None}
+
+
 class VLLMWire:
     """vLLM's HTTP endpoints over one `EngineCore`."""
 
@@ -105,8 +138,6 @@ class VLLMWire:
         rank = _dp_rank(request, self.engine.dp)
         if isinstance(rank, web.Response):
             return rank
-        if body.get("stream"):
-            return vllm_error(400, "the simulator answers vLLM requests without streaming")
         job = Job(
             rid=str(body.get("request_id") or uuid.uuid4().hex),
             input_ids=list(prompt),
@@ -134,8 +165,42 @@ class VLLMWire:
         job = self._job(request, body, ids_key, path)
         if isinstance(job, web.Response):
             return job
+        if body.get("stream"):
+            usage = ids_key == "token_ids" or bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, job, shape, usage=usage)
         out = await run_job(self.engine, request, job, vllm_error)
         return out if isinstance(out, web.StreamResponse) else json_response(shape(job, out))
+
+    async def _stream(
+        self, request: web.Request, job: Job, shape: Callable[[Job, Outcome], Any], *, usage: bool
+    ) -> web.StreamResponse:
+        """SSE as vLLM streams: a delta chunk per sampled token (`token_ids`, logprobs),
+        the finish reason on the last, a usage chunk without choices, `[DONE]`. A job
+        with a value fault sends its tokens in the last chunk, where the fault lands."""
+        early = await answer_fault(self.engine, request, job, vllm_error)
+        if early is not None:
+            return early
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        sent = 0
+
+        async def frame(partial: Outcome) -> None:
+            nonlocal sent
+            if job.fault in VALUE_FAULTS or partial.finish != "length" or len(partial.ids) >= job.max_tokens:
+                return  # the last token goes out with the finish reason
+            await resp.write(b"data: " + ENCODER.encode(_chunk(shape(job, partial), sent, final=False)) + b"\n\n")
+            sent = len(partial.ids)
+
+        out = await self.engine.generate(job, on_token=frame)
+        finish_job(self.engine, job, out)
+        last = shape(job, out)
+        await resp.write(b"data: " + ENCODER.encode(_chunk(last, sent, final=True)) + b"\n\n")
+        if usage:
+            tail = {k: last.get(k) for k in ("id", "request_id", "object", "created", "model") if k in last}
+            await resp.write(b"data: " + ENCODER.encode({**tail, "choices": [], "usage": last["usage"]}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, "token_ids", "/inference/v1/generate", self._generate_body)

@@ -1,0 +1,246 @@
+"""Real streaming of a turn (issue 12.2): the engine's deltas forwarded as they are sampled.
+
+A `LiveTurn` belongs to one request. When the parsed request asks for `stream: true`,
+the pipeline (`turns.py`) calls `begin` once the engine request is built: the dialect's
+encoder gets `TurnStarted`, and `on_delta` then receives every `TokenDelta` the engine
+streams (through pauses: a resubmitted segment continues the same stream). Each delta
+becomes a `TokensDelta` and the text deltas `TextStreamer` can vouch for. Before commit,
+`check` verifies the streamed ids are a prefix of the validated ones and the streamed
+text a prefix of the message's fields (else the turn fails: nothing committed); after
+commit, `finish` sends the rest (held-back text, tool calls, `TurnCommitted`). A turn
+that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also kept
+(`frames`) so that a replayed request gets exactly these bytes (idempotency.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from trajectory.errors import CodecError
+
+from .api.stream_events import (
+    ContentDelta,
+    ReasoningDelta,
+    StreamEvent,
+    TokensDelta,
+    ToolArgumentsDelta,
+    ToolCallStarted,
+    TurnCommitted,
+    TurnFailed,
+    TurnStarted,
+)
+from .engines.base import TokenDelta
+from .errors import BadRequest, ServiceError, UpstreamInvalid, from_library
+
+if TYPE_CHECKING:
+    from .api.dialects import Dialect, Rendered
+    from .api.models import ChatRequest
+    from .commit import Checked
+    from .context import ServerContext
+    from .engine_request import EngineCall
+    from .prepare import Prepared
+    from .turns import TurnOutput
+
+__all__ = ["LiveTurn", "TextStreamer"]
+
+_THINK_CLOSE = "</think>"
+_FIELDS = (("reasoning_content", ReasoningDelta), ("content", ContentDelta))
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def _settled(text: str, *, tools: bool) -> str:
+    """The part of a field's speculative text that more tokens cannot change: without
+    a possibly unfinished marker (from the last `<` not closed by `>`; with tools
+    offered, from the first `<`, `[` or `{`, where a tool call could start) and without
+    trailing whitespace (parsers trim it before a call or at the end)."""
+    if tools:
+        cut = min((i for i in (text.find(c) for c in "<[{") if i >= 0), default=len(text))
+        text = text[:cut]
+    else:
+        lt = text.rfind("<")
+        if lt >= 0 and ">" not in text[lt:]:
+            text = text[:lt]
+    return text.rstrip()
+
+
+class TextStreamer:
+    """Text deltas of a turn being sampled that are certainly part of its committed
+    message: each field's text is what the codec's own parse gives for the ids so far,
+    agreed by the parse of the ids plus `</think>` (the model may still close a reasoning
+    block, which would turn content so far into reasoning), then `_settled`. What is
+    held back is sent by `tail` once the whole message is parsed."""
+
+    def __init__(self, parse: Callable[[Sequence[int]], dict[str, Any]], think_close: Sequence[int],
+                 *, tools: bool) -> None:
+        self._parse, self._think_close, self._tools = parse, list(think_close), tools
+        self.sent: dict[str, str] = {"reasoning_content": "", "content": ""}
+
+    def feed(self, ids: Sequence[int]) -> list[StreamEvent]:
+        """The new text deltas once `ids` (all sampled so far) are known."""
+        now = self._parse(ids)
+        if self._think_close:
+            alt = self._parse([*ids, *self._think_close])
+        else:  # no what-if: content is certain only after a reasoning block
+            alt = now if now.get("reasoning_content") is not None else {**now, "content": ""}
+        events: list[StreamEvent] = []
+        for name, kind in _FIELDS:
+            safe = _settled(_common_prefix(now.get(name) or "", alt.get(name) or ""), tools=self._tools)
+            done = self.sent[name]
+            if len(safe) > len(done) and safe.startswith(done):
+                events.append(kind(safe[len(done):]))
+                self.sent[name] = safe
+        return events
+
+    def tail(self, message: dict[str, Any]) -> list[StreamEvent]:
+        """The rest of each field; `UpstreamInvalid` when what was sent is not its prefix."""
+        events: list[StreamEvent] = []
+        for name, kind in _FIELDS:
+            full, done = str(message.get(name) or ""), self.sent[name]
+            if not full.startswith(done):
+                raise UpstreamInvalid(f"streamed {name} {done[-40:]!r} is not a prefix of the parsed message")
+            if len(full) > len(done):
+                events.append(kind(full[len(done):]))
+        return events
+
+
+def _failure(exc: BaseException) -> TurnFailed:
+    """An exception as our error envelope's (type, message, status)."""
+    err: ServiceError | None = exc if isinstance(exc, ServiceError) else None
+    if err is None and isinstance(exc, CodecError):
+        err = from_library(exc) or BadRequest(str(exc))
+    if err is None:
+        return TurnFailed("internal_error", f"{type(exc).__name__}: {exc}", 500)
+    return TurnFailed(err.type, err.message, err.status)
+
+
+class LiveTurn:
+    """One request's live stream: frames out as events happen, kept for replays."""
+
+    def __init__(self, ctx: ServerContext, dialect: Dialect) -> None:
+        self.ctx, self.dialect = ctx, dialect
+        self.started = asyncio.Event()
+        self.frames: list[bytes] = []
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._encoder: Any = None
+        self._text: TextStreamer | None = None
+        self._ids: list[Any] = []
+        self._ended = False
+        self.pending: list[StreamEvent] = []  # what `check` left to send after commit
+        self._next_parse = 0.0  # perf_counter time before which a delta is not re-parsed
+
+    @property
+    def active(self) -> bool:
+        return self.started.is_set()
+
+    def begin(self, req: ChatRequest, call: EngineCall, prep: Prepared) -> Callable[[TokenDelta], None] | None:
+        """Start the stream when the request asks for one; the engine delta callback."""
+        if not req.stream:
+            return None
+        ctx = self.ctx
+        self._encoder = self.dialect.encoder(req, ctx.tokenizer)
+        tools = None if req.tool_choice == "none" else prep.tools
+        kwargs = prep.template_kwargs
+
+        def parse(ids: Sequence[int]) -> dict[str, Any]:
+            return ctx.codec.parse_assistant(ids, tools=tools, template_kwargs=kwargs).to_message()
+
+        self._text = TextStreamer(parse, _think_close_ids(getattr(ctx.codec, "tokenizer", ctx.tokenizer)),
+                                  tools=bool(tools))
+        self._emit(TurnStarted(call.greq.request_id, len(call.greq.input_ids)))
+        self.started.set()
+        return self.on_delta
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        """An engine delta: its tokens, then whatever text became certain. The parse is
+        O(output so far) on the event loop, so it is skipped while the loop has spent more
+        than a tenth of the time since the last one parsing (text waits for a later delta)."""
+        self._ids.extend(delta.ids)
+        self._emit(TokensDelta(list(delta.ids), list(delta.logprobs), delta.top_logprobs))
+        t0 = time.perf_counter()
+        if self._text is None or t0 < self._next_parse:
+            return
+        try:
+            ids = [int(t) for t in self._ids]
+        except (TypeError, ValueError):
+            return  # a bad id: validation fails the turn at its end
+        for event in self._text.feed(ids):
+            self._emit(event)
+        t1 = time.perf_counter()
+        self._next_parse = t1 + 9 * (t1 - t0)
+
+    def check(self, checked: Checked) -> list[StreamEvent]:
+        """Before commit: the streamed tokens and text must be a prefix of the validated
+        turn (else `UpstreamInvalid`: nothing is committed); the events still to send."""
+        ids = checked.valid.ids.tolist()
+        if [int(t) for t in self._ids] != ids[: len(self._ids)]:
+            raise UpstreamInvalid("the engine's streamed tokens differ from its final output")
+        logprobs = checked.valid.logprobs.tolist()
+        events: list[StreamEvent] = []
+        if len(ids) > len(self._ids):  # not streamed (constrained turns) or held by the engine
+            n = len(self._ids)
+            events.append(TokensDelta(ids[n:], logprobs[n:], None))
+        assert self._text is not None
+        events += self._text.tail(checked.message)
+        for i, tc in enumerate(checked.message.get("tool_calls") or []):
+            fn = tc.get("function") or {}
+            events.append(ToolCallStarted(i, str(tc.get("id", "")), str(fn.get("name", ""))))
+            if fn.get("arguments"):
+                events.append(ToolArgumentsDelta(i, str(fn["arguments"])))
+        return events
+
+    def finish(self, out: TurnOutput) -> Rendered:
+        """After commit: the rest of the turn and `TurnCommitted`; every frame, for replays."""
+        from .api.dialects import Rendered
+
+        t0 = time.perf_counter()
+        for event in [*self.pending, TurnCommitted(out)]:
+            self._emit(event)
+        self._end()
+        self.ctx.metrics.observe_phase("respond", time.perf_counter() - t0)  # as `render` does
+        return Rendered("text/event-stream", frames=tuple(self.frames))
+
+    def on_done(self, task: asyncio.Future[Any]) -> None:
+        """The request's task ended: a failure after `begin` ends the stream with `TurnFailed`."""
+        exc = task.exception() if not task.cancelled() else asyncio.CancelledError()
+        if self.active and not self._ended and exc is not None:
+            self._emit(_failure(exc))
+            self._end()
+
+    async def stream(self, task: asyncio.Future[Any]) -> AsyncIterator[bytes]:
+        """The frames as they come; a client that leaves cancels the turn (nothing committed)."""
+        ended = False
+        try:
+            while (frame := await self._queue.get()) is not None:
+                yield frame
+            ended = True
+        finally:
+            if not ended and not task.done():
+                task.cancel()
+
+    def _emit(self, event: StreamEvent) -> None:
+        for frame in self._encoder.encode(event):
+            self.frames.append(frame)
+            self._queue.put_nowait(frame)
+
+    def _end(self) -> None:
+        self._ended = True
+        self._queue.put_nowait(None)
+
+
+def _think_close_ids(tokenizer: Any) -> list[int]:
+    """`</think>` as ids (the what-if of `TextStreamer`); none when the tokenizer cannot say."""
+    try:
+        return [int(t) for t in tokenizer.encode(_THINK_CLOSE, add_special_tokens=False)]
+    except Exception:  # a tokenizer without this signature: no what-if, reasoning is not split live
+        return []
