@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from trajectory.codec.parsing import tool_names
 from trajectory.errors import CodecError
 
 from .api.stream_events import (
@@ -34,6 +35,7 @@ from .api.stream_events import (
 )
 from .engines.base import TokenDelta
 from .errors import BadRequest, ServiceError, UpstreamInvalid, from_library
+from .incremental import FieldSplitter, IncrementalDecoder, IncrementalText, grammar_for
 
 if TYPE_CHECKING:
     from .api.dialects import Dialect, Rendered
@@ -48,6 +50,7 @@ __all__ = ["LiveTurn", "TextStreamer"]
 
 _THINK_CLOSE = "</think>"
 _FIELDS = (("reasoning_content", ReasoningDelta), ("content", ContentDelta))
+_KIND: dict[str, type[ReasoningDelta] | type[ContentDelta]] = dict(_FIELDS)
 
 
 def _common_prefix(a: str, b: str) -> str:
@@ -88,19 +91,32 @@ class TextStreamer:
 
     def feed(self, ids: Sequence[int]) -> list[StreamEvent]:
         """The new text deltas once `ids` (all sampled so far) are known."""
+        return self.advance(self.settle(ids))
+
+    def settle(self, ids: Sequence[int]) -> dict[str, str]:
+        """Each field's text certain for `ids` (pure: the fallback runs it off the loop)."""
         now = self._parse(ids)
         if self._think_close:
             alt = self._parse([*ids, *self._think_close])
         else:  # no what-if: content is certain only after a reasoning block
             alt = now if now.get("reasoning_content") is not None else {**now, "content": ""}
+        return {name: _settled(_common_prefix(now.get(name) or "", alt.get(name) or ""), tools=self._tools)
+                for name, _ in _FIELDS}
+
+    def advance(self, settled: dict[str, str]) -> list[StreamEvent]:
+        """The deltas from what was sent to `settled` (on the loop: it updates `sent`)."""
         events: list[StreamEvent] = []
         for name, kind in _FIELDS:
-            safe = _settled(_common_prefix(now.get(name) or "", alt.get(name) or ""), tools=self._tools)
-            done = self.sent[name]
+            safe, done = settled[name], self.sent[name]
             if len(safe) > len(done) and safe.startswith(done):
                 events.append(kind(safe[len(done):]))
                 self.sent[name] = safe
         return events
+
+    def add(self, name: str, text: str) -> StreamEvent:
+        """`text` more of field `name`, from the incremental splitter."""
+        self.sent[name] += text
+        return _KIND[name](text)
 
     def tail(self, message: dict[str, Any]) -> list[StreamEvent]:
         """The rest of each field; `UpstreamInvalid` when what was sent is not its prefix."""
@@ -137,7 +153,10 @@ class LiveTurn:
         self._ids: list[Any] = []
         self._ended = False
         self.pending: list[StreamEvent] = []  # what `check` left to send after commit
-        self._next_parse = 0.0  # perf_counter time before which a delta is not re-parsed
+        self._inc: IncrementalText | None = None  # the covered families' per-chunk path
+        self._parsing = False  # a fallback whole parse is running off the loop
+        self._stale = False  # ids came while it ran: parse again when it ends
+        self._closed = False  # `check` ran: no more text deltas
 
     @property
     def active(self) -> bool:
@@ -155,33 +174,64 @@ class LiveTurn:
         def parse(ids: Sequence[int]) -> dict[str, Any]:
             return ctx.codec.parse_assistant(ids, tools=tools, template_kwargs=kwargs).to_message()
 
-        self._text = TextStreamer(parse, _think_close_ids(getattr(ctx.codec, "tokenizer", ctx.tokenizer)),
-                                  tools=bool(tools))
+        tok = getattr(ctx.codec, "tokenizer", ctx.tokenizer)
+        self._text = TextStreamer(parse, _think_close_ids(tok), tools=bool(tools))
+        grammar = grammar_for(ctx.codec, tools=bool(tool_names(tools)), template_kwargs=kwargs)
+        if grammar is not None:
+            stops = getattr(ctx.codec, "stop_token_ids", ())
+            self._inc = IncrementalText(IncrementalDecoder(tok, stops), FieldSplitter(grammar))
         self._emit(TurnStarted(call.greq.request_id, len(call.greq.input_ids)))
         self.started.set()
         return self.on_delta
 
     def on_delta(self, delta: TokenDelta) -> None:
-        """An engine delta: its tokens, then whatever text became certain. The parse is
-        O(output so far) on the event loop, so it is skipped while the loop has spent more
-        than a tenth of the time since the last one parsing (text waits for a later delta)."""
+        """An engine delta: its tokens, then whatever text became certain. Covered families
+        decode and split only the new ids here (work follows the new tokens); others get
+        the whole parse, off the loop, one at a time (ids that came meanwhile wait for the next)."""
         self._ids.extend(delta.ids)
         self._emit(TokensDelta(list(delta.ids), list(delta.logprobs), delta.top_logprobs))
-        t0 = time.perf_counter()
-        if self._text is None or t0 < self._next_parse:
+        if self._text is None or self._closed:
             return
         try:
-            ids = [int(t) for t in self._ids]
+            new = [int(t) for t in delta.ids]
         except (TypeError, ValueError):
-            return  # a bad id: validation fails the turn at its end
-        for event in self._text.feed(ids):
+            self._closed = True  # a bad id: validation fails the turn at its end
+            return
+        if self._inc is not None:
+            try:
+                pieces = self._inc.feed(new)
+            except Exception:  # ids the tokenizer cannot decode: the end-of-turn parse says why
+                self._closed = True
+                return
+            for name, text in pieces:
+                self._emit(self._text.add(name, text))
+            return
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Start a fallback whole parse off the loop unless one is running (then mark stale)."""
+        if self._parsing:
+            self._stale = True
+            return
+        assert self._text is not None
+        self._parsing, self._stale = True, False
+        ids = [int(t) for t in self._ids]
+        fut = asyncio.ensure_future(self.ctx.offload.run(self._text.settle, ids))
+        fut.add_done_callback(self._parsed)
+
+    def _parsed(self, fut: asyncio.Future[dict[str, str]]) -> None:
+        self._parsing = False
+        if fut.cancelled() or fut.exception() is not None or self._closed or self._text is None:
+            return
+        for event in self._text.advance(fut.result()):
             self._emit(event)
-        t1 = time.perf_counter()
-        self._next_parse = t1 + 9 * (t1 - t0)
+        if self._stale:
+            self._schedule()
 
     def check(self, checked: Checked) -> list[StreamEvent]:
         """Before commit: the streamed tokens and text must be a prefix of the validated
         turn (else `UpstreamInvalid`: nothing is committed); the events still to send."""
+        self._closed = True  # a fallback parse still running is discarded
         ids = checked.valid.ids.tolist()
         if [int(t) for t in self._ids] != ids[: len(self._ids)]:
             raise UpstreamInvalid("the engine's streamed tokens differ from its final output")

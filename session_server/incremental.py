@@ -1,0 +1,224 @@
+"""Incremental text of a turn being sampled (issue 12.2): per-chunk work follows the new tokens.
+
+`IncrementalDecoder` decodes only the new ids (in a window from the last clean cut, so
+a multi-byte character split across tokens is held back while its text ends in U+FFFD),
+and `FieldSplitter` splits that text into reasoning and content with a small state
+machine driven by the codec's markers (`<think>`, `</think>`, `<tool_call>`), holding
+back only what more tokens could still change: a suffix that may start a marker, the
+whitespace the parsers strip, content once a tool call opens. It mirrors the parse of
+the families it covers (`grammar_for`); any other codec falls back to the whole-parse
+`TextStreamer` (off the loop). What it holds back is sent by `TextStreamer.tail`-style
+checks once the whole message is parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trajectory.codec.parsing import THINK_CLOSE, THINK_OPEN, TOOL_OPEN
+from trajectory.codec.probe import decode_text
+
+__all__ = ["FieldSplitter", "Grammar", "IncrementalDecoder", "IncrementalText", "grammar_for"]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """How a family's `parse_text` shapes the fields (what the splitter must mirror)."""
+
+    think: bool  # thinking on and the family splits `<think>...</think>`
+    tools: bool  # the request offered tools: `<tool_call>` opens a call
+    reasoning_ws: str | None = "\n"  # what reasoning is stripped of (None: all whitespace)
+    lstrip_after_think: bool = True  # content after a reasoning block loses leading newlines
+    glm_content: bool = False  # content is `.strip()`ped, but raw when a call fails to parse
+
+
+def grammar_for(codec: Any, *, tools: bool, template_kwargs: Mapping[str, Any] | None) -> Grammar | None:
+    """The grammar of `codec`'s parse, or None when this module does not mirror it."""
+    from trajectory.codec.chatml_qwen3 import Qwen3Codec
+    from trajectory.codec.generic import GenericCodec
+    from trajectory.codec.glm4 import Glm4Codec
+    from trajectory.codec.template import TemplateCodec
+
+    kind = type(codec)
+    if not isinstance(codec, TemplateCodec) or kind.parse_assistant is not TemplateCodec.parse_assistant:
+        return None
+    thinking = bool(codec.thinking(template_kwargs))
+    if kind.parse_text is Qwen3Codec.parse_text:
+        return Grammar(think=thinking, tools=tools)
+    if kind.parse_text is Glm4Codec.parse_text:
+        return Grammar(think=thinking, tools=tools, reasoning_ws=None, lstrip_after_think=False, glm_content=True)
+    if kind.parse_text is GenericCodec.parse_text:
+        if getattr(codec, "_xml", False):
+            return None
+        hermes = bool(getattr(codec, "_hermes", False))
+        return Grammar(think=thinking and bool(getattr(codec, "_think", False)), tools=tools and hermes)
+    if kind.parse_text is TemplateCodec.parse_text:
+        return Grammar(think=False, tools=False)
+    return None
+
+
+class IncrementalDecoder:
+    """Text of the ids so far, decoded a few ids at a time. A trailing stop id (the codec
+    drops it before parsing) is held until another id follows it."""
+
+    def __init__(self, tokenizer: Any, stop_ids: Sequence[int] = (), *, context: int = 4) -> None:
+        self._tok, self._stops, self._n = tokenizer, frozenset(int(t) for t in stop_ids), context
+        self._ctx: list[int] = []  # the last few ids already sent: their text decodes the next ones in context
+        self._ctx_text = ""
+        self._pending: list[int] = []  # ids whose text is not sent yet (a split character)
+        self._held: list[int] = []
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """The new text once `ids` (the new ones only) are known."""
+        new = [*self._held, *(int(t) for t in ids)]
+        self._held = [new.pop()] if new and new[-1] in self._stops else []
+        if not new:
+            return ""
+        self._pending += new
+        window = [*self._ctx, *self._pending]
+        text = decode_text(self._tok, window)
+        if text.endswith("\ufffd") or not text.startswith(self._ctx_text):
+            return ""  # a character split across tokens: wait for its last byte
+        out = text[len(self._ctx_text) :]
+        self._ctx, self._pending = window[-self._n :], []
+        self._ctx_text = decode_text(self._tok, self._ctx)
+        return out
+
+
+def _partial(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class FieldSplitter:
+    """Reasoning / content deltas of a text fed in pieces, as `Grammar`'s parse gives them
+    for the whole text, minus what could still change. States: `pre` (maybe `<think>`),
+    `unknown` (thinking on, no `<think>`: wait for `</think>`), `reason`, `content`, `done`."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        self.g = grammar
+        self.state = "pre" if grammar.think else "content"
+        self._buf = ""  # text of the current state not yet sent
+        self._scan = 0  # no marker starts in `_buf` before this
+        self._started = False  # the current field's leading strip is done
+        self._after_think = False
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """(field, delta) pairs, field `reasoning_content` or `content`."""
+        self._buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            state = self.state
+            getattr(self, "_" + state)(out)
+            if self.state == state:
+                return out
+
+    def _find(self, marker: str) -> int:
+        i = self._buf.find(marker, self._scan)
+        self._scan = max(0, len(self._buf) - len(marker) + 1) if i < 0 else i
+        return i
+
+    def _drop(self, n: int) -> None:
+        self._buf, self._scan = self._buf[n:], max(0, self._scan - n)
+
+    def _to(self, state: str) -> None:
+        self.state, self._scan, self._started = state, 0, False
+
+    def _pre(self, out: list[tuple[str, str]]) -> None:
+        s = self._buf.lstrip()
+        if THINK_OPEN.startswith(s):
+            return
+        if s.startswith(THINK_OPEN):
+            self._buf = s[len(THINK_OPEN) :]
+            self._to("reason")
+        else:
+            self._to("unknown")
+
+    def _unknown(self, out: list[tuple[str, str]]) -> None:
+        i = self._find(THINK_CLOSE)
+        if i < 0:
+            return
+        head = self._buf[:i]
+        if THINK_OPEN in head:
+            head = head.split(THINK_OPEN, 1)[1]
+        self._buf = self._buf[i:]
+        self._to("reason")
+        self._reason_text(out, head, final=True)
+        self._close_think()
+
+    def _reason(self, out: list[tuple[str, str]]) -> None:
+        i = self._find(THINK_CLOSE)
+        if i >= 0:
+            self._reason_text(out, self._buf[:i], final=True)
+            self._drop(i)
+            self._close_think()
+            return
+        avail = len(self._buf) - _partial(self._buf, THINK_CLOSE)
+        self._drop(self._reason_text(out, self._buf[:avail], final=False))
+
+    def _close_think(self) -> None:
+        self._drop(len(THINK_CLOSE))
+        self._after_think = True
+        self._to("content")
+
+    def _reason_text(self, out: list[tuple[str, str]], text: str, *, final: bool) -> int:
+        """Send reasoning from `text` (the start of `_buf`); how many chars it consumed."""
+        ws, used = self.g.reasoning_ws, 0
+        if not self._started:
+            stripped = text.lstrip(ws)
+            used = len(text) - len(stripped)
+            text = stripped
+            if not text:
+                return used
+            self._started = True
+        body = text.rstrip(ws)
+        if body:
+            out.append(("reasoning_content", body))
+        return used + len(body)
+
+    def _content(self, out: list[tuple[str, str]]) -> None:
+        g = self.g
+        if not self._started:
+            if self._after_think and g.lstrip_after_think:
+                self._drop(len(self._buf) - len(self._buf.lstrip("\n")))
+            if not self._buf:
+                return
+            if g.glm_content:
+                if g.tools and self._buf[0].isspace():  # raw on a failed call, stripped otherwise
+                    self._to("done")
+                    return
+                self._drop(len(self._buf) - len(self._buf.lstrip()))
+                if not self._buf:
+                    return
+            self._started = True
+        end, last = len(self._buf), False
+        if g.tools:
+            i = self._find(TOOL_OPEN)
+            end, last = (i, True) if i >= 0 else (end - _partial(self._buf, TOOL_OPEN), False)
+        body = self._buf[:end]
+        if g.tools or g.glm_content:
+            body = body.rstrip()
+        if body:
+            out.append(("content", body))
+        self._drop(len(body))
+        if last:
+            self._to("done")
+
+    def _done(self, out: list[tuple[str, str]]) -> None:
+        self._buf = ""
+
+
+class IncrementalText:
+    """Decoder and splitter together: new ids in, (field, delta) pairs out."""
+
+    def __init__(self, decoder: IncrementalDecoder, splitter: FieldSplitter) -> None:
+        self.decoder, self.splitter = decoder, splitter
+
+    def feed(self, ids: Sequence[int]) -> list[tuple[str, str]]:
+        text = self.decoder.feed(ids)
+        return self.splitter.feed(text) if text else []
