@@ -10,6 +10,13 @@ process. Server, engine, load generator and poller are separate processes. Write
 
     python bench/responsiveness.py --json bench/results/responsiveness.json
 
+`--stream-fraction 0 0.5` runs the same workload twice (fresh server and engine each):
+all chats non-streamed, then half of each wave sent with `stream: true` and read frame
+by frame as SSE, as an agent would (issue 12: /health must still hold while chats stream).
+
+    python bench/responsiveness.py --payload floats --stream-fraction 0 0.5 \
+        --json bench/results/responsiveness_streaming.json
+
 `--stall-probe` measures a different workload (issue 8, loop stalls that grow with
 context or session count): `--idle-sessions` (100K) idle sessions exist while the
 TTL sweeper runs every 5 s, and one session holds a `--context-tokens` (~100K)
@@ -69,24 +76,49 @@ def _poll_health_process(url: str, ready: Any, stop: Any, out: Any) -> None:
     out.send(asyncio.run(poll()))
 
 
-async def _one_chat(url: str, errors: dict[str, int]) -> bool:
+async def _read_sse(r: aiohttp.ClientResponse) -> int:
+    """Every frame of a streamed answer, as an agent reads it; the count of `data:`
+    frames, or -1 when the stream ended without `[DONE]` (cut or failed)."""
+    frames, done = 0, False
+    async for line in r.content:
+        if line.startswith(b"data:"):
+            frames += 1
+            done = line.strip() == b"data: [DONE]"
+    return frames if done else -1
+
+
+async def _one_chat(url: str, errors: dict[str, int], stream: bool = False,
+                    frames: list[int] | None = None) -> bool:
+    """One first-turn chat on a new session and connection; `stream` sends it with
+    `stream: true` and reads it as SSE (its frame count goes to `frames`)."""
     conn = aiohttp.TCPConnector(force_close=True)
+    body = {**CHAT, "stream": True} if stream else CHAT
     async with aiohttp.ClientSession(connector=conn) as http:
         try:
             async with http.post(f"{url}/sessions", json={}) as r:
                 sid = (await r.json())["session_id"]
-            async with http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=CHAT) as r:
-                await r.read()
+            async with http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=body) as r:
                 if r.status != 200:
+                    await r.read()
                     errors[str(r.status)] = errors.get(str(r.status), 0) + 1
                     return False
+                if not stream:
+                    await r.read()
+                    return True
+                n = await _read_sse(r)
+                if n < 0:
+                    errors["stream_without_done"] = errors.get("stream_without_done", 0) + 1
+                    return False
+                if frames is not None:
+                    frames.append(n)
             return True
         except aiohttp.ClientError as exc:
             errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
             return False
 
 
-async def _measure(url: str, k: int, seconds: float, nice: int) -> dict[str, Any]:
+async def _measure(url: str, k: int, seconds: float, nice: int, stream_fraction: float = 0.0) -> dict[str, Any]:
+    """Waves of `k` chats for `seconds`; `round(k * stream_fraction)` of each wave stream."""
     ctx = multiprocessing.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
     recv, send = ctx.Pipe(duplex=False)
@@ -98,9 +130,9 @@ async def _measure(url: str, k: int, seconds: float, nice: int) -> dict[str, Any
         raise RuntimeError("the /health poller did not start")
     await asyncio.sleep(0.3)  # a baseline before the load
     t0 = time.perf_counter()
-    ok = 0
+    ok, n_stream, frames = 0, round(k * stream_fraction), []
     while time.perf_counter() - t0 < seconds:
-        results = await asyncio.gather(*(_one_chat(url, errors) for _ in range(k)))
+        results = await asyncio.gather(*(_one_chat(url, errors, i < n_stream, frames) for i in range(k)))
         ok += sum(results)
     elapsed = time.perf_counter() - t0
     stop.set()
@@ -117,6 +149,9 @@ async def _measure(url: str, k: int, seconds: float, nice: int) -> dict[str, Any
         },
         "chats_per_s": ok / elapsed,
         "chats": ok,
+        "stream_fraction": stream_fraction,
+        "streamed_chats": len(frames),
+        "sse_frames_per_streamed_chat": float(np.mean(frames)) if frames else 0.0,
         "errors": sum(errors.values()),
         "errors_by_kind": errors,
         "series": samples,
@@ -249,6 +284,9 @@ def main() -> int:
     ap.add_argument("--nice", type=int, default=10,
                     help="CPU niceness of the load generator and the simulated engine, which stand in "
                          "for other machines; the server and the /health poller run at 0 (use 0 for all)")
+    ap.add_argument("--stream-fraction", type=float, nargs="+", default=[0.0],
+                    help="the share of each wave's chats sent with `stream: true` and read as SSE; "
+                         "several values run one after another, each on a fresh server and engine")
     ap.add_argument("--stall-probe", action="store_true",
                     help="the issue-8 stall probe instead (idle sessions, big export, cache_aware hashing)")
     ap.add_argument("--idle-sessions", type=int, default=100_000)
@@ -258,24 +296,28 @@ def main() -> int:
     if args.stall_probe:
         return _run_stall_probe(args, tok)
     variants = ("floats", "base64") if args.payload == "both" else (args.payload,)
+    load_before = os.getloadavg()  # the machine may be shared: note what else was running
     results: dict[str, dict[str, Any]] = {}
-    for payload in variants:
+    for payload, fraction in ((p, f) for p in variants for f in args.stream_fraction):
+        name = payload if fraction == 0 else f"{payload}_stream{round(fraction * 100)}"
         padding = [] if payload == "none" else ["--padding", payload]
         with sim_engine(args.protocol, tok, extra=padding, nice=args.nice) as eng, server(
             [f"{args.protocol}={eng}"], tok, extra=args.server_args.split()
         ) as url:
-            results[payload] = asyncio.run(_measure(url, args.k, args.seconds, args.nice))
+            results[name] = asyncio.run(_measure(url, args.k, args.seconds, args.nice, fraction))
             os.setpriority(os.PRIO_PROCESS, 0, 0)
-        r = results[payload]
-        print(f"{payload:>7}: /health p50 {r['health_ms']['p50']:.1f} p95 {r['health_ms']['p95']:.1f} "
+        r = results[name]
+        print(f"{name:>16}: /health p50 {r['health_ms']['p50']:.1f} p95 {r['health_ms']['p95']:.1f} "
               f"p99 {r['health_ms']['p99']:.1f} max {r['health_ms']['max']:.1f} ms; "
               f"{r['chats_per_s']:.1f} chats/s; errors {r['errors']}")
     png = args.png or args.json.with_suffix(".png")
     _plot(results, png)
-    first = results[variants[0]]
+    first = next(iter(results.values()))
     out = {
         "workload": {"k": args.k, "seconds": args.seconds, "protocol": args.protocol, "payload": variants[0],
-                     "nice_load_and_engine": args.nice, "server_args": args.server_args},
+                     "nice_load_and_engine": args.nice, "server_args": args.server_args,
+                     "stream_fractions": args.stream_fraction, "loadavg_before": load_before,
+                     "loadavg_after": os.getloadavg()},
         "health_ms": first["health_ms"],
         "chats_per_s": first["chats_per_s"],
         "errors": sum(r["errors"] for r in results.values()),
