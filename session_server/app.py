@@ -339,6 +339,13 @@ def create_app(config: AppConfig) -> FastAPI:
         store.touch(s)  # reading a session is using it: its TTL restarts (issue 16.10)
         return _json(session_view(s))
 
+    @app.head("/sessions/{sid}", include_in_schema=False)
+    async def head_session(sid: str) -> Response:
+        """Whether the session exists: harnesses probe their base URL (Claude Code sends
+        HEAD to it before its first request); 404 when it does not."""
+        ctx_of().store.get(sid)
+        return Response(status_code=200)
+
     @app.get("/sessions/{sid}/trajectory", **route_doc(None, 400, 404, media=(JSON, "application/octet-stream")))
     async def get_trajectory(sid: str, format: str = "json") -> Response:
         ctx = ctx_of()
