@@ -50,6 +50,8 @@ from trajectory.buffer import TokenBuffer
 from trajectory.errors import ExportError, TrajectoryError
 from trajectory.linear import LinearTrajectory, TurnRecord, WeightSpan
 from trajectory.routed import RoutedRows
+from trajectory.routed import from_json as routed_from_json
+from trajectory.routed import to_json as routed_to_json
 from trajectory.tree import Branch, TrajectoryTree
 
 FORMAT = "tito-trajectory"
@@ -63,7 +65,6 @@ JSON_CHUNK_RECORDS = 64
 # Bytes of routed-experts rows per base64 piece of `iter_json` (a multiple of 3, so
 # the pieces' base64 concatenates to the whole array's).
 ROUTED_CHUNK_BYTES = 3 * 256 * 1024
-_ROUTED_DTYPES = {"uint8": np.uint8, "int16": np.int16, "int32": np.int32}
 
 
 def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
@@ -158,7 +159,7 @@ def to_dict(tree: TrajectoryTree, *, metadata: Mapping[str, Any] | None = None) 
         d["logprobs"] = lps.tolist()
         routed = _own_routed(b)
         if routed is not None:
-            d["routed_experts"] = {**_routed_head(routed), "data": base64.b64encode(routed.tobytes()).decode()}
+            d["routed_experts"] = routed_to_json(routed)
         branches.append(d)
     out["branches"] = branches
     return out
@@ -301,20 +302,7 @@ def _routed_array(value: Any, where: str) -> np.ndarray | None:
     """A branch's concatenated rows: an npz array, or the JSON object with base64 data."""
     if value is None or isinstance(value, np.ndarray):
         return value
-    if not isinstance(value, Mapping):
-        raise ExportError(f"{where}: routed_experts must be an object")
-    dtype = _ROUTED_DTYPES.get(value.get("dtype"))  # type: ignore[arg-type]
-    if dtype is None:
-        raise ExportError(f"{where}: routed_experts dtype {value.get('dtype')!r} is not one of {sorted(_ROUTED_DTYPES)}")
-    layers, topk = _int(value.get("layers"), f"{where} layers"), _int(value.get("topk"), f"{where} topk")
-    try:
-        raw = base64.b64decode(value["data"], validate=True)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ExportError(f"{where}: routed_experts data is not base64: {exc}") from exc
-    per = layers * topk * np.dtype(dtype).itemsize
-    if per <= 0 or len(raw) % per:
-        raise ExportError(f"{where}: {len(raw)} routed-experts bytes are not rows of {layers}x{topk} {np.dtype(dtype)}")
-    return np.frombuffer(raw, dtype=dtype).reshape(-1, layers, topk)
+    return routed_from_json(value, where)
 
 
 def _with_routed(turns: list[TurnRecord], raw: list[Any], value: Any, where: str) -> list[TurnRecord]:

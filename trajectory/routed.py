@@ -19,14 +19,18 @@ per position for 60 layers x top-8).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import base64
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from trajectory.errors import InvariantError
+from trajectory.errors import ExportError, InvariantError
 
-__all__ = ["RoutedRows", "coverage_end", "line_rows", "narrow"]
+__all__ = ["RoutedRows", "coverage_end", "from_json", "line_rows", "narrow", "to_json"]
+
+JSON_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16), "int32": np.dtype(np.int32)}
 
 _U8_MAX = int(np.iinfo(np.uint8).max)
 _I16_MAX = int(np.iinfo(np.int16).max)
@@ -126,3 +130,30 @@ def line_rows(turns: Sequence[object], n_tokens: int) -> np.ndarray | None:
         take = min(r.end, want) - r.start
         out[r.start : r.start + take] = r.rows[:take]
     return out
+
+
+def to_json(rows: np.ndarray) -> dict[str, Any]:
+    """Rows as the exports' JSON object: ``{"dtype", "layers", "topk", "data"}``, with
+    ``data`` the base64 of the C-order bytes."""
+    return {"dtype": rows.dtype.name, "layers": int(rows.shape[1]), "topk": int(rows.shape[2]),
+            "data": base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode()}
+
+
+def from_json(value: Any, where: str, rows: int | None = None) -> np.ndarray:
+    """`to_json`'s object back as a read-only array (`rows`: the count it must hold);
+    anything malformed is `ExportError`."""
+    if not isinstance(value, Mapping):
+        raise ExportError(f"{where}: routed_experts must be an object")
+    dtype = JSON_DTYPES.get(value.get("dtype"))  # type: ignore[arg-type]
+    layers, topk = value.get("layers"), value.get("topk")
+    if dtype is None or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (layers, topk)):
+        raise ExportError(f"{where}: routed_experts needs a dtype in {sorted(JSON_DTYPES)} and layers, topk >= 1")
+    try:
+        raw = base64.b64decode(value["data"], validate=True)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ExportError(f"{where}: routed_experts data is not base64: {exc}") from exc
+    assert isinstance(layers, int) and isinstance(topk, int)
+    per = layers * topk * dtype.itemsize
+    if len(raw) % per or (rows is not None and len(raw) != rows * per):
+        raise ExportError(f"{where}: {len(raw)} routed-experts bytes are not rows of {layers}x{topk} {dtype}")
+    return np.frombuffer(raw, dtype=dtype).reshape(-1, layers, topk)

@@ -40,7 +40,6 @@ malformed; loaded samples' arrays are views into the batch arrays (no copy).
 
 from __future__ import annotations
 
-import base64
 import io
 import math
 import struct
@@ -56,6 +55,8 @@ import safetensors
 import safetensors.numpy
 
 from trajectory.errors import ExportError
+from trajectory.routed import from_json as routed_from_json
+from trajectory.routed import to_json as routed_to_json
 from trajectory.samples import STATUSES, Sample
 
 FORMAT = "tito-samples"
@@ -124,8 +125,7 @@ def _json_object(s: Sample) -> dict[str, Any]:
     if s.routed_experts is not None:
         rows = _routed_batch([s])
         assert rows is not None
-        d[ROUTED] = {"dtype": rows.dtype.name, "layers": int(rows.shape[1]), "topk": int(rows.shape[2]),
-                     "data": base64.b64encode(rows.tobytes()).decode()}
+        d[ROUTED] = routed_to_json(rows)
     return d
 
 
@@ -589,26 +589,9 @@ def load_samples_json(data: bytes | str | Mapping[str, Any]) -> list[Sample]:
                 raise ExportError(f"{where} {name} does not fit {dtype}")
             arrays[name] = arr
         if d.get(ROUTED) is not None:
-            arrays[ROUTED] = _routed_json(d[ROUTED], len(arrays["token_ids"]), where)
+            arrays[ROUTED] = routed_from_json(d[ROUTED], where, max(0, len(arrays["token_ids"]) - 1))
         out.append(_sample(arrays, {k: v for k, v in d.items() if k not in arrays and k != ROUTED}, where))
     return out
-
-
-def _routed_json(value: Any, n: int, where: str) -> np.ndarray:
-    """A JSON sample's routed experts: ``{"dtype", "layers", "topk", "data"}``."""
-    if not isinstance(value, dict):
-        raise ExportError(f"{where} routed_experts must be an object")
-    dtype = _ROUTED_DTYPES.get(value.get("dtype"))  # type: ignore[arg-type]
-    if dtype is None:
-        raise ExportError(f"{where} routed_experts dtype must be one of {sorted(_ROUTED_DTYPES)}")
-    layers, topk = _int(value.get("layers"), f"{where} layers"), _int(value.get("topk"), f"{where} topk")
-    try:
-        raw = base64.b64decode(value["data"], validate=True)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ExportError(f"{where} routed_experts data is not base64: {exc}") from exc
-    if layers < 1 or topk < 1 or len(raw) != max(0, n - 1) * layers * topk * dtype.itemsize:
-        raise ExportError(f"{where} routed_experts bytes are not [{n - 1}, {layers}, {topk}] {dtype}")
-    return np.frombuffer(raw, dtype=dtype).reshape(-1, layers, topk)
 
 
 def load_samples_npz(data: bytes) -> list[Sample]:
