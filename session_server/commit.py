@@ -22,6 +22,7 @@ from .engine_request import EngineCall
 from .engines.base import GenerateResult
 from .errors import InternalInvariant, UpstreamInvalid
 from .prepare import Prepared
+from .routed import RoutedShape, join
 from .sessions import Claim, Session
 from .structured import apply_output_policy
 
@@ -37,6 +38,7 @@ class Checked:
     repair: list[int]  # tokens that close a turn the engine cut short
     message: dict[str, Any]  # the assistant message returned and stored
     finish: str  # stop | tool_calls | length | abort | repetition
+    routed: Any = None  # routing replay: (rows, layers, topk) for [routed start, output_end - 1)
 
 
 @dataclass(frozen=True)
@@ -48,15 +50,31 @@ class Committed:
 
 
 async def validate(
-    ctx: ServerContext, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared
+    ctx: ServerContext, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared,
+    call: EngineCall | None = None,
 ) -> Checked:
-    """The engine output validated, parsed and shaped by the request's output policy."""
+    """The engine output validated, parsed and shaped by the request's output policy;
+    with routing replay, its routed experts decoded and gap-checked (offload)."""
     valid, parsed, repair = await ctx.offload.run(_check_output, ctx, result, expect, req, prep)
+    routed = None
+    if call is not None and call.greq.return_routed_experts:
+        routed = await ctx.offload.run(_routed_rows, ctx, call, result)
     parsed = await ctx.offload.run(apply_output_policy, parsed, req, ctx.codec, valid)
     finish = valid.finish_reason
     if finish == "stop" and parsed.tool_calls:
         finish = "tool_calls"
-    return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish)
+    return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish,
+                   routed=routed)
+
+
+def _routed_rows(ctx: ServerContext, call: EngineCall, result: ResilientResult) -> Any:
+    """The turn's routed experts for positions [start, input + output - 1) (offload)."""
+    s = ctx.settings
+    shape = RoutedShape(layers=s.routed_experts_layers, topk=s.routed_experts_topk,
+                        num_experts=s.routed_experts_num_experts)
+    end = len(call.greq.input_ids) + len(result.output_ids) - 1
+    return join(result.routed_pieces, start=call.greq.routed_experts_start, end=end, shape=shape,
+                expect=call.routed_shape)
 
 
 def _check_output(
@@ -103,6 +121,7 @@ async def commit(
             engine=target_id,
             cached_tokens=valid.cached_tokens,
             extra=extra,
+            routed_experts=checked.routed,
         )
         if checked.repair:
             session.note("repair", turn=record.index, tokens=len(checked.repair), finish_reason=checked.finish)

@@ -57,6 +57,7 @@ class SessionConfig:
     lora: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     history_policy: HistoryPolicy = HistoryPolicy.APPEND
+    routing_replay: bool = False  # ask the engine for routed experts and store them (R3)
 
 
 @dataclass

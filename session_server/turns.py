@@ -159,7 +159,7 @@ class TurnRunner:
         on_delta = live.begin(req, call, rendered.prep) if live is not None else None
         gen = await generate(ctx, session, req, call, on_routed=lambda: timer.lap("route"), on_delta=on_delta)
         timer.lap("generate")
-        checked = await validate(ctx, gen.result, call.expect, req, rendered.prep)
+        checked = await validate(ctx, gen.result, call.expect, req, rendered.prep, call)
         if live is not None and live.active:
             live.pending = live.check(checked)  # a stream that disagrees commits nothing
         timer.lap("validate")

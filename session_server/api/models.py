@@ -243,6 +243,8 @@ class SessionCreate(BaseModel):
     lora: str | None = None
     chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
     history_policy: Literal["append", "template"] = HistoryPolicy.APPEND.value
+    # record the engine's routed experts (R3) with the tokens; None: the server default
+    routing_replay: bool | None = Field(default=None, strict=True)
 
 
 class RewardRequest(BaseModel):

@@ -220,6 +220,7 @@ async def generate_resilient(
                 cache_salt=_salted(request.cache_salt, control.cache_salt()),
                 timeout_s=max(0.001, deadline - time.monotonic()),
                 slot_held=slot is not None,
+                routed_experts_start=acc.routed_start(request),  # rows already held (R3)
             )
             with control.track_flight(seg_rid, engine=engine, lora=lora):
                 try:
@@ -237,6 +238,7 @@ async def generate_resilient(
         version = result.weight_version if result.weight_version is not None else dispatch_version
         result = _abort_on_stop_is_stop(result, request, expect)
         if result.finish_reason != "abort":
+            acc.add_routed(request, result, len(seg_input))
             return assemble(request, first, result, version, acc, counts)
 
         _check_partial(result, seg_rid, len(seg_input), remaining, expect, last_version)
@@ -244,6 +246,7 @@ async def generate_resilient(
         counts.aborts += 1
         control.record_abort(empty=n == 0)
         if n and not constrained:
+            acc.add_routed(request, result, len(seg_input))  # before add: its start is the rows held
             acc.add(result, version)
             last_version = version if version is not None else last_version
             remaining -= n
