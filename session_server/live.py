@@ -4,10 +4,14 @@ A `LiveTurn` belongs to one request. When the parsed request asks for `stream: t
 the pipeline (`turns.py`) calls `begin` once the engine request is built: the dialect's
 encoder gets `TurnStarted`, and `on_delta` then receives every `TokenDelta` the engine
 streams (through pauses: a resubmitted segment continues the same stream). Each delta
-becomes a `TokensDelta` and the text deltas `TextStreamer` can vouch for. Before commit,
-`check` verifies the streamed ids are a prefix of the validated ones and the streamed
-text a prefix of the message's fields (else the turn fails: nothing committed); after
-commit, `finish` sends the rest (held-back text, tool calls, `TurnCommitted`). A turn
+becomes a `TokensDelta` and the text deltas `TextStreamer` can vouch for; for the hermes
+families, tool calls as `HermesCalls` reads them (`ToolCallStarted` with an id minted
+here, canonical `ToolArgumentsDelta`s). Before commit, `check` verifies the streamed ids
+are a prefix of the validated ones and the streamed text a prefix of the message's
+fields (else the turn fails: nothing committed), gives the message the streamed call ids
+and notes a final parse that disagrees with the streamed calls (committed anyway, see
+`stream_events`); after commit, `finish` sends the rest (held-back text, the rest of the
+tool calls, `TurnCommitted`). A turn
 that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also kept
 (`frames`) so that a replayed request gets exactly these bytes (idempotency.py).
 """

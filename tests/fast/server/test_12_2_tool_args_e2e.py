@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 
 from .conftest import Stack, live_stack
 
@@ -169,3 +170,26 @@ async def test_12_2_tool_args_truncated_mid_call_commits_and_counts_divergence(q
     assert turn["extra"]["stream_tool_divergence"] is True
     assert content == message["content"] and "<tool_call>" in content
     assert "tito_stream_tool_divergence_total 1.0" in metrics
+
+
+@pytest.mark.parametrize("path,body,last", [
+    ("v1/messages", {"max_tokens": 60, "tools": [{"name": "write_file", "input_schema": {"type": "object"}}]},
+     "message_stop"),
+    ("v1/responses", {"max_output_tokens": 60, "tools": [{"type": "function", "name": "write_file",
+                                                           "parameters": {"type": "object"}}]},
+     "response.incomplete"),
+])
+async def test_12_2_tool_args_truncated_mid_call_other_dialects_end_cleanly(qwen3_dir: Path, path: str,
+                                                                           body: dict[str, Any], last: str) -> None:
+    """The divergence path in the Anthropic and Responses encoders: a started tool block
+    whose turn commits without the call still ends with the dialect's terminal event."""
+    async with live_stack(qwen3_dir, "sglang", latency_ms=1) as st:
+        await _script(st, {"content": "Writing it.", "tool_calls": [{"name": "write_file", "arguments": ARGS}]})
+        sid = await st.session()
+        key = "messages" if path == "v1/messages" else "input"
+        r = await st.http.post(f"/sessions/{sid}/{path}", json={"model": "m", key: [{"role": "user", "content": USER}],
+                                                                 "stream": True, **body})
+        message, turn = await _stored(st, sid)
+    events = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert r.status_code == 200 and "error" not in events and events[-1] == last, events
+    assert turn["extra"]["stream_tool_divergence"] is True and "tool_calls" not in message
