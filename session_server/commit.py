@@ -8,7 +8,7 @@ half-commits) applies the branch change decided at prepare and appends the turn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trajectory.errors import ValidationError
@@ -39,6 +39,7 @@ class Checked:
     message: dict[str, Any]  # the assistant message returned and stored
     finish: str  # stop | tool_calls | length | abort | repetition
     routed: Any = None  # routing replay: (rows, layers, topk) for [routed start, output_end - 1)
+    extra: dict[str, Any] = field(default_factory=dict)  # more for the turn record (a live stream's notes)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,8 @@ def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked, pre
     """The turn record's diagnostics: request id, parse status, routed-experts size and
     the control counters of a turn that lived through pauses."""
     parsed = checked.parsed
-    extra: dict[str, Any] = {"request_id": call.greq.request_id, "parse_status": parsed.status.value}
+    extra: dict[str, Any] = {"request_id": call.greq.request_id, "parse_status": parsed.status.value,
+                             **checked.extra}
     if parsed.status_detail:
         extra["parse_detail"] = parsed.status_detail
     if result.routed_experts is not None:

@@ -161,7 +161,7 @@ class TurnRunner:
         timer.lap("generate")
         checked = await validate(ctx, gen.result, call.expect, req, rendered.prep, call)
         if live is not None and live.active:
-            live.pending = live.check(checked)  # a stream that disagrees commits nothing
+            checked = live.check(checked)  # a stream that disagrees commits nothing; sets live.pending
         timer.lap("validate")
         done = await commit(ctx, session, claim, rendered.prep, rendered.prompt_ids, call, gen.result, checked,
                             gen.target_id)
