@@ -243,6 +243,7 @@ def create_app(config: AppConfig) -> FastAPI:
             lora=spec.lora,
             chat_template_kwargs=spec.chat_template_kwargs,
             history_policy=HistoryPolicy(spec.history_policy),
+            max_weight_lag=spec.max_weight_lag,
         )
         s = ctx.store.create(cfg)
         base = str(request.base_url).rstrip("/")

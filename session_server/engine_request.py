@@ -49,6 +49,7 @@ def engine_request(
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         lora=session.config.lora,
         timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
+        max_weight_lag=req.max_weight_lag if req.max_weight_lag is not None else session.config.max_weight_lag,
     )
     expect = Expectations(
         request_id=greq.request_id,
