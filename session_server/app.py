@@ -244,6 +244,7 @@ def create_app(config: AppConfig) -> FastAPI:
             chat_template_kwargs=spec.chat_template_kwargs,
             history_policy=HistoryPolicy(spec.history_policy),
             routing_replay=ctx.settings.routing_replay if spec.routing_replay is None else spec.routing_replay,
+            max_weight_lag=spec.max_weight_lag,
         )
         s = ctx.store.create(cfg)
         base = str(request.base_url).rstrip("/")

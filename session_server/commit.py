@@ -124,6 +124,8 @@ async def commit(
             extra=extra,
             routed_experts=checked.routed,
         )
+        if "stale_bound" in extra:
+            session.note("stale_bound", turn=record.index, **extra["stale_bound"])
         if checked.repair:
             session.note("repair", turn=record.index, tokens=len(checked.repair), finish_reason=checked.finish)
     ctx.metrics.tokens_in_total.inc(len(prompt_ids))
@@ -167,6 +169,8 @@ def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked, pre
         extra["routed_experts_bytes"] = len(result.routed_experts)
     if result.aborts or result.resubmits or result.paused_wait_s:
         extra["control"] = result.counters()
+    if result.stale_bound is not None:  # ended at a weight update by max_weight_lag (13.5)
+        extra["stale_bound"] = result.stale_bound
     if prep.history_rewrite is not None:  # kept under the append policy (10.3)
         extra["history_rewrite"] = dict(prep.history_rewrite)
     if prep.tool_call_renames:  # the client re-sent our last calls under its own ids (10.2)

@@ -56,6 +56,7 @@ def engine_request(
         timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
         return_routed_experts=session.config.routing_replay,
         routed_experts_start=routed_start,
+        max_weight_lag=req.max_weight_lag if req.max_weight_lag is not None else session.config.max_weight_lag,
     )
     expect = Expectations(
         request_id=greq.request_id,

@@ -262,6 +262,9 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
     ids the client re-sent the previous turn's tool calls under to ours.
     ``repair_tokens`` counts the closing tokens the server appended (mask 0);
     ``parse_status`` and ``parse_detail`` say how the output parsed.
+    ``stale_bound`` is set when the turn was ended at a weight update by its
+    ``max_weight_lag`` (finish ``abort``): ``{"max_weight_lag", "versions",
+    "next_version"}``.
     """
     extra = turn.extra
     return {
@@ -273,6 +276,7 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
         "parse_detail": extra.get("parse_detail"),
         "history_rewrite": extra.get("history_rewrite"),
         "tool_call_id_renames": extra.get("tool_call_id_renames"),
+        "stale_bound": extra.get("stale_bound"),
     }
 
 

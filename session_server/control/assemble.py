@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_server.engines.base import GenerateRequest, GenerateResult
+from session_server.engines.base import FinishReason, GenerateRequest, GenerateResult
 from session_server.routed import Piece
 from trajectory.validate import is_int
 
@@ -37,6 +37,7 @@ class ResilientResult(GenerateResult):
     # routing replay: each kept segment's raw routed experts and the positions they cover
     # (decoded and gap-checked off the loop by session_server.routed.join)
     routed_pieces: tuple[Piece, ...] = ()
+    stale_bound: dict[str, Any] | None = None  # ended at an update by max_weight_lag (control/lag.py)
 
     def counters(self) -> dict[str, Any]:
         """Per-turn control counters, for the session view."""
@@ -118,9 +119,12 @@ def assemble(
     final_version: Any,
     acc: Acc,
     counts: Counts,
+    ended: FinishReason = "length",
 ) -> ResilientResult:
     """One GenerateResult for the whole turn. The final segment's counters stay raw
-    (offset by the accumulated tokens) so the caller's validator still sees bad values."""
+    (offset by the accumulated tokens) so the caller's validator still sees bad values.
+    Without a `final` segment the turn `ended` with the accumulated tokens: `length` (the
+    budget ran out across aborts) or `abort` (its staleness bound, control/lag.py)."""
     before = len(acc.ids)
     single = len(counts.rids) == 1
     if final is not None:
@@ -134,9 +138,9 @@ def assemble(
         abort_message = final.abort_message
         echoed_rid = final.request_id
         raw_tops, raw_echo = final.top_logprobs, final.output_ids_echo
-    else:  # budget exhausted by aborts
+    else:  # budget exhausted by aborts, or the staleness bound reached
         completion, prompt_tokens = before, first.prompt_tokens
-        finish, matched, weight_version, routed, abort_message = "length", None, None, None, None
+        finish, matched, weight_version, routed, abort_message = ended, None, None, None, None
         echoed_rid = counts.rids[-1]
         raw_tops, raw_echo = [], []
     if weight_version is None and acc.spans:

@@ -81,6 +81,7 @@ class GenerateRequest:
     routed_experts_start: int = 0
     timeout_s: float = 600.0  # deadline measured from dispatch
     slot_held: bool = False  # the caller already holds this engine's concurrency slot (`adapter.slot()`)
+    max_weight_lag: int | None = None  # server-side: weight versions a turn may span (control/lag.py)
 
 
 @dataclass(frozen=True)
