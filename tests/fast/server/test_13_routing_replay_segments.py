@@ -17,7 +17,7 @@ import pytest
 
 from session_server.client import AsyncSessionClient
 from session_server.context import Settings
-from session_server.sim.routed import DEFAULT_ROUTED, ROUTED_FAULTS, line_rows
+from session_server.sim.routed import DEFAULT_ROUTED, ROUTED_FAULTS, RoutedSpec, line_rows
 
 from .conftest import CHAT, Stack, live_stack
 
@@ -149,3 +149,32 @@ async def test_13_2_unsplittable_rows_are_a_502_with_nothing_committed(qwen3_dir
         assert "routed_experts_topk" in r.json()["error"]["message"]
         view = (await st.http.get(f"/sessions/{sid}")).json()
     assert view["turns"] == 0 and view["tokens"] == 0 and len(view["branches"]) == 1
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_13_7_a_streamed_turn_commits_the_engines_rows(qwen3_dir: Path, protocol: str) -> None:
+    # 200 layers x top-16 of 128: the last frame (~90 positions x 3,200 ids, base64 of
+    # int32 on SGLang, of uint8 .npy on vLLM) is past OFFLOAD_FRAME_BYTES, so it is
+    # decoded on the offload pool
+    big = RoutedSpec(layers=200, topk=16, num_experts=128)
+    settings = Settings(routed_experts_topk=16, routed_experts_layers=200, routed_experts_num_experts=128)
+    async with live_stack(qwen3_dir, protocol, settings=settings, routed=big, abort_plan=[NEVER, 3],
+                          **_sim(protocol)) as st:
+        sid = await st.session(routing_replay=True)
+        history: list[dict[str, Any]] = []
+        for _ in range(2):  # the second turn streams across an abort -> resubmit
+            body = {**CHAT, "stream": True,
+                    "messages": [*history, {"role": "user", "content": f"Step {len(history)}: go on."}]}
+            async with st.http.stream("POST", f"/sessions/{sid}/v1/chat/completions", json=body) as r:
+                text = (await r.aread()).decode()
+            assert r.status_code == 200 and "data: [DONE]" in text and "routed_experts" not in text, text[-800:]
+            view = await st.trajectory(sid)
+            assert view["branches"][-1]["turns"], text[-600:]
+            msg = view["branches"][-1]["turns"][-1]["assistant_message"]
+            history += [{"role": "user", "content": f"Step {len(history)}: go on."}, msg]
+        log = await st.engine_log()
+        s = await _sample(st, sid)
+    assert [e["finish_reason"] for e in log] == ["stop", "abort", "stop"]
+    assert s.routed_experts.shape == (len(s.token_ids) - 1, 200, 16) and s.routed_experts.dtype == np.uint8
+    last_out = s.turn_boundaries[-1][2]
+    np.testing.assert_array_equal(s.routed_experts[: last_out - 1], line_rows(s.token_ids, big)[: last_out - 1])
