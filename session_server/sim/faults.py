@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from session_server.sim.routed import ROUTED_FAULTS
+
 if TYPE_CHECKING:
     from session_server.sim.engine import EngineCore, Job, Outcome
     from session_server.sim.sampler import SimModel
@@ -37,6 +39,8 @@ FAULT_KINDS = (
     "cached_above_prompt",  # cached_tokens > prompt_tokens
     "bad_finish",  # finish inconsistent with the output (length <-> stop)
     "repetition",  # vLLM: the repetition detector stops after half the planned tokens (SGLang: none)
+    "pass",  # no fault: queued first, it lets the next fault land on a later request
+    *ROUTED_FAULTS,  # routing replay: the answer's routed experts bent (sim/routed.py)
 )
 
 # faults that corrupt a finished output's values (`apply_value_fault`)
