@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import BadRequest, EngineError, NoHealthyEngine
 from ..routing.pool import Engine, EnginePool
 from . import make_adapter
-from .admission_check import EngineRefused, verify_engine
+from .admission_check import EngineRefused, parse_engine_spec, verify_engine
 from .base import EngineAdapter
 
 __all__ = ["EngineRegistry"]
@@ -112,6 +112,18 @@ class EngineRegistry:
         if adapter is None:
             raise NoHealthyEngine(f"engine {engine_id} was removed")
         return adapter
+
+    def find(self, spec: str) -> Engine | None:
+        """The engine already serving `spec`'s URL (any protocol prefix), or None: adding
+        an engine twice is idempotent, and a cluster relays engine changes by URL."""
+        try:
+            url = parse_engine_spec(spec)[1]
+        except ValueError:
+            return None
+        for engine_id, adapter in self._adapters.items():
+            if adapter.base_url == url:
+                return self.pool.engines.get(engine_id)
+        return None
 
     def adapters(self) -> list[EngineAdapter]:
         """Every engine's adapter (the control plane's fan-out reads this on each call)."""
