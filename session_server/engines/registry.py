@@ -138,14 +138,33 @@ class EngineRegistry:
 
     async def check_health(self, engine: Engine) -> None:
         """The active health check (`routing.health.health_check_loop`): raises unless the engine
-        answers healthy; also refreshes the load it reports about itself (SGLang)."""
+        answers healthy (the load an engine reports is polled apart: `poll_loads`)."""
         adapter = self._answering(engine.id)
         if not await adapter.health():
             raise EngineError(f"{adapter.base_url} reported unhealthy")
-        get_load = getattr(adapter, "get_load", None)
-        if get_load is not None:
-            with contextlib.suppress(EngineError):
-                engine.reported_load = await get_load()
+
+    async def poll_load(self, engine: Engine, timeout_s: float = 5.0) -> None:
+        """Ask `engine` for its own load (SGLang `/get_load`, vLLM `/metrics`; engines/load.py)
+        and hand it to the routing pool; an engine that does not answer counts as unknown
+        (nothing added), never as an error."""
+        fn = getattr(self._adapters.get(engine.id), "load_by_rank", None)
+        by_rank: dict[int, int] | None = None
+        if fn is not None and engine.healthy:
+            try:
+                by_rank = await asyncio.wait_for(fn(), timeout_s)
+            except Exception as exc:  # a load poll informs placement; it never fails anything
+                log.debug("load poll of %s failed: %r", engine.id, exc)
+        engine.reported_load = None if by_rank is None else [
+            {"dp_rank": rank, "requests": n} for rank, n in sorted(by_rank.items())]
+        self.pool.set_engine_load(engine.id, by_rank)
+
+    async def poll_loads(self, interval_s: float) -> None:
+        """Every `interval_s`, every engine's own load at once (issue 14.4: instances that
+        share engines learn each other's load from them); runs until cancelled."""
+        while True:
+            engines = list(self.pool.engines.values())
+            await asyncio.gather(*(self.poll_load(e, timeout_s=max(1.0, interval_s)) for e in engines))
+            await asyncio.sleep(interval_s)
 
     async def answers_health(self, engine_id: str, timeout_s: float = 2.0) -> bool:
         """A quick liveness check (after a connection dropped mid-request); any failure
