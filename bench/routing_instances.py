@@ -27,8 +27,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.routing_cluster import Cluster  # noqa: E402
 from bench.routing_model import Rank  # noqa: E402
-from bench.routing_report import metrics, update_readme  # noqa: E402
-from bench.routing_workload import SCENARIOS, SimConfig, TurnScript, make_sessions, quick  # noqa: E402
+from bench.routing_report import COLUMNS, markdown_table, metrics, update_readme  # noqa: E402
+from bench.routing_workload import (  # noqa: E402
+    SimConfig,
+    TurnScript,
+    add_scenario_args,
+    make_sessions,
+    scenario_from_args,
+)
 from session_server.routing import RoutingPolicy, TargetView, make_policy  # noqa: E402
 
 __all__ = ["InstancesCluster", "compare", "main", "run_instances"]
@@ -111,43 +117,26 @@ def compare(cfg: SimConfig, policy: str = "sticky_cost", n: int = 4, poll_s: flo
     return {"config": asdict(cfg), "policy": policy, "turns_scripted": sum(len(s) for s in scripts), "runs": runs}
 
 
-COLUMNS = (
-    ("timeouts", "timeouts", "{:d}"),
-    ("lost_turns", "lost turns", "{:d}"),
-    ("hit_rate", "hit rate", "{:.1%}"),
-    ("ttft_p99_s", "TTFT p99 s", "{:.1f}"),
-    ("turn_latency_p50_s", "turn p50 s", "{:.1f}"),
-    ("turn_latency_p99_s", "turn p99 s", "{:.1f}"),
-    ("makespan_s", "makespan s", "{:.0f}"),
-    ("load_imbalance", "imbalance", "{:.2f}"),
-)
+SHOWN = ("timeouts", "lost_turns", "hit_rate", "ttft_p99_s", "turn_latency_p50_s", "turn_latency_p99_s",
+         "makespan_s", "load_imbalance")
 
 
 def table(result: dict[str, Any]) -> str:
-    head = "| run | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    sep = "|---|" + "---:|" * len(COLUMNS)
-    rows = [f"| {name} | " + " | ".join(fmt.format(m[k]) for k, _, fmt in COLUMNS) + " |"
-            for name, m in result["runs"].items()]
-    return "\n".join([head, sep, *rows])
+    return markdown_table({"policies": result["runs"]}, columns=tuple(c for c in COLUMNS if c[0] in SHOWN),
+                          label="run")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="storm")
-    ap.add_argument("--quick", action="store_true", help="smaller batch, shorter sessions")
+    add_scenario_args(ap)
     ap.add_argument("--policy", default="sticky_cost")
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--poll-s", type=float, default=2.0, help="engine-load poll period of the learning run")
-    ap.add_argument("--sessions", type=int, default=None)
     ap.add_argument("--jitter-s", type=float, default=None, help="sessions start over this many seconds")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--readme", type=Path, default=None, help="update this README's section")
     args = ap.parse_args(argv)
-    cfg = SCENARIOS[args.scenario]
-    if args.quick:
-        cfg = quick(cfg)
-    if args.sessions is not None:
-        cfg = replace(cfg, sessions=args.sessions)
+    cfg = scenario_from_args(args)
     if args.jitter_s is not None:
         cfg = replace(cfg, start_jitter_s=args.jitter_s)
     result = compare(cfg, args.policy, args.instances, args.poll_s)
