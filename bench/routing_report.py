@@ -69,11 +69,13 @@ COLUMNS = (
 )
 
 
-def markdown_table(result: dict[str, Any]) -> str:
-    head = "| policy | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    sep = "|---|" + "---:|" * len(COLUMNS)
+def markdown_table(
+    result: dict[str, Any], columns: tuple[tuple[str, str, str], ...] = COLUMNS, label: str = "policy"
+) -> str:
+    head = f"| {label} | " + " | ".join(c[1] for c in columns) + " |"
+    sep = "|---|" + "---:|" * len(columns)
     rows = [
-        f"| {name} | " + " | ".join(fmt.format(m[key]) for key, _, fmt in COLUMNS) + " |"
+        f"| {name} | " + " | ".join(fmt.format(m[key]) for key, _, fmt in columns) + " |"
         for name, m in result["policies"].items()
     ]
     return "\n".join([head, sep, *rows])

@@ -31,7 +31,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,10 @@ from bench.routing_workload import (  # noqa: E402
     SCENARIOS,
     SimConfig,
     TurnScript,
+    add_scenario_args,
     make_sessions,
     quick,
+    scenario_from_args,
 )
 from session_server.routing import POLICY_NAMES, make_policy  # noqa: E402
 
@@ -79,22 +81,13 @@ def simulate(cfg: SimConfig, policies: tuple[str, ...] = REPORT_POLICIES) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="storm")
-    ap.add_argument("--quick", action="store_true", help="smaller batch, shorter sessions")
+    add_scenario_args(ap)
     ap.add_argument("--policies", default=",".join(REPORT_POLICIES))
-    ap.add_argument("--sessions", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--readme", type=Path, default=None, help="update this README's section")
     args = ap.parse_args(argv)
-    cfg = SCENARIOS[args.scenario]
-    if args.quick:
-        cfg = quick(cfg)
-    if args.sessions is not None:
-        cfg = replace(cfg, sessions=args.sessions)
-    if args.seed is not None:
-        cfg = replace(cfg, seed=args.seed)
+    cfg = scenario_from_args(args)
     t0 = time.perf_counter()
     result = simulate(cfg, tuple(p for p in args.policies.split(",") if p))
     result["scenario"] = args.scenario

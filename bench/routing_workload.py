@@ -7,12 +7,13 @@ tokens each turn), with a tool latency between turns.
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass, field, replace
 
 from bench.routing_model import CostModel
 
-__all__ = ["SCENARIOS", "SimConfig", "TurnScript", "make_sessions", "quick"]
+__all__ = ["SCENARIOS", "SimConfig", "TurnScript", "add_scenario_args", "make_sessions", "quick", "scenario_from_args"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,25 @@ def quick(cfg: SimConfig) -> SimConfig:
     """A smaller batch on the same cluster (KV scaled with it): seconds for all policies."""
     return replace(cfg, sessions=96, kv_capacity_tokens=1_500_000)
 
+
+
+def add_scenario_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that pick and shrink a scenario (`scenario_from_args`), for every entry point."""
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="storm")
+    ap.add_argument("--quick", action="store_true", help="smaller batch, shorter sessions")
+    ap.add_argument("--sessions", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+
+
+def scenario_from_args(args: argparse.Namespace) -> SimConfig:
+    cfg = SCENARIOS[args.scenario]
+    if args.quick:
+        cfg = quick(cfg)
+    if args.sessions is not None:
+        cfg = replace(cfg, sessions=args.sessions)
+    if args.seed is not None:
+        cfg = replace(cfg, seed=args.seed)
+    return cfg
 
 
 @dataclass(frozen=True, slots=True)

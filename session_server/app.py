@@ -12,6 +12,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import orjson
 from fastapi import FastAPI, Query, Request
@@ -51,6 +52,7 @@ from .api.models import (
 )
 from .auth import install_auth, new_instance_id
 from .context import ServerContext, log
+from .control.relay import PeerRelay, merge_instances
 from .errors import (
     BadRequest,
     ClientGone,
@@ -70,7 +72,7 @@ __all__ = ["AppConfig", "create_app", "session_view"]
 
 JSON = "application/json"
 OCTETS = "application/octet-stream"
-PARTIAL = {207: "some engines failed; the report names them"}
+PARTIAL = {207: "some engines or peer instances failed; the report names them"}
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -153,11 +155,13 @@ def create_app(config: AppConfig) -> FastAPI:
             ctx.metrics, per_session=settings.replay_per_session, max_bytes=settings.replay_store_bytes,
             grace_s=settings.replay_grace_s)
         ctx.store.on_remove.append(lambda s: state["replays"].forget(s.id))
+        state["relay"] = PeerRelay(settings.peers, timeout_s=settings.peer_timeout_s, admin_token=settings.admin_token)
         background = start_background(ctx)
         try:
             yield
         finally:
             await shutdown(ctx, background)
+            await state["relay"].aclose()
 
     def count_internal() -> None:
         if "ctx" in state:
@@ -395,50 +399,98 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.store.close(sid)  # routing state goes with the removal (store.on_remove)
         return resp if resp is not None else Response(status_code=204)
 
+    def relay_to_peers(request: Request, body: bytes, *, path: str | None = None,
+                       absent_ok: bool = False) -> asyncio.Future[dict[str, dict[str, Any]]] | None:
+        """Start relaying this control request to the peer instances (issue 14.3); None
+        when there are none or the request is itself a relay (control/relay.py)."""
+        relay: PeerRelay = state["relay"]
+        if not relay.wanted(request.headers):
+            return None
+        return asyncio.ensure_future(relay.send(
+            request.method, path or request.url.path, body,
+            authorization=request.headers.get("authorization"), absent_ok=absent_ok))
+
+    async def cluster_wide(request: Request, body: bytes, local: Coroutine[Any, Any, dict[str, Any]]) -> Response:
+        """Apply `local` here and on every peer at once; answer when all have (a pause
+        returns only once every instance paused): 200 when all acknowledged, else 207."""
+        peers = relay_to_peers(request, body)
+        try:
+            report = await local
+        finally:
+            instances = await peers if peers is not None else None
+        if instances is None:
+            return _json(report, 200 if report["ok"] else 207)
+        return _json(*merge_instances(report, instances))
+
     @app.post("/control/pause", **route_doc(PauseRequest, 400, 413, required=False, ok=PARTIAL))
     async def pause(request: Request) -> Response:
         ctx = ctx_of()
-        spec: PauseRequest = await ctx.offload.run(parse_json_model, await _read_body(request, 4096), PauseRequest)
-        report = await ctx.control.pause(spec.mode, spec.lora)
-        return _json(report, 200 if report["ok"] else 207)
+        body = await _read_body(request, 4096)
+        spec: PauseRequest = await ctx.offload.run(parse_json_model, body, PauseRequest)
+        return await cluster_wide(request, body, ctx.control.pause(spec.mode, spec.lora))
 
     @app.post("/control/resume", **route_doc(ResumeRequest, 400, 413, required=False, ok=PARTIAL))
     async def resume(request: Request) -> Response:
         ctx = ctx_of()
-        spec: ResumeRequest = await ctx.offload.run(parse_json_model, await _read_body(request, 4096), ResumeRequest)
-        report = await ctx.control.resume(spec.lora)
-        return _json(report, 200 if report["ok"] else 207)
+        body = await _read_body(request, 4096)
+        spec: ResumeRequest = await ctx.offload.run(parse_json_model, body, ResumeRequest)
+        return await cluster_wide(request, body, ctx.control.resume(spec.lora))
 
     @app.get("/control/state", **route_doc(None))
     async def control_state() -> Response:
         return _json(ctx_of().control.state())
 
-    @app.post("/control/weight_version", **route_doc(WeightVersion, 400, 413))
+    @app.post("/control/weight_version", **route_doc(WeightVersion, 400, 413, ok=PARTIAL))
     async def weight_version(request: Request) -> Response:
         ctx = ctx_of()
-        spec: WeightVersion = await ctx.offload.run(parse_json_model, await _read_body(request, 4096), WeightVersion)
-        return _json(ctx.control.set_weight_version(spec.version, force=spec.force))
+        body = await _read_body(request, 4096)
+        spec: WeightVersion = await ctx.offload.run(parse_json_model, body, WeightVersion)
+        out = ctx.control.set_weight_version(spec.version, force=spec.force)  # a 400 here is relayed nowhere
+        peers = relay_to_peers(request, body)
+        return _json(out) if peers is None else _json(*merge_instances(out, await peers))
 
     @app.get("/engines", **route_doc(None))
     async def list_engines() -> Response:
         return _json(ctx_of().registry.view())
 
-    @app.post("/engines", status_code=201, **route_doc(EngineAdd, 400, 413, 502))
+    @app.post("/engines", status_code=201, **route_doc(
+        EngineAdd, 400, 413, 502, ok={200: "the engine was already there (idempotent)", **PARTIAL}))
     async def add_engine(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, 64 * 1024)
         spec: EngineAdd = await ctx.offload.run(parse_json_model, body, EngineAdd)
-        eng = await ctx.registry.add(spec.url, dp_size=spec.dp_size)
-        return _json({"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size}, 201)
+        eng = ctx.registry.find(spec.url)
+        existing = eng is not None
+        if eng is None:
+            eng = await ctx.registry.add(spec.url, dp_size=spec.dp_size)
+        out = {"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size, "existing": existing}
+        status = 200 if existing else 201
+        peers = relay_to_peers(request, body)
+        if peers is None:
+            return _json(out, status)
+        merged, code = merge_instances(out, await peers)
+        return _json(merged, status if code == 200 else code)
 
-    @app.delete("/engines/{engine_id}", status_code=204, **route_doc(None, 404))
-    async def remove_engine(engine_id: str) -> Response:
+    @app.delete("/engines/{engine_id}", status_code=204, **route_doc(None, 404, ok=PARTIAL))
+    async def remove_engine(engine_id: str, request: Request, base_url: str | None = None) -> Response:
+        """`base_url` (a relayed removal): the engine with that URL, whatever its id here."""
         ctx = ctx_of()
+        if base_url is not None:
+            found = ctx.registry.find(base_url)
+            if found is None:
+                raise NotFound(f"no engine at {base_url!r}")
+            engine_id = found.id
+        url = ctx.registry.adapter(engine_id).base_url if engine_id in ctx.engines.engines else None
         # turns already on it finish (their generation is good); new ones are refused;
         # the close runs in the background so DELETE does not wait for them
-        if ctx.registry.remove(engine_id, drain_s=ctx.settings.turn_timeout_s) is None:
+        if url is None or ctx.registry.remove(engine_id, drain_s=ctx.settings.turn_timeout_s) is None:
             raise NotFound(f"unknown engine {engine_id!r}")
-        return Response(status_code=204)
+        peers = relay_to_peers(request, b"", path=f"/engines/{engine_id}?base_url={quote(url, safe='')}",
+                               absent_ok=True)
+        if peers is None:
+            return Response(status_code=204)
+        merged, code = merge_instances({"ok": True, "removed": engine_id, "base_url": url}, await peers)
+        return Response(status_code=204) if code == 200 else _json(merged, code)
 
     @app.get("/v1/models", **route_doc(None))
     async def list_models() -> Response:

@@ -227,6 +227,8 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
         base = next(a for a in getattr(info.annotation, "__args__", (info.annotation,)) if a is not type(None))
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif getattr(info.annotation, "__origin__", None) is list:  # repeatable: --peers URL --peers URL
+            kw.update(action="append", metavar="URL", help=kw["help"] + "; repeat the flag for each")
         else:
             kw["type"] = base
             kw["metavar"] = name.upper()

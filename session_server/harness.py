@@ -28,10 +28,13 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def running_server(config: AppConfig, *, log_level: str = "warning") -> AsyncIterator[str]:
-    """Serve `create_app(config)` until the block exits; yields the base URL."""
+async def running_server(
+    config: AppConfig, *, log_level: str = "warning", port: int | None = None
+) -> AsyncIterator[str]:
+    """Serve `create_app(config)` until the block exits; yields the base URL. `port`: a
+    port chosen beforehand (a cluster's instances name each other as peers before start)."""
     app: FastAPI = create_app(config)
-    port = free_port()
+    port = port or free_port()
     # the options `serve` runs with, on the caller's loop
     options = uvicorn_options(host="127.0.0.1", port=port, log_level=log_level, timeout_graceful_shutdown=5, loop="none")
     uv_config = uvicorn.Config(app, **options)

@@ -103,10 +103,13 @@ def start_background(ctx: ServerContext) -> Background:
         health_check_loop(engines, registry.check_health, settings.health_check_interval_s, 5.0, stop_health_checks),
         name="tito-health-checks",
     )
+    tasks = [sweeper, checker]
+    if settings.engine_load_poll_s > 0:  # other instances' load on shared engines (issue 14.4)
+        tasks.append(asyncio.create_task(registry.poll_loads(settings.engine_load_poll_s), name="tito-load-polls"))
     gc.collect()
     gc.freeze()  # start-up objects (tokenizer, codec, templates) never need scanning again
     log.info("session server ready: family=%s engines=%d", getattr(ctx.codec, "family", "?"), len(engines.engines))
-    return Background([sweeper, checker], stop_health_checks)
+    return Background(tasks, stop_health_checks)
 
 
 SWEEP_BATCH = 512  # heap entries per step of a sweep: ~3 ms of removals (bench/stall_timings.py)

@@ -78,6 +78,14 @@ class Settings(BaseSettings):
         "rows into (layers, topk) (vLLM's .npy payload carries its shape)")
     routed_experts_layers: int | None = Field(
         None, ge=1, le=4096, description="MoE layers of the model (an alternative to routed_experts_topk)")
+    peers: list[str] = Field(
+        [], description="the other instances of a cluster; control requests are relayed to them "
+        "(base URLs; env: a JSON list)")
+    peer_timeout_s: float = Field(
+        120.0, gt=0, description="how long a control request relayed to a peer may take before it counts as failed")
+    engine_load_poll_s: float = Field(
+        2.0, ge=0, description="seconds between polls of each engine's own load (SGLang /get_load, vLLM /metrics), "
+        "which placement of new sessions adds to this instance's in-flight count (0: off)")
     routed_experts_num_experts: int | None = Field(
         None, ge=1, le=32768, description="experts per layer: routed ids must be below it (unset: not checked)")
 
@@ -87,6 +95,15 @@ class Settings(BaseSettings):
         if v not in POLICY_NAMES:
             raise ValueError(f"unknown routing policy {v!r}; choose from {', '.join(POLICY_NAMES)}")
         return v
+
+    @field_validator("peers")
+    @classmethod
+    def _peer_urls(cls, v: list[str]) -> list[str]:
+        out = [u.strip().rstrip("/") for u in v if u.strip()]
+        bad = [u for u in out if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"peers must be http(s) base URLs, not {', '.join(map(repr, bad))}")
+        return out
 
     @field_validator("template_family")
     @classmethod

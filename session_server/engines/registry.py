@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import BadRequest, EngineError, NoHealthyEngine
 from ..routing.pool import Engine, EnginePool
 from . import make_adapter
-from .admission_check import EngineRefused, verify_engine
+from .admission_check import EngineRefused, parse_engine_spec, verify_engine
 from .base import EngineAdapter
 
 __all__ = ["EngineRegistry"]
@@ -113,6 +113,18 @@ class EngineRegistry:
             raise NoHealthyEngine(f"engine {engine_id} was removed")
         return adapter
 
+    def find(self, spec: str) -> Engine | None:
+        """The engine already serving `spec`'s URL (any protocol prefix), or None: adding
+        an engine twice is idempotent, and a cluster relays engine changes by URL."""
+        try:
+            url = parse_engine_spec(spec)[1]
+        except ValueError:
+            return None
+        for engine_id, adapter in self._adapters.items():
+            if adapter.base_url == url:
+                return self.pool.engines.get(engine_id)
+        return None
+
     def adapters(self) -> list[EngineAdapter]:
         """Every engine's adapter (the control plane's fan-out reads this on each call)."""
         return list(self._adapters.values())
@@ -126,14 +138,33 @@ class EngineRegistry:
 
     async def check_health(self, engine: Engine) -> None:
         """The active health check (`routing.health.health_check_loop`): raises unless the engine
-        answers healthy; also refreshes the load it reports about itself (SGLang)."""
+        answers healthy (the load an engine reports is polled apart: `poll_loads`)."""
         adapter = self._answering(engine.id)
         if not await adapter.health():
             raise EngineError(f"{adapter.base_url} reported unhealthy")
-        get_load = getattr(adapter, "get_load", None)
-        if get_load is not None:
-            with contextlib.suppress(EngineError):
-                engine.reported_load = await get_load()
+
+    async def poll_load(self, engine: Engine, timeout_s: float = 5.0) -> None:
+        """Ask `engine` for its own load (SGLang `/get_load`, vLLM `/metrics`; engines/load.py)
+        and hand it to the routing pool; an engine that does not answer counts as unknown
+        (nothing added), never as an error."""
+        fn = getattr(self._adapters.get(engine.id), "load_by_rank", None)
+        by_rank: dict[int, int] | None = None
+        if fn is not None and engine.healthy:
+            try:
+                by_rank = await asyncio.wait_for(fn(), timeout_s)
+            except Exception as exc:  # a load poll informs placement; it never fails anything
+                log.debug("load poll of %s failed: %r", engine.id, exc)
+        engine.reported_load = None if by_rank is None else [
+            {"dp_rank": rank, "requests": n} for rank, n in sorted(by_rank.items())]
+        self.pool.set_engine_load(engine.id, by_rank)
+
+    async def poll_loads(self, interval_s: float) -> None:
+        """Every `interval_s`, every engine's own load at once (issue 14.4: instances that
+        share engines learn each other's load from them); runs until cancelled."""
+        while True:
+            engines = list(self.pool.engines.values())
+            await asyncio.gather(*(self.poll_load(e, timeout_s=max(1.0, interval_s)) for e in engines))
+            await asyncio.sleep(interval_s)
 
     async def answers_health(self, engine_id: str, timeout_s: float = 2.0) -> bool:
         """A quick liveness check (after a connection dropped mid-request); any failure

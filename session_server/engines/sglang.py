@@ -34,6 +34,7 @@ from session_server.engines.http import (
     raw_or_none,
     run_inline,
 )
+from session_server.engines.load import sglang_load
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
 from trajectory.validate import is_int
 
@@ -377,6 +378,10 @@ class SGLangAdapter:
 
     async def get_load(self) -> Any:
         return await self.http.call_json("GET", "/get_load")
+
+    async def load_by_rank(self) -> dict[int, int]:
+        """Running + waiting requests per DP rank, from `/get_load` (engines/load.py)."""
+        return sglang_load(await self.get_load())
 
     async def pause(self, mode: str = "abort") -> None:
         """POST /pause_generation {mode}; modes: abort, retract, in_place."""

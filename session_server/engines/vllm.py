@@ -38,6 +38,7 @@ from session_server.engines.http import (
     raw_or_none,
     run_inline,
 )
+from session_server.engines.load import vllm_load
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid
 from trajectory.validate import is_int
 
@@ -495,6 +496,14 @@ class VLLMAdapter:
 
     async def resume(self) -> None:
         await self.http.call_json("POST", "/resume")
+
+    async def load_by_rank(self) -> dict[int, int]:
+        """Running + waiting requests per DP rank from `GET /metrics` (engines/load.py);
+        the exposition is parsed off the event loop."""
+        reply = await self.http.call("GET", "/metrics")
+        if reply.status != 200:
+            raise http_error(reply, what="vllm /metrics", engine=self.base_url)
+        return dict(await self._offload(vllm_load, reply.body))  # sized by the body: large ones leave the loop
 
     async def is_paused(self) -> bool:
         data = await self.http.call_json("GET", "/is_paused")

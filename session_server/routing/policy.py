@@ -34,6 +34,15 @@ class TargetView:
     pending_prefill_tokens: int = 0
     kv_capacity_tokens: int | None = None
     engine_id: str = ""
+    # requests the engine reports on this rank beyond this instance's own in-flight ones
+    # (other instances' work, learned from the engine; issue 14.4): placement adds it
+    external_load: int = 0
+
+    @property
+    def placement_load(self) -> int:
+        """In-flight work a new session would queue behind: ours plus what the engine
+        reports from other instances (stays `in_flight` when load learning is off)."""
+        return self.in_flight + self.external_load
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ class TargetStats:
     resident_tokens: int = 0
     pending_prefill_tokens: int = 0
     kv_capacity_tokens: int | None = None
+    external_load: int = 0  # engine-reported requests beyond ours at the last poll (issue 14.4)
 
     @property
     def id(self) -> str:
@@ -103,6 +104,7 @@ class EnginePool:
                 pending_prefill_tokens=t.pending_prefill_tokens,
                 kv_capacity_tokens=t.kv_capacity_tokens,
                 engine_id=t.engine_id,
+                external_load=t.external_load,
             )
             for t in self.targets.values()
         ]
@@ -194,6 +196,16 @@ class EnginePool:
         if eng is None:
             raise NoHealthyEngine(f"engine {target.engine_id} was removed")
         return eng
+
+    def set_engine_load(self, engine_id: str, by_rank: dict[int, int] | None) -> None:
+        """What `engine_id` reports running + waiting per DP rank (None: unknown). The
+        part beyond our own in-flight turns is other instances' work; new placements add
+        it to our count (`TargetView.placement_load`), so instances sharing engines
+        spread without talking to each other (issue 14.4)."""
+        for t in self.targets.values():
+            if t.engine_id == engine_id:
+                reported = (by_rank or {}).get(t.dp_rank, 0)
+                t.external_load = max(0, reported - t.in_flight)
 
     def reset_cached(self) -> None:
         """Forget every cached-prefix estimate: after a weight update the cache salt

@@ -48,7 +48,7 @@ class StickyCost(PolicyBase):
         """Estimated seconds before a new prompt of `prompt_tokens` finishes prefill on `t`."""
         cfg = self.config
         cost = (t.pending_prefill_tokens + prompt_tokens) / cfg.prefill_tokens_per_s
-        cost += t.in_flight * cfg.in_flight_cost_s
+        cost += t.placement_load * cfg.in_flight_cost_s  # + other instances' load (issue 14.4)
         cap = t.kv_capacity_tokens
         if cap is not None and t.resident_tokens + prompt_tokens > cfg.kv_high_water * cap:
             cost += cfg.kv_barrier_s

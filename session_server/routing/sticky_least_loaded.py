@@ -29,5 +29,5 @@ class StickyLeastLoaded(PolicyBase):
         if home_if_healthy(signals) is not None:
             return signals.home
         sid = signals.session_id
-        best = min(healthy, key=lambda t: (t.in_flight, t.sessions, -rendezvous_score(sid, t.id)))
+        best = min(healthy, key=lambda t: (t.placement_load, t.sessions, -rendezvous_score(sid, t.id)))
         return best.id

@@ -47,6 +47,7 @@ class Job:
     fault: str | None = None
     cache_salt: str | None = None  # SGLang extra_key / vLLM cache_salt: a KV namespace
     rank: int = 0
+    waiting: bool = False  # held by a pause before it started (the engines' waiting queue)
     produced: int = 0
     constrained: str | None = None  # the text a constraint forces (None: unconstrained)
     routed_start: int | None = None  # routing replay asked: rows from this position (None: not asked)
@@ -133,9 +134,11 @@ class EngineCore:
         t0 = time.monotonic()
         self.running[job.rid] = job
         try:
-            while self.paused is not None and not job.abort.is_set():
-                await self._wait_resumed(job)
             job.rank = job.pinned_rank if job.pinned_rank is not None else next(self._rr) % self.dp
+            while self.paused is not None and not job.abort.is_set():
+                job.waiting = True
+                await self._wait_resumed(job)
+            job.waiting = False
             cache = self.caches[job.rank]
             cached = cache.match(job.input_ids, job.cache_salt)
             cursor = self.policy.start(job.input_ids, job.constrained)
@@ -218,7 +221,12 @@ class EngineCore:
                 job.abort.set()
 
     def running_on(self, rank: int) -> int:
-        return sum(1 for j in self.running.values() if j.rank == rank)
+        return sum(1 for j in self.running.values() if j.rank == rank and not j.waiting)
+
+    def waiting_on(self, rank: int) -> int:
+        """Requests on `rank` not started yet (held by a pause): SGLang `num_waiting_reqs`,
+        vLLM `vllm:num_requests_waiting`."""
+        return sum(1 for j in self.running.values() if j.rank == rank and j.waiting)
 
     def pause(self, mode: str) -> None:
         self.paused = mode

@@ -350,7 +350,7 @@ class VLLMWire:
         return json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """vLLM's prefix-cache counters and running gauge, per DP rank (`engine` label)."""
+        """vLLM's prefix-cache counters and its running/waiting gauges, per DP rank (`engine` label)."""
         e, name = self.engine, self.engine.model.name
         lines = [
             "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in tokens.",
@@ -364,7 +364,12 @@ class VLLMWire:
         ]
         for r, c in enumerate(e.caches):
             lines.append(f'vllm:prefix_cache_hits_total{{engine="{r}",model_name="{name}"}} {float(c.hits_tokens)}')
-        lines += ["# TYPE vllm:num_requests_running gauge"]
+        lines += ["# HELP vllm:num_requests_running Number of requests in model execution batches.",
+                  "# TYPE vllm:num_requests_running gauge"]
         for r in range(e.dp):
             lines.append(f'vllm:num_requests_running{{engine="{r}",model_name="{name}"}} {float(e.running_on(r))}')
+        lines += ["# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+                  "# TYPE vllm:num_requests_waiting gauge"]
+        for r in range(e.dp):
+            lines.append(f'vllm:num_requests_waiting{{engine="{r}",model_name="{name}"}} {float(e.waiting_on(r))}')
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

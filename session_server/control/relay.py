@@ -1,0 +1,117 @@
+"""Cluster-wide control: relay a control request to the other instances (issue 14.3).
+
+N `serve` processes share the engines and no state: a trainer sends `pause`, `resume`,
+`weight_version` and engine changes to any one of them, which applies the request
+locally and relays the same body to every peer (`Settings.peers`) at once. A relayed
+request carries `x-tito-relayed: 1`, so a peer applies it locally and relays nothing
+(no loops, whatever the peer lists say). A peer's answer is one entry of the report's
+`instances`; the route answers 200 only when every instance acknowledged, else 207
+with `failed_instances` naming each one that did not (down, timed out, refused).
+
+Relayed requests pass the peer's auth like any other: they carry the admin token
+this instance is configured with, else the `Authorization` header it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+
+__all__ = ["RELAYED_HEADER", "PeerRelay", "merge_instances"]
+
+log = logging.getLogger(__name__)
+
+RELAYED_HEADER = "x-tito-relayed"
+_ACK = frozenset({200, 201, 204})
+
+
+class PeerRelay:
+    """The peers of this instance and one HTTP client to reach them (opened on first use)."""
+
+    def __init__(self, peers: Sequence[str], *, timeout_s: float, admin_token: str | None = None) -> None:
+        self.peers = tuple(peers)
+        self.timeout_s = timeout_s
+        self.admin_token = admin_token
+        self._http: aiohttp.ClientSession | None = None
+
+    def wanted(self, headers: Any) -> bool:
+        """Relay this request? Not when there are no peers or it is itself a relay."""
+        return bool(self.peers) and headers.get(RELAYED_HEADER) is None
+
+    async def send(
+        self, method: str, path: str, body: bytes = b"", *, authorization: str | None = None,
+        absent_ok: bool = False,
+    ) -> dict[str, dict[str, Any]]:
+        """`method path body` on every peer concurrently; one outcome per peer URL.
+
+        `absent_ok`: a 404 counts as acknowledged (a DELETE of what a peer does not have)."""
+        headers = {RELAYED_HEADER: "1", "content-type": "application/json"}
+        auth = f"Bearer {self.admin_token}" if self.admin_token else authorization
+        if auth:
+            headers["authorization"] = auth
+        outcomes = await asyncio.gather(
+            *(self._one(peer, method, path, body, headers, absent_ok) for peer in self.peers))
+        return dict(zip(self.peers, outcomes, strict=True))
+
+    async def _one(
+        self, peer: str, method: str, path: str, body: bytes, headers: dict[str, str], absent_ok: bool,
+    ) -> dict[str, Any]:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        try:
+            async with self._http.request(method, peer + path, data=body or None, headers=headers) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("control relay %s %s to %s failed: %r", method, path, peer, exc)
+            return {"ok": False, "status": None, "error": f"{type(exc).__name__}: {exc}".rstrip(": ")}
+        reply = _json_or_text(raw)
+        if status in _ACK or (absent_ok and status == 404):
+            out: dict[str, Any] = {"ok": True, "status": status}
+            if status == 404:
+                out["absent"] = True
+            elif reply is not None:
+                out["report"] = reply
+            return out
+        log.warning("control relay %s %s to %s answered %d", method, path, peer, status)
+        out = {"ok": False, "status": status}
+        if status == 207:
+            out["report"] = reply  # the peer's own engines failed: its report names them
+        else:
+            out["error"] = _error_text(reply, status)
+        return out
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+
+def _json_or_text(raw: bytes) -> Any:
+    if not raw:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw[:500].decode("utf-8", "replace")
+
+
+def _error_text(reply: Any, status: int) -> str:
+    """Our envelope's message, else the body (shortened), else the status."""
+    if isinstance(reply, dict) and isinstance(reply.get("error"), dict):
+        err = reply["error"]
+        return f"{status} {err.get('type', '')}: {err.get('message', '')}".strip()
+    return f"{status}: {reply}" if reply else f"HTTP {status}"
+
+
+def merge_instances(report: dict[str, Any], instances: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], int]:
+    """The local report with every peer's outcome: `instances`, `failed_instances`, and
+    `ok` (all engines here and every instance acknowledged); 200 when ok, else 207."""
+    failed = sorted(peer for peer, out in instances.items() if not out["ok"])
+    ok = bool(report.get("ok", True)) and not failed
+    return {**report, "ok": ok, "instances": instances, "failed_instances": failed}, 200 if ok else 207
