@@ -151,6 +151,7 @@ class LiveTurn:
         self._encoder: Any = None
         self._text: TextStreamer | None = None
         self._ids: list[Any] = []
+        self._lps: list[Any] = []  # the streamed logprobs, held to the committed ones at `check`
         self._ended = False
         self.pending: list[StreamEvent] = []  # what `check` left to send after commit
         self._inc: IncrementalText | None = None  # the covered families' per-chunk path
@@ -189,6 +190,7 @@ class LiveTurn:
         decode and split only the new ids here (work follows the new tokens); others get
         the whole parse, off the loop, one at a time (ids that came meanwhile wait for the next)."""
         self._ids.extend(delta.ids)
+        self._lps.extend(delta.logprobs)
         self._emit(TokensDelta(list(delta.ids), list(delta.logprobs), delta.top_logprobs))
         if self._text is None or self._closed:
             return
@@ -236,6 +238,8 @@ class LiveTurn:
         if [int(t) for t in self._ids] != ids[: len(self._ids)]:
             raise UpstreamInvalid("the engine's streamed tokens differ from its final output")
         logprobs = checked.valid.logprobs.tolist()
+        if self._lps != logprobs[: len(self._lps)]:  # both float32 values (chunks are checked as they come)
+            raise UpstreamInvalid("the engine's streamed logprobs differ from its final output")
         events: list[StreamEvent] = []
         if len(ids) > len(self._ids):  # not streamed (constrained turns) or held by the engine
             n = len(self._ids)

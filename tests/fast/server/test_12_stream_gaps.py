@@ -1,0 +1,181 @@
+"""Issue 12.2 gaps of live streaming, end to end through HTTP on the simulated engine:
+
+- a stream that fails validation (the engine's streamed ids disagree with its final
+  answer, a chunk with a bad id or logprob, streamed text the final parse does not
+  extend) ends with the dialect's error event and commits nothing, in every dialect;
+- the fallback whole-parse path (a family `incremental.grammar_for` does not cover)
+  streams text while the engine runs;
+- a streamed request survives a transient connect error before anything was shown;
+- a streamed request that carries a retry marker keeps its turn for the replay grace
+  when its client leaves: the SDK's retry gets the whole stream and one commit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fast.server.conftest import Stack, live_stack
+
+USER = [{"role": "user", "content": "Fix the failing test."}]
+
+
+def _request(dialect: str) -> tuple[str, dict[str, Any]]:
+    """(route suffix, streamed body) of one turn in `dialect`."""
+    if dialect == "chat":
+        return "chat/completions", {"model": "m", "messages": USER, "max_tokens": 48, "stream": True,
+                                    "logprobs": True}
+    if dialect == "anthropic":
+        return "messages", {"model": "m", "messages": USER, "max_tokens": 48, "stream": True}
+    return "responses", {"model": "m", "input": "Fix the failing test.", "max_output_tokens": 48, "stream": True}
+
+
+def _events(body: str) -> list[tuple[str | None, Any]]:
+    """(event name, decoded data) of each SSE frame (`[DONE]` as the string)."""
+    out: list[tuple[str | None, Any]] = []
+    for frame in body.split("\n\n"):
+        name, data = None, None
+        for line in frame.splitlines():
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                raw = line[5:].strip()
+                data = raw if raw == "[DONE]" else json.loads(raw)
+        if data is not None:
+            out.append((name, data))
+    return out
+
+
+def _failed(dialect: str, events: list[tuple[str | None, Any]]) -> str:
+    """The error message the stream ended with, in the dialect's own shape."""
+    if dialect == "chat":
+        assert events[-1][1] == "[DONE]"
+        err = events[-2][1]
+        assert set(err) == {"error"}, err
+        return str(err["error"]["message"])
+    if dialect == "anthropic":
+        name, data = events[-1]
+        assert name == "error" and data["type"] == "error", events[-1]
+        return str(data["error"]["message"])
+    name, data = events[-1]
+    assert name == "response.failed" and data["response"]["status"] == "failed", events[-1]
+    assert any(n == "error" for n, _ in events)
+    return str(data["response"]["error"]["message"])
+
+
+async def _stream_fails(st: Stack, sid: str, dialect: str) -> tuple[str, list[tuple[str | None, Any]]]:
+    route, body = _request(dialect)
+    async with st.http.stream("POST", f"/sessions/{sid}/v1/{route}", json=body) as r:
+        assert r.status_code == 200
+        events = _events((await r.aread()).decode())
+    return _failed(dialect, events), events
+
+
+async def _nothing_committed(st: Stack, sid: str) -> None:
+    """No turn, and the next (non-streamed) turn still extends the old trajectory."""
+    view = (await st.http.get(f"/sessions/{sid}")).json()
+    assert view["turns"] == 0 and not view["busy"] and len(view["branches"]) == 1
+    r = await st.chat(sid, {"model": "m", "messages": USER, "max_tokens": 16})
+    assert r.status_code == 200, r.text
+    traj = (await st.trajectory(sid))["branches"]
+    assert len(traj) == 1 and len(traj[0]["turns"]) == 1
+
+
+DIALECTS = ["chat", "anthropic", "responses"]
+
+
+@pytest.mark.parametrize(("fault", "what"), [("stream_diverges", "tokens"), ("stream_logprob_diverges", "logprobs")])
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_12_1a_streamed_values_that_disagree_with_the_final_answer_fail_the_turn(
+        qwen3_dir: Path, dialect: str, fault: str, what: str) -> None:
+    """SGLang frames are cumulative: its final frame can contradict what the stream showed
+    (vLLM's final answer is its chunks joined, so it cannot)."""
+    async with live_stack(qwen3_dir, "sglang", latency_ms=1) as st:
+        sid = await st.session()
+        await st.fault(fault)
+        message, _ = await _stream_fails(st, sid, dialect)
+        assert f"streamed {what} differ" in message
+        await _nothing_committed(st, sid)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_12_1b_streamed_text_the_final_parse_does_not_extend_fails_the_turn(
+        qwen3_dir: Path, dialect: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TextStreamer.tail` refuses a final message whose fields do not start with what was
+    streamed (a parser disagreement: simulated by changing the validated message)."""
+    import dataclasses
+
+    from session_server import turns
+
+    real = turns.validate
+
+    async def lying(*a: Any, **kw: Any) -> Any:
+        checked = await real(*a, **kw)
+        msg = dict(checked.message)
+        for name in ("content", "reasoning_content"):
+            if msg.get(name):
+                msg[name] = "!" + str(msg[name])
+        return dataclasses.replace(checked, message=msg)
+
+    monkeypatch.setattr(turns, "validate", lying)
+    async with live_stack(qwen3_dir, "sglang", latency_ms=3) as st:
+        sid = await st.session()
+        message, _ = await _stream_fails(st, sid, dialect)
+        assert "is not a prefix of the parsed message" in message
+        monkeypatch.setattr(turns, "validate", real)
+        await _nothing_committed(st, sid)
+
+
+@pytest.mark.parametrize(("protocol", "fault"), [
+    ("sglang", "stream_nan_logprob"), ("sglang", "stream_positive_logprob"), ("sglang", "stream_oov_id"),
+    ("sglang", "stream_negative_id"), ("vllm", "stream_nan_logprob"), ("vllm", "stream_oov_id"),
+])
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_12_1c_a_chunk_with_a_bad_id_or_logprob_fails_the_turn_unshown(
+        qwen3_dir: Path, protocol: str, fault: str, dialect: str) -> None:
+    """The bad chunk is refused as it arrives: never shown to the agent (no logprob frame
+    carries it), the stream ends with the error event, nothing is committed."""
+    async with live_stack(qwen3_dir, protocol, latency_ms=1) as st:
+        sid = await st.session()
+        await st.fault(fault)
+        message, events = await _stream_fails(st, sid, dialect)
+        assert "stream chunk rejected" in message, message
+        await _nothing_committed(st, sid)
+    shown = [c for _, d in events if isinstance(d, dict) and d.get("choices")
+             for c in ((d["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert all(c["logprob"] is not None and c["logprob"] <= 0 for c in shown)
+
+
+async def test_12_1d_the_fallback_parse_streams_text_before_the_engine_finishes(tokenizer_dirs: dict[str, Path]) -> None:
+    """Llama 3.x has no incremental grammar (`grammar_for` is None): its text deltas come
+    from the whole-parse fallback, still while the engine samples."""
+    import time
+
+    from openai import AsyncOpenAI
+
+    from session_server.incremental import grammar_for
+    from trajectory.codec import load_codec
+
+    llama = tokenizer_dirs["llama3.1"]
+    assert grammar_for(load_codec(str(llama)), tools=False, template_kwargs=None) is None
+    async with live_stack(llama, "sglang", latency_ms=4) as st:
+        sid = await st.session()
+        oai = AsyncOpenAI(base_url=f"{st.url}/sessions/{sid}/v1", api_key="x", max_retries=0)
+        stamps: list[tuple[float, str]] = []
+        finished_at = None
+        stream = await oai.chat.completions.create(model="m", messages=USER, max_tokens=200, stream=True)  # type: ignore[arg-type]
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                stamps.append((time.monotonic(), chunk.choices[0].delta.content))
+            if chunk.choices and chunk.choices[0].finish_reason and finished_at is None:
+                finished_at = time.monotonic()
+        await oai.close()
+        log = await st.engine_log()
+        message = (await st.trajectory(sid))["branches"][0]["turns"][-1]["assistant_message"]
+    assert finished_at is not None and len(stamps) > 2
+    engine_done = log[-1]["finished_s"]  # the simulator runs in this process: same clock
+    assert sum(t < engine_done for t, _ in stamps) > 1, "the fallback parse waited for the whole generation"
+    assert "".join(x for _, x in stamps) == message["content"]
