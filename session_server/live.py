@@ -15,7 +15,9 @@ that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -292,9 +294,21 @@ class LiveTurn:
         self._queue.put_nowait(None)
 
 
+_THINK_CLOSE_IDS: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
+
+
 def _think_close_ids(tokenizer: Any) -> list[int]:
-    """`</think>` as ids (the what-if of `TextStreamer`); none when the tokenizer cannot say."""
+    """`</think>` as ids (the what-if of `TextStreamer`); none when the tokenizer cannot say.
+    Encoded once per tokenizer (a server has one): not a tokenizer call per streamed turn."""
     try:
-        return [int(t) for t in tokenizer.encode(_THINK_CLOSE, add_special_tokens=False)]
-    except Exception:  # a tokenizer without this signature: no what-if, reasoning is not split live
-        return []
+        cached = _THINK_CLOSE_IDS.get(tokenizer)
+    except TypeError:  # not weakly referenceable (or unhashable): encode every time
+        cached = None
+    if cached is None:
+        try:
+            cached = tuple(int(t) for t in tokenizer.encode(_THINK_CLOSE, add_special_tokens=False))
+        except Exception:  # a tokenizer without this signature: no what-if, reasoning is not split live
+            cached = ()
+        with contextlib.suppress(TypeError):
+            _THINK_CLOSE_IDS[tokenizer] = cached
+    return list(cached)

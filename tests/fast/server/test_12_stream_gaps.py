@@ -89,7 +89,7 @@ DIALECTS = ["chat", "anthropic", "responses"]
 
 @pytest.mark.parametrize(("fault", "what"), [("stream_diverges", "tokens"), ("stream_logprob_diverges", "logprobs")])
 @pytest.mark.parametrize("dialect", DIALECTS)
-async def test_12_1a_streamed_values_that_disagree_with_the_final_answer_fail_the_turn(
+async def test_12_2_streamed_values_that_disagree_with_the_final_answer_fail_the_turn(
         qwen3_dir: Path, dialect: str, fault: str, what: str) -> None:
     """SGLang frames are cumulative: its final frame can contradict what the stream showed
     (vLLM's final answer is its chunks joined, so it cannot)."""
@@ -102,7 +102,7 @@ async def test_12_1a_streamed_values_that_disagree_with_the_final_answer_fail_th
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-async def test_12_1b_streamed_text_the_final_parse_does_not_extend_fails_the_turn(
+async def test_12_2_streamed_text_the_final_parse_does_not_extend_fails_the_turn(
         qwen3_dir: Path, dialect: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`TextStreamer.tail` refuses a final message whose fields do not start with what was
     streamed (a parser disagreement: simulated by changing the validated message)."""
@@ -134,7 +134,7 @@ async def test_12_1b_streamed_text_the_final_parse_does_not_extend_fails_the_tur
     ("sglang", "stream_negative_id"), ("vllm", "stream_nan_logprob"), ("vllm", "stream_oov_id"),
 ])
 @pytest.mark.parametrize("dialect", DIALECTS)
-async def test_12_1c_a_chunk_with_a_bad_id_or_logprob_fails_the_turn_unshown(
+async def test_12_2_a_chunk_with_a_bad_id_or_logprob_fails_the_turn_unshown(
         qwen3_dir: Path, protocol: str, fault: str, dialect: str) -> None:
     """The bad chunk is refused as it arrives: never shown to the agent (no logprob frame
     carries it), the stream ends with the error event, nothing is committed."""
@@ -149,7 +149,7 @@ async def test_12_1c_a_chunk_with_a_bad_id_or_logprob_fails_the_turn_unshown(
     assert all(c["logprob"] is not None and c["logprob"] <= 0 for c in shown)
 
 
-async def test_12_1d_the_fallback_parse_streams_text_before_the_engine_finishes(tokenizer_dirs: dict[str, Path]) -> None:
+async def test_12_2_the_fallback_parse_streams_text_before_the_engine_finishes(tokenizer_dirs: dict[str, Path]) -> None:
     """Llama 3.x has no incremental grammar (`grammar_for` is None): its text deltas come
     from the whole-parse fallback, still while the engine samples."""
     import time
@@ -179,3 +179,33 @@ async def test_12_1d_the_fallback_parse_streams_text_before_the_engine_finishes(
     engine_done = log[-1]["finished_s"]  # the simulator runs in this process: same clock
     assert sum(t < engine_done for t, _ in stamps) > 1, "the fallback parse waited for the whole generation"
     assert "".join(x for _, x in stamps) == message["content"]
+
+
+def test_12_2_think_close_ids_are_encoded_once_per_tokenizer(qwen3_dir: Path) -> None:
+    """Every streamed turn needs `</think>` as ids (`TextStreamer`'s what-if): one encode
+    per tokenizer, not one per turn; the ids are the tokenizer's own."""
+    from transformers import AutoTokenizer
+
+    from session_server.live import _think_close_ids
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    want = tok.encode("</think>", add_special_tokens=False)
+    calls: list[str] = []
+
+    class Counting:
+        def encode(self, text: str, **kw: Any) -> list[int]:
+            calls.append(text)
+            return list(tok.encode(text, **kw))
+
+    counting = Counting()
+    assert [_think_close_ids(counting) for _ in range(5)] == [want] * 5
+    assert calls == ["</think>"]
+
+    class Broken:
+        def encode(self, text: str, **kw: Any) -> list[int]:  # cannot say: no what-if, remembered too
+            calls.append(text)
+            raise ValueError("no such text")
+
+    broken = Broken()
+    assert _think_close_ids(broken) == [] and _think_close_ids(broken) == []
+    assert calls == ["</think>", "</think>"]
