@@ -209,3 +209,53 @@ def test_12_2_think_close_ids_are_encoded_once_per_tokenizer(qwen3_dir: Path) ->
     broken = Broken()
     assert _think_close_ids(broken) == [] and _think_close_ids(broken) == []
     assert calls == ["</think>", "</think>"]
+
+
+def _closed_port() -> int:
+    """A port nothing listens on: connecting to it is refused."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_12_2_a_streamed_turn_survives_a_refused_connection_before_any_token(
+        qwen3_dir: Path, protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's first streamed `/generate` connection is refused (nothing sent, nothing
+    shown): it is retried as a non-streamed request is, the stream goes on and commits once;
+    the single engine is not marked down."""
+    from session_server.engines.http import EngineHTTP
+
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    refused: list[str] = []
+    real_session = EngineHTTP.session
+
+    class RefusedOnce:
+        def __init__(self, session: Any, base: str) -> None:
+            self._s, self._base = session, base
+
+        def post(self, url: str, **kw: Any) -> Any:
+            if not refused and url.endswith("/generate"):
+                refused.append(url)
+                url = dead + url.removeprefix(self._base)
+            return self._s.post(url, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._s, name)
+
+    monkeypatch.setattr(EngineHTTP, "session", lambda self: RefusedOnce(real_session(self), self.base_url))
+    async with live_stack(qwen3_dir, protocol, latency_ms=1) as st:
+        sid = await st.session()
+        route, body = _request("chat")
+        async with st.http.stream("POST", f"/sessions/{sid}/v1/{route}", json=body) as r:
+            events = _events((await r.aread()).decode())
+        traj = (await st.trajectory(sid))["branches"][0]
+        again = await st.chat(sid, {"model": "m", "messages": USER, "max_tokens": 8})
+    assert refused, "the refusal was not injected"
+    assert events[-1][1] == "[DONE]" and not any("error" in d for _, d in events if isinstance(d, dict))
+    content = "".join((d["choices"][0]["delta"].get("content") or "") for _, d in events
+                      if isinstance(d, dict) and d.get("choices"))
+    assert len(traj["turns"]) == 1 and content == (traj["turns"][0]["assistant_message"].get("content") or "")
+    assert again.status_code == 200, again.text  # the engine was not marked down
