@@ -293,7 +293,7 @@ def create_app(config: AppConfig) -> FastAPI:
             started.cancel()
         if not live.active:
             return as_response(await task)
-        return StreamingResponse(live.stream(task), media_type="text/event-stream")
+        return StreamingResponse(live.stream(task, held=ident.recorded), media_type="text/event-stream")
 
     @app.post(
         "/sessions/{sid}/v1/messages",

@@ -273,15 +273,17 @@ class LiveTurn:
             self._emit(_failure(exc))
             self._end()
 
-    async def stream(self, task: asyncio.Future[Any]) -> AsyncIterator[bytes]:
-        """The frames as they come; a client that leaves cancels the turn (nothing committed)."""
+    async def stream(self, task: asyncio.Future[Any], *, held: bool = False) -> AsyncIterator[bytes]:
+        """The frames as they come; a client that leaves cancels the turn (nothing committed),
+        unless `held`: a request that may be retried (idempotency.py) keeps its turn for the
+        replay grace, and the retry gets every frame from the start and the one commit."""
         ended = False
         try:
             while (frame := await self._queue.get()) is not None:
                 yield frame
             ended = True
         finally:
-            if not ended and not task.done():
+            if not ended and not held and not task.done():
                 task.cancel()
 
     def _emit(self, event: StreamEvent) -> None:

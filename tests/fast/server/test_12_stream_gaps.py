@@ -259,3 +259,72 @@ async def test_12_2_a_streamed_turn_survives_a_refused_connection_before_any_tok
                       if isinstance(d, dict) and d.get("choices"))
     assert len(traj["turns"]) == 1 and content == (traj["turns"][0]["assistant_message"].get("content") or "")
     assert again.status_code == 200, again.text  # the engine was not marked down
+
+
+async def _leave_after_first_text(st: Stack, sid: str, raw: bytes, headers: dict[str, str]) -> bytes:
+    """Stream a chat, hang up once a text delta has arrived; the bytes read until then."""
+    got = b""
+    async with st.http.stream("POST", f"/sessions/{sid}/v1/chat/completions", content=raw,
+                              headers={"Content-Type": "application/json", **headers}) as r:
+        assert r.status_code == 200
+        async for part in r.aiter_raw():
+            got += part
+            if b'"content":"' in got.replace(b'"content":""', b""):
+                break
+    return got  # leaving the block closes the connection mid-stream
+
+
+async def _turns_when_idle(st: Stack, sid: str) -> int:
+    import asyncio
+
+    for _ in range(500):
+        view = (await st.http.get(f"/sessions/{sid}")).json()
+        if not view["busy"]:
+            return int(view["turns"])
+        await asyncio.sleep(0.01)
+    raise AssertionError("the turn never ended")
+
+
+@pytest.mark.parametrize("marker", ["x-stainless-retry-count", "idempotency-key"])
+async def test_12_3_a_streamed_turn_whose_client_leaves_is_kept_for_the_retry(qwen3_dir: Path, marker: str) -> None:
+    """With a retry marker, a client that hangs up mid-stream leaves its turn running for
+    the replay grace; its retry (same body) gets the whole stream, from the first frame,
+    byte for byte what the first attempt was sent, and the session one commit."""
+    import orjson
+
+    first, retry = ({"x-stainless-retry-count": "0"}, {"x-stainless-retry-count": "1"}) \
+        if marker == "x-stainless-retry-count" else ({"Idempotency-Key": "k-1"}, {"Idempotency-Key": "k-1"})
+    raw = orjson.dumps({"model": "m", "messages": USER, "max_tokens": 200, "stream": True})
+    async with live_stack(qwen3_dir, "sglang", latency_ms=5) as st:
+        sid = await st.session()
+        seen = await _leave_after_first_text(st, sid, raw, first)
+        r = await st.http.post(f"/sessions/{sid}/v1/chat/completions", content=raw,
+                               headers={"Content-Type": "application/json", **retry})
+        turns = await _turns_when_idle(st, sid)
+        traj = (await st.trajectory(sid))["branches"]
+        log = await st.engine_log()
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.content.startswith(seen) and r.content.rstrip().endswith(b"data: [DONE]")
+    assert turns == 1 and len(traj) == 1 and len(log) == 1  # one generation, one commit
+    events = _events(r.content.decode())
+    content = "".join((d["choices"][0]["delta"].get("content") or "") for _, d in events
+                      if isinstance(d, dict) and d.get("choices"))
+    assert content == (traj[0]["turns"][0]["assistant_message"].get("content") or "")
+
+
+async def test_12_3_a_streamed_turn_whose_client_leaves_without_a_retry_is_cancelled_after_the_grace(
+        qwen3_dir: Path) -> None:
+    """A marker but no retry within the grace: the turn is cancelled then (nothing committed);
+    without a marker it is cancelled at once (test_live_streaming.py)."""
+    import orjson
+
+    from session_server.context import Settings
+
+    raw = orjson.dumps({"model": "m", "messages": USER, "max_tokens": 400, "stream": True})
+    async with live_stack(qwen3_dir, "sglang", latency_ms=5, settings=Settings(replay_grace_s=0.2)) as st:
+        sid = await st.session()
+        await _leave_after_first_text(st, sid, raw, {"x-stainless-retry-count": "0"})
+        turns = await _turns_when_idle(st, sid)
+        aborted = await st.aborted_rids()
+        view = (await st.http.get(f"/sessions/{sid}")).json()
+    assert turns == 0 and aborted and view["turns_discarded"] == 1
