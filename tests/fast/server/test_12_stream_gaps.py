@@ -328,3 +328,48 @@ async def test_12_3_a_streamed_turn_whose_client_leaves_without_a_retry_is_cance
         aborted = await st.aborted_rids()
         view = (await st.http.get(f"/sessions/{sid}")).json()
     assert turns == 0 and aborted and view["turns_discarded"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_12_1_responses_output_text_logprobs(qwen3_dir: Path, stream: bool) -> None:
+    """`include: ["message.output_text.logprobs"]` (+ `top_logprobs`): the output_text's
+    tokens with their exact logprobs (the trajectory's), as the openai SDK types read them;
+    streamed, in `output_text.done` and `response.completed`. Not asked: `[]`."""
+    import httpx
+    import numpy as np
+    from openai import AsyncOpenAI
+
+    script = {"turns": [{"reasoning_content": "The test imports a missing name.",
+                         "content": "Fixed ✓: the import now names `parse_args`; 测试通过 🎉"}] * 3}
+    async with live_stack(qwen3_dir, "sglang", latency_ms=1) as st:
+        async with httpx.AsyncClient() as c:
+            assert (await c.post(f"{st.engines[0]}/sim/script", json=script)).status_code == 200
+        sid = await st.session()
+        oai = AsyncOpenAI(base_url=f"{st.url}/sessions/{sid}/v1", api_key="x", max_retries=0)
+        kw: dict[str, Any] = {"model": "m", "input": "Fix the failing test.", "max_output_tokens": 200}
+        done_lps: list[Any] = []
+        if stream:
+            async with oai.responses.stream(**kw, include=["message.output_text.logprobs"], top_logprobs=2) as s:
+                async for ev in s:
+                    if ev.type == "response.output_text.done":
+                        done_lps = list(ev.logprobs)
+                resp = await s.get_final_response()
+        else:
+            resp = await oai.responses.create(**kw, include=["message.output_text.logprobs"], top_logprobs=2)
+        plain = await oai.responses.create(**kw, previous_response_id=resp.id)
+        await oai.close()
+        branch = (await st.trajectory(sid))["branches"][0]
+    text = next(p for item in resp.output if item.type == "message" for p in item.content)
+    assert text.type == "output_text" and text.logprobs
+    ascii_only = lambda t: "".join(ch for ch in t if ch.isascii()).strip()  # noqa: E731 (a character split across tokens is U+FFFD per token)
+    assert ascii_only("".join(lp.token for lp in text.logprobs)) == ascii_only(text.text)
+    assert all(len(lp.top_logprobs) <= 2 and bytes(lp.bytes).decode() == lp.token for lp in text.logprobs)
+    turn = branch["turns"][0]
+    sampled = [float(np.float32(x)) for x in branch["logprobs"][turn["output_start"]:turn["output_end"]]]
+    got = [lp.logprob for lp in text.logprobs]
+    assert any(sampled[i:i + len(got)] == got for i in range(len(sampled) - len(got) + 1))
+    if stream:
+        assert [lp.logprob for lp in done_lps] == got
+    assert resp.top_logprobs == 2
+    plain_text = next(p for item in plain.output if item.type == "message" for p in item.content)
+    assert plain_text.logprobs == []
