@@ -160,6 +160,7 @@ class LiveTurn:
         self._parsing = False  # a fallback whole parse is running off the loop
         self._stale = False  # ids came while it ran: parse again when it ends
         self._closed = False  # `check` ran: no more text deltas
+        self._followers: list[asyncio.Queue[bytes | None]] = []  # adopted replays (`follow`)
 
     @property
     def active(self) -> bool:
@@ -286,14 +287,41 @@ class LiveTurn:
             if not ended and not held and not task.done():
                 task.cancel()
 
+    async def follow(self, waiter: asyncio.Future[Any]) -> AsyncIterator[bytes]:
+        """For a replay that adopted this turn while it streams: every frame from the first,
+        then the rest as they come (to the same end: committed or the error event).
+        `waiter` (the replay's own wait for the turn) is cancelled if the replay leaves
+        first; else it ends with the turn."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        for sent in self.frames:
+            queue.put_nowait(sent)
+        if self._ended:
+            queue.put_nowait(None)
+        else:
+            self._followers.append(queue)
+        ended = False
+        try:
+            while (frame := await queue.get()) is not None:
+                yield frame
+            ended = True  # the waiter ends by itself now (the turn is over)
+        finally:
+            if queue in self._followers:
+                self._followers.remove(queue)
+            if not ended:
+                waiter.cancel()
+
     def _emit(self, event: StreamEvent) -> None:
         for frame in self._encoder.encode(event):
             self.frames.append(frame)
             self._queue.put_nowait(frame)
+            for follower in self._followers:
+                follower.put_nowait(frame)
 
     def _end(self) -> None:
         self._ended = True
         self._queue.put_nowait(None)
+        for follower in self._followers:
+            follower.put_nowait(None)
 
 
 _THINK_CLOSE_IDS: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()

@@ -288,8 +288,11 @@ async def _turns_when_idle(st: Stack, sid: str) -> int:
 @pytest.mark.parametrize("marker", ["x-stainless-retry-count", "idempotency-key"])
 async def test_12_3_a_streamed_turn_whose_client_leaves_is_kept_for_the_retry(qwen3_dir: Path, marker: str) -> None:
     """With a retry marker, a client that hangs up mid-stream leaves its turn running for
-    the replay grace; its retry (same body) gets the whole stream, from the first frame,
-    byte for byte what the first attempt was sent, and the session one commit."""
+    the replay grace; its retry (same body) follows the stream live: every frame from the
+    first (byte for byte what the first attempt was sent), then the rest as sampled; the
+    session gets one commit."""
+    import time
+
     import orjson
 
     first, retry = ({"x-stainless-retry-count": "0"}, {"x-stainless-retry-count": "1"}) \
@@ -298,15 +301,20 @@ async def test_12_3_a_streamed_turn_whose_client_leaves_is_kept_for_the_retry(qw
     async with live_stack(qwen3_dir, "sglang", latency_ms=5) as st:
         sid = await st.session()
         seen = await _leave_after_first_text(st, sid, raw, first)
-        r = await st.http.post(f"/sessions/{sid}/v1/chat/completions", content=raw,
-                               headers={"Content-Type": "application/json", **retry})
+        got, stamps = b"", []
+        async with st.http.stream("POST", f"/sessions/{sid}/v1/chat/completions", content=raw,
+                                  headers={"Content-Type": "application/json", **retry}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            async for part in r.aiter_raw():
+                got += part
+                stamps.append(time.monotonic())
         turns = await _turns_when_idle(st, sid)
         traj = (await st.trajectory(sid))["branches"]
         log = await st.engine_log()
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    assert r.content.startswith(seen) and r.content.rstrip().endswith(b"data: [DONE]")
+    assert got.startswith(seen) and got.rstrip().endswith(b"data: [DONE]")
     assert turns == 1 and len(traj) == 1 and len(log) == 1  # one generation, one commit
-    events = _events(r.content.decode())
+    assert stamps[0] < log[0]["finished_s"], "the retry waited for the commit instead of following the stream"
+    events = _events(got.decode())
     content = "".join((d["choices"][0]["delta"].get("content") or "") for _, d in events
                       if isinstance(d, dict) and d.get("choices"))
     assert content == (traj[0]["turns"][0]["assistant_message"].get("content") or "")
@@ -373,3 +381,26 @@ async def test_12_1_responses_output_text_logprobs(qwen3_dir: Path, stream: bool
     assert resp.top_logprobs == 2
     plain_text = next(p for item in plain.output if item.type == "message" for p in item.content)
     assert plain_text.logprobs == []
+
+
+async def test_12_3_a_retry_following_a_stream_that_fails_gets_its_error_event_and_no_second_turn(
+        qwen3_dir: Path) -> None:
+    """The followed turn fails validation at its end: the retry's stream ends with the
+    error event, like the original's would have; no fresh attempt runs behind it."""
+    import asyncio
+
+    import orjson
+
+    raw = orjson.dumps({"model": "m", "messages": USER, "max_tokens": 200, "stream": True})
+    async with live_stack(qwen3_dir, "sglang", latency_ms=5) as st:
+        sid = await st.session()
+        await st.fault("nan_logprob")
+        await _leave_after_first_text(st, sid, raw, {"x-stainless-retry-count": "0"})
+        r = await st.http.post(f"/sessions/{sid}/v1/chat/completions", content=raw,
+                               headers={"Content-Type": "application/json", "x-stainless-retry-count": "1"})
+        turns = await _turns_when_idle(st, sid)
+        await asyncio.sleep(0.1)  # a fresh attempt would have reached the engine by now
+        log = await st.engine_log()
+    assert r.status_code == 200
+    assert "must be a number" in _failed("chat", _events(r.content.decode()))
+    assert turns == 0 and len(log) == 1
