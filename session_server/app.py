@@ -243,6 +243,8 @@ def create_app(config: AppConfig) -> FastAPI:
             lora=spec.lora,
             chat_template_kwargs=spec.chat_template_kwargs,
             history_policy=HistoryPolicy(spec.history_policy),
+            routing_replay=ctx.settings.routing_replay if spec.routing_replay is None else spec.routing_replay,
+            max_weight_lag=spec.max_weight_lag,
         )
         s = ctx.store.create(cfg)
         base = str(request.base_url).rstrip("/")
@@ -347,6 +349,13 @@ def create_app(config: AppConfig) -> FastAPI:
         s = store.get(sid)
         store.touch(s)  # reading a session is using it: its TTL restarts (issue 16.10)
         return _json(session_view(s))
+
+    @app.head("/sessions/{sid}", include_in_schema=False)
+    async def head_session(sid: str) -> Response:
+        """Whether the session exists: harnesses probe their base URL (Claude Code sends
+        HEAD to it before its first request); 404 when it does not."""
+        ctx_of().store.get(sid)
+        return Response(status_code=200)
 
     @app.get("/sessions/{sid}/trajectory", **route_doc(None, 400, 404, media=(JSON, "application/octet-stream")))
     async def get_trajectory(sid: str, format: str = "json") -> Response:

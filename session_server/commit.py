@@ -8,7 +8,7 @@ half-commits) applies the branch change decided at prepare and appends the turn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trajectory.errors import ValidationError
@@ -22,6 +22,7 @@ from .engine_request import EngineCall
 from .engines.base import GenerateResult
 from .errors import InternalInvariant, UpstreamInvalid
 from .prepare import Prepared
+from .routed import RoutedShape, join
 from .sessions import Claim, Session
 from .structured import apply_output_policy
 
@@ -37,6 +38,8 @@ class Checked:
     repair: list[int]  # tokens that close a turn the engine cut short
     message: dict[str, Any]  # the assistant message returned and stored
     finish: str  # stop | tool_calls | length | abort | repetition
+    routed: Any = None  # routing replay: (rows, layers, topk) for [routed start, output_end - 1)
+    extra: dict[str, Any] = field(default_factory=dict)  # more for the turn record (a live stream's notes)
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,31 @@ class Committed:
 
 
 async def validate(
-    ctx: ServerContext, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared
+    ctx: ServerContext, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared,
+    call: EngineCall | None = None,
 ) -> Checked:
-    """The engine output validated, parsed and shaped by the request's output policy."""
+    """The engine output validated, parsed and shaped by the request's output policy;
+    with routing replay, its routed experts decoded and gap-checked (offload)."""
     valid, parsed, repair = await ctx.offload.run(_check_output, ctx, result, expect, req, prep)
+    routed = None
+    if call is not None and call.greq.return_routed_experts:
+        routed = await ctx.offload.run(_routed_rows, ctx, call, result)
     parsed = await ctx.offload.run(apply_output_policy, parsed, req, ctx.codec, valid)
     finish = valid.finish_reason
     if finish == "stop" and parsed.tool_calls:
         finish = "tool_calls"
-    return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish)
+    return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish,
+                   routed=routed)
+
+
+def _routed_rows(ctx: ServerContext, call: EngineCall, result: ResilientResult) -> Any:
+    """The turn's routed experts for positions [start, input + output - 1) (offload)."""
+    s = ctx.settings
+    shape = RoutedShape(layers=s.routed_experts_layers, topk=s.routed_experts_topk,
+                        num_experts=s.routed_experts_num_experts)
+    end = len(call.greq.input_ids) + len(result.output_ids) - 1
+    return join(result.routed_pieces, start=call.greq.routed_experts_start, end=end, shape=shape,
+                expect=call.routed_shape)
 
 
 def _check_output(
@@ -103,7 +122,10 @@ async def commit(
             engine=target_id,
             cached_tokens=valid.cached_tokens,
             extra=extra,
+            routed_experts=checked.routed,
         )
+        if "stale_bound" in extra:
+            session.note("stale_bound", turn=record.index, **extra["stale_bound"])
         if checked.repair:
             session.note("repair", turn=record.index, tokens=len(checked.repair), finish_reason=checked.finish)
     ctx.metrics.tokens_in_total.inc(len(prompt_ids))
@@ -139,13 +161,16 @@ def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked, pre
     """The turn record's diagnostics: request id, parse status, routed-experts size and
     the control counters of a turn that lived through pauses."""
     parsed = checked.parsed
-    extra: dict[str, Any] = {"request_id": call.greq.request_id, "parse_status": parsed.status.value}
+    extra: dict[str, Any] = {"request_id": call.greq.request_id, "parse_status": parsed.status.value,
+                             **checked.extra}
     if parsed.status_detail:
         extra["parse_detail"] = parsed.status_detail
     if result.routed_experts is not None:
         extra["routed_experts_bytes"] = len(result.routed_experts)
     if result.aborts or result.resubmits or result.paused_wait_s:
         extra["control"] = result.counters()
+    if result.stale_bound is not None:  # ended at a weight update by max_weight_lag (13.5)
+        extra["stale_bound"] = result.stale_bound
     if prep.history_rewrite is not None:  # kept under the append policy (10.3)
         extra["history_rewrite"] = dict(prep.history_rewrite)
     if prep.tool_call_renames:  # the client re-sent our last calls under its own ids (10.2)

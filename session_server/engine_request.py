@@ -8,11 +8,13 @@ no lock, nothing sent.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from trajectory.routed import coverage_end
 from trajectory.validate import Expectations
 
 from .api.models import ChatRequest, SessionSampling
@@ -33,6 +35,8 @@ class EngineCall:
 
     greq: GenerateRequest
     expect: Expectations
+    # routing replay: (layers, topk) of the branch's earlier rows, which this turn's must match
+    routed_shape: tuple[int, int] | None = None
 
 
 def engine_request(
@@ -40,6 +44,7 @@ def engine_request(
 ) -> EngineCall:
     """The engine request of this turn (context + prompt) and what its output must satisfy."""
     input_ids = np.concatenate([prep.context_ids, np.asarray(prompt_ids, dtype=np.int32)])
+    routed_start, routed_shape = _replay_start(session, prep) if session.config.routing_replay else (0, None)
     budget = _budget(ctx, session, req, len(input_ids))
     greq = GenerateRequest(
         request_id=new_request_id(),
@@ -49,6 +54,9 @@ def engine_request(
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         lora=session.config.lora,
         timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
+        return_routed_experts=session.config.routing_replay,
+        routed_experts_start=routed_start,
+        max_weight_lag=req.max_weight_lag if req.max_weight_lag is not None else session.config.max_weight_lag,
     )
     expect = Expectations(
         request_id=greq.request_id,
@@ -60,7 +68,19 @@ def engine_request(
         clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
         top_logprobs=greq.top_logprobs,
     )
-    return EngineCall(greq=greq, expect=expect)
+    return EngineCall(greq=greq, expect=expect, routed_shape=routed_shape)
+
+
+def _replay_start(session: Session, prep: Prepared) -> tuple[int, tuple[int, int] | None]:
+    """Routing replay: where this turn's rows start (the line positions the kept turns'
+    rows already cover; a rollback or rewrite keeps only the turns before it) and the
+    (layers, topk) those rows have. O(turns)."""
+    traj = session.tree.get(prep.branch_id).trajectory
+    kept = bisect_right(traj.checkpoints, len(prep.context_ids)) - 1
+    turns = traj.turns[:kept] if len(prep.context_ids) else ()
+    start = coverage_end(turns)
+    last = next((t.routed_experts for t in reversed(turns) if t.routed_experts is not None), None)
+    return start, (last.shape if last is not None and start else None)
 
 
 def _sampling(ctx: ServerContext, session: Session, req: ChatRequest, constraint: Constraint | None) -> SamplingParams:

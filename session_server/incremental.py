@@ -13,14 +13,19 @@ checks once the whole message is parsed.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trajectory.codec.parsing import THINK_CLOSE, THINK_OPEN, TOOL_OPEN
+from trajectory.codec.json_stream import CanonicalJson, JsonStreamError
+from trajectory.codec.parsing import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 from trajectory.codec.probe import decode_text
 
-__all__ = ["FieldSplitter", "Grammar", "IncrementalDecoder", "IncrementalText", "grammar_for"]
+__all__ = [
+    "CallArgs", "CallStart", "FieldSplitter", "Grammar", "HermesCalls", "IncrementalDecoder", "IncrementalText",
+    "grammar_for",
+]
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class Grammar:
     reasoning_ws: str | None = "\n"  # what reasoning is stripped of (None: all whitespace)
     lstrip_after_think: bool = True  # content after a reasoning block loses leading newlines
     glm_content: bool = False  # content is `.strip()`ped, but raw when a call fails to parse
+    hermes: bool = False  # calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (parse_hermes)
 
 
 def grammar_for(codec: Any, *, tools: bool, template_kwargs: Mapping[str, Any] | None) -> Grammar | None:
@@ -46,14 +52,15 @@ def grammar_for(codec: Any, *, tools: bool, template_kwargs: Mapping[str, Any] |
         return None
     thinking = bool(codec.thinking(template_kwargs))
     if kind.parse_text is Qwen3Codec.parse_text:
-        return Grammar(think=thinking, tools=tools)
+        return Grammar(think=thinking, tools=tools, hermes=tools)
     if kind.parse_text is Glm4Codec.parse_text:
         return Grammar(think=thinking, tools=tools, reasoning_ws=None, lstrip_after_think=False, glm_content=True)
     if kind.parse_text is GenericCodec.parse_text:
         if getattr(codec, "_xml", False):
             return None
         hermes = bool(getattr(codec, "_hermes", False))
-        return Grammar(think=thinking and bool(getattr(codec, "_think", False)), tools=tools and hermes)
+        return Grammar(think=thinking and bool(getattr(codec, "_think", False)), tools=tools and hermes,
+                       hermes=tools and hermes)
     if kind.parse_text is TemplateCodec.parse_text:
         return Grammar(think=False, tools=False)
     return None
@@ -201,7 +208,9 @@ class FieldSplitter:
             i = self._find(TOOL_OPEN)
             end, last = (i, True) if i >= 0 else (end - _partial(self._buf, TOOL_OPEN), False)
         body = self._buf[:end]
-        if g.tools or g.glm_content:
+        if last and g.hermes:  # parse_hermes drops one newline: a prefix of the content, call or no call
+            body = body[:-1] if body.endswith("\n") else body
+        elif g.tools or g.glm_content:
             body = body.rstrip()
         if body:
             out.append(("content", body))
@@ -210,15 +219,127 @@ class FieldSplitter:
             self._to("done")
 
     def _done(self, out: list[tuple[str, str]]) -> None:
-        self._buf = ""
+        pass  # the text from the first `<tool_call>` on waits in `_buf` for `take`
+
+    def take(self) -> str:
+        """In state `done`: the text not sent as a field (the calls), handed over once."""
+        text, self._buf, self._scan = self._buf, "", 0
+        return text
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """Tool call `index` begins: its name is complete, offered, and the arguments object opened."""
+
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """More canonical (`json.dumps`) text of tool call `index`'s arguments."""
+
+    index: int
+    text: str
+
+
+_JSON_WS = " \t\r\n"  # what parse_hermes skips around and between calls
+_NAME, _ARGS = 0, 1  # the steps of `HermesCalls._STEPS` that are JSON values
+# a call as parse_hermes reads it, in the one key order streamed: anything else holds the call back
+_STEPS: tuple[str | int, ...] = (TOOL_OPEN, "{", '"name"', ":", _NAME, ",", '"arguments"', ":", _ARGS, "}", TOOL_CLOSE)
+
+
+class HermesCalls:
+    """Tool calls of the text from the first `<tool_call>` on, streamed as `parse_hermes`
+    will read them: `<tool_call>{"name": N, "arguments": {...}}</tool_call>`, whitespace
+    between tokens. `CallStart` once N is complete and one of `names` and the arguments
+    object opened; `CallArgs` as `CanonicalJson` re-writes the arguments. Anything else
+    (another key order, an unknown name, invalid JSON, a duplicate key, text after a
+    call) stops the stream for the rest of the turn: what was not streamed is sent after
+    the whole message is parsed (live.py), which is the truth."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+        self.index = 0  # the call being read
+        self.stopped = False
+        self._step = 0
+        self._lit = ""  # the part of a literal step matched so far
+        self._json: CanonicalJson | None = None
+        self._name = ""
+
+    def feed(self, text: str) -> list[CallStart | CallArgs]:
+        out: list[CallStart | CallArgs] = []
+        try:
+            while text and not self.stopped:
+                text = self._advance(text, out)
+        except JsonStreamError:
+            self.stopped = True
+        return out
+
+    def _advance(self, text: str, out: list[CallStart | CallArgs]) -> str:
+        step = _STEPS[self._step]
+        if isinstance(step, str):
+            return self._literal(step, text)
+        if self._json is None:
+            text = text.lstrip(_JSON_WS)
+            if not text:
+                return ""
+            self._json = CanonicalJson()
+            if step == _ARGS:
+                if text[0] != "{":
+                    self.stopped = True  # arguments as a string (or not an object): the end-of-turn path
+                    return ""
+                out.append(CallStart(self.index, self._name))
+        piece = self._json.feed(text)
+        if step == _ARGS:
+            if piece:
+                out.append(CallArgs(self.index, piece))
+        else:
+            self._name += piece
+        if not self._json.done:
+            return ""
+        rest, self._json = self._json.rest, None
+        if step == _NAME:
+            name = json.loads(self._name)
+            if not isinstance(name, str) or name not in self.names:
+                self.stopped = True
+                return ""
+            self._name = name
+        self._step += 1
+        return rest
+
+    def _literal(self, lit: str, text: str) -> str:
+        if not self._lit:
+            text = text.lstrip(_JSON_WS)
+            if not text:
+                return ""
+        need = lit[len(self._lit):]
+        take = text[: len(need)]
+        if not need.startswith(take):
+            self.stopped = True
+            return ""
+        self._lit += take
+        if len(take) < len(need):
+            return ""
+        self._lit = ""
+        self._step += 1
+        if self._step == len(_STEPS):  # a call read whole: the next may follow
+            self._step, self.index, self._name = 0, self.index + 1, ""
+        return text[len(take):]
 
 
 class IncrementalText:
-    """Decoder and splitter together: new ids in, (field, delta) pairs out."""
+    """Decoder and splitter together: new ids in, (field, delta) pairs out; with `calls`
+    (a hermes grammar and the request's tool names), then the tool-call pieces."""
 
-    def __init__(self, decoder: IncrementalDecoder, splitter: FieldSplitter) -> None:
-        self.decoder, self.splitter = decoder, splitter
+    def __init__(self, decoder: IncrementalDecoder, splitter: FieldSplitter, calls: HermesCalls | None = None) -> None:
+        self.decoder, self.splitter, self.calls = decoder, splitter, calls
 
-    def feed(self, ids: Sequence[int]) -> list[tuple[str, str]]:
+    def feed(self, ids: Sequence[int]) -> list[tuple[str, str] | CallStart | CallArgs]:
         text = self.decoder.feed(ids)
-        return self.splitter.feed(text) if text else []
+        if not text:
+            return []
+        out: list[tuple[str, str] | CallStart | CallArgs] = [*self.splitter.feed(text)]
+        if self.calls is not None and self.splitter.state == "done":
+            out += self.calls.feed(self.splitter.take())
+        return out

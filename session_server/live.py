@@ -4,10 +4,14 @@ A `LiveTurn` belongs to one request. When the parsed request asks for `stream: t
 the pipeline (`turns.py`) calls `begin` once the engine request is built: the dialect's
 encoder gets `TurnStarted`, and `on_delta` then receives every `TokenDelta` the engine
 streams (through pauses: a resubmitted segment continues the same stream). Each delta
-becomes a `TokensDelta` and the text deltas `TextStreamer` can vouch for. Before commit,
-`check` verifies the streamed ids are a prefix of the validated ones and the streamed
-text a prefix of the message's fields (else the turn fails: nothing committed); after
-commit, `finish` sends the rest (held-back text, tool calls, `TurnCommitted`). A turn
+becomes a `TokensDelta` and the text deltas `TextStreamer` can vouch for; for the hermes
+families, tool calls as `HermesCalls` reads them (`ToolCallStarted` with an id minted
+here, canonical `ToolArgumentsDelta`s). Before commit, `check` verifies the streamed ids
+are a prefix of the validated ones and the streamed text a prefix of the message's
+fields (else the turn fails: nothing committed), gives the message the streamed call ids
+and notes a final parse that disagrees with the streamed calls (committed anyway, see
+`stream_events`); after commit, `finish` sends the rest (held-back text, the rest of the
+tool calls, `TurnCommitted`). A turn
 that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also kept
 (`frames`) so that a replayed request gets exactly these bytes (idempotency.py).
 """
@@ -21,7 +25,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from trajectory.codec.parsing import tool_names
+from trajectory.codec.parsing import new_call_id, tool_names
 from trajectory.errors import CodecError
 
 from .api.stream_events import (
@@ -37,7 +41,15 @@ from .api.stream_events import (
 )
 from .engines.base import TokenDelta
 from .errors import BadRequest, ServiceError, UpstreamInvalid, from_library
-from .incremental import FieldSplitter, IncrementalDecoder, IncrementalText, grammar_for
+from .incremental import (
+    CallArgs,
+    CallStart,
+    FieldSplitter,
+    HermesCalls,
+    IncrementalDecoder,
+    IncrementalText,
+    grammar_for,
+)
 
 if TYPE_CHECKING:
     from .api.dialects import Dialect, Rendered
@@ -160,6 +172,7 @@ class LiveTurn:
         self._parsing = False  # a fallback whole parse is running off the loop
         self._stale = False  # ids came while it ran: parse again when it ends
         self._closed = False  # `check` ran: no more text deltas
+        self._calls: list[list[str]] = []  # per tool call streamed live: [id we minted, name, arguments sent]
         self._followers: list[asyncio.Queue[bytes | None]] = []  # adopted replays (`follow`)
 
     @property
@@ -180,10 +193,12 @@ class LiveTurn:
 
         tok = getattr(ctx.codec, "tokenizer", ctx.tokenizer)
         self._text = TextStreamer(parse, _think_close_ids(tok), tools=bool(tools))
-        grammar = grammar_for(ctx.codec, tools=bool(tool_names(tools)), template_kwargs=kwargs)
+        names = tool_names(tools)
+        grammar = grammar_for(ctx.codec, tools=bool(names), template_kwargs=kwargs)
         if grammar is not None:
             stops = getattr(ctx.codec, "stop_token_ids", ())
-            self._inc = IncrementalText(IncrementalDecoder(tok, stops), FieldSplitter(grammar))
+            calls = HermesCalls(names) if grammar.hermes else None
+            self._inc = IncrementalText(IncrementalDecoder(tok, stops), FieldSplitter(grammar), calls)
         self._emit(TurnStarted(call.greq.request_id, len(call.greq.input_ids)))
         self.started.set()
         return self.on_delta
@@ -208,10 +223,22 @@ class LiveTurn:
             except Exception:  # ids the tokenizer cannot decode: the end-of-turn parse says why
                 self._closed = True
                 return
-            for name, text in pieces:
-                self._emit(self._text.add(name, text))
+            for piece in pieces:
+                self._emit(self._piece(piece))
             return
         self._schedule()
+
+    def _piece(self, piece: tuple[str, str] | CallStart | CallArgs) -> StreamEvent:
+        """One incremental piece as its event; a call's id is minted here (the committed
+        message gets it in `check`: the families streamed this way sample no ids)."""
+        assert self._text is not None
+        if isinstance(piece, CallStart):
+            self._calls.append([new_call_id(), piece.name, ""])
+            return ToolCallStarted(piece.index, self._calls[-1][0], piece.name)
+        if isinstance(piece, CallArgs):
+            self._calls[piece.index][2] += piece.text
+            return ToolArgumentsDelta(piece.index, piece.text)
+        return self._text.add(*piece)
 
     def _schedule(self) -> None:
         """Start a fallback whole parse off the loop unless one is running (then mark stale)."""
@@ -233,9 +260,13 @@ class LiveTurn:
         if self._stale:
             self._schedule()
 
-    def check(self, checked: Checked) -> list[StreamEvent]:
+    def check(self, checked: Checked) -> Checked:
         """Before commit: the streamed tokens and text must be a prefix of the validated
-        turn (else `UpstreamInvalid`: nothing is committed); the events still to send."""
+        turn (else `UpstreamInvalid`: nothing is committed); the events still to send go
+        to `pending`. Tool calls streamed live give the committed message their ids; a
+        call the final parse reads differently (the tokens are the truth: cut at
+        max_tokens, malformed later on) does not fail the turn: it is committed as
+        parsed, the rest of the message is sent, and the divergence is counted."""
         self._closed = True  # a fallback parse still running is discarded
         ids = checked.valid.ids.tolist()
         if [int(t) for t in self._ids] != ids[: len(self._ids)]:
@@ -248,13 +279,37 @@ class LiveTurn:
             n = len(self._ids)
             events.append(TokensDelta(ids[n:], logprobs[n:], None))
         assert self._text is not None
+        calls, rest, diverged = self._reconcile(checked.message.get("tool_calls") or [])
+        events += rest  # the open call's rest before any text: a dialect's open block is that call
         events += self._text.tail(checked.message)
-        for i, tc in enumerate(checked.message.get("tool_calls") or []):
+        for i, tc in enumerate(calls[len(self._calls):], start=len(self._calls)):
             fn = tc.get("function") or {}
             events.append(ToolCallStarted(i, str(tc.get("id", "")), str(fn.get("name", ""))))
             if fn.get("arguments"):
                 events.append(ToolArgumentsDelta(i, str(fn["arguments"])))
-        return events
+        self.pending = events
+        if not self._calls:
+            return checked
+        return _amended(checked, calls, diverged)
+
+    def _reconcile(self, calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[StreamEvent], bool]:
+        """(the message's calls with the streamed ids, the rest of the streamed calls'
+        arguments, whether the final parse disagrees with what was streamed)."""
+        out, diverged = list(calls), len(self._calls) > len(calls)
+        rest: list[StreamEvent] = []
+        for i, (cid, name, sent) in enumerate(self._calls[: len(calls)]):
+            fn = calls[i].get("function") or {}
+            args = str(fn.get("arguments") or "")
+            last = i == len(self._calls) - 1  # only the last streamed call may still be open
+            if fn.get("name") != name or not args.startswith(sent) or (len(args) > len(sent) and not last):
+                diverged = True
+                continue
+            out[i] = {**calls[i], "id": cid}
+            if len(args) > len(sent):
+                rest.append(ToolArgumentsDelta(i, args[len(sent):]))
+        if diverged:
+            self.ctx.metrics.stream_tool_divergence_total.inc()
+        return out, rest, diverged
 
     def finish(self, out: TurnOutput) -> Rendered:
         """After commit: the rest of the turn and `TurnCommitted`; every frame, for replays."""
@@ -322,6 +377,20 @@ class LiveTurn:
         self._queue.put_nowait(None)
         for follower in self._followers:
             follower.put_nowait(None)
+
+
+def _amended(checked: Checked, calls: list[dict[str, Any]], diverged: bool) -> Checked:
+    """`checked` with the streamed call ids in its message and parse (and the divergence
+    noted for the turn record)."""
+    from dataclasses import replace
+
+    message = {**checked.message, "tool_calls": calls} if calls else checked.message
+    parsed = checked.parsed
+    if calls and len(parsed.tool_calls) == len(calls):
+        parsed = replace(parsed, tool_calls=[replace(tc, id=c["id"]) for tc, c in zip(parsed.tool_calls, calls,
+                                                                                           strict=True)])
+    extra = {**checked.extra, "stream_tool_divergence": True} if diverged else checked.extra
+    return replace(checked, message=message, parsed=parsed, extra=extra)
 
 
 _THINK_CLOSE_IDS: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()

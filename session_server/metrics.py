@@ -32,6 +32,10 @@ class Metrics:
                                         registry=r)
         self.replays_evicted_total = Counter("tito_replays_evicted_total", "Stored responses evicted (per-session "
                                              "count or the byte budget)", registry=r)
+        self.stream_tool_divergence_total = Counter(
+            "tito_stream_tool_divergence_total", "Live-streamed turns whose final parse disagrees with the tool "
+            "calls streamed (committed as parsed: the tokens are the truth)", registry=r,
+        )
         self.branches_total = Counter("tito_branches_total", "Branches created, by reason", ["reason"], registry=r)
 
     def observe_phase(self, phase: str, seconds: float) -> None:

@@ -57,6 +57,8 @@ class SessionConfig:
     lora: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     history_policy: HistoryPolicy = HistoryPolicy.APPEND
+    routing_replay: bool = False  # ask the engine for routed experts and store them (R3)
+    max_weight_lag: int | None = None  # weight versions a turn may span (issue 13.5); None: unbounded
 
 
 @dataclass
@@ -68,6 +70,7 @@ class ControlTotals:
     paused_wait_s: float = 0.0
     version_mismatches: int = 0
     dropped_tokens: int = 0  # constrained partials regenerated after a pause
+    ended_stale: int = 0  # turns ended at an update by max_weight_lag (issue 13.5)
 
     def add(self, result: Any) -> None:
         self.aborts += result.aborts
@@ -75,6 +78,7 @@ class ControlTotals:
         self.paused_wait_s += result.paused_wait_s
         self.version_mismatches += result.version_mismatches
         self.dropped_tokens += getattr(result, "dropped_tokens", 0)
+        self.ended_stale += getattr(result, "stale_bound", None) is not None
 
 
 @dataclass

@@ -71,6 +71,15 @@ class Settings(BaseSettings):
         "(oldest evicted first)")
     instance_id: str | None = Field(
         None, min_length=1, description="what /health reports as instance_id (unset: random per start)")
+    routing_replay: bool = Field(
+        False, description="sessions record the engine's routed experts (R3) unless they set routing_replay")
+    routed_experts_topk: int | None = Field(
+        None, ge=1, le=1024, description="experts per token of the MoE model: splits SGLang's flat routed-experts "
+        "rows into (layers, topk) (vLLM's .npy payload carries its shape)")
+    routed_experts_layers: int | None = Field(
+        None, ge=1, le=4096, description="MoE layers of the model (an alternative to routed_experts_topk)")
+    routed_experts_num_experts: int | None = Field(
+        None, ge=1, le=32768, description="experts per layer: routed ids must be below it (unset: not checked)")
 
     @field_validator("routing_policy")
     @classmethod

@@ -159,9 +159,9 @@ class TurnRunner:
         on_delta = live.begin(req, call, rendered.prep) if live is not None else None
         gen = await generate(ctx, session, req, call, on_routed=lambda: timer.lap("route"), on_delta=on_delta)
         timer.lap("generate")
-        checked = await validate(ctx, gen.result, call.expect, req, rendered.prep)
+        checked = await validate(ctx, gen.result, call.expect, req, rendered.prep, call)
         if live is not None and live.active:
-            live.pending = live.check(checked)  # a stream that disagrees commits nothing
+            checked = live.check(checked)  # a stream that disagrees commits nothing; sets live.pending
         timer.lap("validate")
         done = await commit(ctx, session, claim, rendered.prep, rendered.prompt_ids, call, gen.result, checked,
                             gen.target_id)

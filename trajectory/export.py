@@ -23,11 +23,21 @@ to a Python float prints and parses back to the same value).
   ``b{id}_logprobs`` float32) and one uint8 array ``meta`` holding the UTF-8
   JSON of everything else. Loaded with ``allow_pickle=False``.
 
+Routed experts (routing replay, `trajectory.routed`), only where turns have them,
+so exports without them are unchanged: each such turn's dict has
+``"routed_experts": {"start", "rows"}`` and its branch the rows of its own turns
+concatenated in turn order, shape ``(sum rows, layers, topk)``: in JSON a
+branch key ``"routed_experts": {"dtype", "layers", "topk", "data"}`` with
+``data`` the base64 of the C-order array bytes (written in pieces, like the
+token arrays); in npz an array ``b{id}_routed_experts``.
+
 Import re-checks every invariant; anything malformed raises `ExportError`.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import io
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -39,6 +49,9 @@ import orjson
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import ExportError, TrajectoryError
 from trajectory.linear import LinearTrajectory, TurnRecord, WeightSpan
+from trajectory.routed import RoutedRows
+from trajectory.routed import from_json as routed_from_json
+from trajectory.routed import to_json as routed_to_json
 from trajectory.tree import Branch, TrajectoryTree
 
 FORMAT = "tito-trajectory"
@@ -49,10 +62,13 @@ _ARRAYS = (("token_ids", np.int32), ("loss_mask", np.uint8), ("logprobs", np.flo
 JSON_CHUNK_ELEMENTS = 8192
 # Turns or messages per piece (each is a small dict; message contents can be long).
 JSON_CHUNK_RECORDS = 64
+# Bytes of routed-experts rows per base64 piece of `iter_json` (a multiple of 3, so
+# the pieces' base64 concatenates to the whole array's).
+ROUTED_CHUNK_BYTES = 3 * 256 * 1024
 
 
 def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "index": t.index,
         "prompt_start": t.prompt_start,
         "output_start": t.output_start,
@@ -69,6 +85,9 @@ def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
         "extra": dict(t.extra),
         "seq": t.seq,
     }
+    if t.routed_experts is not None:
+        out["routed_experts"] = {"start": t.routed_experts.start, "rows": int(t.routed_experts.rows.shape[0])}
+    return out
 
 
 def _own_turns(b: Branch) -> tuple[TurnRecord, ...]:
@@ -84,6 +103,27 @@ def _own_arrays(b: Branch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ids, mask and logprobs the branch added (its buffer: the tree shares the rest)."""
     buf = b.trajectory.buffer
     return buf.ids, buf.mask, buf.logprobs
+
+
+def _own_routed(b: Branch) -> np.ndarray | None:
+    """The rows of the branch's own turns, concatenated in turn order (None: none)."""
+    parts = [t.routed_experts.rows for t in _own_turns(b) if t.routed_experts is not None]
+    if not parts:
+        return None
+    return np.ascontiguousarray(np.concatenate(parts) if len(parts) > 1 else parts[0])
+
+
+def _routed_head(rows: np.ndarray) -> dict[str, Any]:
+    return {"dtype": rows.dtype.name, "layers": int(rows.shape[1]), "topk": int(rows.shape[2])}
+
+
+def _iter_routed(rows: np.ndarray) -> Iterator[bytes]:
+    """``"routed_experts": {...}`` of a branch, its base64 written in pieces."""
+    yield b',"routed_experts":' + _dumps(_routed_head(rows))[:-1] + b',"data":"'
+    flat = rows.reshape(-1).view(np.uint8)
+    for start in range(0, flat.shape[0], ROUTED_CHUNK_BYTES):
+        yield base64.b64encode(flat[start : start + ROUTED_CHUNK_BYTES].tobytes())
+    yield b'"}'
 
 
 def _branch_meta(b: Branch) -> dict[str, Any]:
@@ -117,6 +157,9 @@ def to_dict(tree: TrajectoryTree, *, metadata: Mapping[str, Any] | None = None) 
         d["token_ids"] = ids.tolist()
         d["loss_mask"] = mask.tolist()
         d["logprobs"] = lps.tolist()
+        routed = _own_routed(b)
+        if routed is not None:
+            d["routed_experts"] = routed_to_json(routed)
         branches.append(d)
     out["branches"] = branches
     return out
@@ -165,6 +208,9 @@ def _iter_branch(b: Branch, chunk: int) -> Iterator[bytes]:
     for key, values in (("token_ids", ids), ("loss_mask", mask), ("logprobs", lps)):
         yield b',"' + key.encode() + b'":'
         yield from _iter_array(values, chunk)
+    routed = _own_routed(b)
+    if routed is not None:
+        yield from _iter_routed(routed)
     yield b"}"
 
 
@@ -205,6 +251,9 @@ def to_npz_bytes(tree: TrajectoryTree, *, metadata: Mapping[str, Any] | None = N
         arrays[f"b{b.id}_token_ids"] = ids
         arrays[f"b{b.id}_loss_mask"] = mask
         arrays[f"b{b.id}_logprobs"] = lps
+        routed = _own_routed(b)
+        if routed is not None:
+            arrays[f"b{b.id}_routed_experts"] = routed
     sink = io.BytesIO()
     np.savez_compressed(sink, **arrays)  # type: ignore[arg-type]
     return sink.getvalue()
@@ -247,6 +296,39 @@ def _turn_from_dict(d: Mapping[str, Any], where: str, seq: int | None) -> TurnRe
     if d.get("weight_version") != turn.weight_version:
         raise ExportError(f"{where}: weight_version disagrees with its spans")
     return turn
+
+
+def _routed_array(value: Any, where: str) -> np.ndarray | None:
+    """A branch's concatenated rows: an npz array, or the JSON object with base64 data."""
+    if value is None or isinstance(value, np.ndarray):
+        return value
+    return routed_from_json(value, where)
+
+
+def _with_routed(turns: list[TurnRecord], raw: list[Any], value: Any, where: str) -> list[TurnRecord]:
+    """The turns with their rows, cut from the branch's concatenation in turn order."""
+    rows = _routed_array(value, where)
+    wanted = [t.get("routed_experts") if isinstance(t, Mapping) else None for t in raw]
+    if rows is None:
+        if any(w is not None for w in wanted):
+            raise ExportError(f"{where}: turns name routed experts the branch does not carry")
+        return turns
+    if rows.ndim != 3 or rows.dtype.kind not in "iu":
+        raise ExportError(f"{where}: routed_experts must be a 3-D integer array, got {rows.dtype} {rows.shape}")
+    out, pos = [], 0
+    for turn, w in zip(turns, wanted, strict=True):
+        if w is None:
+            out.append(turn)
+            continue
+        n = _int(w.get("rows"), f"{where} routed rows")
+        if n < 0 or pos + n > rows.shape[0]:
+            raise ExportError(f"{where}: turn {turn.index} names rows past the branch's {rows.shape[0]}")
+        start = _int(w.get("start"), f"{where} routed start")
+        out.append(dataclasses.replace(turn, routed_experts=RoutedRows(start, rows[pos : pos + n])))
+        pos += n
+    if pos != rows.shape[0]:
+        raise ExportError(f"{where}: {rows.shape[0] - pos} routed-experts rows belong to no turn")
+    return out
 
 
 def _typed(values: Any, dtype: type, name: str) -> np.ndarray:
@@ -317,6 +399,7 @@ class _Importer:
             if self.version == 1:
                 seq, self.next_seq = self.next_seq, self.next_seq + 1
             own.append(_turn_from_dict(t, f"{where} turn {k + i}", seq))
+        own = _with_routed(own, raw_turns, arrays.get("routed_experts"), where)
         traj = LinearTrajectory.from_parts(TokenBuffer.from_arrays(ids, lps, mask), shared + own, base=base)
         messages = traj.messages()
         if self.version != 1:
@@ -411,6 +494,10 @@ def from_npz_bytes(data: bytes) -> TrajectoryTree:
         raise ExportError("npz sidecar is not a JSON object")
 
     def arrays_of(b: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        return {key: files[f"b{b['id']}_{key}"] for key, _ in _ARRAYS}
+        out = {key: files[f"b{b['id']}_{key}"] for key, _ in _ARRAYS}
+        routed = files.get(f"b{b['id']}_routed_experts")
+        if routed is not None:
+            out["routed_experts"] = routed
+        return out
 
     return _tree(meta, arrays_of)

@@ -168,6 +168,7 @@ class _View:
     path: list[int]
     response_start: int  # first turn's output_start (T when there are no turns)
     last_output_end: int  # last turn's output_end (T when there are no turns)
+    routed_experts: np.ndarray | None = None  # (T - 1, layers, topk): positions [0, T - 1)
 
     def response_end(self, keep_tail: bool) -> int:
         """End of the response: the whole sequence, or just after the last sampled token."""
@@ -252,7 +253,19 @@ def _view(sample: Any) -> _View:
         path=[int(i) for i in _field(sample, "path")],
         response_start=turns[0][1] if turns else n,
         last_output_end=turns[-1][2] if turns else n,
+        routed_experts=_sample_routed(sample, n),
     )
+
+
+def _sample_routed(sample: Any, n: int) -> np.ndarray | None:
+    """The sample's routed experts (optional field): one row per position but the last."""
+    raw = sample.get("routed_experts") if isinstance(sample, Mapping) else getattr(sample, "routed_experts", None)
+    if raw is None:
+        return None
+    arr = np.asarray(raw)
+    if arr.ndim != 3 or arr.shape[0] != max(0, n - 1) or arr.dtype.kind not in "iu":
+        raise ExportError(f"sample routed_experts must be integers [{max(0, n - 1)}, layers, topk], got {arr.shape}")
+    return arr
 
 
 def _verl_num_turns(turns: Sequence[tuple[int, int, int]]) -> int:
@@ -291,7 +304,8 @@ def to_verl(sample: Any) -> dict[str, Any]:
         "response_ids": v.token_ids[s:e].tolist(),
         "response_mask": v.loss_mask[s:e].tolist(),
         "response_logprobs": v.logprobs[s:e].tolist(),
-        "routed_experts": None,
+        # positions [0, len(prompt_ids + response_ids) - 1) in the sample's dtype
+        "routed_experts": v.routed_experts,
         "multi_modal_data": None,
         "reward_score": v.reward,
         "num_turns": _verl_num_turns(v.turns),
@@ -368,9 +382,11 @@ def to_miles(sample: Any) -> dict[str, Any]:
     last turn's output).
 
     Tensor fields are numpy arrays in exactly the pinned dtypes; the rest are JSON
-    values. `response` (the decoded text) is "" since we hold no tokenizer, routing
-    replay fields are None (null on the wire), `prefix_cache_info` is zeros, and the
-    tree path is added to `metadata` as `tree_path`.
+    values. `response` (the decoded text) is "" since we hold no tokenizer,
+    `rollout_routed_experts` is the sample's routed experts cut to the tokens
+    (``len(tokens) - 1`` rows, int32, as miles' `Sample.validate` checks; None when
+    the session did not record them), `rollout_indexer_topk` is None,
+    `prefix_cache_info` is zeros, and the tree path is added to `metadata` as `tree_path`.
     """
     v = _view(sample)
     s, e = v.response_start, v.response_end(keep_tail=False)
@@ -380,7 +396,9 @@ def to_miles(sample: Any) -> dict[str, Any]:
         "response_length": e - s,
         "loss_mask": v.loss_mask[s:e].astype(MILES_WIRE_DTYPES["loss_mask"]),
         "rollout_log_probs": v.logprobs[s:e].astype(MILES_WIRE_DTYPES["rollout_log_probs"]),
-        "rollout_routed_experts": None,
+        # miles: shape (len(tokens) - 1, layers, topk), int32 (Sample.validate)
+        "rollout_routed_experts": None if v.routed_experts is None
+        else v.routed_experts[: max(0, e - 1)].astype(MILES_WIRE_DTYPES["rollout_routed_experts"]),
         "rollout_indexer_topk": None,
         "status": v.status,
         "weight_versions": v.weight_versions(),

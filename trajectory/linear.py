@@ -40,6 +40,7 @@ import numpy as np
 
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import CheckpointError, InvariantError
+from trajectory.routed import RoutedRows, coverage_end
 
 Message = Mapping[str, Any]
 WeightVersion = str | int | float | None
@@ -74,6 +75,8 @@ class TurnRecord:
     # commit order across a session's branches (the tree's clock; the turn index
     # when committed outside a tree): what "later" means when picking samples
     seq: int = -1
+    # routing replay (trajectory.routed): rows for positions [start, output_end - 1)
+    routed_experts: RoutedRows | None = field(default=None, compare=False, repr=False)
 
     @property
     def weight_version(self) -> WeightVersion:
@@ -354,8 +357,13 @@ class LinearTrajectory:
         engine: str | None = None,
         cached_tokens: int = 0,
         extra: Mapping[str, Any] | None = None,
+        routed_experts: np.ndarray | None = None,
     ) -> TurnRecord:
         """Append one turn atomically and add the checkpoint after it.
+
+        `routed_experts` (routing replay) are the engine's rows for line positions
+        ``[routed_start(), output_end - 1)``, shape ``(rows, layers, topk)``: they
+        must continue the earlier turns' rows exactly, with their layers and topk.
 
         `weight_spans` are ``(start, end, version)`` *relative to the sampled ids*
         (0..len(sampled_ids)), contiguous and non-empty; they are stored as
@@ -390,6 +398,7 @@ class LinearTrajectory:
             spans = ((output_start, output_end, _check_version(weight_version)),)
         else:
             spans = ()
+        routed = self._checked_routed(routed_experts, output_end)
         request = tuple(request_messages)
         turn = TurnRecord(
             index=len(self._turns),
@@ -406,6 +415,7 @@ class LinearTrajectory:
             assistant_message=assistant_message,
             extra=dict(extra) if extra else {},
             seq=len(self._turns) if self._clock is None else self._clock(),
+            routed_experts=routed,
         )
 
         ids = np.concatenate((prompt, sampled, repair))
@@ -422,6 +432,26 @@ class LinearTrajectory:
             self._messages.append(assistant_message)
         self._message_counts.append(len(self._messages))
         return turn
+
+    def routed_start(self) -> int:
+        """Where the next turn's routed-experts rows start: the line positions the
+        committed turns' rows cover from 0 (`trajectory.routed.coverage_end`)."""
+        return coverage_end(self._turns)
+
+    def _checked_routed(self, rows: np.ndarray | None, output_end: int) -> RoutedRows | None:
+        """The turn's rows, checked to continue the line's rows exactly (no write)."""
+        if rows is None:
+            return None
+        start = self.routed_start()
+        out = RoutedRows(start, np.asarray(rows))
+        if out.end != max(start, output_end - 1):
+            raise InvariantError(
+                f"routed experts cover [{start}, {out.end}), the turn needs [{start}, {output_end - 1})"
+            )
+        prev = next((t.routed_experts for t in reversed(self._turns) if t.routed_experts is not None), None)
+        if prev is not None and start and prev.shape != out.shape:
+            raise InvariantError(f"routed experts of shape {out.shape}, earlier turns have {prev.shape}")
+        return out
 
     def rollback(self, checkpoint: int) -> None:
         """Truncate tokens, turns and messages back to `checkpoint` (never below a
@@ -524,6 +554,9 @@ class LinearTrajectory:
                 raise InvariantError(f"{where} has mask 1 outside its sampled ids")
             if not mask[t.output_start : t.output_end].all():
                 raise InvariantError(f"{where} has mask 0 inside its sampled ids")
+            r = t.routed_experts
+            if r is not None and r.end != max(r.start, t.output_end - 1):
+                raise InvariantError(f"{where} routed experts end at {r.end}, output at {t.output_end}")
             pos = t.output_start
             for s, e, _ in t.weight_spans:
                 if s != pos or e <= s:

@@ -17,6 +17,16 @@ One payload holds a whole batch (any number of samples, from any sessions).
   (``__metadata__``, str -> str, so a JSON string) next to ``format`` and
   ``version``.
 
+**Routed experts** (routing replay, `Sample.routed_experts`: one row per
+position but the last, ``(len - 1, layers, topk)``) travel only for samples
+that have them, so a batch without them is unchanged: in JSON the sample's
+object gets ``"routed_experts": {"dtype", "layers", "topk", "data"}`` (``data``
+the base64 of the C-order bytes); in npz and safetensors the rows of those
+samples are concatenated in sample order into one tensor ``routed_experts``
+``(rows, layers, topk)`` (uint8 when every id is below 256, else int16), and
+their metadata objects get ``"routed_experts": true``. All samples of one batch
+share ``layers`` and ``topk``.
+
 A batch can also be written part by part (`BATCH_WRITERS`: `JsonBatchWriter`,
 `NpzBatchWriter`, `SafetensorsBatchWriter`), so a server streams many sessions'
 samples without holding them: the same payload as the one-shot function of the
@@ -45,6 +55,8 @@ import safetensors
 import safetensors.numpy
 
 from trajectory.errors import ExportError
+from trajectory.routed import from_json as routed_from_json
+from trajectory.routed import to_json as routed_to_json
 from trajectory.samples import STATUSES, Sample
 
 FORMAT = "tito-samples"
@@ -58,6 +70,9 @@ ARRAYS: tuple[tuple[str, np.dtype], ...] = (
 OFFSETS_DTYPE = np.dtype(np.int64)
 _META_KEYS = ("turn_boundaries", "status", "reason", "reward", "metadata", "diagnostics", "path",
               "version_table")
+ROUTED = "routed_experts"
+_ROUTED_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16)}
+_I16_MAX = int(np.iinfo(np.int16).max)
 
 
 def _dumps(value: Any) -> bytes:
@@ -77,7 +92,28 @@ def _meta(s: Sample) -> dict[str, Any]:
         "diagnostics": s.diagnostics,
         "path": s.path,
         "version_table": s.version_table,
-    }
+    } | ({ROUTED: True} if s.routed_experts is not None else {})
+
+
+def _routed_wire(rows: np.ndarray, where: str = "sample") -> np.ndarray:
+    """A sample's rows as the batch formats store them (ids below 2**15)."""
+    if rows.ndim != 3 or rows.dtype.kind not in "iu":
+        raise ExportError(f"{where} routed_experts must be a 3-D integer array, got {rows.dtype} {rows.shape}")
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) > _I16_MAX):
+        raise ExportError(f"{where} routed_experts ids must be in [0, {_I16_MAX}]")
+    return rows
+
+
+def _routed_batch(samples: Sequence[Sample]) -> np.ndarray | None:
+    """The rows of the samples that have them, concatenated (None: none has)."""
+    parts = [_routed_wire(s.routed_experts) for s in samples if s.routed_experts is not None]
+    if not parts:
+        return None
+    if len({p.shape[1:] for p in parts}) > 1:
+        raise ExportError("samples of one batch must share routed_experts layers and topk")
+    out = np.concatenate(parts)
+    top = int(out.max()) if out.size else 0
+    return np.ascontiguousarray(out, dtype=np.uint8 if top < 256 else np.int16)
 
 
 # -- writing -------------------------------------------------------------------
@@ -86,6 +122,10 @@ def _meta(s: Sample) -> dict[str, Any]:
 def _json_object(s: Sample) -> dict[str, Any]:
     d: dict[str, Any] = {name: getattr(s, name).tolist() for name, _ in ARRAYS}
     d.update(_meta(s))
+    if s.routed_experts is not None:
+        rows = _routed_batch([s])
+        assert rows is not None
+        d[ROUTED] = routed_to_json(rows)
     return d
 
 
@@ -103,6 +143,9 @@ def _concatenated(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     offsets = np.zeros(len(samples) + 1, dtype=OFFSETS_DTYPE)
     np.cumsum([len(s) for s in samples], out=offsets[1:])
     arrays["offsets"] = offsets
+    routed = _routed_batch(samples)
+    if routed is not None:
+        arrays[ROUTED] = routed
     return arrays
 
 
@@ -193,13 +236,36 @@ class _Spool:
         self.files = {name: tempfile.SpooledTemporaryFile(max_size=spool_bytes) for name, _ in ARRAYS}
         self.metas: list[bytes] = []  # one JSON object per sample
         self.lengths: list[int] = []
+        # routed experts: spooled as int16, written narrowed to uint8 when every id fits
+        self.routed = tempfile.SpooledTemporaryFile(max_size=spool_bytes)
+        self.routed_rows = 0
+        self.routed_shape: tuple[int, ...] | None = None
+        self.routed_max = 0
 
     def add(self, samples: Sequence[Sample]) -> None:
         for s in samples:
             for name, dtype in ARRAYS:
                 self.files[name].write(np.ascontiguousarray(getattr(s, name), dtype=dtype).data)
+            if s.routed_experts is not None:
+                rows = _routed_wire(s.routed_experts)
+                if self.routed_shape not in (None, rows.shape[1:]):
+                    raise ExportError("samples of one batch must share routed_experts layers and topk")
+                self.routed_shape = rows.shape[1:]
+                self.routed.write(np.ascontiguousarray(rows, dtype=np.int16).data)
+                self.routed_rows += int(rows.shape[0])
+                self.routed_max = max(self.routed_max, int(rows.max()) if rows.size else 0)
             self.metas.append(_dumps(_meta(s)))
             self.lengths.append(len(s))
+
+    def routed_dtype(self) -> np.dtype:
+        return np.dtype(np.uint8 if self.routed_max < 256 else np.int16)
+
+    def read_routed(self) -> Iterator[bytes]:
+        """The spooled rows in `routed_dtype` (converted piece by piece)."""
+        f, dtype = self.routed, self.routed_dtype()
+        f.seek(0)
+        while data := f.read(READ_BYTES):
+            yield np.frombuffer(data, dtype=np.int16).astype(dtype).tobytes()
 
     @property
     def total(self) -> int:
@@ -223,6 +289,7 @@ class _Spool:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+        self.routed.close()
 
 
 class _SpooledWriter:
@@ -246,7 +313,16 @@ class _SpooledWriter:
 # header lists them in that order after __metadata__ (pinned by the tests against
 # `safetensors.numpy.save`)
 _SAFETENSORS_ORDER = ("offsets", "logprobs", "token_ids", "weight_version_index", "loss_mask")
-_SAFETENSORS_DTYPES = {"int64": "I64", "float32": "F32", "int32": "I32", "uint8": "U8"}
+_SAFETENSORS_DTYPES = {"int64": "I64", "float32": "F32", "int32": "I32", "int16": "I16", "uint8": "U8"}
+_SAFETENSORS_RANK = {"I64": 5, "F32": 4, "I32": 3, "I16": 2, "U8": 1}  # the library's dtype order
+
+
+def _safetensors_order(routed: np.dtype | None) -> list[str]:
+    """`_SAFETENSORS_ORDER` with `routed_experts` where the library puts it (dtype, then name)."""
+    if routed is None:
+        return list(_SAFETENSORS_ORDER)
+    dtypes = {**{n: d.name for n, d in ARRAYS}, "offsets": "int64", ROUTED: routed.name}
+    return sorted(dtypes, key=lambda n: (-_SAFETENSORS_RANK[_SAFETENSORS_DTYPES[dtypes[n]]], n))
 
 
 class SafetensorsBatchWriter(_SpooledWriter):
@@ -260,19 +336,27 @@ class SafetensorsBatchWriter(_SpooledWriter):
         header: dict[str, Any] = {"__metadata__": {
             "format": FORMAT, "version": str(FORMAT_VERSION), "samples": spool.metas_json().decode(),
         }}
+        routed = spool.routed_shape is not None
+        if routed:
+            dtypes[ROUTED] = spool.routed_dtype()
+        order = _safetensors_order(dtypes[ROUTED] if routed else None)
         start = 0
-        for name in _SAFETENSORS_ORDER:
-            n = len(offsets) if name == "offsets" else spool.total
-            size = n * dtypes[name].itemsize
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtypes[name].name], "shape": [n],
+        for name in order:
+            shape = [len(offsets) if name == "offsets" else spool.total]
+            if name == ROUTED:
+                shape = [spool.routed_rows, *(spool.routed_shape or ())]
+            size = int(np.prod(shape)) * dtypes[name].itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtypes[name].name], "shape": shape,
                             "data_offsets": [start, start + size]}
             start += size
         raw = _dumps(header)
         raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
         yield struct.pack("<Q", len(raw)) + raw
-        for name in _SAFETENSORS_ORDER:
+        for name in order:
             if name == "offsets":
                 yield offsets.tobytes()
+            elif name == ROUTED:
+                yield from spool.read_routed()
             else:
                 yield from spool.read(name)
 
@@ -307,14 +391,16 @@ class NpzBatchWriter(_SpooledWriter):
     """The same arrays as `samples_to_npz` of all the parts, as a compressed npz written
     on the fly (zip entries with data descriptors; `np.load` reads it the same)."""
 
-    def _entries(self) -> Iterator[tuple[str, np.dtype, int, Iterator[bytes]]]:
+    def _entries(self) -> Iterator[tuple[str, np.dtype, tuple[int, ...], Iterator[bytes]]]:
         spool = self._spool
         for name, dtype in ARRAYS:
-            yield name, dtype, spool.total, spool.read(name)
+            yield name, dtype, (spool.total,), spool.read(name)
         offsets = spool.offsets()
-        yield "offsets", OFFSETS_DTYPE, len(offsets), iter([offsets.tobytes()])
+        yield "offsets", OFFSETS_DTYPE, (len(offsets),), iter([offsets.tobytes()])
+        if spool.routed_shape is not None:
+            yield ROUTED, spool.routed_dtype(), (spool.routed_rows, *spool.routed_shape), spool.read_routed()
         meta = _JSON_HEAD + spool.metas_json()[1:-1] + _JSON_TAIL
-        yield "meta", np.dtype(np.uint8), len(meta), iter([meta])
+        yield "meta", np.dtype(np.uint8), (len(meta),), iter([meta])
 
     def chunks(self) -> Iterator[bytes]:
         sink = _Sink()
@@ -324,7 +410,7 @@ class NpzBatchWriter(_SpooledWriter):
                 with zf.open(f"{name}.npy", "w", force_zip64=True) as entry:
                     head = io.BytesIO()
                     npformat.write_array_header_1_0(
-                        head, {"descr": npformat.dtype_to_descr(dtype), "fortran_order": False, "shape": (n,)}
+                        head, {"descr": npformat.dtype_to_descr(dtype), "fortran_order": False, "shape": n}
                     )
                     entry.write(head.getvalue())
                     for part in data:
@@ -364,6 +450,9 @@ def _check_arrays(s: Sample, where: str) -> None:
         raise ExportError(f"{where} loss_mask is not 0/1")
     if not np.isfinite(s.logprobs).all() or ((s.loss_mask == 0) & (s.logprobs != 0.0)).any():
         raise ExportError(f"{where} logprobs are not finite, or not 0.0 where the mask is 0")
+    r = s.routed_experts
+    if r is not None and (r.ndim != 3 or r.shape[0] != n - 1 or r.dtype.name not in _ROUTED_DTYPES):
+        raise ExportError(f"{where} routed_experts must be uint8/int16 [{n - 1}, layers, topk]")
     idx = s.weight_version_index
     if int(idx.min()) < -1 or int(idx.max()) >= len(s.version_table):
         raise ExportError(f"{where} weight_version_index outside its table of {len(s.version_table)}")
@@ -396,6 +485,8 @@ def _check_meta(s: Sample, where: str) -> None:
 
 
 def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
+    if isinstance(meta, dict) and ROUTED in meta:
+        meta = {k: v for k, v in meta.items() if k != ROUTED}
     if not isinstance(meta, dict) or set(meta) != set(_META_KEYS):
         raise ExportError(f"{where} has fields {sorted(meta) if isinstance(meta, dict) else meta!r}")
     try:
@@ -417,6 +508,7 @@ def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
         metadata=meta["metadata"],
         diagnostics=meta["diagnostics"],
         path=path,
+        routed_experts=arrays.get(ROUTED),
     )
     _check_arrays(s, where)
     _check_meta(s, where)
@@ -448,10 +540,20 @@ def _split(arrays: Mapping[str, np.ndarray], metas: Any) -> list[Sample]:
         if flat[name].dtype != dtype or flat[name].shape != (total,):
             raise ExportError(f"{name} must be {dtype} [{total}]")
     bounds = offsets.tolist()
-    return [
-        _sample({k: v[a:b] for k, v in flat.items()}, m, f"sample {i}")
-        for i, (a, b, m) in enumerate(zip(bounds[:-1], bounds[1:], metas, strict=True))
-    ]
+    routed, pos = arrays.get(ROUTED), 0
+    out = []
+    for i, (a, b, m) in enumerate(zip(bounds[:-1], bounds[1:], metas, strict=True)):
+        part = {k: v[a:b] for k, v in flat.items()}
+        if isinstance(m, dict) and m.get(ROUTED) is True:
+            n = max(0, b - a - 1)
+            if routed is None or routed.ndim != 3 or pos + n > routed.shape[0]:
+                raise ExportError(f"sample {i}: routed_experts rows missing from the batch")
+            part[ROUTED] = routed[pos : pos + n]
+            pos += n
+        out.append(_sample(part, m, f"sample {i}"))
+    if routed is not None and pos != routed.shape[0]:
+        raise ExportError(f"{routed.shape[0] - pos} routed_experts rows belong to no sample")
+    return out
 
 
 def load_samples_json(data: bytes | str | Mapping[str, Any]) -> list[Sample]:
@@ -486,7 +588,9 @@ def load_samples_json(data: bytes | str | Mapping[str, Any]) -> list[Sample]:
             if dtype.kind in "iu" and values and not np.array_equal(arr, values):
                 raise ExportError(f"{where} {name} does not fit {dtype}")
             arrays[name] = arr
-        out.append(_sample(arrays, {k: v for k, v in d.items() if k not in arrays}, where))
+        if d.get(ROUTED) is not None:
+            arrays[ROUTED] = routed_from_json(d[ROUTED], where, max(0, len(arrays["token_ids"]) - 1))
+        out.append(_sample(arrays, {k: v for k, v in d.items() if k not in arrays and k != ROUTED}, where))
     return out
 
 

@@ -71,6 +71,7 @@ from trajectory.errors import SampleError
 from trajectory.export import from_dict
 from trajectory.linear import TurnRecord, WeightVersion
 from trajectory.messages import normalize_message
+from trajectory.routed import line_rows
 from trajectory.tree import Branch, TrajectoryTree
 
 STATUSES = ("completed", "truncated", "aborted")
@@ -90,7 +91,8 @@ class Sample:
     to the next turn's ``prompt_start`` (the last turn's to the end).
     `diagnostics` has one dict per turn (see `turn_diagnostics`); `path` is the
     branch ids from the root to the leaf; `reason` says why a sample was cut
-    (None when it was not).
+    (None when it was not). `routed_experts` (routing replay) has one row per
+    position but the last: shape ``(len - 1, layers, topk)``, uint8/int16.
     """
 
     token_ids: np.ndarray  # int32
@@ -105,6 +107,9 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     diagnostics: list[dict[str, Any]] = field(default_factory=list)
     path: list[int] = field(default_factory=list)
+    # routing replay: (len - 1, layers, topk) expert ids of positions [0, len - 1)
+    # (`trajectory.routed.line_rows`); None when the session did not record them
+    routed_experts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -257,6 +262,9 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
     ids the client re-sent the previous turn's tool calls under to ours.
     ``repair_tokens`` counts the closing tokens the server appended (mask 0);
     ``parse_status`` and ``parse_detail`` say how the output parsed.
+    ``stale_bound`` is set when the turn was ended at a weight update by its
+    ``max_weight_lag`` (finish ``abort``): ``{"max_weight_lag", "versions",
+    "next_version"}``.
     """
     extra = turn.extra
     return {
@@ -268,6 +276,7 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
         "parse_detail": extra.get("parse_detail"),
         "history_rewrite": extra.get("history_rewrite"),
         "tool_call_id_renames": extra.get("tool_call_id_renames"),
+        "stale_bound": extra.get("stale_bound"),
     }
 
 
@@ -348,6 +357,7 @@ def _sample(
         metadata=dict(metadata),
         diagnostics=[turn_diagnostics(t, owners[t.index]) for t in kept],
         path=lines.path(branch.id),
+        routed_experts=line_rows(kept, end),
     )
 
 

@@ -97,6 +97,8 @@ def _stop_list(v: str | list[str]) -> list[str]:
 
 TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
 Tokens = Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS_LIMIT)]
+# weight versions one turn's sampled tokens may span (issue 13.5, control/lag.py); None: unbounded
+WeightLag = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = Annotated[StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOPS)], AfterValidator(_stop_list)]
@@ -154,6 +156,7 @@ class ChatRequest(SamplingFields):
     n: int = 1
     chat_template_kwargs: TemplateKwargs | None = None
     timeout_s: float | None = Field(default=None, ge=TIMEOUT_S_MIN, le=TIMEOUT_S_MAX, allow_inf_nan=False)
+    max_weight_lag: WeightLag | None = None  # overrides the session's (issue 13.5)
 
     @field_validator("n")
     @classmethod
@@ -243,6 +246,9 @@ class SessionCreate(BaseModel):
     lora: str | None = None
     chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
     history_policy: Literal["append", "template"] = HistoryPolicy.APPEND.value
+    # record the engine's routed experts (R3) with the tokens; None: the server default
+    routing_replay: bool | None = Field(default=None, strict=True)
+    max_weight_lag: WeightLag | None = None  # every turn's default (issue 13.5)
 
 
 class RewardRequest(BaseModel):

@@ -13,7 +13,19 @@ Anthropic message events, Responses events). The same events come from two place
 Invariant a dialect may rely on: for one turn, the concatenation of the
 `ReasoningDelta`s is the committed message's `reasoning_content`, of the
 `ContentDelta`s its `content`, and of each tool call's `ToolArgumentsDelta`s its
-`arguments`; `TurnCommitted` comes last, or `TurnFailed` does.
+`arguments` (a call's `ToolCallStarted.id` is the committed call's id); `TurnCommitted`
+comes last, or `TurnFailed` does. A call's `ToolArgumentsDelta`s come before any later
+call's `ToolCallStarted`.
+
+One exception, live streams only: a tool call streamed while sampled that the final
+parse reads differently (cut at max_tokens mid-call, malformed JSON or a duplicate key
+later in the call, text after it) is not a failure: the tokens are the truth, the turn
+is committed as parsed and `TurnCommitted` follows. Then that call's `ToolCallStarted`
+and deltas (and any later call streamed) may not be in the committed message, or may
+not concatenate to its `arguments`; every field not yet sent is still sent as the
+committed message has it (its content tail, which then carries the raw markup); the
+turn record's `extra.stream_tool_divergence` is true and `tito_stream_tool_divergence_total`
+counts it. `TurnCommitted.out.message` is the truth.
 """
 
 from __future__ import annotations

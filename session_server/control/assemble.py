@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_server.engines.base import GenerateRequest, GenerateResult
+from session_server.engines.base import FinishReason, GenerateRequest, GenerateResult
+from session_server.routed import Piece
 from trajectory.validate import is_int
 
 __all__ = ["Acc", "Counts", "ResilientResult", "WeightSpan", "assemble"]
@@ -33,6 +34,10 @@ class ResilientResult(GenerateResult):
     paused_wait_s: float = 0.0
     version_mismatches: int = 0
     dropped_tokens: int = 0  # constrained partials discarded and regenerated (never committed)
+    # routing replay: each kept segment's raw routed experts and the positions they cover
+    # (decoded and gap-checked off the loop by session_server.routed.join)
+    routed_pieces: tuple[Piece, ...] = ()
+    stale_bound: dict[str, Any] | None = None  # ended at an update by max_weight_lag (control/lag.py)
 
     def counters(self) -> dict[str, Any]:
         """Per-turn control counters, for the session view."""
@@ -62,6 +67,17 @@ class Acc:
     tops_ok: bool = True  # every segment with tokens had top logprobs
     echo_ok: bool = True  # every segment with tokens had an id echo
     spans: list[list[Any]] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)  # routing replay, one per kept segment
+
+    def routed_start(self, request: GenerateRequest) -> int:
+        """Where the next segment's routed-experts rows start: after the rows held."""
+        return self.pieces[-1].end if self.pieces else request.routed_experts_start
+
+    def add_routed(self, request: GenerateRequest, result: GenerateResult, prompt_len: int) -> None:
+        """Keep a segment's routed experts (when the turn asked for them)."""
+        if request.return_routed_experts:
+            self.pieces.append(Piece(result.routed_experts, prompt_len, len(result.output_ids),
+                                     self.routed_start(request)))
 
     def add(self, result: GenerateResult, version: Any) -> None:
         n = len(result.output_ids)
@@ -103,9 +119,12 @@ def assemble(
     final_version: Any,
     acc: Acc,
     counts: Counts,
+    ended: FinishReason = "length",
 ) -> ResilientResult:
     """One GenerateResult for the whole turn. The final segment's counters stay raw
-    (offset by the accumulated tokens) so the caller's validator still sees bad values."""
+    (offset by the accumulated tokens) so the caller's validator still sees bad values.
+    Without a `final` segment the turn `ended` with the accumulated tokens: `length` (the
+    budget ran out across aborts) or `abort` (its staleness bound, control/lag.py)."""
     before = len(acc.ids)
     single = len(counts.rids) == 1
     if final is not None:
@@ -119,9 +138,9 @@ def assemble(
         abort_message = final.abort_message
         echoed_rid = final.request_id
         raw_tops, raw_echo = final.top_logprobs, final.output_ids_echo
-    else:  # budget exhausted by aborts
+    else:  # budget exhausted by aborts, or the staleness bound reached
         completion, prompt_tokens = before, first.prompt_tokens
-        finish, matched, weight_version, routed, abort_message = "length", None, None, None, None
+        finish, matched, weight_version, routed, abort_message = ended, None, None, None, None
         echoed_rid = counts.rids[-1]
         raw_tops, raw_echo = [], []
     if weight_version is None and acc.spans:
@@ -156,4 +175,5 @@ def assemble(
         paused_wait_s=counts.paused_wait_s,
         version_mismatches=counts.mismatches,
         dropped_tokens=counts.dropped_tokens,
+        routed_pieces=tuple(acc.pieces),
     )

@@ -47,12 +47,17 @@ class ControlMetrics:
         self.resubmits_total = Counter(
             "tito_turn_resubmits_total", "Resubmissions of prompt + partial after an abort", registry=r
         )
+        self.turns_ended_stale_total = Counter(
+            "tito_turns_ended_stale_total",
+            "Turns ended at a weight update by their staleness bound (max_weight_lag)", registry=r,
+        )
         self.paused_too_long_total = Counter(
             "tito_turn_paused_too_long_total", "Turns whose deadline passed while paused", registry=r
         )
         self.engine_aborts_total = Counter(
             "tito_engine_aborts_sent_total",
-            "Engine requests aborted because their turn stopped waiting (cancel, timeout), by outcome",
+            "Engine requests aborted because their turn stopped waiting (cancel, timeout) "
+            "or reached its staleness bound at a weight update, by outcome",
             ["outcome"], registry=r,
         )
         self.paused_wait_seconds = Histogram(
@@ -71,6 +76,7 @@ class ControlMetrics:
             "resubmits": int(_sum(self.resubmits_total, "_total")),
             "paused_wait_s": _sum(self.paused_wait_seconds, "_sum"),
             "paused_too_long": int(_sum(self.paused_too_long_total, "_total")),
+            "turns_ended_stale": int(_sum(self.turns_ended_stale_total, "_total")),
             "version_mismatches": int(_sum(self.version_mismatch_total, "_total")),
             "engine_failures": int(_sum(self.engine_failures_total, "_total")),
         }

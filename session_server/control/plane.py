@@ -91,8 +91,7 @@ class ControlPlane:
         self._engines: EngineSource = _Adapters(engines) if callable(engines) else engines
         self.abort_timeout_s = abort_timeout_s
         self._abort_tasks: set[asyncio.Task[None]] = set()
-        # called with the new version after every weight-version change (the pool drops
-        # cached-prefix estimates: the salt changed, so no old prefix is reusable)
+        # called with each new weight version (the pool drops its prefix estimates; lag.py)
         self.on_weight_version: list[Callable[[int], None]] = []
         self.metrics = ControlMetrics(registry)
         self.grace_s = grace_s
@@ -259,6 +258,7 @@ class ControlPlane:
         async with self._lock:
             t0 = time.monotonic()
             was = self._global if lora is None else self._lora.get(lora)
+            await self.drain_aborts()  # requests cut at an update (lag.py) stop before engines resume
             if lora is None:
                 engines = await self._fan_out("resume", lambda a: a.resume())
                 self._global = None

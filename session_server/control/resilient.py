@@ -14,6 +14,8 @@ reports (SGLang `meta_info.weight_version`); when the engine reports none (vLLM)
 it is the control plane's version when the segment was dispatched, which is exact
 for `abort` and `wait` pauses (a segment never runs across an update) and, for a
 `keep` pause, attributes a segment frozen across an update to the old version.
+A turn with `request.max_weight_lag` ends at the update that would take its tokens
+past that many versions instead of resubmitting (lag.py, issue 13.5).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from trajectory.errors import ValidationError
 from trajectory.validate import Expectations, is_int, validate_chunk, validate_generation
 
 from .assemble import Acc, Counts, ResilientResult, assemble
+from .lag import LagBound
 from .plane import ControlPlane
 
 __all__ = ["AbortEvent", "generate_resilient", "new_request_id"]
@@ -204,6 +207,7 @@ async def generate_resilient(
     last_version = None if expect is None else expect.last_weight_version
     remaining = request.max_tokens
     unexplained_empty = 0
+    lag = LagBound(request.max_weight_lag)
 
     slot = getattr(adapter, "slot", None)
     first_salt = control.cache_salt()
@@ -225,6 +229,10 @@ async def generate_resilient(
                 await _enter_by(held, slot(), deadline, f"a generation slot on {engine}")
             if control.blocked(lora):
                 continue  # closed again while we queued: release everything, wait again
+            if first is not None and lag.ends_before(len(acc.ids), control.weight_version):
+                control.metrics.turns_ended_stale_total.inc()  # ended at the update (lag.py)
+                ended = assemble(request, first, None, None, acc, counts, ended="abort")
+                return replace(ended, stale_bound=lag.flag(control.weight_version))
             seg_rid = request.request_id if not counts.rids else new_request_id()
             counts.rids.append(seg_rid)
             epoch, dispatch_version = control.epoch, control.weight_version
@@ -237,8 +245,10 @@ async def generate_resilient(
                 cache_salt=_salted(request.cache_salt, control.cache_salt()),
                 timeout_s=max(0.001, deadline - time.monotonic()),
                 slot_held=slot is not None,
+                routed_experts_start=acc.routed_start(request),  # rows already held (R3)
             )
-            with control.track_flight(seg_rid, engine=engine, lora=lora):
+            with (control.track_flight(seg_rid, engine=engine, lora=lora),
+                  lag.watch(control, adapter, seg_rid, dispatch_version) as watch):
                 try:
                     if streaming is not None and on_delta is not None:
                         result = await _streamed(streaming(seg), on_delta, expect, seg_rid)
@@ -256,8 +266,11 @@ async def generate_resilient(
         if not control.check_reported_version(engine, result.weight_version):
             counts.mismatches += 1
         version = result.weight_version if result.weight_version is not None else dispatch_version
+        if watch.cut and result.finish_reason == "abort":
+            version = dispatch_version  # aborted at the update (lag.py): its tokens predate it
         result = _abort_on_stop_is_stop(result, request, expect)
         if result.finish_reason != "abort":
+            acc.add_routed(request, result, len(seg_input))
             return assemble(request, first, result, version, acc, counts)
 
         _check_partial(result, seg_rid, len(seg_input), remaining, expect, last_version)
@@ -265,7 +278,9 @@ async def generate_resilient(
         counts.aborts += 1
         control.record_abort(empty=n == 0)
         if n and not constrained:
+            acc.add_routed(request, result, len(seg_input))  # before add: its start is the rows held
             acc.add(result, version)
+            lag.keep(version, *watch.versions)
             last_version = version if version is not None else last_version
             remaining -= n
             unexplained_empty = 0

@@ -77,8 +77,11 @@ class GenerateRequest:
     lora: str | None = None
     cache_salt: str | None = None
     return_routed_experts: bool = False
+    # line positions before this already have rows (SGLang `routed_experts_start_len`)
+    routed_experts_start: int = 0
     timeout_s: float = 600.0  # deadline measured from dispatch
     slot_held: bool = False  # the caller already holds this engine's concurrency slot (`adapter.slot()`)
+    max_weight_lag: int | None = None  # server-side: weight versions a turn may span (control/lag.py)
 
 
 @dataclass(frozen=True)

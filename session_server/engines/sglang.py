@@ -301,6 +301,10 @@ def build_sglang_payload(request: GenerateRequest) -> dict[str, Any]:
         payload["extra_key"] = request.cache_salt
     if request.return_routed_experts:
         payload["return_routed_experts"] = True
+        if request.routed_experts_start:
+            # rows cover [routed_experts_start_len, seqlen - 1); 0 = the whole sequence
+            # (sgl-project/sglang python/sglang/srt/managers/io_struct.py, GenerateReqInput)
+            payload["routed_experts_start_len"] = request.routed_experts_start
     return payload
 
 

@@ -49,6 +49,7 @@ class Job:
     rank: int = 0
     produced: int = 0
     constrained: str | None = None  # the text a constraint forces (None: unconstrained)
+    routed_start: int | None = None  # routing replay asked: rows from this position (None: not asked)
 
 
 @dataclass
@@ -195,6 +196,7 @@ class EngineCore:
                 "pinned": job.pinned_rank is not None,
                 "sampling_params": job.params,
                 "fault": job.fault,
+                "routed_start": job.routed_start,
                 "status": status,
                 "output_ids": None if out is None else [int(t) for t in out.ids],
                 "finish_reason": None if out is None else out.finish,

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from session_server.sim.engine import PAUSE_MODES, EngineCore, Job, Outcome
 from session_server.sim.faults import answer_fault, stream_view
+from session_server.sim.routed import DEFAULT_ROUTED, RoutedSpec, sglang_payload
 from session_server.sim.wire import (
     ENCODER,
     Constraint,
@@ -43,9 +44,11 @@ def sglang_constraint(sp: dict[str, Any]) -> Constraint:
 class SGLangWire:
     """SGLang's HTTP endpoints over one `EngineCore`."""
 
-    def __init__(self, engine: EngineCore, padding: msgspec.Raw | None = None) -> None:
+    def __init__(self, engine: EngineCore, padding: msgspec.Raw | None = None,
+                 routed: RoutedSpec | None = DEFAULT_ROUTED) -> None:
         self.engine = engine
         self.padding = padding
+        self.routed = routed  # routed experts answered when a request asks (routing replay)
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/generate", self.generate)
@@ -95,6 +98,9 @@ class SGLangWire:
             meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in out.tops]
         if self.padding is not None and final:
             meta["routed_experts"] = self.padding
+        elif final and job.routed_start is not None and self.routed is not None:
+            real = [int(t) for t in ids if not isinstance(t, bool)]
+            meta["routed_experts"] = sglang_payload([*job.input_ids, *real], self.routed, job.routed_start)
         vocab = self.engine.model.vocab_size  # a faulted id (out of range) has no text
         text = self.engine.model.decode([int(t) for t in ids if not isinstance(t, bool) and 0 <= int(t) < vocab])
         return {"text": text, "output_ids": ids, "meta_info": meta}
@@ -123,6 +129,7 @@ class SGLangWire:
             path="/generate",
             fault=self.engine.faults.take(),
             cache_salt=salt(body.get("extra_key")),
+            routed_start=int(body.get("routed_experts_start_len") or 0) if body.get("return_routed_experts") else None,
         )
         refused = attach_constraint(self.engine, job, sglang_constraint(sp), sglang_error)
         return job if refused is None else refused

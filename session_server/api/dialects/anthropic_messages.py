@@ -62,6 +62,7 @@ from ..models import (
     StopStr,
     TemplateKwargs,
     Tokens,
+    WeightLag,
     parse_json_model,
 )
 from ..stream_events import (
@@ -90,8 +91,8 @@ class MessagesRequest(BaseModel):
     Fields Anthropic defines that a self-hosted model has no use for (`service_tier`,
     `container`, `cache_control`, `speed`, `output_config.effort`, `context_management`,
     ...) are accepted and
-    ignored, as OpenAI's extra fields are on chat completions. `chat_template_kwargs`
-    and `timeout_s` are our extensions, as on chat completions."""
+    ignored, as OpenAI's extra fields are on chat completions. `chat_template_kwargs`,
+    `timeout_s` and `max_weight_lag` are our extensions, as on chat completions."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -113,6 +114,7 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     chat_template_kwargs: TemplateKwargs | None = None
     timeout_s: float | None = Field(default=None, ge=TIMEOUT_S_MIN, le=TIMEOUT_S_MAX, allow_inf_nan=False)
+    max_weight_lag: WeightLag | None = None
 
 
 class CountTokensRequest(MessagesRequest):
@@ -363,6 +365,7 @@ def to_chat_request(req: MessagesRequest) -> ChatRequest:
         "stream": req.stream,
         "chat_template_kwargs": kwargs or None,
         "timeout_s": req.timeout_s,
+        "max_weight_lag": req.max_weight_lag,
     }
     try:
         return ChatRequest.model_validate({k: v for k, v in data.items() if v is not None})

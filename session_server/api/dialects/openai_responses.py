@@ -44,7 +44,7 @@ from trajectory.errors import BranchError
 
 from ...errors import BadRequest, NotFound
 from ...turns import TurnOutput
-from ..models import ChatRequest, SamplingFields, TemplateKwargs, parse_json_model
+from ..models import ChatRequest, SamplingFields, TemplateKwargs, WeightLag, parse_json_model
 from ..stream_events import (
     ContentDelta,
     ReasoningDelta,
@@ -105,6 +105,7 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per output_text token")
     chat_template_kwargs: TemplateKwargs | None = None
     timeout_s: float | None = None
+    max_weight_lag: WeightLag | None = None
 
 
 @dataclass(frozen=True)
@@ -388,6 +389,7 @@ def parse_responses(body: bytes, *, session: Any = None, switches: frozenset[str
         "response_format": _response_format(spec.text), "stream": spec.stream,
         "logprobs": logprobs or None, "top_logprobs": spec.top_logprobs if logprobs else None,
         "chat_template_kwargs": kwargs or None, "timeout_s": spec.timeout_s,
+        "max_weight_lag": spec.max_weight_lag,
     }
     try:
         req = ResponsesTurn.model_validate({k: v for k, v in chat.items() if v is not None})
@@ -483,7 +485,7 @@ def output_items(o: Outcome, echo: Echo) -> list[dict[str, Any]]:
     """The committed assistant message as output items: reasoning, message, calls (the
     order a live stream opens them). A turn without calls always has a message."""
     msg, rid = o.message, o.request_id
-    status = "incomplete" if o.finish_reason == "length" else "completed"
+    status = "incomplete" if o.finish_reason in ("length", "abort") else "completed"  # abort: cut short
     items = []
     if msg.get("reasoning_content"):
         items.append(reasoning_item(rid, str(msg["reasoning_content"]), encrypted=echo.encrypted_reasoning))
@@ -522,7 +524,7 @@ def response_object(rid: str, echo: Echo, *, status: str, output: list[dict[str,
 
 
 def final_object(o: Outcome, echo: Echo) -> dict[str, Any]:
-    status = "incomplete" if o.finish_reason == "length" else "completed"
+    status = "incomplete" if o.finish_reason in ("length", "abort") else "completed"  # abort: cut short
     return response_object(o.request_id, echo, status=status, output=output_items(o, echo), o=o)
 
 

@@ -61,7 +61,7 @@ async def test_9_1_state_counters_are_the_prometheus_values() -> None:
     assert counters == {
         "pauses": 1, "resumes": 1, "aborts": 2, "empty_aborts": 1, "resubmits": 1,
         "paused_wait_s": pytest.approx(waited), "paused_too_long": 0, "version_mismatches": 0,
-        "engine_failures": 0,
+        "engine_failures": 0, "turns_ended_stale": 0,
     }
     assert isinstance(counters["pauses"], int)  # JSON keeps writing 1, not 1.0
     assert reg.get_sample_value("tito_turn_aborts_total") == 2

@@ -77,6 +77,15 @@ class Stack:
             assert r.status_code == 200, r.text
 
 
+async def until_in_flight(st: Stack, sid: str) -> None:
+    """Wait until session `sid` has a chat in flight (its view says busy)."""
+    for _ in range(400):
+        if (await st.http.get(f"/sessions/{sid}")).json()["busy"]:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("never in flight")
+
+
 async def sim_aborted_rids(engine: str) -> list[str]:
     """Every request id in the simulator's abort log (SGLang `rid`, vLLM `request_ids`)."""
     async with httpx.AsyncClient() as c:

@@ -507,3 +507,14 @@ async def test_12_4_server_tools_are_left_out_with_a_warning(tmp_path: Any, capl
                                                      "parameters": {"type": "object"}}}]
     assert "web_search_20250305:web_search" in caplog.text
     assert _tools([{"type": "web_search_20250305", "name": "web_search"}]) is None
+
+
+async def test_12_4_head_on_the_session_base_url(qwen3_dir: Path) -> None:
+    """Claude Code probes its base URL with HEAD before its first request: 200 for a
+    live session, 404 for an unknown one (it used to be a 405)."""
+    async with live_stack(qwen3_dir) as st:
+        sid = await st.session()
+        ok = await st.http.head(f"/sessions/{sid}")
+        missing = await st.http.head("/sessions/nope")
+    assert (ok.status_code, ok.content) == (200, b"")
+    assert missing.status_code == 404

@@ -31,6 +31,7 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("POST", "/sessions/{sid}/v1/messages"): Access.SESSION,
     ("POST", "/sessions/{sid}/v1/messages/count_tokens"): Access.SESSION,
     ("GET", "/sessions/{sid}"): Access.ADMIN,
+    ("HEAD", "/sessions/{sid}"): Access.ADMIN,  # the harness probe of its base URL
     ("GET", "/sessions/{sid}/trajectory"): Access.ADMIN,
     ("DELETE", "/sessions/{sid}"): Access.ADMIN,  # also ?return_trajectory=true
     # training samples and rewards (issue 10): the trainer's, never the agent's
@@ -123,7 +124,9 @@ def test_auth_route_matrix(client: TestClient, method: str, path: str, cred: str
         assert r.status_code != 401, (method, url, cred, r.text)
     else:
         assert r.status_code == 401, (method, url, cred, r.status_code, r.text)
-        if "/v1/messages" in path:  # the Anthropic routes answer in Anthropic's shape (issue 12.1)
+        if method == "HEAD":  # a HEAD reply has no body
+            assert r.content == b""
+        elif "/v1/messages" in path:  # the Anthropic routes answer in Anthropic's shape (issue 12.1)
             assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
         else:
             assert r.json() == {"error": {"type": "unauthorized", "message": r.json()["error"]["message"]}}

@@ -13,17 +13,9 @@ from typing import Any
 
 import httpx
 
-from .conftest import Stack, live_stack, metric_value
+from .conftest import live_stack, metric_value, until_in_flight
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
-
-
-async def _until_in_flight(st: Stack, sid: str) -> None:
-    for _ in range(400):
-        if (await st.http.get(f"/sessions/{sid}")).json()["busy"]:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("never in flight")
 
 
 def _branch(traj: dict[str, Any]) -> dict[str, Any]:
@@ -40,7 +32,7 @@ async def test_pauses_mid_turn_commit_the_uninterrupted_tokens(qwen3_dir: Path) 
         for mode in ("abort", "keep", "wait"):
             sid = await st.session()
             chat = asyncio.create_task(st.chat(sid, {"messages": MSGS, "max_tokens": 200}))
-            await _until_in_flight(st, sid)
+            await until_in_flight(st, sid)
             for _ in range(3):
                 await asyncio.sleep(0.03)
                 r = await st.http.post("/control/pause", json={"mode": mode})
@@ -69,7 +61,7 @@ async def test_weight_version_spans_across_a_bump_mid_turn(qwen3_dir: Path) -> N
             await sim.post(f"{st.engines[0]}/sim/weight_version", json={"version": 1})
             sid = await st.session()
             chat = asyncio.create_task(st.chat(sid, {"messages": MSGS, "max_tokens": 200}))
-            await _until_in_flight(st, sid)
+            await until_in_flight(st, sid)
             await asyncio.sleep(0.05)
             assert (await st.http.post("/control/pause", json={"mode": "abort"})).json()["ok"]
             await sim.post(f"{st.engines[0]}/sim/weight_version", json={"version": 2})  # the update
