@@ -404,3 +404,35 @@ async def test_12_3_a_retry_following_a_stream_that_fails_gets_its_error_event_a
     assert r.status_code == 200
     assert "must be a number" in _failed("chat", _events(r.content.decode()))
     assert turns == 0 and len(log) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_12_1_anthropic_disable_parallel_tool_use_is_a_hint_never_a_silent_drop(
+        qwen3_dir: Path, stream: bool) -> None:
+    """`tool_choice.disable_parallel_tool_use` cannot be enforced on sampled tokens: a model
+    that calls two tools anyway gets both `tool_use` blocks, as the trajectory has them."""
+    import httpx
+    from anthropic import AsyncAnthropic
+
+    script = {"turns": [{"content": "Checking both.", "tool_calls": [
+        {"name": "read", "arguments": {"path": "a.txt"}}, {"name": "read", "arguments": {"path": "b.txt"}}]}]}
+    tools = [{"name": "read", "description": "Read a file", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+    async with live_stack(qwen3_dir, "sglang", latency_ms=1) as st:
+        async with httpx.AsyncClient() as c:
+            assert (await c.post(f"{st.engines[0]}/sim/script", json=script)).status_code == 200
+        sid = await st.session()
+        client = AsyncAnthropic(base_url=f"{st.url}/sessions/{sid}", api_key="x", max_retries=0)
+        kw: dict[str, Any] = {"model": "m", "max_tokens": 300, "tools": tools,
+                              "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+                              "messages": [{"role": "user", "content": "Read a.txt and b.txt."}]}
+        if stream:
+            async with client.messages.stream(**kw) as s:
+                msg = await s.get_final_message()
+        else:
+            msg = await client.messages.create(**kw)
+        await client.close()
+        committed = (await st.trajectory(sid))["branches"][0]["turns"][-1]["assistant_message"]
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert [u.input for u in uses] == [{"path": "a.txt"}, {"path": "b.txt"}] and msg.stop_reason == "tool_use"
+    assert [u.id for u in uses] == [tc["id"] for tc in committed["tool_calls"]]
