@@ -20,6 +20,7 @@ import httpx
 from session_server.harness import free_port
 
 CLI = [sys.executable, "-m", "session_server.cli"]
+PIDS: dict[str, int] = {}  # url -> pid of the process serving it (peak RSS from /proc)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
@@ -42,10 +43,12 @@ def process(args: Sequence[str], url: str, log_path: Path | None = None, nice: i
     proc = subprocess.Popen(
         [*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=priority
     )
+    PIDS[url] = proc.pid
     try:
         _wait_healthy(url, proc)
         yield url
     finally:
+        PIDS.pop(url, None)
         proc.terminate()
         try:
             proc.wait(timeout=20)

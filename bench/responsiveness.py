@@ -76,6 +76,19 @@ def _poll_health_process(url: str, ready: Any, stop: Any, out: Any) -> None:
     out.send(asyncio.run(poll()))
 
 
+async def start_health_poller(url: str) -> tuple[Any, Any, Any]:
+    """`_poll_health_process` started and connected: (process, stop event, receiving
+    end of the pipe its samples come back on)."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    recv, send = ctx.Pipe(duplex=False)
+    poller = ctx.Process(target=_poll_health_process, args=(url, ready, stop, send), daemon=True)
+    poller.start()
+    if not await asyncio.to_thread(ready.wait, 60):
+        raise RuntimeError("the /health poller did not start")
+    return poller, stop, recv
+
+
 async def _read_sse(r: aiohttp.ClientResponse) -> int:
     """Every frame of a streamed answer, as an agent reads it; the count of `data:`
     frames, or -1 when the stream ended without `[DONE]` (cut or failed)."""
@@ -228,13 +241,7 @@ async def _stall_probe(url: str, args: argparse.Namespace) -> dict[str, Any]:
         sid, context = await _big_session(http, url, args.context_tokens)
     made_s = await _create_sessions(url, args.idle_sessions)
     print(f"made {args.idle_sessions} sessions in {made_s:.1f} s; big session at {context} tokens", flush=True)
-    ctx = multiprocessing.get_context("spawn")
-    ready, stop = ctx.Event(), ctx.Event()
-    recv, send = ctx.Pipe(duplex=False)
-    poller = ctx.Process(target=_poll_health_process, args=(url, ready, stop, send), daemon=True)
-    poller.start()
-    if not await asyncio.to_thread(ready.wait, 60):
-        raise RuntimeError("the /health poller did not start")
+    poller, stop, recv = await start_health_poller(url)
     bounds: dict[str, tuple[float, float, int]] = {}
     t_start = time.perf_counter()  # the poller's clock starts within a few ms of this
     for phase in ("idle", "export", "cache_aware"):

@@ -135,6 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _sim_engine(args: argparse.Namespace) -> int:
     from .sim import run_sim_engine
+    from .sim.routed import RoutedSpec
 
     run_sim_engine(
         args.protocol,
@@ -147,6 +148,8 @@ def _sim_engine(args: argparse.Namespace) -> int:
         request_latency_ms=args.request_latency_ms,
         noncanonical=args.noncanonical,
         padding=args.padding,
+        routed=RoutedSpec(layers=args.routed_layers, topk=args.routed_topk, num_experts=args.routed_experts),
+        return_routed_experts=args.enable_return_routed_experts,
     )
     return 0
 
@@ -298,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--noncanonical", action="store_true", help="emit non-canonical segmentations")
     e.add_argument("--padding", choices=("base64", "floats"), default=None,
                    help="add a routed-experts-like payload to every reply (default: none)")
+    e.add_argument("--routed-layers", type=int, default=4, help="routing replay: MoE layers of the simulated model")
+    e.add_argument("--routed-topk", type=int, default=2, help="routing replay: experts per token")
+    e.add_argument("--routed-experts", type=int, default=16, help="routing replay: experts per layer")
+    e.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="vLLM: every answer carries its routed experts (vLLM's server flag; SGLang answers "
+                        "when a request asks)")
     e.set_defaults(func=_sim_engine)
 
     v = sub.add_parser(

@@ -16,15 +16,15 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from trajectory.codec.json_stream import CanonicalJson, JsonStreamError
 from trajectory.codec.parsing import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 from trajectory.codec.probe import decode_text
 
 __all__ = [
-    "CallArgs", "CallStart", "FieldSplitter", "Grammar", "HermesCalls", "IncrementalDecoder", "IncrementalText",
-    "grammar_for",
+    "CallArgs", "CallReader", "CallStart", "FieldSplitter", "Grammar", "HermesCalls", "IncrementalDecoder",
+    "IncrementalText", "calls_for", "grammar_for",
 ]
 
 
@@ -38,6 +38,7 @@ class Grammar:
     lstrip_after_think: bool = True  # content after a reasoning block loses leading newlines
     glm_content: bool = False  # content is `.strip()`ped, but raw when a call fails to parse
     hermes: bool = False  # calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (parse_hermes)
+    glm: bool = False  # calls are `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>` (parse_glm)
 
 
 def grammar_for(codec: Any, *, tools: bool, template_kwargs: Mapping[str, Any] | None) -> Grammar | None:
@@ -54,7 +55,8 @@ def grammar_for(codec: Any, *, tools: bool, template_kwargs: Mapping[str, Any] |
     if kind.parse_text is Qwen3Codec.parse_text:
         return Grammar(think=thinking, tools=tools, hermes=tools)
     if kind.parse_text is Glm4Codec.parse_text:
-        return Grammar(think=thinking, tools=tools, reasoning_ws=None, lstrip_after_think=False, glm_content=True)
+        return Grammar(think=thinking, tools=tools, reasoning_ws=None, lstrip_after_think=False, glm_content=True,
+                       glm=tools)
     if kind.parse_text is GenericCodec.parse_text:
         if getattr(codec, "_xml", False):
             return None
@@ -328,11 +330,29 @@ class HermesCalls:
         return text[len(take):]
 
 
+class CallReader(Protocol):
+    """What reads a family's tool calls from the text `FieldSplitter.take` hands over."""
+
+    def feed(self, text: str) -> list[CallStart | CallArgs]: ...
+
+
+def calls_for(grammar: Grammar, names: frozenset[str]) -> CallReader | None:
+    """The tool-call reader of `grammar`'s family (hermes JSON, GLM XML), or None: then
+    calls are sent whole once the message is parsed."""
+    if grammar.hermes:
+        return HermesCalls(names)
+    if grammar.glm:
+        from .incremental_glm import GlmCalls  # it builds on this module's pieces
+
+        return GlmCalls(names)
+    return None
+
+
 class IncrementalText:
     """Decoder and splitter together: new ids in, (field, delta) pairs out; with `calls`
-    (a hermes grammar and the request's tool names), then the tool-call pieces."""
+    (`calls_for`: the request's tool names), then the tool-call pieces."""
 
-    def __init__(self, decoder: IncrementalDecoder, splitter: FieldSplitter, calls: HermesCalls | None = None) -> None:
+    def __init__(self, decoder: IncrementalDecoder, splitter: FieldSplitter, calls: CallReader | None = None) -> None:
         self.decoder, self.splitter, self.calls = decoder, splitter, calls
 
     def feed(self, ids: Sequence[int]) -> list[tuple[str, str] | CallStart | CallArgs]:

@@ -45,9 +45,9 @@ from .incremental import (
     CallArgs,
     CallStart,
     FieldSplitter,
-    HermesCalls,
     IncrementalDecoder,
     IncrementalText,
+    calls_for,
     grammar_for,
 )
 
@@ -197,7 +197,7 @@ class LiveTurn:
         grammar = grammar_for(ctx.codec, tools=bool(names), template_kwargs=kwargs)
         if grammar is not None:
             stops = getattr(ctx.codec, "stop_token_ids", ())
-            calls = HermesCalls(names) if grammar.hermes else None
+            calls = calls_for(grammar, names)
             self._inc = IncrementalText(IncrementalDecoder(tok, stops), FieldSplitter(grammar), calls)
         self._emit(TurnStarted(call.greq.request_id, len(call.greq.input_ids)))
         self.started.set()

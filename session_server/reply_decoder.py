@@ -51,6 +51,10 @@ class ReplyDecoder:
             await loop.run_in_executor(self._procs, _warm)
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        if getattr(fn, "__self__", None) is not None:
+            # a bound method (a stream fold's `add` / `result`, engines/http.py `fold_stream`)
+            # keeps its state in this process: a worker process would change only a copy
+            return await self._threads.run(fn, *args, **kwargs)
         body = args[0] if args else None
         size = len(body) if isinstance(body, bytes) else 0
         if self._procs is not None and size >= self.large_reply_bytes:

@@ -8,9 +8,11 @@ Wire facts (docs/engines.md "Routed experts"):
   output - 1)`` (sgl-project/sglang python/sglang/srt/managers/io_struct.py,
   `GenerateReqInput.routed_experts_start_len`; int32 buffers of shape (tokens,
   num_hidden_layers, num_experts_per_tok) in
-  python/sglang/srt/layers/moe/routed_experts_capturer.py). The payload is flat:
-  the server needs the model's topk or layer count to split a row
-  (`routed_experts_topk` / `routed_experts_layers` settings).
+  python/sglang/srt/layers/moe/routed_experts_capturer.py). The payload is flat,
+  so the row width is taken, in order, from the rows the session already holds,
+  from both `routed_experts_layers` and `routed_experts_topk`, or else as ids /
+  positions asked when that divides, split by whichever setting is set
+  (`_flat_rows`); a width that cannot be told is a 502 naming the settings.
 * vLLM (server flag ``--enable-return-routed-experts``, no request field) returns
   a choice's ``routed_experts``: base64 of ``.npy`` bytes, shape ``(num_tokens - 1,
   layers, topk)``, uint8/uint16/int32, covering the whole sequence from position 0
@@ -94,61 +96,80 @@ def decode_payload(raw: bytes) -> np.ndarray:
     return np.frombuffer(blob, dtype="<i4")
 
 
-def _rows(arr: np.ndarray, n_rows: int, shape: RoutedShape, where: str) -> np.ndarray:
-    """`arr` as (n_rows, layers, topk): a 3-D array as is, a flat one split by what
-    the server knows (the session's earlier turns, else the settings)."""
-    if arr.ndim == 3:
-        return arr
-    if arr.ndim == 2 and arr.shape[0] == n_rows:
-        per = int(arr.shape[1])
-    elif arr.ndim == 1:
-        per = int(arr.shape[0]) // n_rows if n_rows else 0
-        if n_rows == 0 or per * n_rows != arr.shape[0]:
-            raise UpstreamInvalid(f"{where}: {arr.shape[0]} routed ids are not {n_rows} rows")
-    else:
-        raise UpstreamInvalid(f"{where}: routed_experts of shape {arr.shape}")
+def _known(shape: RoutedShape, expect: tuple[int, int] | None) -> tuple[int, int] | None:
+    """(layers, topk) known exactly: the rows the session (or this turn's earlier
+    segments) already holds, else both settings; None when neither says."""
+    if expect is not None:
+        return expect
+    if shape.layers and shape.topk:
+        return shape.layers, shape.topk
+    return None
+
+
+def _split(per: int, shape: RoutedShape, where: str) -> tuple[int, int]:
+    """A row of `per` ids as (layers, topk), by whichever of the settings is set."""
     if shape.topk and per % shape.topk == 0:
-        layers, topk = per // shape.topk, shape.topk
-    elif shape.layers and per % shape.layers == 0:
-        layers, topk = shape.layers, per // shape.layers
-    else:
+        return per // shape.topk, shape.topk
+    if shape.layers and per % shape.layers == 0:
+        return shape.layers, per // shape.layers
+    raise UpstreamInvalid(
+        f"{where}: cannot split {per} routed ids per row into (layers, topk): set routed_experts_topk "
+        "and routed_experts_layers to the model's"
+    )
+
+
+def _flat_rows(arr: np.ndarray, p: Piece, shape: RoutedShape, expect: tuple[int, int] | None,
+               where: str) -> np.ndarray:
+    """SGLang's flat int32 ids as (rows, layers, topk). The row width is exact when
+    known (`_known`); else it is inferred as ids / positions asked, only when that
+    divides (then split by `routed_experts_topk` or `routed_experts_layers`). An
+    unknown width never guesses between readings: the first segment of a session's
+    rows decides it, and a wrong row count there is caught only with both settings."""
+    size, want = int(arr.shape[0]), p.end - p.start
+    known = _known(shape, expect)
+    if known is not None:
+        per = known[0] * known[1]
+        if size % per:
+            raise UpstreamInvalid(f"{where}: {size} routed ids are not whole rows of {known[0]}x{known[1]}")
+        return arr.reshape(size // per, *known)
+    if want <= 0 or size % want:
         raise UpstreamInvalid(
-            f"{where}: cannot split {per} routed ids per row into (layers, topk): set routed_experts_topk "
-            "or routed_experts_layers to the model's"
+            f"{where}: {size} routed ids for {want} positions: the row width is unknown; set "
+            "routed_experts_layers and routed_experts_topk to the model's"
         )
-    return arr.reshape(n_rows, layers, topk)
+    layers, topk = _split(size // want, shape, where)
+    return arr.reshape(want, layers, topk)
 
 
-def _piece(p: Piece, shape: RoutedShape, where: str) -> np.ndarray:
-    """One segment's rows for ``[p.start, p.end)``, checked (the gap check)."""
+def _piece(p: Piece, shape: RoutedShape, expect: tuple[int, int] | None, where: str) -> np.ndarray:
+    """One segment's rows for ``[p.start, p.end)``, checked (the gap check): exactly
+    the positions asked, or (an engine that ignores the start: vLLM, older SGLang)
+    every position from 0, cut at the start; each row of the settings' layers/topk."""
     if p.raw is None:
         raise UpstreamInvalid(f"{where}: the engine returned no routed experts")
     arr = decode_payload(p.raw)
-    want = p.end - p.start
-    full = p.end  # an engine that ignores the start (vLLM) covers from position 0
-    n = int(arr.shape[0]) if arr.ndim >= 2 else -1
-    if arr.ndim == 1:  # flat (SGLang): the row count follows from the row width
-        size, per = int(arr.shape[0]), _per_row(shape)
-        if per:
-            n = size // per if size % per == 0 else -1
-        else:
-            n = next((k for k in (want, full) if k > 0 and size % k == 0), -1)
-    if n == full and full != want:
-        rows = _rows(arr, full, shape, where)[p.start :]
-    elif n == want:
-        rows = _rows(arr, want, shape, where)
-    else:
-        raise UpstreamInvalid(
-            f"{where}: {n} routed-experts rows for positions [{p.start}, {p.end}) "
-            f"({p.prompt_len} prompt + {p.output_len} output - 1 - start {p.start} = {want})"
-        )
-    return rows
-
-
-def _per_row(shape: RoutedShape) -> int | None:
-    if shape.layers and shape.topk:
-        return shape.layers * shape.topk
-    return None
+    if arr.ndim == 1:
+        arr = _flat_rows(arr, p, shape, expect, where)
+    elif arr.ndim == 2:  # nested lists of flat rows
+        per, known = int(arr.shape[1]), _known(shape, expect)
+        if known is not None and known[0] * known[1] != per:
+            raise UpstreamInvalid(f"{where}: rows of {per} routed ids, not {known[0]}x{known[1]}")
+        arr = arr.reshape(arr.shape[0], *(known or _split(per, shape, where)))
+    elif arr.ndim != 3:
+        raise UpstreamInvalid(f"{where}: routed_experts of shape {arr.shape}")
+    layers, topk = int(arr.shape[1]), int(arr.shape[2])
+    if (shape.layers and layers != shape.layers) or (shape.topk and topk != shape.topk):
+        raise UpstreamInvalid(f"{where}: rows of (layers, topk) ({layers}, {topk}), the settings say "
+                              f"({shape.layers}, {shape.topk})")
+    want, full, n = p.end - p.start, p.end, int(arr.shape[0])
+    if n == want:
+        return arr
+    if n == full and full > want:
+        return arr[p.start :]
+    raise UpstreamInvalid(
+        f"{where}: {n} routed-experts rows for positions [{p.start}, {p.end}) "
+        f"({p.prompt_len} prompt + {p.output_len} output - 1 - start {p.start} = {want})"
+    )
 
 
 def join(pieces: Sequence[Piece], *, start: int, end: int, shape: RoutedShape,
@@ -163,7 +184,7 @@ def join(pieces: Sequence[Piece], *, start: int, end: int, shape: RoutedShape,
         where = f"routed experts of segment {i}"
         if p.start != pos:
             raise UpstreamInvalid(f"{where} start at {p.start}, the rows before end at {pos}")
-        rows = _piece(p, shape, where)
+        rows = _piece(p, shape, expect, where)
         if expect is None:
             expect = (int(rows.shape[1]), int(rows.shape[2]))
         if rows.shape[1:] != expect:

@@ -172,6 +172,30 @@ def encode_json(payload: Any) -> bytes:
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+# the largest SSE line read from an engine. aiohttp's own line reader stops at twice
+# its read buffer (8 MiB here), below a streamed R3 turn's last frame (4K positions x
+# 60 layers x top-8 as base64 int32 is ~10 MiB), so lines are split here instead
+STREAM_FRAME_MAX = 256 * 1024 * 1024
+
+
+async def sse_lines(chunks: AsyncIterator[bytes], max_line: int) -> AsyncIterator[bytes]:
+    """The lines (without their newline) of a byte stream arriving in `chunks`, each
+    byte scanned once; a line longer than `max_line` is `ValueError`."""
+    buf = bytearray()
+    async for chunk in chunks:
+        scan = len(buf)
+        buf += chunk
+        start = 0
+        while (nl := buf.find(b"\n", scan)) >= 0:
+            yield bytes(buf[start:nl])
+            start = scan = nl + 1
+        del buf[:start]
+        if len(buf) > max_line:
+            raise ValueError(f"a line of more than {max_line} bytes")
+    if buf:
+        yield bytes(buf)
+
+
 class StreamFold(Protocol):
     """An adapter's fold of one streamed generation (SGLangStream, VLLMStream)."""
 
@@ -182,17 +206,6 @@ class StreamFold(Protocol):
     def result(self) -> Any: ...
 
 
-async def fold_stream(payloads: AsyncIterator[bytes], fold: StreamFold) -> AsyncIterator[Any]:
-    """The deltas `fold` makes of each SSE payload as it arrives, then its final result."""
-    async for data in payloads:
-        delta = fold.add(data)
-        if delta is not None:
-            yield delta
-        if fold.done:
-            break
-    yield fold.result()
-
-
 Offload = Callable[..., Awaitable[Any]]
 """Runs `fn(*args, **kwargs)` somewhere and awaits it (the server passes its CPU offload)."""
 
@@ -200,6 +213,31 @@ Offload = Callable[..., Awaitable[Any]]
 async def run_inline(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """Default `Offload`: call on the event loop (fine for small replies and tests)."""
     return fn(*args, **kwargs)
+
+
+# a stream frame at least this large is decoded on the offload pool: a streamed turn's
+# final frame carries its routed experts (R3), megabytes of base64 at 60 layers x top-8
+OFFLOAD_FRAME_BYTES = 256 * 1024
+
+
+async def fold_stream(payloads: AsyncIterator[bytes], fold: StreamFold, offload: Offload = run_inline,
+                      big: int = OFFLOAD_FRAME_BYTES) -> AsyncIterator[Any]:
+    """The deltas `fold` makes of each SSE payload as it arrives, then its final result.
+    A payload of `big` bytes or more, and the final result after one, are made on
+    `offload` (the fold is only ever touched by one call at a time; its bound methods
+    must run in this process: the server's `ReplyDecoder` sends them to threads)."""
+    large = False
+    async for data in payloads:
+        if len(data) >= big:
+            large = True
+            delta = await offload(fold.add, data)
+        else:
+            delta = fold.add(data)
+        if delta is not None:
+            yield delta
+        if fold.done:
+            break
+    yield await offload(fold.result) if large else fold.result()
 
 
 def raw_or_none(raw: msgspec.Raw) -> bytes | None:
@@ -319,11 +357,11 @@ class EngineHTTP:
                         reply = HTTPReply(resp.status, await resp.read(), resp.content_type)
                         raise http_error(reply, what=f"{self.protocol} {path}", engine=self.base_url)
                     try:
-                        async for line in resp.content:
+                        async for line in sse_lines(resp.content.iter_any(), STREAM_FRAME_MAX):
                             line = line.strip()
                             if line.startswith(b"data:"):
                                 yield line[5:].strip()
-                    except ValueError as exc:  # aiohttp: a line over its buffer's high-water mark
+                    except ValueError as exc:  # a line over STREAM_FRAME_MAX
                         raise UpstreamInvalid(f"POST {url}: stream frame too large: {exc}",
                                               engine=self.base_url) from exc
         finally:

@@ -349,7 +349,7 @@ class SGLangAdapter:
         payload["stream"] = True
         acc = SGLangStream(request_id=request.request_id, engine=self.base_url)
         async for item in fold_stream(self.http.stream("/generate", encode_json(payload), timeout_s=request.timeout_s,
-                                                    slot_held=request.slot_held), acc):
+                                                    slot_held=request.slot_held), acc, self._offload):
             yield item
 
     # --- control plane -------------------------------------------------------------

@@ -477,7 +477,7 @@ class VLLMAdapter:
         acc = VLLMStream(completions=self.endpoint != "generate", request_id=request.request_id,
                          engine=self.base_url)
         async for item in fold_stream(self.http.stream(path, body, timeout_s=request.timeout_s, headers=headers,
-                                                    slot_held=request.slot_held), acc):
+                                                    slot_held=request.slot_held), acc, self._offload):
             yield item
 
     # --- control plane (dev mode) -----------------------------------------------------

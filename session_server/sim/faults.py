@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from session_server.sim.routed import ROUTED_FAULTS
+
 if TYPE_CHECKING:
     from session_server.sim.engine import EngineCore, Job, Outcome
     from session_server.sim.sampler import SimModel
@@ -42,6 +44,8 @@ FAULT_KINDS = (
     "cached_above_prompt",  # cached_tokens > prompt_tokens
     "bad_finish",  # finish inconsistent with the output (length <-> stop)
     "repetition",  # vLLM: the repetition detector stops after half the planned tokens (SGLang: none)
+    "pass",  # no fault: queued first, it lets the next fault land on a later request
+    *ROUTED_FAULTS,  # routing replay: the answer's routed experts bent (sim/routed.py)
     # streamed answers only: the frames sent while running show a lie, the final answer is clean
     # (vLLM streams deltas, so its final answer is the frames joined: the lie lands there too)
     "stream_diverges",  # first id shown as another valid id

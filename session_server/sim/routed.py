@@ -3,19 +3,33 @@
 Position ``p``'s expert at layer ``l``, slot ``k`` is a function of (token id at
 ``p``, ``p``, ``l``, ``k``) only (`expert_id`), so a test recomputes what any
 segment of any turn must have returned. Payloads follow the real wire shapes
-(session_server/routed.py): SGLang base64 int32, flat, rows
-``[start, prompt + output - 1)``.
+(session_server/routed.py, docs/engines.md): SGLang base64 int32, flat, rows
+``[start, prompt + output - 1)``; vLLM base64 of ``.npy`` bytes, shape
+``(num_tokens - 1, layers, topk)``, covering the whole sequence from position 0.
+
+Routed-experts faults (`ROUTED_FAULTS`, queued like every other fault with
+``POST /sim/faults``) bend one answer's rows so the server's gap and shape checks
+can be tested on a wire-shaped lie.
 """
 
 from __future__ import annotations
 
 import base64
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DEFAULT_ROUTED", "RoutedSpec", "line_rows", "sglang_payload"]
+__all__ = ["DEFAULT_ROUTED", "ROUTED_FAULTS", "RoutedSpec", "line_rows", "sglang_payload", "vllm_payload"]
+
+# fault kinds that act on the routed experts of the answer they land on
+ROUTED_FAULTS = {
+    "routed_extra_row": "one row more than the positions asked",
+    "routed_missing_row": "one row fewer than the positions asked",
+    "routed_layers": "one MoE layer fewer in every row (a shape the session has not seen)",
+    "routed_out_of_range": "the last id is num_experts (outside [0, num_experts))",
+}
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,32 @@ def line_rows(ids: Sequence[int] | np.ndarray, spec: RoutedSpec, start: int = 0)
     return ((base + k * (spec.num_experts // max(1, spec.topk) or 1)) % spec.num_experts).astype(np.int32)
 
 
-def sglang_payload(ids: Sequence[int] | np.ndarray, spec: RoutedSpec, start: int) -> str:
-    """SGLang's `meta_info.routed_experts`: base64 of the flat int32 rows."""
-    return base64.b64encode(line_rows(ids, spec, start).tobytes()).decode()
+def faulted_rows(ids: Sequence[int] | np.ndarray, spec: RoutedSpec, start: int, fault: str | None) -> np.ndarray:
+    """`line_rows`, bent as a routed-experts fault says (`ROUTED_FAULTS`; other kinds: as is)."""
+    rows = line_rows(ids, spec, start)
+    if fault == "routed_extra_row":
+        rows = np.concatenate([rows, rows[-1:] if len(rows) else np.zeros((1, spec.layers, spec.topk), np.int32)])
+    elif fault == "routed_missing_row" and len(rows):
+        rows = rows[:-1]
+    elif fault == "routed_layers":
+        rows = np.ascontiguousarray(rows[:, : max(1, spec.layers - 1)])
+    elif fault == "routed_out_of_range" and rows.size:
+        rows = rows.copy()
+        rows.flat[-1] = spec.num_experts
+    return rows
+
+
+def sglang_payload(ids: Sequence[int] | np.ndarray, spec: RoutedSpec, start: int, fault: str | None = None) -> str:
+    """SGLang's `meta_info.routed_experts`: base64 of the flat int32 rows from `start`."""
+    return base64.b64encode(faulted_rows(ids, spec, start, fault).tobytes()).decode()
+
+
+def vllm_payload(ids: Sequence[int] | np.ndarray, spec: RoutedSpec, fault: str | None = None) -> str:
+    """vLLM's choice `routed_experts`: base64 of ``.npy`` bytes, ``(len(ids) - 1, layers,
+    topk)`` from position 0, in the smallest of uint8 / uint16 / int32 holding the ids."""
+    rows = faulted_rows(ids, spec, 0, fault)
+    top = int(rows.max()) if rows.size else 0
+    dtype = np.uint8 if top < 256 else np.uint16 if top < 65536 else np.int32
+    buf = io.BytesIO()
+    np.save(buf, rows.astype(dtype), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()

@@ -22,6 +22,7 @@ from aiohttp import web
 from session_server.loopback import serving_aiohttp
 from session_server.sim.engine import EngineCore
 from session_server.sim.faults import FAULT_KINDS
+from session_server.sim.routed import DEFAULT_ROUTED, RoutedSpec
 from session_server.sim.sampler import SimModel, sim_model_from_tokenizer
 from session_server.sim.sglang_wire import SGLangWire
 from session_server.sim.vllm_wire import VLLMWire
@@ -34,20 +35,28 @@ class SimEngine(EngineCore):
     """One simulated engine (all its DP ranks) for protocol "sglang" or "vllm", servable.
 
     `padding` ("floats" | "base64") adds the benchmark's routed_experts payload to every
-    final answer; the other keywords configure the core (`EngineCore`).
+    final answer. `routed` is the simulated MoE (layers, topk, experts) whose
+    deterministic routed experts answer routing replay: SGLang when a request asks,
+    vLLM on every answer when `return_routed_experts` (its server flag
+    `--enable-return-routed-experts`). The other keywords configure the core (`EngineCore`).
     """
 
     def __init__(self, protocol: str, model: SimModel, *, padding: str | None = None,
+                 routed: RoutedSpec | None = DEFAULT_ROUTED, return_routed_experts: bool = False,
                  **core: Any) -> None:
         super().__init__(protocol, model, **core)
         self.padding = padding_payload(padding) if padding else None
+        self.routed = routed
+        self.return_routed_experts = return_routed_experts
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
         r = app.router
         r.add_get("/health", self.health)
-        wire = SGLangWire if self.protocol == "sglang" else VLLMWire
-        wire(self, self.padding).add_routes(r)
+        if self.protocol == "sglang":
+            SGLangWire(self, self.padding, self.routed).add_routes(r)
+        else:
+            VLLMWire(self, self.padding, self.routed if self.return_routed_experts else None).add_routes(r)
         r.add_post("/sim/faults", self.sim_faults)
         r.add_delete("/sim/faults", self.sim_faults_clear)
         r.add_get("/sim/requests", self.sim_requests)
@@ -173,11 +182,14 @@ def run_sim_engine(
     request_latency_ms: float = 0.0,
     noncanonical: bool = False,
     padding: str | None = None,
+    routed: RoutedSpec | None = DEFAULT_ROUTED,
+    return_routed_experts: bool = False,
 ) -> None:
     """Blocking entry for `session-server sim-engine`."""
     engine = SimEngine(
         protocol, load_sim_model(tokenizer), seed=seed, dp=dp, latency_ms=latency_ms,
         request_latency_ms=request_latency_ms, noncanonical=noncanonical, padding=padding,
+        routed=routed, return_routed_experts=return_routed_experts,
     )
     web.run_app(engine.make_app(), host=host, port=port, handler_cancellation=True,
                 shutdown_timeout=1.0, access_log=None)

@@ -100,7 +100,7 @@ class SGLangWire:
             meta["routed_experts"] = self.padding
         elif final and job.routed_start is not None and self.routed is not None:
             real = [int(t) for t in ids if not isinstance(t, bool)]
-            meta["routed_experts"] = sglang_payload([*job.input_ids, *real], self.routed, job.routed_start)
+            meta["routed_experts"] = sglang_payload([*job.input_ids, *real], self.routed, job.routed_start, job.fault)
         vocab = self.engine.model.vocab_size  # a faulted id (out of range) has no text
         text = self.engine.model.decode([int(t) for t in ids if not isinstance(t, bool) and 0 <= int(t) < vocab])
         return {"text": text, "output_ids": ids, "meta_info": meta}

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from session_server.sim.engine import EngineCore, Job, Outcome
 from session_server.sim.faults import VALUE_FAULTS, answer_fault, stream_view
+from session_server.sim.routed import RoutedSpec, vllm_payload
 from session_server.sim.wire import (
     ENCODER,
     Constraint,
@@ -111,9 +112,24 @@ def _chunk(body: dict[str, Any], start: int, *, final: bool) -> dict[str, Any]:
 class VLLMWire:
     """vLLM's HTTP endpoints over one `EngineCore`."""
 
-    def __init__(self, engine: EngineCore, padding: msgspec.Raw | None = None) -> None:
+    def __init__(self, engine: EngineCore, padding: msgspec.Raw | None = None,
+                 routed: RoutedSpec | None = None) -> None:
         self.engine = engine
         self.padding = padding
+        # vLLM's server flag `--enable-return-routed-experts`: every answer carries them
+        self.routed = routed
+
+    def _routed_payload(self, job: Job, out: Outcome) -> Any:
+        """A choice's `routed_experts`: the padding, else with the flag the rows of the
+        whole sequence (base64 `.npy`), `null` when aborted before any forward pass."""
+        if self.padding is not None or self.routed is None:
+            return self.padding
+        if not out.ids and out.finish == "abort":
+            return None
+        if out.finish == "length" and len(out.ids) < job.max_tokens:
+            return None  # a stream frame of a running job: `_chunk` drops the field anyway
+        real = [int(t) for t in out.ids if not isinstance(t, bool)]
+        return vllm_payload([*job.input_ids, *real], self.routed, job.fault)
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/inference/v1/generate", self.generate)
@@ -235,7 +251,7 @@ class VLLMWire:
                     "finish_reason": finish,
                     "stop_reason": stop_reason,
                     "token_ids": out.ids,
-                    "routed_experts": self.padding,
+                    "routed_experts": self._routed_payload(job, out),
                 }
             ],
             "prompt_logprobs": None,
@@ -279,7 +295,7 @@ class VLLMWire:
                     "token_ids": out.ids,
                     "prompt_token_ids": job.input_ids,
                     "prompt_logprobs": None,
-                    "routed_experts": self.padding,
+                    "routed_experts": self._routed_payload(job, out),
                 }
             ],
             "usage": _usage(out),

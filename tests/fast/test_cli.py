@@ -229,3 +229,19 @@ def test_11_2_serve_logs_the_family_and_why(
         assert c.get("/health").status_code in (200, 503)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chat-template family:")]
     assert len(lines) == 1 and lines[0].startswith(line), lines
+
+
+def test_13_6_sim_engine_routed_experts_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sim-engine --routed-layers/--routed-topk/--routed-experts` shape the simulated MoE
+    (the R3 bench runs 60 x top-8); `--enable-return-routed-experts` is vLLM's server flag."""
+    import session_server.sim as sim
+    from session_server.sim.routed import DEFAULT_ROUTED, RoutedSpec
+
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(sim, "run_sim_engine", lambda *a, **kw: seen.append(kw))
+    assert cli.main(["sim-engine", "--protocol", "vllm", "--tokenizer", "toy", "--routed-layers", "60",
+                     "--routed-topk", "8", "--routed-experts", "128", "--enable-return-routed-experts"]) == 0
+    assert cli.main(["sim-engine", "--protocol", "sglang", "--tokenizer", "toy"]) == 0
+    assert seen[0]["routed"] == RoutedSpec(layers=60, topk=8, num_experts=128)
+    assert seen[0]["return_routed_experts"] is True
+    assert seen[1]["routed"] == DEFAULT_ROUTED and seen[1]["return_routed_experts"] is False

@@ -18,11 +18,17 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CanonicalJson", "JsonStreamError"]
+__all__ = ["CanonicalJson", "DuplicateKey", "JsonStreamError"]
 
 
 class JsonStreamError(ValueError):
     """The text is not one JSON value `json.loads` accepts, or an object repeats a key."""
+
+
+class DuplicateKey(JsonStreamError):
+    """An object repeats a key: valid JSON (`json.loads` keeps the last value), but no
+    prefix of its canonical text can be streamed. Readers that ask "can this still be
+    JSON?" (GLM values, `incremental.GlmCalls`) must not read it as a syntax error."""
 
 
 _WS = " \t\n\r"
@@ -275,7 +281,7 @@ class CanonicalJson:
         keys = self._stack[-1]
         assert keys is not None
         if key in keys:
-            raise JsonStreamError(f"duplicate key {key[:40]!r}")
+            raise DuplicateKey(f"duplicate key {key[:40]!r}")
         keys.add(key)
         out.append('"' + _escape_run(key) + '"')
         self._state = "colon"

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 
 from session_server.engines import GenerateRequest, SGLangAdapter, VLLMAdapter, parse_sglang_stream
@@ -123,16 +124,24 @@ EXPECT = {
 }
 
 
+def _routed_ids(r: Any) -> np.ndarray:
+    """The answer's routed experts (4 layers x top-2 of 16 by default), any wire shape."""
+    from session_server.routed import decode_payload
+
+    assert r.routed_experts is not None
+    return decode_payload(r.routed_experts)
+
+
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 @pytest.mark.parametrize("kind", [k for k in FAULT_KINDS if k != "stall"])
 async def test_fault_kinds(protocol: str, kind: str) -> None:
-    async with running_sim(protocol, "toy") as url:
+    async with running_sim(protocol, "toy", return_routed_experts=True) as url:
         a = _adapter(protocol, url)
         try:
             clean = await a.generate(GenerateRequest(_rid(1), PROMPT, 400))
             status, _ = await _post(url + "/sim/faults", {"kind": kind, "count": 1})
             assert status == 200
-            req = GenerateRequest(_rid(2), PROMPT, 400)
+            req = GenerateRequest(_rid(2), PROMPT, 400, return_routed_experts=kind.startswith("routed_"))
             if kind in EXPECT:
                 with pytest.raises(EXPECT[kind]):
                     await a.generate(req)
@@ -153,6 +162,12 @@ async def test_fault_kinds(protocol: str, kind: str) -> None:
                 if protocol == "vllm" else list(r.output_ids) == list(clean.output_ids),
                 "bad_finish": lambda: r.finish_reason == "length"
                 and len(r.output_ids) < 400,
+                "pass": lambda: list(r.output_ids) == list(clean.output_ids),
+                # routing replay (issue 13): the rows of the whole line, bent
+                "routed_extra_row": lambda: _routed_ids(r).size == (len(PROMPT) + n) * 8,
+                "routed_missing_row": lambda: _routed_ids(r).size == (len(PROMPT) + n - 2) * 8,
+                "routed_layers": lambda: _routed_ids(r).size == (len(PROMPT) + n - 1) * 6,
+                "routed_out_of_range": lambda: int(_routed_ids(r).max()) == 16,
             }
             if kind.startswith("stream_"):  # only a streamed answer shows the lie (test_12_stream_gaps.py)
                 assert list(r.output_ids) == list(clean.output_ids) and list(r.logprobs) == list(clean.logprobs)
