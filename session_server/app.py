@@ -287,19 +287,28 @@ def create_app(config: AppConfig) -> FastAPI:
 
         # a streamed turn answers once it starts (issue 12.2); anything before that
         # (and a turn that is not streamed) answers as one response, errors as HTTP errors
-        task = asyncio.ensure_future(state["replays"].serve(ident, produce))
+        followed: asyncio.Future[LiveTurn] = asyncio.get_running_loop().create_future()
+
+        def follow(original: LiveTurn) -> None:
+            if not followed.done():
+                followed.set_result(original)
+
+        task = asyncio.ensure_future(state["replays"].serve(ident, produce, live=live, on_follow=follow))
         task.add_done_callback(live.on_done)
         started = asyncio.ensure_future(live.started.wait())
         try:
-            await asyncio.wait([task, started], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([task, started, followed], return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             task.cancel()
             raise
         finally:
             started.cancel()
+        if followed.done() and not task.done():  # a replay of a turn streaming now: follow it live
+            return StreamingResponse(followed.result().follow(task), media_type="text/event-stream")
+        followed.cancel()
         if not live.active:
             return as_response(await task)
-        return StreamingResponse(live.stream(task), media_type="text/event-stream")
+        return StreamingResponse(live.stream(task, held=ident.recorded), media_type="text/event-stream")
 
     @app.post(
         "/sessions/{sid}/v1/messages",

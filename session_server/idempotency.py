@@ -11,8 +11,10 @@ the same session and route (dialect) when
 - it carries `x-stainless-retry-count` > 0 and its body's digest (SHA-256 of the raw
   bytes) equals an earlier request's.
 
-A replay of a request still in flight waits for it (no 409) and gets its response;
-of a committed one, the stored response (the same bytes: a JSON body, or the same SSE
+A replay of a request still in flight waits for it (no 409) and gets its response
+(a streamed original that has begun streaming is followed instead: `on_follow` gets
+its live stream, every frame from the first, then the rest as they come); of a
+committed one, the stored response (the same bytes: a JSON body, or the same SSE
 frames). If the original fails (any error, or its client left and the turn was
 discarded), nothing is stored and the replay runs as a fresh attempt: it is the
 client's retry. A request that carries neither header is not recorded and is never a
@@ -103,13 +105,14 @@ async def identify(offload: CpuOffload, session_id: str, route: str, headers: Ma
 class _Entry:
     """One recorded request: in flight until `done`, then stored (`rendered`) or gone."""
 
-    __slots__ = ("adopted", "digest", "done", "key", "rendered", "route")
+    __slots__ = ("adopted", "digest", "done", "key", "live", "rendered", "route")
 
-    def __init__(self, ident: Ident) -> None:
+    def __init__(self, ident: Ident, live: Any = None) -> None:
         self.route, self.digest, self.key = ident.route, ident.digest, ident.key
         self.done = asyncio.Event()
         self.adopted = asyncio.Event()  # a replay waits for this turn
         self.rendered: Rendered | None = None
+        self.live = live  # the request's live stream (live.LiveTurn), followed by replays once active
 
 
 async def _forever() -> None:
@@ -131,13 +134,22 @@ class ReplayLog:
         self._stored: OrderedDict[_Entry, str] = OrderedDict()  # stored entry -> session, oldest first
         self._bytes = 0
 
-    async def serve(self, ident: Ident, produce: Callable[[Hold], Awaitable[Rendered]]) -> Rendered:
+    async def serve(self, ident: Ident, produce: Callable[[Hold], Awaitable[Rendered]], *, live: Any = None,
+                    on_follow: Callable[[Any], None] | None = None) -> Rendered:
         """The response to `ident`: a stored one, the in-flight original's, or `produce`'s
-        (which runs the turn; `Hold` wraps its client watcher, see the module doc)."""
+        (which runs the turn; `Hold` wraps its client watcher, see the module doc). `live`
+        is this request's live stream; `on_follow(original's)` is called when this is a
+        replay of a turn that is streaming now (the caller may follow it; this still
+        waits for the original, as any replay)."""
         while (entry := self._find(ident)) is not None:
             if entry.rendered is None:
                 entry.adopted.set()
+                followed = on_follow is not None and entry.live is not None and entry.live.active
+                if on_follow is not None and followed:
+                    on_follow(entry.live)
                 await entry.done.wait()
+                if entry.rendered is None and followed:  # the follower was sent its error event: no fresh attempt
+                    return Rendered("text/event-stream", frames=tuple(entry.live.frames))
                 if entry.rendered is None:
                     continue  # the original failed: look again, then run as a fresh attempt
                 self._served("in_flight")
@@ -146,7 +158,7 @@ class ReplayLog:
             return entry.rendered
         if not ident.recorded:
             return await produce(_no_hold)
-        entry = _Entry(ident)
+        entry = _Entry(ident, live)
         self._sessions.setdefault(ident.session_id, []).append(entry)
         try:
             rendered = await produce(lambda gone: self._held(entry, gone))

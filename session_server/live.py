@@ -19,7 +19,9 @@ that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -163,6 +165,7 @@ class LiveTurn:
         self._encoder: Any = None
         self._text: TextStreamer | None = None
         self._ids: list[Any] = []
+        self._lps: list[Any] = []  # the streamed logprobs, held to the committed ones at `check`
         self._ended = False
         self.pending: list[StreamEvent] = []  # what `check` left to send after commit
         self._inc: IncrementalText | None = None  # the covered families' per-chunk path
@@ -170,6 +173,7 @@ class LiveTurn:
         self._stale = False  # ids came while it ran: parse again when it ends
         self._closed = False  # `check` ran: no more text deltas
         self._calls: list[list[str]] = []  # per tool call streamed live: [id we minted, name, arguments sent]
+        self._followers: list[asyncio.Queue[bytes | None]] = []  # adopted replays (`follow`)
 
     @property
     def active(self) -> bool:
@@ -204,6 +208,7 @@ class LiveTurn:
         decode and split only the new ids here (work follows the new tokens); others get
         the whole parse, off the loop, one at a time (ids that came meanwhile wait for the next)."""
         self._ids.extend(delta.ids)
+        self._lps.extend(delta.logprobs)
         self._emit(TokensDelta(list(delta.ids), list(delta.logprobs), delta.top_logprobs))
         if self._text is None or self._closed:
             return
@@ -267,6 +272,8 @@ class LiveTurn:
         if [int(t) for t in self._ids] != ids[: len(self._ids)]:
             raise UpstreamInvalid("the engine's streamed tokens differ from its final output")
         logprobs = checked.valid.logprobs.tolist()
+        if self._lps != logprobs[: len(self._lps)]:  # both float32 values (chunks are checked as they come)
+            raise UpstreamInvalid("the engine's streamed logprobs differ from its final output")
         events: list[StreamEvent] = []
         if len(ids) > len(self._ids):  # not streamed (constrained turns) or held by the engine
             n = len(self._ids)
@@ -322,25 +329,54 @@ class LiveTurn:
             self._emit(_failure(exc))
             self._end()
 
-    async def stream(self, task: asyncio.Future[Any]) -> AsyncIterator[bytes]:
-        """The frames as they come; a client that leaves cancels the turn (nothing committed)."""
+    async def stream(self, task: asyncio.Future[Any], *, held: bool = False) -> AsyncIterator[bytes]:
+        """The frames as they come; a client that leaves cancels the turn (nothing committed),
+        unless `held`: a request that may be retried (idempotency.py) keeps its turn for the
+        replay grace, and the retry gets every frame from the start and the one commit."""
         ended = False
         try:
             while (frame := await self._queue.get()) is not None:
                 yield frame
             ended = True
         finally:
-            if not ended and not task.done():
+            if not ended and not held and not task.done():
                 task.cancel()
+
+    async def follow(self, waiter: asyncio.Future[Any]) -> AsyncIterator[bytes]:
+        """For a replay that adopted this turn while it streams: every frame from the first,
+        then the rest as they come (to the same end: committed or the error event).
+        `waiter` (the replay's own wait for the turn) is cancelled if the replay leaves
+        first; else it ends with the turn."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        for sent in self.frames:
+            queue.put_nowait(sent)
+        if self._ended:
+            queue.put_nowait(None)
+        else:
+            self._followers.append(queue)
+        ended = False
+        try:
+            while (frame := await queue.get()) is not None:
+                yield frame
+            ended = True  # the waiter ends by itself now (the turn is over)
+        finally:
+            if queue in self._followers:
+                self._followers.remove(queue)
+            if not ended:
+                waiter.cancel()
 
     def _emit(self, event: StreamEvent) -> None:
         for frame in self._encoder.encode(event):
             self.frames.append(frame)
             self._queue.put_nowait(frame)
+            for follower in self._followers:
+                follower.put_nowait(frame)
 
     def _end(self) -> None:
         self._ended = True
         self._queue.put_nowait(None)
+        for follower in self._followers:
+            follower.put_nowait(None)
 
 
 def _amended(checked: Checked, calls: list[dict[str, Any]], diverged: bool) -> Checked:
@@ -357,9 +393,21 @@ def _amended(checked: Checked, calls: list[dict[str, Any]], diverged: bool) -> C
     return replace(checked, message=message, parsed=parsed, extra=extra)
 
 
+_THINK_CLOSE_IDS: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
+
+
 def _think_close_ids(tokenizer: Any) -> list[int]:
-    """`</think>` as ids (the what-if of `TextStreamer`); none when the tokenizer cannot say."""
+    """`</think>` as ids (the what-if of `TextStreamer`); none when the tokenizer cannot say.
+    Encoded once per tokenizer (a server has one): not a tokenizer call per streamed turn."""
     try:
-        return [int(t) for t in tokenizer.encode(_THINK_CLOSE, add_special_tokens=False)]
-    except Exception:  # a tokenizer without this signature: no what-if, reasoning is not split live
-        return []
+        cached = _THINK_CLOSE_IDS.get(tokenizer)
+    except TypeError:  # not weakly referenceable (or unhashable): encode every time
+        cached = None
+    if cached is None:
+        try:
+            cached = tuple(int(t) for t in tokenizer.encode(_THINK_CLOSE, add_special_tokens=False))
+        except Exception:  # a tokenizer without this signature: no what-if, reasoning is not split live
+            cached = ()
+        with contextlib.suppress(TypeError):
+            _THINK_CLOSE_IDS[tokenizer] = cached
+    return list(cached)

@@ -384,3 +384,20 @@ def validate_generation(result: GenerationLike, expect: Expectations) -> ValidGe
         weight_version=result.weight_version,
         clamped=clamped,
     )
+
+
+def validate_chunk(
+    ids: Sequence[Any], logprobs: Sequence[Any], top_logprobs: Sequence[Any] | None, expect: Expectations
+) -> tuple[np.ndarray, np.ndarray]:
+    """One streamed chunk of a generation, held to the per-token rules of a whole result
+    (ids in vocab, logprobs finite, ``<= LOGPROB_MAX``, the sentinel clamped or refused,
+    one logprob per id, top logprobs as asked): checked as it arrives, so that a value
+    the whole result would be refused for is never shown to the agent. Returns the ids
+    (int64) and logprobs (float32) as `validate_generation` would keep them."""
+    arr = _ids_array(ids, "output_ids", expect.vocab_size)
+    lps, _ = _logprobs_array(logprobs, expect.clamp_sentinel)
+    if lps.shape[0] != arr.shape[0]:
+        raise ValidationError("logprobs", f"{lps.shape[0]} logprobs for {arr.shape[0]} ids")
+    if expect.top_logprobs and top_logprobs is not None:
+        _check_top_logprobs(top_logprobs, int(arr.shape[0]), expect.top_logprobs, expect.vocab_size)
+    return arr, lps

@@ -41,7 +41,7 @@ from session_server.engines.base import (
 )
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
 from trajectory.errors import ValidationError
-from trajectory.validate import Expectations, is_int, validate_generation
+from trajectory.validate import Expectations, is_int, validate_chunk, validate_generation
 
 from .assemble import Acc, Counts, ResilientResult, assemble
 from .lag import LagBound
@@ -141,13 +141,30 @@ def _check_partial(result: GenerateResult, seg_rid: str, prompt_len: int, budget
         raise UpstreamInvalid(f"aborted segment {seg_rid} rejected: {exc}") from exc
 
 
-async def _streamed(items: AsyncIterator[StreamItem], on_delta: Callable[[TokenDelta], None]) -> GenerateResult:
-    """One streamed segment: its deltas to `on_delta`, its final result returned."""
-    async for item in items:
-        if isinstance(item, TokenDelta):
-            on_delta(item)
-        else:
-            return item
+def _checked_delta(delta: TokenDelta, expect: Expectations | None, seg_rid: str) -> TokenDelta:
+    """A chunk held to the per-token rules of a whole result before anyone sees it
+    (`validate_chunk`), its values as the trajectory will keep them; a bad one fails
+    the turn now (`UpstreamInvalid`: the stream ends with an error event, nothing is
+    committed). Without `expect` (no vocabulary known) only the final result is checked."""
+    if expect is None:
+        return delta
+    try:
+        ids, lps = validate_chunk(delta.ids, delta.logprobs, delta.top_logprobs, expect)
+    except ValidationError as exc:
+        raise UpstreamInvalid(f"{seg_rid}: stream chunk rejected: {exc}") from exc
+    return TokenDelta(ids.tolist(), lps.tolist(), delta.top_logprobs)
+
+
+async def _streamed(items: AsyncIterator[StreamItem], on_delta: Callable[[TokenDelta], None],
+                    expect: Expectations | None, seg_rid: str) -> GenerateResult:
+    """One streamed segment: its checked deltas to `on_delta`, its final result returned.
+    The engine stream is closed on the way out (a rejected chunk drops the connection)."""
+    async with contextlib.aclosing(items) as stream:  # type: ignore[type-var]
+        async for item in stream:
+            if isinstance(item, TokenDelta):
+                on_delta(_checked_delta(item, expect, seg_rid))
+            else:
+                return item
     raise UpstreamInvalid("the engine stream ended without a result")
 
 
@@ -234,11 +251,15 @@ async def generate_resilient(
                   lag.watch(control, adapter, seg_rid, dispatch_version) as watch):
                 try:
                     if streaming is not None and on_delta is not None:
-                        result = await _streamed(streaming(seg), on_delta)
+                        result = await _streamed(streaming(seg), on_delta, expect, seg_rid)
                     else:
                         result = await adapter.generate(seg)
                 except (asyncio.CancelledError, UpstreamTimeout):
                     control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
+                    raise
+                except UpstreamInvalid:
+                    if streaming is not None:  # a rejected chunk: nobody reads the rest
+                        control.abort_engine_request(adapter, seg_rid)
                     raise
         if first is None:
             first = result

@@ -332,19 +332,27 @@ class EngineHTTP:
         slot_held: bool = False,
     ) -> AsyncIterator[bytes]:
         """POST a streamed generation (SSE) under the concurrency cap, as `generate`; yields
-        each `data:` payload as it arrives (`[DONE]` included). Not retried: a stream that
-        started may have produced tokens. A non-200 answer raises its typed error."""
+        each `data:` payload as it arrives (`[DONE]` included). A transient connect error
+        (nothing was sent, so nothing sampled or shown) is retried as `generate` retries it,
+        within the same deadline; once connected, nothing is retried: a stream that started
+        may have produced tokens. A non-200 answer raises its typed error."""
         self._in_flight += 1
         self._idle.clear()
         url = self.base_url + path
         hdrs = {"Content-Type": "application/json", **(headers or {})}
+        deadline = time.monotonic() + timeout_s
+
+        async def connect() -> aiohttp.ClientResponse:
+            with translate_errors("POST", url, engine=self.base_url, timeout_s=timeout_s):
+                return await self.session().post(url, data=body, headers=hdrs, timeout=aiohttp.ClientTimeout(
+                    total=max(0.001, deadline - time.monotonic())))
+
         try:
             async with contextlib.AsyncExitStack() as stack:
                 if not slot_held:
                     await stack.enter_async_context(self._sem)
+                resp = await stack.enter_async_context(await retry_transient(connect, retries=self.retries))
                 with translate_errors("POST", url, engine=self.base_url, timeout_s=timeout_s):
-                    resp = await stack.enter_async_context(self.session().post(
-                        url, data=body, headers=hdrs, timeout=aiohttp.ClientTimeout(total=timeout_s)))
                     if resp.status != 200:
                         reply = HTTPReply(resp.status, await resp.read(), resp.content_type)
                         raise http_error(reply, what=f"{self.protocol} {path}", engine=self.base_url)

@@ -1,16 +1,20 @@
 """Fault injection of the simulated engines: the kinds, the queue, and how each one acts.
 
 A fault is queued by `POST /sim/faults` and taken by the next requests in arrival
-order. It acts at one of three places: it replaces the whole answer (`answer_fault`:
+order. It acts at one of four places: it replaces the whole answer (`answer_fault`:
 HTTP errors, a stall, a dropped connection), it ends generation early (`abort_at`:
-`abort_midway`, vLLM's `repetition`), or it corrupts the values of a finished output
-(`apply_value_fault`) so the server's validation can be tested on a wire-shaped lie.
+`abort_midway`, vLLM's `repetition`), it corrupts the values of a finished output
+(`apply_value_fault`) so the server's validation can be tested on a wire-shaped lie,
+or it corrupts only what a streamed answer shows as it runs (`stream_view`: the
+`stream_*` kinds), the final answer staying clean, so a server that checks only the
+final answer would pass on a lie the agent was already shown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +26,8 @@ if TYPE_CHECKING:
     from session_server.sim.engine import EngineCore, Job, Outcome
     from session_server.sim.sampler import SimModel
 
-__all__ = ["FAULT_KINDS", "VALUE_FAULTS", "FaultQueue", "abort_at", "answer_fault", "apply_value_fault"]
+__all__ = ["FAULT_KINDS", "VALUE_FAULTS", "FaultQueue", "abort_at", "answer_fault", "apply_value_fault",
+           "stream_view"]
 
 FAULT_KINDS = (
     "http_500",  # HTTP 500 with the engine's error body
@@ -41,11 +46,28 @@ FAULT_KINDS = (
     "repetition",  # vLLM: the repetition detector stops after half the planned tokens (SGLang: none)
     "pass",  # no fault: queued first, it lets the next fault land on a later request
     *ROUTED_FAULTS,  # routing replay: the answer's routed experts bent (sim/routed.py)
+    # streamed answers only: the frames sent while running show a lie, the final answer is clean
+    # (vLLM streams deltas, so its final answer is the frames joined: the lie lands there too)
+    "stream_diverges",  # first id shown as another valid id
+    "stream_logprob_diverges",  # first logprob shown 0.25 lower (still valid)
+    "stream_oov_id",  # first id shown >= vocab size
+    "stream_negative_id",  # first id shown as -1
+    "stream_nan_logprob",  # first logprob shown NaN (null on the wire)
+    "stream_positive_logprob",  # first logprob shown 0.5
 )
 
 # faults that corrupt a finished output's values (`apply_value_fault`)
 VALUE_FAULTS = frozenset({"nan_logprob", "oov_id", "length_mismatch", "bool_id", "positive_logprob",
                           "prompt_tokens_mismatch", "cached_above_prompt", "bad_finish"})
+
+_STREAM_LIES: dict[str, Callable[[SimModel, Outcome], None]] = {
+    "stream_diverges": lambda m, o: o.ids.__setitem__(0, (int(o.ids[0]) + 1) % m.vocab_size),
+    "stream_logprob_diverges": lambda m, o: o.lps.__setitem__(0, float(o.lps[0]) - 0.25),
+    "stream_oov_id": lambda m, o: o.ids.__setitem__(0, m.vocab_size + 7),
+    "stream_negative_id": lambda m, o: o.ids.__setitem__(0, -1),
+    "stream_nan_logprob": lambda m, o: o.lps.__setitem__(0, float("nan")),
+    "stream_positive_logprob": lambda m, o: o.lps.__setitem__(0, 0.5),
+}
 
 ErrorResponder = Callable[[int, str], web.Response]
 
@@ -129,3 +151,14 @@ def apply_value_fault(model: SimModel, job: Job, out: Outcome) -> None:
             out.finish, out.matched = "stop", model.eos_ids[0]
             if out.ids and out.ids[-1] == out.matched:
                 out.matched = model.eos_ids[-1] + 1
+
+
+def stream_view(model: SimModel, job: Job, partial: Outcome) -> Outcome:
+    """What a streamed frame shows of `partial` (the output so far): itself, or for a
+    `stream_*` fault a corrupted copy (the running output, hence the final answer, stays clean)."""
+    lie = _STREAM_LIES.get(job.fault or "")
+    if lie is None or not partial.ids:
+        return partial
+    shown = dataclasses.replace(partial, ids=list(partial.ids), lps=list(partial.lps))
+    lie(model, shown)
+    return shown

@@ -10,7 +10,7 @@ import msgspec
 from aiohttp import web
 
 from session_server.sim.engine import PAUSE_MODES, EngineCore, Job, Outcome
-from session_server.sim.faults import answer_fault
+from session_server.sim.faults import answer_fault, stream_view
 from session_server.sim.routed import DEFAULT_ROUTED, RoutedSpec, sglang_payload
 from session_server.sim.wire import (
     ENCODER,
@@ -101,7 +101,8 @@ class SGLangWire:
         elif final and job.routed_start is not None and self.routed is not None:
             real = [int(t) for t in ids if not isinstance(t, bool)]
             meta["routed_experts"] = sglang_payload([*job.input_ids, *real], self.routed, job.routed_start, job.fault)
-        text = self.engine.model.decode([int(t) for t in ids if not isinstance(t, bool)])
+        vocab = self.engine.model.vocab_size  # a faulted id (out of range) has no text
+        text = self.engine.model.decode([int(t) for t in ids if not isinstance(t, bool) and 0 <= int(t) < vocab])
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     def _job(self, body: Any) -> Job | web.Response:
@@ -157,7 +158,7 @@ class SGLangWire:
 
         async def frame(partial: Outcome) -> None:
             if partial.finish == "length" and len(partial.ids) < job.max_tokens:
-                data = self.body(job, partial, final=False)
+                data = self.body(job, stream_view(self.engine.model, job, partial), final=False)
                 await resp.write(b"data: " + ENCODER.encode(data) + b"\n\n")
 
         out = await self.engine.generate(job, on_token=frame)

@@ -14,7 +14,7 @@ import msgspec
 from aiohttp import web
 
 from session_server.sim.engine import EngineCore, Job, Outcome
-from session_server.sim.faults import VALUE_FAULTS, answer_fault
+from session_server.sim.faults import VALUE_FAULTS, answer_fault, stream_view
 from session_server.sim.routed import RoutedSpec, vllm_payload
 from session_server.sim.wire import (
     ENCODER,
@@ -204,7 +204,8 @@ class VLLMWire:
             nonlocal sent
             if job.fault in VALUE_FAULTS or partial.finish != "length" or len(partial.ids) >= job.max_tokens:
                 return  # the last token goes out with the finish reason
-            await resp.write(b"data: " + ENCODER.encode(_chunk(shape(job, partial), sent, final=False)) + b"\n\n")
+            shown = stream_view(self.engine.model, job, partial)
+            await resp.write(b"data: " + ENCODER.encode(_chunk(shape(job, shown), sent, final=False)) + b"\n\n")
             sent = len(partial.ids)
 
         out = await self.engine.generate(job, on_token=frame)

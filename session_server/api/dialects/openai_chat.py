@@ -34,9 +34,11 @@ from ..stream_events import (
 _MODEL = "tito-session"
 
 
-def _logprobs_content(
+def logprobs_content(
     ids: Sequence[int], logprobs: Sequence[float], top_logprobs: Sequence[Any] | None, tokenizer: Any, top_k: int
 ) -> list[dict[str, Any]]:
+    """OpenAI's per-token entries (token, logprob, bytes, top_logprobs): chat's
+    `logprobs.content` and Responses' `output_text.logprobs`."""
     content = []
     for i, (tid, lp) in enumerate(zip(ids, logprobs, strict=True)):
         text = decode_text(tokenizer, [tid])
@@ -62,7 +64,7 @@ def completion_body(out: TurnOutput, *, model: str | None, logprobs: bool, top_k
     choice: dict[str, Any] = {
         "index": 0,
         "message": out.message,
-        "logprobs": {"content": _logprobs_content(out.sampled_ids, out.logprobs, out.top_logprobs, tokenizer, top_k)}
+        "logprobs": {"content": logprobs_content(out.sampled_ids, out.logprobs, out.top_logprobs, tokenizer, top_k)}
         if logprobs else None,
         "finish_reason": out.finish_reason,
     }
@@ -102,7 +104,7 @@ class ChatStreamEncoder:
         if isinstance(event, TokensDelta):
             if not self._logprobs or not event.ids:
                 return []
-            content = _logprobs_content(event.ids, event.logprobs, event.top_logprobs, self._tokenizer, self._top_k)
+            content = logprobs_content(event.ids, event.logprobs, event.top_logprobs, self._tokenizer, self._top_k)
             return [self._frame({}, extra={"logprobs": {"content": content}})]
         if isinstance(event, ReasoningDelta):
             return [self._frame({"reasoning_content": event.text})]

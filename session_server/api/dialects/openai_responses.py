@@ -39,6 +39,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from trajectory.codec.probe import decode_text
 from trajectory.errors import BranchError
 
 from ...errors import BadRequest, NotFound
@@ -55,12 +56,14 @@ from ..stream_events import (
     TurnStarted,
     replay,
 )
+from .openai_chat import logprobs_content
 
 _log = logging.getLogger("session_server")
 _MODEL = "tito-session"
 # `include` value that asks for reasoning the client can send back with `store: false`
 # (Codex does): ours is the reasoning text itself, tagged, not encrypted
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+TEXT_LOGPROBS = "message.output_text.logprobs"  # `include` value: output_text with its tokens' logprobs
 _ENCRYPTED_TAG = "tito-reasoning-v1:"
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _THINK_END = "</think>"
@@ -99,6 +102,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: dict[str, Any] | None = Field(default=None, description="{format: text | json_object | json_schema}")
     include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per output_text token")
     chat_template_kwargs: TemplateKwargs | None = None
     timeout_s: float | None = None
     max_weight_lag: WeightLag | None = None
@@ -124,6 +128,8 @@ class Echo:
     store: bool = True
     text: dict[str, Any] | None = None
     encrypted_reasoning: bool = False
+    logprobs: bool = False  # `message.output_text.logprobs` included (or top_logprobs asked)
+    top_logprobs: int | None = None
 
 
 class ResponsesTurn(ChatRequest):
@@ -148,6 +154,7 @@ class Outcome:
     output_tokens: int
     cached_tokens: int
     reasoning_tokens: int
+    text_logprobs: tuple[dict[str, Any], ...] = ()  # output_text's, when asked (never stored)
 
 
 @dataclass(frozen=True)
@@ -373,12 +380,14 @@ def parse_responses(body: bytes, *, session: Any = None, switches: frozenset[str
     effort = spec.reasoning.effort if spec.reasoning else None
     kwargs = {**reasoning_kwargs(effort, switches), **(spec.chat_template_kwargs or {})}
     extra = spec.model_extra or {}
+    logprobs = TEXT_LOGPROBS in (spec.include or ()) or bool(spec.top_logprobs)
     chat: dict[str, Any] = {
         **{k: extra[k] for k in SamplingFields.model_fields if k in extra},  # top_k, seed, stop, ...
         "messages": head + history + input_messages(spec.input),
         "model": spec.model, "tools": tools, "tool_choice": tool_choice,
         "max_tokens": spec.max_output_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
         "response_format": _response_format(spec.text), "stream": spec.stream,
+        "logprobs": logprobs or None, "top_logprobs": spec.top_logprobs if logprobs else None,
         "chat_template_kwargs": kwargs or None, "timeout_s": spec.timeout_s,
         "max_weight_lag": spec.max_weight_lag,
     }
@@ -395,6 +404,7 @@ def parse_responses(body: bytes, *, session: Any = None, switches: frozenset[str
         parallel_tool_calls=True if spec.parallel_tool_calls is None else spec.parallel_tool_calls,
         reasoning=spec.reasoning.model_dump(exclude_none=True) if spec.reasoning else None, store=spec.store,
         text=spec.text, encrypted_reasoning=ENCRYPTED_REASONING in (spec.include or ()),
+        logprobs=logprobs, top_logprobs=spec.top_logprobs,
     )
     return req
 
@@ -415,9 +425,39 @@ def _reasoning_tokens(out: TurnOutput, tokenizer: Any) -> int:
     return ids.index(end) + 1 if isinstance(end, int) and end in ids else 0
 
 
-def outcome(out: TurnOutput, tokenizer: Any) -> Outcome:
+def text_logprobs(out: TurnOutput, tokenizer: Any, top_k: int) -> tuple[dict[str, Any], ...]:
+    """The logprobs of `output_text`'s tokens (`Logprob`: token, bytes, logprob,
+    top_logprobs): the sampled tokens after the reasoning block whose text spells the
+    message's content (whitespace-only tokens before it skipped; from where it ends on,
+    a tool call or the end-of-turn token, left out). The end is found by bisection on
+    the decoded length (O(log n) decodes; a character split across tokens decodes
+    whole). Empty when no such run of tokens decodes to exactly the content: no guess."""
+    content = str(out.message.get("content") or "").strip()
+    if not content:
+        return ()
+    start = _reasoning_tokens(out, tokenizer)
+    tops = out.top_logprobs[start:] if out.top_logprobs is not None else None
+    entries = logprobs_content(out.sampled_ids[start:], out.logprobs[start:], tops, tokenizer, top_k)
+    lead = next((i for i, e in enumerate(entries) if e["token"].strip()), len(entries))
+    ids = out.sampled_ids[start + lead:]
+    lo, hi = 1, len(ids)
+    while lo < hi:  # the fewest tokens whose text is as long as the content
+        mid = (lo + hi) // 2
+        if len(decode_text(tokenizer, ids[:mid]).strip()) >= len(content):
+            hi = mid
+        else:
+            lo = mid + 1
+    for n in range(lo, min(lo + 4, len(ids) + 1)):  # a split last character needs its last bytes
+        if decode_text(tokenizer, ids[:n]).strip() == content:
+            return tuple(entries[lead:lead + n])
+    return ()
+
+
+def outcome(out: TurnOutput, tokenizer: Any, echo: Echo | None = None) -> Outcome:
+    """A committed turn's response parts; with `echo`, the output_text logprobs it asked for."""
+    lps = text_logprobs(out, tokenizer, echo.top_logprobs or 0) if echo is not None and echo.logprobs else ()
     return Outcome(out.request_id, out.message, out.finish_reason, out.prompt_tokens, out.completion_tokens,
-                   out.cached_tokens, _reasoning_tokens(out, tokenizer))
+                   out.cached_tokens, _reasoning_tokens(out, tokenizer), lps)
 
 
 def response_id(request_id: str) -> str:
@@ -430,9 +470,10 @@ def reasoning_item(rid: str, text: str, *, encrypted: bool, status: str = "compl
             "encrypted_content": encode_reasoning(text) if encrypted else None, "status": status}
 
 
-def message_item(rid: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(rid: str, text: str, status: str = "completed",
+                 logprobs: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
     return {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}]}
 
 
 def call_item(rid: str, index: int, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -450,7 +491,7 @@ def output_items(o: Outcome, echo: Echo) -> list[dict[str, Any]]:
         items.append(reasoning_item(rid, str(msg["reasoning_content"]), encrypted=echo.encrypted_reasoning))
     calls = msg.get("tool_calls") or []
     if msg.get("content") or not calls:
-        items.append(message_item(rid, str(msg.get("content") or ""), status))
+        items.append(message_item(rid, str(msg.get("content") or ""), status, o.text_logprobs))
     for i, tc in enumerate(calls):
         fn = tc.get("function") or {}
         args = fn.get("arguments", "")
@@ -477,7 +518,7 @@ def response_object(rid: str, echo: Echo, *, status: str, output: list[dict[str,
         "parallel_tool_calls": echo.parallel_tool_calls, "previous_response_id": echo.previous_response_id,
         "reasoning": echo.reasoning, "store": echo.store, "temperature": echo.temperature,
         "text": echo.text or {"format": {"type": "text"}}, "tool_choice": echo.tool_choice, "tools": echo.tools,
-        "top_p": echo.top_p, "truncation": "disabled", "usage": usage(o) if o is not None else None,
+        "top_p": echo.top_p, "top_logprobs": echo.top_logprobs, "truncation": "disabled", "usage": usage(o) if o is not None else None,
         "metadata": echo.metadata,
     }
 
@@ -540,7 +581,8 @@ class ResponsesStreamEncoder:
             frames.append(self._event("response.reasoning_text.done", **ids, content_index=0, text=text))
         elif item["type"] == "message":
             text = item["content"][0]["text"]
-            frames.append(self._event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]))
+            frames.append(self._event("response.output_text.done", **ids, content_index=0, text=text,
+                                      logprobs=item["content"][0]["logprobs"]))
         else:
             frames.append(self._event("response.function_call_arguments.done", **ids, name=item["name"],
                                       arguments=item["arguments"]))
@@ -590,7 +632,7 @@ class ResponsesStreamEncoder:
             return [self._event("response.function_call_arguments.delta", item_id=self._items[idx]["id"],
                                 output_index=idx, delta=event.text)]
         if isinstance(event, TurnCommitted):
-            return self._finish(outcome(event.out, self._tokenizer))
+            return self._finish(outcome(event.out, self._tokenizer, self._echo))
         if isinstance(event, TurnFailed):
             return self._fail(event)
         return []  # TokensDelta: ids and logprobs stay in the trajectory
@@ -654,7 +696,8 @@ class OpenAIResponses:
         return lambda body: parse_responses(body, session=session, switches=switches)
 
     def body(self, out: TurnOutput, req: ChatRequest, tokenizer: Any) -> bytes:
-        return orjson.dumps(final_object(outcome(out, tokenizer), echo_of(req)))
+        echo = echo_of(req)
+        return orjson.dumps(final_object(outcome(out, tokenizer, echo), echo))
 
     def encoder(self, req: ChatRequest, tokenizer: Any) -> ResponsesStreamEncoder:
         return ResponsesStreamEncoder(echo_of(req), tokenizer)

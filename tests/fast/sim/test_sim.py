@@ -169,7 +169,10 @@ async def test_fault_kinds(protocol: str, kind: str) -> None:
                 "routed_layers": lambda: _routed_ids(r).size == (len(PROMPT) + n - 1) * 6,
                 "routed_out_of_range": lambda: int(_routed_ids(r).max()) == 16,
             }
-            assert checks[kind](), (kind, r)
+            if kind.startswith("stream_"):  # only a streamed answer shows the lie (test_12_stream_gaps.py)
+                assert list(r.output_ids) == list(clean.output_ids) and list(r.logprobs) == list(clean.logprobs)
+            else:
+                assert checks[kind](), (kind, r)
             again = await a.generate(GenerateRequest(_rid(3), PROMPT, 400))
             assert list(again.output_ids) == list(clean.output_ids)  # count 1: then clean
         finally:
