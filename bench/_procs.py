@@ -36,12 +36,14 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 12
 
 
 @contextlib.contextmanager
-def process(args: Sequence[str], url: str, log_path: Path | None = None, nice: int = 0) -> Iterator[str]:
-    """`nice` > 0 lowers the process's CPU priority (used for what stands in for other machines)."""
+def process(args: Sequence[str], url: str, log_path: Path | None = None, nice: int = 0,
+            cli: Sequence[str] = CLI) -> Iterator[str]:
+    """`nice` > 0 lowers the process's CPU priority (used for what stands in for other machines);
+    `cli` is the command `args` go to (bench/_loopwatch.py wraps the server's)."""
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
     priority = (lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)) if nice else None
     proc = subprocess.Popen(
-        [*CLI, *args], stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=priority
+        [*cli, *args], stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=priority
     )
     PIDS[url] = proc.pid
     try:
@@ -71,10 +73,11 @@ def sim_engine(
 
 
 @contextlib.contextmanager
-def server(engines: Sequence[str], tokenizer: str, *, extra: Sequence[str] = ()) -> Iterator[str]:
+def server(engines: Sequence[str], tokenizer: str, *, extra: Sequence[str] = (),
+           cli: Sequence[str] = CLI) -> Iterator[str]:
     port = free_port()
     args = ["serve", "--tokenizer", tokenizer, "--port", str(port), "--log-level", "warning", *extra]
     for e in engines:
         args += ["--engine", e]
-    with process(args, f"http://127.0.0.1:{port}") as url:
+    with process(args, f"http://127.0.0.1:{port}", cli=cli) as url:
         yield url

@@ -5,7 +5,11 @@ experts), `--sessions` concurrent sessions each running `--turns` turns whose
 answers are ~`--tokens` sampled tokens (a scripted long answer, `max_tokens`
 = tokens), through ONE `session-server` process, with `routing_replay` on and
 then off (fresh server and engine each). `/health` is polled in a closed loop
-(10 ms sleeps) from its own process throughout. Then:
+(10 ms sleeps) from its own process throughout, and the server's own event loop
+is watched from inside (bench/_loopwatch.py: its lag, and the time lost in stalls
+split into the loop's own work, waiting for a CPU, and waiting for the GIL). The
+on/off legs alternate `--repeat` times (the machine is shared: each leg records
+the load average it started at); the medians are reported. Then:
 
 * bytes stored per token: the routed-experts arrays the server keeps (the sample
   export's `routed_experts`, uint8 `(len(tokens) - 1, 60, 8)`), nbytes / positions
@@ -23,7 +27,10 @@ import argparse
 import asyncio
 import io
 import json
+import os
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,7 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._loopwatch import summary as loop_summary  # noqa: E402
 from bench._procs import PIDS, server, sim_engine  # noqa: E402
 from bench.responsiveness import start_health_poller  # noqa: E402
 from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
@@ -92,14 +100,16 @@ async def _stored_bytes(http: aiohttp.ClientSession, url: str, sids: list[str]) 
             "meets_target": bool(positions and nbytes / positions <= 500)}
 
 
-async def _throughput(url: str, r3: bool, sessions: int, turns: int, tokens: int) -> dict[str, Any]:
+async def _throughput(url: str, r3: bool, sessions: int, turns: int, tokens: int,
+                      watch: Path | None = None) -> dict[str, Any]:
     poller, stop, recv = await start_health_poller(url)
     stats: dict[str, Any] = {"turns": 0, "sampled": 0, "errors": {}, "sids": []}
     timeout = aiohttp.ClientTimeout(total=600)
+    load = os.getloadavg()[0]
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         await asyncio.gather(*(_session(http, url, r3, turns, tokens, stats) for _ in range(sessions)))
-        elapsed = time.perf_counter() - t0
+        elapsed, wall1 = time.perf_counter() - t0, time.time()
         stop.set()
         samples: list[tuple[float, float]] = await asyncio.to_thread(recv.recv)
         poller.join(timeout=10)
@@ -112,7 +122,11 @@ async def _throughput(url: str, r3: bool, sessions: int, turns: int, tokens: int
         "sampled_tokens_per_s": stats["sampled"] / elapsed,
         "health_ms": {"n": int(len(samples)), "p50": float(np.percentile(lat, 50)),
                       "p99": float(np.percentile(lat, 99)), "max": float(lat.max())},
+        "load_avg_1m": load,
     }
+    if watch is not None:
+        await asyncio.sleep(0.4)  # the watch flushes every 0.25 s
+        out["server_loop_lag_ms"] = loop_summary(watch, wall0, wall1)
     if stored is not None:
         out["stored"] = stored
     return out
@@ -148,13 +162,63 @@ async def _script(engine: str, tokens: int) -> None:
         assert r.status == 200, await r.text()
 
 
-def _phase(tokenizer: str, fn: Any, tokens: int) -> Any:
-    """A fresh engine and server for one measurement; `fn(url, pid)` runs it."""
+WATCHED = [sys.executable, str(Path(__file__).resolve().parent / "_loopwatch.py")]
+
+
+def _phase(tokenizer: str, fn: Any, tokens: int, watch: Path | None = None) -> Any:
+    """A fresh engine and server for one measurement; `fn(url, pid)` runs it. With
+    `watch`, the server's loop lag is written there (bench/_loopwatch.py)."""
     sim_args = ["--routed-layers", str(LAYERS), "--routed-topk", str(TOPK), "--routed-experts", str(EXPERTS)]
-    with sim_engine("sglang", tokenizer, extra=sim_args) as engine, \
-            server([f"sglang={engine}"], tokenizer, extra=SERVE_ARGS) as url:
-        asyncio.run(_script(engine, tokens))
-        return asyncio.run(fn(url, PIDS[url]))
+    if watch is not None:
+        os.environ["LOOPWATCH_FILE"] = str(watch)
+    try:
+        with sim_engine("sglang", tokenizer, extra=sim_args) as engine, \
+                server([f"sglang={engine}"], tokenizer, extra=SERVE_ARGS, cli=WATCHED) as url:
+            asyncio.run(_script(engine, tokens))
+            return asyncio.run(fn(url, PIDS[url]))
+    finally:
+        os.environ.pop("LOOPWATCH_FILE", None)
+
+
+def _leg_summary(leg: dict[str, Any]) -> dict[str, Any]:
+    lag = leg.get("server_loop_lag_ms", {})
+    return {"routing_replay": leg["routing_replay"], "turns_per_s": leg["turns_per_s"],
+            "health_p99_ms": leg["health_ms"]["p99"], "loop_lag_p99_ms": lag.get("p99"),
+            "stalled_ms": lag.get("stalled_ms"), "stalled_blocked_ms": lag.get("stalled_blocked_ms"),
+            "load_avg_1m": leg["load_avg_1m"]}
+
+
+def _medians(legs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the median over the legs (None where a leg lacks it)."""
+    keys = ("turns_per_s", "health_p99_ms", "loop_lag_p99_ms", "stalled_ms", "stalled_blocked_ms", "load_avg_1m")
+    return {k: statistics.median(v) if (v := [leg[k] for leg in legs if leg[k] is not None]) else None
+            for k in keys}
+
+
+def _alternating(tokenizer: str, a: argparse.Namespace, watch_dir: Path) -> dict[str, Any]:
+    """R3 on and off legs, alternating `a.repeat` times: the legs of median turns/s (in
+    full), every leg's summary and the medians."""
+    runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    order: list[dict[str, Any]] = []
+    for i in range(a.repeat):
+        for r3 in (True, False):
+            watch = watch_dir / f"lag_{i}_{int(r3)}.txt"
+            leg = _phase(tokenizer, lambda url, pid, r3=r3, watch=watch: _throughput(
+                url, r3, a.sessions, a.turns, a.tokens, watch), a.tokens, watch)
+            runs[r3].append(leg)
+            order.append(_leg_summary(leg))
+    out: dict[str, Any] = {}
+    for r3, key in ((True, "r3_on"), (False, "r3_off")):
+        legs = sorted(runs[r3], key=lambda leg: leg["turns_per_s"])
+        out[key] = legs[len(legs) // 2]
+    out["legs"] = order
+    med = {key: _medians([leg for leg in order if leg["routing_replay"] is r3])
+           for r3, key in ((True, "r3_on"), (False, "r3_off"))}
+    on, off = med["r3_on"], med["r3_off"]
+    med["turns_per_s_ratio_on_off"] = on["turns_per_s"] / off["turns_per_s"] if off["turns_per_s"] else None
+    med["health_p99_ratio_on_off"] = on["health_p99_ms"] / off["health_p99_ms"] if off["health_p99_ms"] else None
+    out["median"] = med
+    return out
 
 
 def main() -> None:
@@ -165,20 +229,18 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096, help="sampled tokens per turn (max_tokens)")
     p.add_argument("--rss-sessions", type=int, default=1000, help="sessions in the peak-RSS phase")
     p.add_argument("--rss-tokens", type=int, default=256, help="sampled tokens of each RSS-phase turn")
+    p.add_argument("--repeat", type=int, default=3, help="alternating R3 on/off throughput legs of each")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     a = p.parse_args()
     if a.quick:
-        a.sessions, a.turns, a.tokens, a.rss_sessions, a.rss_tokens = 2, 2, 256, 20, 64
+        a.sessions, a.turns, a.tokens, a.rss_sessions, a.rss_tokens, a.repeat = 2, 2, 256, 20, 64, 1
     tokenizer = str(cached_tokenizer_dir("qwen3"))
     t0 = time.perf_counter()
     out: dict[str, Any] = {"quick": a.quick, "model": {"layers": LAYERS, "topk": TOPK, "experts": EXPERTS},
                            "engine": "sglang (simulated, zero latency)", "server_processes": 1}
-    for r3 in (True, False):
-        key = "r3_on" if r3 else "r3_off"
-        out[key] = _phase(tokenizer, lambda url, pid, r3=r3: _throughput(url, r3, a.sessions, a.turns, a.tokens),
-                          a.tokens)
-    on, off = out["r3_on"], out["r3_off"]
-    out["turns_per_s_ratio_on_off"] = on["turns_per_s"] / off["turns_per_s"] if off["turns_per_s"] else None
+    with tempfile.TemporaryDirectory(prefix="r3-loopwatch-") as watch_dir:
+        out.update(_alternating(tokenizer, a, Path(watch_dir)))
+    out["turns_per_s_ratio_on_off"] = out["median"]["turns_per_s_ratio_on_off"]
     out["rss"] = {("r3_on" if r3 else "r3_off"): _phase(
         tokenizer, lambda url, pid, r3=r3: _rss(url, pid, r3, a.rss_sessions, a.rss_tokens), a.rss_tokens)
         for r3 in (True, False)}

@@ -22,7 +22,7 @@ from .engine_request import EngineCall
 from .engines.base import GenerateResult
 from .errors import InternalInvariant, UpstreamInvalid
 from .prepare import Prepared
-from .routed import RoutedShape, join
+from .routed import RoutedShape, join, wire_size
 from .sessions import Claim, Session
 from .structured import apply_output_policy
 
@@ -166,7 +166,7 @@ def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked, pre
     if parsed.status_detail:
         extra["parse_detail"] = parsed.status_detail
     if result.routed_experts is not None:
-        extra["routed_experts_bytes"] = len(result.routed_experts)
+        extra["routed_experts_bytes"] = wire_size(result.routed_experts)
     if result.aborts or result.resubmits or result.paused_wait_s:
         extra["control"] = result.counters()
     if result.stale_bound is not None:  # ended at a weight update by max_weight_lag (13.5)

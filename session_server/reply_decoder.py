@@ -8,18 +8,28 @@ the bytes over a pipe. Small replies stay on the offload threads (inline when ti
 where the hand-off costs more than the decode. Measured here (bench/README.md):
 even a cheap-to-decode 1.4 MB base64 reply gives a lower /health p99 through
 the process than through a thread, at somewhat lower throughput.
+
+Routing replay (R3): a large reply's base64 routed experts are decoded in the
+worker too (`session_server.routed.predecode`), so only the narrowed ids cross
+back (2 MB instead of 10.5 MB at 4K positions x 60 layers x top-8) and the
+main process never runs the GIL-holding base64 decode. A streamed turn's result
+is folded on the threads (its fold lives here); its payload, when large, makes
+one more trip to the worker for the same decode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from .engines.base import GenerateResult
 from .offload import CpuOffload
+from .routed import predecode
 
 LARGE_REPLY_BYTES = 256 * 1024
 
@@ -28,6 +38,18 @@ def _warm() -> bool:
     import session_server.engines  # noqa: F401  (import the parsers once per worker)
 
     return True
+
+
+def _parse(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """In the worker: the reply parsed, its routed experts (if any) decoded."""
+    return _predecoded(fn(*args, **kwargs))
+
+
+def _predecoded(result: Any) -> Any:
+    """A `GenerateResult` with its base64 routed experts as narrowed ids (`predecode`)."""
+    if isinstance(result, GenerateResult) and isinstance(result.routed_experts, bytes):
+        return dataclasses.replace(result, routed_experts=predecode(result.routed_experts))
+    return result
 
 
 class ReplyDecoder:
@@ -54,13 +76,22 @@ class ReplyDecoder:
         if getattr(fn, "__self__", None) is not None:
             # a bound method (a stream fold's `add` / `result`, engines/http.py `fold_stream`)
             # keeps its state in this process: a worker process would change only a copy
-            return await self._threads.run(fn, *args, **kwargs)
+            return await self._routed_decoded(await self._threads.run(fn, *args, **kwargs))
         body = args[0] if args else None
         size = len(body) if isinstance(body, bytes) else 0
         if self._procs is not None and size >= self.large_reply_bytes:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._procs, functools.partial(fn, *args, **kwargs))
+            return await loop.run_in_executor(self._procs, functools.partial(_parse, fn, *args, **kwargs))
         return await self._threads.run_sized(size, fn, *args, **kwargs)
+
+    async def _routed_decoded(self, result: Any) -> Any:
+        """A streamed result's large routed-experts payload decoded in the worker."""
+        raw = result.routed_experts if isinstance(result, GenerateResult) else None
+        if self._procs is None or not isinstance(raw, bytes) or len(raw) < self.large_reply_bytes:
+            return result
+        loop = asyncio.get_running_loop()
+        routed = await loop.run_in_executor(self._procs, predecode, raw)
+        return dataclasses.replace(result, routed_experts=routed)
 
     def shutdown(self) -> None:
         if self._procs is not None:

@@ -21,7 +21,15 @@ Wire facts (docs/engines.md "Routed experts"):
 
 Each segment of a turn (abort -> resubmit) is one `Piece`; `join` checks that the
 pieces' rows line up with their tokens and with each other (the gap check) and
-concatenates them. Everything here is O(payload): it runs on the offload threads.
+concatenates them. Everything here is O(payload): it runs off the event loop.
+
+A base64 payload is decoded where the reply was parsed (`predecode`, in the reply
+decoder's worker process, session_server/reply_decoder.py): `binascii` holds the
+GIL for the whole payload (~30 ms for 4K positions x 60 x 8 as int32, 10.5 MB),
+which in this process stalls the event loop however it is threaded. Only the ids
+come back, narrowed (2 MB instead of 10.5); `join` takes either form and checks
+both the same way, so a payload that does not decode there stays raw and fails here
+with the usual message.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from trajectory.routed import narrow
 
 from .errors import UpstreamInvalid
 
-__all__ = ["Piece", "RoutedShape", "decode_payload", "join"]
+__all__ = ["Decoded", "Piece", "RoutedShape", "decode_payload", "join", "predecode", "wire_size"]
 
 _NPY_MAGIC = b"\x93NUMPY"
 
@@ -53,12 +61,22 @@ class RoutedShape:
     num_experts: int | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class Decoded:
+    """A base64 payload decoded by `predecode`: its ids (flat for SGLang, 3-D for
+    vLLM's ``.npy``), narrowed when all lie in [0, 32767]; `wire_bytes` its size as sent."""
+
+    ids: np.ndarray
+    wire_bytes: int
+
+
 @dataclass(frozen=True)
 class Piece:
-    """One segment's raw payload and the positions it should cover:
-    ``[start, prompt_len + output_len - 1)`` of the segment's input + output."""
+    """One segment's payload (raw, or `Decoded` where the reply was parsed) and the
+    positions it should cover: ``[start, prompt_len + output_len - 1)`` of the
+    segment's input + output."""
 
-    raw: bytes | None
+    raw: bytes | Decoded | None
     prompt_len: int
     output_len: int
     start: int
@@ -94,6 +112,30 @@ def decode_payload(raw: bytes) -> np.ndarray:
     if len(blob) % 4:
         raise UpstreamInvalid(f"routed_experts has {len(blob)} bytes, not whole int32 values")
     return np.frombuffer(blob, dtype="<i4")
+
+
+def predecode(raw: bytes | Decoded | None) -> bytes | Decoded | None:
+    """A base64 payload as `Decoded` ids, decoded and narrowed once, where the reply is
+    parsed; anything else as it came: a nested-list payload (older vLLM, small) and a
+    malformed one (whose `UpstreamInvalid` `join` raises, as for any raw payload)."""
+    if not isinstance(raw, bytes) or not raw.lstrip().startswith(b'"'):
+        return raw
+    try:
+        ids = decode_payload(raw)
+    except UpstreamInvalid:
+        return raw
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo >= 0:  # out-of-range ids keep their dtype: `join` names them as sent
+            ids = narrow(ids, hi)
+    return Decoded(ids, len(raw))
+
+
+def wire_size(payload: bytes | Decoded | None) -> int | None:
+    """The payload's size as the engine sent it (the turn's `routed_experts_bytes`)."""
+    if payload is None:
+        return None
+    return payload.wire_bytes if isinstance(payload, Decoded) else len(payload)
 
 
 def _known(shape: RoutedShape, expect: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -147,7 +189,7 @@ def _piece(p: Piece, shape: RoutedShape, expect: tuple[int, int] | None, where: 
     every position from 0, cut at the start; each row of the settings' layers/topk."""
     if p.raw is None:
         raise UpstreamInvalid(f"{where}: the engine returned no routed experts")
-    arr = decode_payload(p.raw)
+    arr = p.raw.ids if isinstance(p.raw, Decoded) else decode_payload(p.raw)
     if arr.ndim == 1:
         arr = _flat_rows(arr, p, shape, expect, where)
     elif arr.ndim == 2:  # nested lists of flat rows

@@ -22,6 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 if TYPE_CHECKING:
+    from ..routed import Decoded
     from ..structured import Constraint
 
 TokenIds = Sequence[int] | NDArray[np.int32]  # a context: a list in tests, numpy in the server
@@ -101,7 +102,9 @@ class GenerateResult:
     # second copy lets validation cross-check them. None when the engine has one copy.
     output_ids_echo: Sequence[Any] | None = None
     top_logprobs: Sequence[Any] | None = None  # per token: list of (id, logprob); raw
-    routed_experts: bytes | None = None  # raw payload, stored as-is, never decoded here
+    # raw payload, never decoded by the adapter; the server's reply decoder may turn a
+    # base64 one into `Decoded` ids in its worker process (session_server/routed.py)
+    routed_experts: bytes | Decoded | None = None
     abort_message: str | None = None
 
 
