@@ -143,6 +143,9 @@ def session_view(s: Session) -> dict[str, Any]:
 
 
 def create_app(config: AppConfig) -> FastAPI:
+    if config.settings.instance_id is None:  # one identity per app: /health and the session-id prefix
+        config = dataclasses.replace(
+            config, settings=config.settings.model_copy(update={"instance_id": new_instance_id()}))
     settings = config.settings
     state: dict[str, Any] = {}
 
@@ -222,7 +225,7 @@ def create_app(config: AppConfig) -> FastAPI:
         count_internal()
         return Response(internal_error_body(exc), 500, {"connection": "close"}, media_type=JSON)
 
-    health_body = orjson.dumps({"status": "ok", "instance_id": settings.instance_id or new_instance_id()})
+    health_body = orjson.dumps({"status": "ok", "instance_id": settings.instance_id})
 
     @app.get("/health")
     async def health() -> Response:

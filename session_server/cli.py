@@ -1,4 +1,4 @@
-"""`session-server serve | sim-engine | verify-template | demo`."""
+"""`session-server serve | cluster | sim-engine | verify-template | demo`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+import typing
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -106,10 +107,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .engines.http import raise_nofile_limit
     from .serving import uvicorn_options
 
-    try:
-        settings = settings_from_args(args)
-    except (ValidationError, ValueError) as exc:
-        print(f"session-server serve: error: {_one_line(exc)}", file=sys.stderr)
+    settings = _settings_or_report(args, "serve")
+    if settings is None:
         return 2
     try:
         tokenizer = load_tokenizer(args.tokenizer)
@@ -131,6 +130,30 @@ def _serve(args: argparse.Namespace) -> int:
     )
     uvicorn.run(app, workers=1, **options)
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    """N `serve` workers behind HAProxy (cluster.py); the options it does not know are
+    the workers' serve options, checked here by the serve parser before anything starts."""
+    from .cluster import RESERVED_FLAGS, ClusterError, run_cluster
+
+    serve_args = list(args.serve_args)
+    taken = [a for a in serve_args if a.split("=", 1)[0] in RESERVED_FLAGS]
+    if taken:
+        print(f"session-server cluster: error: {', '.join(taken)}: the cluster sets these on each worker "
+              "(use --host/--port for the proxy)", file=sys.stderr)
+        return 2
+    serve = build_parser().parse_args(["serve", *serve_args])  # exits 2 on a bad serve option
+    settings = _settings_or_report(serve, "cluster")
+    if settings is None:
+        return 2
+    try:
+        return run_cluster(serve_args, workers=args.workers, port=args.port, host=args.host, haproxy=args.haproxy,
+                           start_timeout_s=args.start_timeout_s, drain_timeout_s=settings.drain_timeout_s + 5.0,
+                           proxy_timeout_s=args.proxy_timeout_s)
+    except ClusterError as exc:
+        print(f"session-server cluster: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _sim_engine(args: argparse.Namespace) -> int:
@@ -225,7 +248,9 @@ def _add_settings_flags(p: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"dest": f"setting_{name}", "default": None,
                               "help": (info.description or "") + shown}
         base = next(a for a in getattr(info.annotation, "__args__", (info.annotation,)) if a is not type(None))
-        if base is bool:
+        if typing.get_origin(info.annotation) is list:  # e.g. --peers URL --peers URL
+            kw.update(action="append", type=base, metavar=name.upper().removesuffix("S"))
+        elif base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif getattr(info.annotation, "__origin__", None) is list:  # repeatable: --peers URL --peers URL
             kw.update(action="append", metavar="URL", help=kw["help"] + "; repeat the flag for each")
@@ -249,6 +274,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             raise ValueError("give --max-body-mb or --max-body-bytes, not both")
         given["max_body_bytes"] = mb * _MIB
     return Settings(**given)
+
+
+def _settings_or_report(args: argparse.Namespace, command: str) -> Settings | None:
+    """The settings, or None after printing the one-line error (the command exits 2)."""
+    try:
+        return settings_from_args(args)
+    except (ValidationError, ValueError) as exc:
+        print(f"session-server {command}: error: {_one_line(exc)}", file=sys.stderr)
+        return None
 
 
 def _one_line(exc: Exception) -> str:
@@ -285,6 +319,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", help="uvicorn log level")
     s.add_argument("--switch-interval-ms", type=float, default=0.5, help="GIL switch interval")
     s.set_defaults(func=_serve)
+
+    c = sub.add_parser(
+        "cluster", help="run N serve processes behind HAProxy on this machine", formatter_class=_HelpFormatter,
+        usage="session-server cluster --workers N --port P [serve options: --engine ... --tokenizer ... ...]",
+        description="Start N `serve` workers on free 127.0.0.1 ports (instance ids w0..w{N-1}) and HAProxy (the "
+                    "Debian package 'haproxy') in front: /sessions/{id}/... goes to the instance named by the id's "
+                    "prefix, everything else (POST /sessions, /control/*, ...) to the least-loaded instance. Every "
+                    "other option is passed to each worker's `serve`. See docs/scale-out.md.",
+    )
+    c.add_argument("--workers", type=int, default=2, help="serve processes to start")
+    c.add_argument("--host", default="127.0.0.1", help="address HAProxy binds")
+    c.add_argument("--port", type=int, default=8000, help="port HAProxy binds")
+    c.add_argument("--haproxy", default=None, help="the haproxy executable (default: haproxy on PATH)")
+    c.add_argument("--start-timeout-s", type=float, default=300.0, help="how long workers may take to become ready")
+    c.add_argument("--proxy-timeout-s", type=int, default=3600,
+                   help="HAProxy's client/server inactivity timeout (a turn may run for minutes)")
+    c.set_defaults(func=_cluster, serve_args=[])
 
     e = sub.add_parser(
         "sim-engine", help="run a simulated SGLang or vLLM engine (offline, with fault injection)",
@@ -347,7 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     # transformers advises installing PyTorch on import; this CLI only needs tokenizers
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "cluster":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "cluster":
+        args.serve_args = rest
     return int(args.func(args))
 
 

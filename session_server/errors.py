@@ -11,6 +11,7 @@
     ├── SessionBusy                      409 session_busy
     ├── SessionClosed                    409 session_closed
     ├── PayloadTooLarge                  413 payload_too_large
+    ├── WrongInstance                    421 wrong_instance (the session id names another instance)
     ├── IdempotencyKeyReused             422 idempotency_key_reused (same Idempotency-Key, other body)
     ├── OverCapacity                     429 over_capacity   Retry-After: 5
     ├── BranchLimit                      429 branch_limit    Retry-After: 60 (names the cap)
@@ -106,6 +107,14 @@ class SessionClosed(ServiceError):
 
 class PayloadTooLarge(ServiceError):
     status, type = 413, "payload_too_large"
+
+
+class WrongInstance(ServiceError):
+    """The session id's prefix names another instance of the cluster (issue 14.1): the
+    proxy in front routed it here by mistake. 421 Misdirected Request, so it is never
+    mistaken for "this session is gone"; nothing here was created or touched."""
+
+    status, type = 421, "wrong_instance"
 
 
 class IdempotencyKeyReused(ServiceError):

@@ -69,7 +69,8 @@ async def build_context(config: AppConfig) -> ServerContext:
     control.on_weight_version.append(lambda _v: engines.reset_cached())  # new salt: nothing cached
     ctx = ServerContext(
         settings=settings,
-        store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s),
+        store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s,
+                           instance_id=settings.instance_id),
         offload=offload,
         metrics=metrics,
         codec=codec,

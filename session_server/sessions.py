@@ -18,14 +18,25 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from trajectory.codec.base import HistoryPolicy
 from trajectory.tree import TrajectoryTree
 
-from .errors import OverCapacity, SessionBusy, SessionClosed, SessionNotFound
+from .errors import OverCapacity, SessionBusy, SessionClosed, SessionNotFound, WrongInstance
 
 _log = logging.getLogger("session_server")
+
+ID_SEPARATOR = "."
+"""Between the instance id and the random part of a session id (`{instance}.{32 hex}`):
+instance ids are `[a-z0-9-]` (settings.py), so the first dot ends the instance, and a
+proxy routes a session's requests by that prefix of the path alone (issue 14.1)."""
+
+
+def instance_of(session_id: str) -> str | None:
+    """The instance a session id names (None: an id without a prefix)."""
+    instance, sep, _ = session_id.partition(ID_SEPARATOR)
+    return instance if sep else None
 
 
 class SessionState(enum.Enum):
@@ -148,7 +159,9 @@ class SessionStore:
         max_sessions: int = 100_000,
         default_ttl_s: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
+        instance_id: str | None = None,
     ) -> None:
+        self.instance_id = instance_id  # prefix of every session id made here (None: bare ids)
         self.max_sessions = max_sessions
         self.default_ttl_s = default_ttl_s
         self._clock = clock
@@ -166,6 +179,8 @@ class SessionStore:
         if len(self._sessions) >= self.max_sessions:
             raise OverCapacity(f"session cap reached ({self.max_sessions})")
         sid = secrets.token_hex(16)  # 128 bits: unguessable
+        if self.instance_id is not None:
+            sid = f"{self.instance_id}{ID_SEPARATOR}{sid}"
         session = Session(sid, config, self._clock())
         self._sessions[sid] = session
         heapq.heappush(self._expiry, (_deadline(session), sid))
@@ -174,8 +189,17 @@ class SessionStore:
     def get(self, session_id: str) -> Session:
         s = self._sessions.get(session_id)
         if s is None or s.state is not SessionState.ACTIVE:
-            raise SessionNotFound(f"unknown session {session_id!r}")
+            self._raise_missing(session_id)
         return s
+
+    def _raise_missing(self, session_id: str) -> NoReturn:
+        """404, or 421 when the id names another instance: a proxy sent it to the wrong
+        one (only the miss path pays for the check)."""
+        owner = instance_of(session_id)
+        if owner is not None and self.instance_id is not None and owner != self.instance_id:
+            raise WrongInstance(f"session {session_id!r} belongs to instance {owner!r}, not to this one "
+                                f"({self.instance_id!r}): route /sessions/{owner}{ID_SEPARATOR}... to instance {owner}")
+        raise SessionNotFound(f"unknown session {session_id!r}")
 
     def touch(self, session: Session) -> None:
         """A read of the session (view, trajectory) counts as use: it pushes back its TTL."""

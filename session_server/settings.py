@@ -8,6 +8,8 @@ then the default below. A bad value is one `ValidationError` naming the field.
 
 from __future__ import annotations
 
+import re
+
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -17,6 +19,8 @@ __all__ = ["ADMIN_TOKEN_ENV", "ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "TITO_"
 ADMIN_TOKEN_ENV = "SESSION_SERVER_ADMIN_TOKEN"  # the older name, still read
+# no '.', the separator in session ids (sessions.py); DNS-label-like so a pod name fits
+_INSTANCE_ID = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,30}[a-z0-9])?")
 
 
 class Settings(BaseSettings):
@@ -70,7 +74,14 @@ class Settings(BaseSettings):
         256 * 1024 * 1024, ge=0, description="bytes of stored responses kept for replays over all sessions "
         "(oldest evicted first)")
     instance_id: str | None = Field(
-        None, min_length=1, description="what /health reports as instance_id (unset: random per start)")
+        None,
+        description="this process's name in a cluster: the prefix of its session ids ({instance}.{32 hex}) "
+        "that a proxy routes by, and what /health reports; lowercase letters, digits and inner dashes, "
+        "at most 32 (unset: random per start)")
+    peers: list[str] = Field(
+        [], description="base URLs of the other instances of this cluster (`session-server cluster` sets "
+        "them): a control-plane request received here is relayed to each (issue 14.3); repeat the flag, "
+        "or a JSON list in the environment")
     routing_replay: bool = Field(
         False, description="sessions record the engine's routed experts (R3) unless they set routing_replay")
     routed_experts_topk: int | None = Field(
@@ -117,6 +128,14 @@ class Settings(BaseSettings):
             return check_family_name(v)
         except TemplateNotSupported as exc:
             raise ValueError(str(exc)) from None
+
+    @field_validator("instance_id")
+    @classmethod
+    def _instance_id_shape(cls, v: str | None) -> str | None:
+        if v is not None and not _INSTANCE_ID.fullmatch(v):
+            raise ValueError(f"instance id {v!r} must be 1-32 lowercase letters, digits or inner dashes "
+                             "(it prefixes session ids in URLs, before a '.')")
+        return v
 
     @field_validator("admin_token")
     @classmethod

@@ -27,6 +27,7 @@ ERROR_DESCRIPTIONS = {
     405: "method not allowed on this route",
     409: "session busy (a turn is in flight) or closed during the turn",
     413: "body larger than the configured limit",
+    421: "the session id names another instance of the cluster (wrong_instance): the proxy misrouted it",
     429: "a capacity limit was reached (session cap: over_capacity; branches per session: branch_limit)",
     502: "the engine failed or answered invalid output; nothing was committed",
     503: "no healthy engine, paused past the deadline, or the engine aborted",
@@ -91,9 +92,13 @@ def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
             comps[model.__name__] = js
         for name in ("HTTPValidationError", "ValidationError"):
             comps.pop(name, None)
-        for path in schema.get("paths", {}).values():
+        wrong_instance = {"description": ERROR_DESCRIPTIONS[421],
+                          "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorBody")}}}}
+        for route, path in schema.get("paths", {}).items():
             for op in path.values():
                 op.get("responses", {}).pop("422", None)
+                if "{sid}" in route:  # any session route may meet a misrouted id (issue 14.1)
+                    op.setdefault("responses", {})["421"] = wrong_instance
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
