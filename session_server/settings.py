@@ -89,9 +89,6 @@ class Settings(BaseSettings):
         "rows into (layers, topk) (vLLM's .npy payload carries its shape)")
     routed_experts_layers: int | None = Field(
         None, ge=1, le=4096, description="MoE layers of the model (an alternative to routed_experts_topk)")
-    peers: list[str] = Field(
-        [], description="the other instances of a cluster; control requests are relayed to them "
-        "(base URLs; env: a JSON list)")
     peer_timeout_s: float = Field(
         120.0, gt=0, description="how long a control request relayed to a peer may take before it counts as failed")
     engine_load_poll_s: float = Field(
