@@ -393,7 +393,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.store.touch(s)
         return _json(await samples_api.set_reward(ctx, s, spec))
 
-    @app.post("/samples", **route_doc(SamplesBatch, 400, 404, 409, 413, media=(JSON, OCTETS)))
+    @app.post("/samples", **route_doc(SamplesBatch, 400, 404, 409, 413, 421, media=(JSON, OCTETS)))
     async def post_samples(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, ctx.settings.max_body_bytes)

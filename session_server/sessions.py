@@ -14,6 +14,7 @@ import enum
 import heapq
 import itertools
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -33,10 +34,14 @@ instance ids are `[a-z0-9-]` (settings.py), so the first dot ends the instance, 
 proxy routes a session's requests by that prefix of the path alone (issue 14.1)."""
 
 
+# no '.', the separator in session ids; DNS-label-like so a pod name fits (settings.py checks it)
+INSTANCE_ID = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,30}[a-z0-9])?")
+
+
 def instance_of(session_id: str) -> str | None:
-    """The instance a session id names (None: an id without a prefix)."""
+    """The instance a session id names (None: no prefix, or one no instance can have)."""
     instance, sep, _ = session_id.partition(ID_SEPARATOR)
-    return instance if sep else None
+    return instance if sep and INSTANCE_ID.fullmatch(instance) else None
 
 
 class SessionState(enum.Enum):

@@ -8,19 +8,16 @@ then the default below. A bad value is one `ValidationError` naming the field.
 
 from __future__ import annotations
 
-import re
-
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .routing.factory import POLICY_NAMES
+from .sessions import INSTANCE_ID
 
 __all__ = ["ADMIN_TOKEN_ENV", "ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "TITO_"
 ADMIN_TOKEN_ENV = "SESSION_SERVER_ADMIN_TOKEN"  # the older name, still read
-# no '.', the separator in session ids (sessions.py); DNS-label-like so a pod name fits
-_INSTANCE_ID = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,30}[a-z0-9])?")
 
 
 class Settings(BaseSettings):
@@ -129,7 +126,7 @@ class Settings(BaseSettings):
     @field_validator("instance_id")
     @classmethod
     def _instance_id_shape(cls, v: str | None) -> str | None:
-        if v is not None and not _INSTANCE_ID.fullmatch(v):
+        if v is not None and not INSTANCE_ID.fullmatch(v):
             raise ValueError(f"instance id {v!r} must be 1-32 lowercase letters, digits or inner dashes "
                              "(it prefixes session ids in URLs, before a '.')")
         return v

@@ -50,6 +50,12 @@ def test_14_1_another_instances_session_is_421_naming_it_and_nothing_is_touched(
         # an unprefixed id (or this instance's unknown one) is a plain 404
         assert c.get("/sessions/" + "ab" * 16).json()["error"]["type"] == "session_not_found"
         assert c.get("/sessions/w0." + "cd" * 16).status_code == 404
+        # a prefix no instance can have (found by the schema fuzzer on POST /samples) is a 404
+        for bogus in ["W1." + "cd" * 16, "-x." + "cd" * 16, "\u00e9t\u00e9.x"]:
+            assert instance_of(bogus) is None
+            assert c.get(f"/sessions/{bogus}").status_code == 404
+            r = c.post("/samples", json={"session_ids": [bogus]})
+            assert r.status_code == 404 and r.json()["error"]["type"] == "session_not_found", r.text
 
 
 def test_14_1_store_without_instance_keeps_bare_ids() -> None:
