@@ -1,0 +1,158 @@
+"""Issue 14.2/14.3 through the proxy: the control plane of a real `session-server cluster`.
+
+A trainer holds one URL, the proxy's. A pause sent there reaches whichever worker
+HAProxy picks; that worker relays it to its peers (the cluster told each worker the
+others), so every instance is paused when the pause returns, in-flight turns on every
+instance are aborted and resubmitted after resume, and no token is lost or changed:
+each episode commits exactly the tokens and logprobs of an uninterrupted run (the
+pause-storm check of `tests/fast/server/test_14_3_cluster_control.py`, here through
+HAProxy). A worker killed while one of its turns is in flight answers that turn with
+a 502 in our envelope naming the instance. Skipped only when `haproxy` is absent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from session_server.sim import running_sim
+
+from .test_14_2_cluster import needs_haproxy, running_cluster
+
+TASK = "Refactor the config loader and run the tests."
+
+
+async def _episode(http: httpx.AsyncClient, max_tokens: int = 120) -> dict[str, Any]:
+    """Two chat turns through the proxy with the real `openai` client; the session's branch."""
+    made = (await http.post("/sessions", json={})).json()
+    agent = AsyncOpenAI(base_url=made["base_url"], api_key=made["api_key"], max_retries=0, timeout=120)
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+    for _ in range(2):
+        resp = await agent.chat.completions.create(model="m", messages=msgs, max_tokens=max_tokens,  # type: ignore[arg-type]
+                                                   logprobs=True)
+        msgs += [{"role": "assistant", "content": resp.choices[0].message.content or ""},
+                 {"role": "user", "content": "next"}]
+    await agent.close()
+    r = await http.get(f"/sessions/{made['session_id']}/trajectory")
+    assert r.status_code == 200, r.text
+    branches = r.json()["branches"]
+    assert len(branches) == 1
+    return {"sid": made["session_id"], **branches[0]}
+
+
+async def _states(direct: httpx.AsyncClient, urls: list[str]) -> list[dict[str, Any]]:
+    """Each worker's `/control/state`, asked directly (not through the proxy)."""
+    out = []
+    for u in urls:
+        r = await direct.get(f"{u}/control/state")
+        assert r.status_code == 200, r.text
+        out.append(r.json())
+    return out
+
+
+@needs_haproxy
+async def test_14_2_pause_through_the_proxy_aborts_and_resumes_turns_on_every_instance(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3), seed=3, latency_ms=2) as engine, \
+            running_cluster(qwen3, engine, 3, tmp_path) as cl, \
+            httpx.AsyncClient(base_url=cl.url, timeout=120) as http, \
+            httpx.AsyncClient(timeout=30) as direct:
+        workers = [url for _, url in sorted(cl.workers.values())]
+        assert len(workers) == 3, cl.log_text()[-2000:]
+        ref = await _episode(http)  # uninterrupted: what every episode must commit
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        cycles_with_all_in_flight = 0
+
+        async def storm() -> int:
+            nonlocal cycles_with_all_in_flight
+            cycles = 0
+            while not stop.is_set() and cycles < 6:
+                # pause at a moment when every instance has a turn in flight (bounded wait)
+                deadline = loop.time() + 5
+                while not stop.is_set() and loop.time() < deadline:
+                    if all(s["in_flight"] >= 1 for s in await _states(direct, workers)):
+                        cycles_with_all_in_flight += 1
+                        break
+                    await asyncio.sleep(0.01)
+                r = await http.post("/control/pause", json={"mode": "abort"})
+                body = r.json()
+                assert r.status_code == 200 and body["ok"] and body["failed_instances"] == [], r.text
+                # the receiving worker relayed to the other two, by their own URLs
+                assert len(body["instances"]) == 2 and set(body["instances"]) < set(workers), body
+                assert all(s["paused"] for s in await _states(direct, workers))
+                await asyncio.sleep(0.03)
+                r = await http.post("/control/resume", json={})
+                assert r.status_code == 200 and r.json()["ok"], r.text
+                assert not any(s["paused"] for s in await _states(direct, workers))
+                cycles += 1
+            return cycles
+
+        storm_task = asyncio.create_task(storm())
+        results = await asyncio.gather(*(_episode(http) for _ in range(24)))
+        stop.set()
+        cycles = await storm_task
+        assert cycles >= 1 and cycles_with_all_in_flight >= 1, (cycles, cycles_with_all_in_flight)
+
+        on = {r["sid"].split(".")[0] for r in results}
+        assert on == set(cl.workers), on  # sessions created through the proxy landed everywhere
+        for got in results:  # no lost or mismatched token on any instance
+            assert got["token_ids"] == ref["token_ids"], got["sid"]
+            assert got["logprobs"] == ref["logprobs"], got["sid"]
+            assert got["loss_mask"] == ref["loss_mask"], got["sid"]
+            assert [t["finish_reason"] for t in got["turns"]] == [t["finish_reason"] for t in ref["turns"]]
+        states = await _states(direct, workers)
+        # every instance paused and resumed once per cycle (relayed once, never back)
+        assert [s["counters"]["pauses"] for s in states] == [cycles] * 3
+        assert [s["counters"]["resumes"] for s in states] == [cycles] * 3
+        # and on every instance a pause cut a turn that then resumed to the same tokens
+        assert all(s["counters"]["aborts"] >= 1 and s["counters"]["resubmits"] >= 1 for s in states), \
+            [s["counters"] for s in states]
+
+        r = await http.post("/control/weight_version", json={"version": 4})
+        assert r.status_code == 200 and r.json()["ok"], r.text
+        assert [s["weight_version"] for s in await _states(direct, workers)] == [4, 4, 4]
+
+
+@needs_haproxy
+async def test_14_2_a_worker_killed_mid_turn_answers_that_turn_with_502_naming_it(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3), seed=3, latency_ms=25) as engine, \
+            running_cluster(qwen3, engine, 2, tmp_path) as cl, \
+            httpx.AsyncClient(base_url=cl.url, timeout=120) as http, \
+            httpx.AsyncClient(timeout=30) as direct:
+        made = (await http.post("/sessions", json={})).json()
+        victim = made["session_id"].split(".")[0]
+        pid, url = cl.workers[victim]
+        agent = AsyncOpenAI(base_url=made["base_url"], api_key=made["api_key"], max_retries=0, timeout=120)
+        turn = asyncio.create_task(agent.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": TASK}], max_tokens=400))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while (await direct.get(f"{url}/control/state")).json()["in_flight"] < 1:
+            assert loop.time() < deadline and not turn.done(), "the turn never started"
+            await asyncio.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as exc:
+            await turn
+        assert exc.value.status_code == 502
+        err = exc.value.response.json()["error"]
+        assert err["type"] == "instance_unavailable" and f"instance {victim} failed" in err["message"], err
+        await agent.close()
+        # the other worker still serves new sessions
+        fresh = (await http.post("/sessions", json={})).json()
+        assert not fresh["session_id"].startswith(victim + ".")
+        r = await http.post(f"/sessions/{fresh['session_id']}/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
