@@ -1,8 +1,10 @@
 """`bounded_load`: consistent hashing with bounded loads (Mirrokni et al., c = 1.25).
 
-Walks the same ring as `consistent_hash` but skips a target whose in-flight
-turns would exceed ceil(c * (total + 1) / healthy targets): affinity until a
-target is hot, then the overflow spills clockwise (and loses its cache).
+Walks the same ring as `consistent_hash` but skips a target whose load would
+exceed ceil(c * (total + 1) / healthy targets): affinity until a target is hot,
+then the overflow spills clockwise (and loses its cache). Load is the target's
+`placement_load`: our in-flight turns plus what the engine reports beyond them
+(other instances' work, issue 14.4), so the bound holds across instances.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ class BoundedLoad(PolicyBase):
         healthy = healthy_targets(signals)
         if not healthy:
             return None
-        total = sum(t.in_flight for t in healthy)
+        total = sum(t.placement_load for t in healthy)
         cap = math.ceil(self.config.c * (total + 1) / len(healthy))
         for t in self._ring.walk(signals.session_id, signals.targets):
-            if t.healthy and t.in_flight + 1 <= cap:
+            if t.healthy and t.placement_load + 1 <= cap:
                 return t.id
         return None

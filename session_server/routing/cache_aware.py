@@ -7,6 +7,9 @@ least-loaded target wins; else the target with the longest matched prefix wins
 when matched / total > cache_threshold, otherwise the target with the smallest
 tree. Defaults are the SGLang CLI's (the Rust defaults are 0.5 / 32 / 1.1).
 Needs `RoutingSignals.prefix_hashes`; without them every request is a miss.
+Load is `placement_load` (ours plus the engine-reported rest, issue 14.4): SGLang's
+router sees every request because it is the only router; N instances see each
+other's work only through the engines' own reports.
 """
 
 from __future__ import annotations
@@ -61,10 +64,10 @@ class CacheAware(PolicyBase):
             return None
         cfg = self.config
         hashes = tuple(signals.prefix_hashes or ())
-        loads = [t.in_flight for t in healthy]
+        loads = [t.placement_load for t in healthy]
         hi, lo = max(loads), min(loads)
         if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
-            choice = min(healthy, key=lambda t: t.in_flight).id
+            choice = min(healthy, key=lambda t: t.placement_load).id
         else:
             best_id, best_n = healthy[0].id, -1
             for t in healthy:

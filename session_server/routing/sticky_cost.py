@@ -3,14 +3,17 @@
 - every turn goes home while home is healthy (its KV holds the context);
 - a new or re-homed session goes to the cheapest healthy target, where
   cost_s = (pending uncached prefill tokens + this prompt) / prefill rate
-           + in-flight turns * in_flight_cost_s
+           + load * in_flight_cost_s
            + kv_barrier_s if resident + this prompt would pass kv_high_water;
   ties by fewest resident sessions, then rendezvous hash. Pending tokens grow as
   re-homed sessions land, so a dead engine's sessions spread over the survivors;
 - migration off a healthy home only for small contexts, and only when home has
-  >= migrate_min_extra_in_flight more turns in flight than the least loaded and
-  >= migrate_load_ratio times as many; a long (or unknown-length) context never
+  >= migrate_min_extra_in_flight more load than the least loaded and
+  >= migrate_load_ratio times as much; a long (or unknown-length) context never
   moves. Homes are never restored: a recovered engine gets only new placements.
+
+Load is `placement_load`: this instance's in-flight turns plus the requests the
+engine reported beyond them at the last poll (other instances', issue 14.4).
 """
 
 from __future__ import annotations
@@ -73,10 +76,10 @@ class StickyCost(PolicyBase):
         ctx = signals.context_tokens
         if ctx is None or ctx >= cfg.migrate_max_context_tokens or len(healthy) < 2:
             return home.id
-        least = min(t.in_flight for t in healthy if t.id != home.id)
+        least = min(t.placement_load for t in healthy if t.id != home.id)
         if (
-            home.in_flight - least >= cfg.migrate_min_extra_in_flight
-            and home.in_flight >= cfg.migrate_load_ratio * least
+            home.placement_load - least >= cfg.migrate_min_extra_in_flight
+            and home.placement_load >= cfg.migrate_load_ratio * least
         ):
             return self._place(signals, [t for t in healthy if t.id != home.id])
         return home.id

@@ -21,7 +21,13 @@ from session_server.context import Settings
 from session_server.engines import make_adapter
 from session_server.engines.load import sglang_load, vllm_load
 from session_server.harness import running_server
-from session_server.routing import EnginePool, RoutingSignals, StickyCost, StickyLeastLoaded
+from session_server.routing import (
+    EnginePool,
+    RoutingSignals,
+    StickyCost,
+    StickyLeastLoaded,
+    make_policy,
+)
 from session_server.sim import running_sim
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
@@ -74,6 +80,55 @@ def test_14_4_placement_adds_engine_reported_load_and_keeps_homes(policy: Any) -
     assert policy.select(signals) == "e0/0"
     pool.set_engine_load("e0", None)  # unknown (engine did not answer): nothing added
     assert t0.external_load == 0
+
+
+@pytest.mark.parametrize("name", ["sticky_cost", "sticky_least_loaded", "bounded_load", "cache_aware"])
+def test_14_4_every_load_aware_policy_counts_other_instances_work(name: str) -> None:
+    """Each policy that weighs load weighs the engine-reported part too. 100 requests
+    beyond ours on e0 passes even `cache_aware`'s imbalance threshold (SGLang's 64)."""
+    pool = EnginePool(make_policy(name))
+    pool.add("e0")
+    pool.add("e1")
+    pool.set_engine_load("e0", {0: 100})
+    pool.set_engine_load("e1", {0: 0})
+    for i in range(20):
+        signals = RoutingSignals(session_id=f"s{i}", home=None, targets=pool.views(), context_tokens=100,
+                                 prefix_hashes=(i, i + 1))
+        assert pool.policy.select(signals) == "e1/0", (name, i)
+    pool.set_engine_load("e0", {0: 0})  # load learning off or the work gone: both are used again
+    picks = {pool.policy.select(RoutingSignals(session_id=f"n{i}", home=None, targets=pool.views(),
+                                               context_tokens=100, prefix_hashes=(1000 + i,)))
+             for i in range(40)}
+    assert picks == {"e0/0", "e1/0"}, (name, picks)
+
+
+@pytest.mark.parametrize("name", ["round_robin", "consistent_hash"])
+def test_14_4_load_blind_policies_stay_blind(name: str) -> None:
+    """By design these two never weigh load; engine reports do not change their picks."""
+    def picks(reported: int) -> list[str | None]:
+        pool = EnginePool(make_policy(name))
+        pool.add("e0")
+        pool.add("e1")
+        pool.set_engine_load("e0", {0: reported})
+        return [pool.policy.select(RoutingSignals(session_id=f"s{i}", home=None, targets=pool.views(),
+                                                  context_tokens=100)) for i in range(20)]
+    assert picks(100) == picks(0) and set(picks(100)) == {"e0/0", "e1/0"}
+
+
+def test_14_4_sticky_cost_moves_a_small_context_off_a_home_others_overload() -> None:
+    """Migration weighs the same load: a short context leaves a home the engine reports
+    100 requests deep (it re-prefills little); a long one stays with its KV."""
+    pool = EnginePool(StickyCost())
+    pool.add("e0")
+    pool.add("e1")
+    pool.set_engine_load("e0", {0: 100})
+    small = RoutingSignals(session_id="s", home="e0/0", targets=pool.views(), context_tokens=100)
+    assert pool.policy.select(small) == "e1/0"
+    long = RoutingSignals(session_id="s", home="e0/0", targets=pool.views(), context_tokens=1 << 20)
+    assert pool.policy.select(long) == "e0/0"
+    pool.set_engine_load("e0", {0: 3})
+    assert pool.policy.select(RoutingSignals(session_id="s", home="e0/0", targets=pool.views(),
+                                             context_tokens=100)) == "e0/0"
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
