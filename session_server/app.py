@@ -52,6 +52,7 @@ from .api.models import (
 )
 from .auth import install_auth, new_instance_id
 from .context import ServerContext, log
+from .control.peer_sync import sync_from_peers
 from .control.relay import PeerRelay, merge_instances
 from .errors import (
     BadRequest,
@@ -142,6 +143,20 @@ def session_view(s: Session) -> dict[str, Any]:
     }
 
 
+async def _join_cluster(relay: PeerRelay, ctx: ServerContext) -> None:
+    """The peer sync of a starting instance, logged; its gate opens whatever happens."""
+    try:
+        outcome = await sync_from_peers(relay, ctx.control, ctx.registry, drain_s=ctx.settings.turn_timeout_s)
+    except Exception:  # never leave the gate closed: a failed sync serves as a lone instance would
+        log.exception("peer sync failed; serving with this instance's own state")
+        ctx.control.end_sync()
+        return
+    if outcome.adopted_from:
+        log.info("joined the cluster: %s", orjson.dumps(outcome.as_dict()).decode())
+    else:
+        log.info("no peer answered: serving with this instance's own state")
+
+
 def create_app(config: AppConfig) -> FastAPI:
     if config.settings.instance_id is None:  # one identity per app: /health and the session-id prefix
         config = dataclasses.replace(
@@ -158,13 +173,17 @@ def create_app(config: AppConfig) -> FastAPI:
             ctx.metrics, per_session=settings.replay_per_session, max_bytes=settings.replay_store_bytes,
             grace_s=settings.replay_grace_s)
         ctx.store.on_remove.append(lambda s: state["replays"].forget(s.id))
-        state["relay"] = PeerRelay(settings.peers, timeout_s=settings.peer_timeout_s, admin_token=settings.admin_token)
+        state["relay"] = relay = PeerRelay(settings.peers, timeout_s=settings.peer_timeout_s,
+                                           admin_token=settings.admin_token)
         background = start_background(ctx)
+        if settings.peers:  # join the cluster's state before serving turns (control/peer_sync.py)
+            ctx.control.begin_sync()
+            background.tasks.append(asyncio.create_task(_join_cluster(relay, ctx), name="tito-peer-sync"))
         try:
             yield
         finally:
             await shutdown(ctx, background)
-            await state["relay"].aclose()
+            await relay.aclose()
 
     def count_internal() -> None:
         if "ctx" in state:
@@ -226,9 +245,13 @@ def create_app(config: AppConfig) -> FastAPI:
         return Response(internal_error_body(exc), 500, {"connection": "close"}, media_type=JSON)
 
     health_body = orjson.dumps({"status": "ok", "instance_id": settings.instance_id})
+    syncing_body = orjson.dumps({"status": "syncing", "instance_id": settings.instance_id,
+                                 "detail": "reading the cluster's control state from its peers"})
 
     @app.get("/health")
     async def health() -> Response:
+        if not state["ctx"].control.synced:  # a proxy sends nothing here until it has joined
+            return Response(content=syncing_body, status_code=503, media_type=JSON)
         return Response(content=health_body, media_type=JSON)
 
     @app.get("/metrics", **route_doc(None, media=("text/plain",)))

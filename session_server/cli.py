@@ -150,7 +150,7 @@ def _cluster(args: argparse.Namespace) -> int:
     try:
         return run_cluster(serve_args, workers=args.workers, port=args.port, host=args.host, haproxy=args.haproxy,
                            start_timeout_s=args.start_timeout_s, drain_timeout_s=settings.drain_timeout_s + 5.0,
-                           proxy_timeout_s=args.proxy_timeout_s)
+                           proxy_timeout_s=args.proxy_timeout_s, restart=args.restart)
     except ClusterError as exc:
         print(f"session-server cluster: error: {exc}", file=sys.stderr)
         return 2
@@ -335,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--start-timeout-s", type=float, default=300.0, help="how long workers may take to become ready")
     c.add_argument("--proxy-timeout-s", type=int, default=3600,
                    help="HAProxy's client/server inactivity timeout (a turn may run for minutes)")
+    c.add_argument("--no-restart", dest="restart", action="store_false",
+                   help="leave a dead worker dead (default: restart it after a backoff; it joins the cluster's "
+                        "pause state, weight version and engines from its peers before it takes traffic)")
     c.set_defaults(func=_cluster, serve_args=[])
 
     e = sub.add_parser(

@@ -33,7 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -47,6 +47,8 @@ _log = logging.getLogger("session_server.cluster")
 
 HAPROXY_PACKAGE = "haproxy"
 POLL_S = 0.2
+RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap; doubles per death of a worker that ran < RESTART_RESET_S
+RESTART_RESET_S = 60.0
 # flags the cluster sets on every worker itself; given among the serve options they are an error
 RESERVED_FLAGS = ("--host", "--port", "--instance-id", "--peers")
 
@@ -210,7 +212,27 @@ class _Children:
 
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     haproxy: subprocess.Popen[bytes] | None = None
-    reported: set[str] = field(default_factory=set)
+    reported: set[str] = field(default_factory=set)  # dead and not (yet) restarted
+    deaths: int = 0
+    started_at: dict[str, float] = field(default_factory=dict)  # monotonic, per instance
+    restart_at: dict[str, float] = field(default_factory=dict)  # monotonic, for dead instances
+    backoff_s: dict[str, float] = field(default_factory=dict)
+
+    def start(self, w: WorkerSpec, argv: list[str]) -> subprocess.Popen[bytes]:
+        self.workers[w.instance] = p = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        self.started_at[w.instance] = time.monotonic()
+        self.reported.discard(w.instance)
+        return p
+
+    def schedule_restart(self, name: str) -> float:
+        """When to restart `name`: after a delay that doubles while it keeps dying young."""
+        first, cap = RESTART_BACKOFF_S
+        ran = time.monotonic() - self.started_at.get(name, 0.0)
+        prev = self.backoff_s.get(name)
+        delay = first if prev is None or ran >= RESTART_RESET_S else min(cap, prev * 2)
+        self.backoff_s[name] = delay
+        self.restart_at[name] = time.monotonic() + delay
+        return delay
 
     def stop(self, drain_s: float) -> None:
         """HAProxy soft-stops (finishes open requests) while the workers drain their
@@ -236,6 +258,7 @@ class _Children:
             rc = p.poll()
             if rc is not None and name not in self.reported:
                 self.reported.add(name)
+                self.deaths += 1
                 out.append((name, rc))
         return out
 
@@ -270,9 +293,15 @@ def _wait_ready(children: _Children, specs: Sequence[WorkerSpec], timeout_s: flo
 def run_cluster(
     serve_args: Sequence[str], *, workers: int, port: int, host: str = "127.0.0.1", haproxy: str | None = None,
     start_timeout_s: float = 300.0, drain_timeout_s: float = 30.0, proxy_timeout_s: int = 3600,
+    restart: bool = True,
 ) -> int:
     """Start the workers and HAProxy, supervise them until SIGTERM/SIGINT or HAProxy's
-    death; exit status 0 when stopped with every worker alive, 1 otherwise."""
+    death; exit status 0 when stopped with no worker ever dead, 1 otherwise.
+
+    `restart`: a dead worker is started again (same instance id and port) after a
+    backoff; it joins the cluster's control state from its peers before it reports
+    healthy (control/peer_sync.py), so HAProxy sends it nothing stale. Its sessions are
+    lost either way: they lived in its memory."""
     haproxy_bin = find_haproxy(haproxy)  # before anything starts
     soft, _ = raise_nofile_limit()  # inherited by HAProxy and the workers
     _log.info("cluster: file-descriptor limit %d", soft)
@@ -288,8 +317,8 @@ def run_cluster(
     directory = Path(tempfile.mkdtemp(prefix="tito-cluster-"))
     try:
         for w in specs:
-            children.workers[w.instance] = subprocess.Popen(worker_argv(w, specs, serve_args), stdin=subprocess.DEVNULL)
-            _log.info("cluster: worker %s pid=%d url=%s", w.instance, children.workers[w.instance].pid, w.url)
+            proc = children.start(w, worker_argv(w, specs, serve_args))
+            _log.info("cluster: worker %s pid=%d url=%s", w.instance, proc.pid, w.url)
         _wait_ready(children, specs, start_timeout_s, stop)
         cfg = directory / "haproxy.cfg"
         cfg.write_text(haproxy_config(specs, bind_host=host, port=port, directory=directory, timeout_s=proxy_timeout_s))
@@ -297,7 +326,8 @@ def run_cluster(
         _wait_proxy(children.haproxy, f"http://{host}:{port}", stop)
         _log.info("cluster ready: http://%s:%d (%d workers, haproxy pid=%d, config %s)",
                   host, port, len(specs), children.haproxy.pid, cfg)
-        return _supervise(children, stop)
+        restarter = (lambda w: children.start(w, worker_argv(w, specs, serve_args))) if restart else None
+        return _supervise(children, stop, {w.instance: w for w in specs}, restarter)
     except ClusterError as exc:
         _log.error("cluster: %s", exc)
         return 1
@@ -321,18 +351,34 @@ def _wait_proxy(proc: subprocess.Popen[bytes], url: str, stop: threading.Event, 
         time.sleep(POLL_S)
 
 
-def _supervise(children: _Children, stop: threading.Event) -> int:
-    """Report dead workers; end on a stop signal, HAProxy's exit or the last worker's."""
+def _supervise(
+    children: _Children, stop: threading.Event, specs: dict[str, WorkerSpec],
+    restarter: Callable[[WorkerSpec], subprocess.Popen[bytes]] | None,
+) -> int:
+    """Report (and restart, with `restarter`) dead workers; end on a stop signal,
+    HAProxy's exit, or, without restarts, the last worker's."""
     assert children.haproxy is not None
     while not stop.wait(POLL_S):
         for name, rc in children.newly_dead():
-            _log.error("cluster: worker %s exited with status %d: its sessions are lost and answer 503 "
-                       "instance_unavailable at the proxy; the other workers keep serving", name, rc)
+            if restarter is None:
+                _log.error("cluster: worker %s exited with status %d: its sessions are lost and answer 503 "
+                           "instance_unavailable at the proxy; the other workers keep serving", name, rc)
+            else:
+                delay = children.schedule_restart(name)
+                _log.error("cluster: worker %s exited with status %d: its sessions are lost (503 "
+                           "instance_unavailable at the proxy until it is back, then 404); restarting it in "
+                           "%.0f s", name, rc, delay)
+        if restarter is not None:
+            now = time.monotonic()
+            for name, when in list(children.restart_at.items()):
+                if now >= when:
+                    del children.restart_at[name]
+                    proc = restarter(specs[name])
+                    _log.info("cluster: worker %s restarted pid=%d url=%s", name, proc.pid, specs[name].url)
         if children.haproxy.poll() is not None:
             _log.error("cluster: haproxy exited with status %d; stopping the workers", children.haproxy.returncode)
             return 1
-        if len(children.reported) == len(children.workers):
+        if restarter is None and len(children.reported) == len(children.workers):
             _log.error("cluster: every worker has exited; stopping")
             return 1
-    return 1 if children.reported else 0  # a worker that died before the stop signal
-
+    return 1 if children.deaths else 0  # a worker that died before the stop signal

@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +30,7 @@ from session_server.engines.base import EngineAdapter
 from session_server.errors import BadRequest, PausedTooLong
 
 from .fanout import Report, abort_lora_on, fan_out, pause_engine
+from .flights import EngineAborts, Flights
 from .metrics import ControlMetrics
 
 __all__ = ["MAX_WEIGHT_VERSION", "PAUSE_MODES", "ControlPlane", "EngineSource"]
@@ -63,12 +64,6 @@ class _Pause:
     since_unix: float
 
 
-@dataclass
-class _Flight:
-    engine: str
-    lora: str | None
-
-
 class ControlPlane:
     """Engine-agnostic pause gate + engine fan-out + weight version (see module doc).
 
@@ -89,11 +84,11 @@ class ControlPlane:
         abort_timeout_s: float = 2.0,
     ) -> None:
         self._engines: EngineSource = _Adapters(engines) if callable(engines) else engines
-        self.abort_timeout_s = abort_timeout_s
-        self._abort_tasks: set[asyncio.Task[None]] = set()
         # called with each new weight version (the pool drops its prefix estimates; lag.py)
         self.on_weight_version: list[Callable[[int], None]] = []
         self.metrics = ControlMetrics(registry)
+        self.flights = Flights()
+        self.aborts = EngineAborts(self.metrics, abort_timeout_s)
         self.grace_s = grace_s
         self.drain_timeout_s = drain_timeout_s
         self.salt_cache = salt_cache
@@ -103,13 +98,14 @@ class ControlPlane:
         self._version: int | None = None
         self._forced_reset = False  # a version was forced backwards at least once
         self._changed = asyncio.Event()  # replaced on every gate change (broadcast)
-        self._flights: dict[str, _Flight] = {}
-        self._flights_changed = asyncio.Event()
         self._waiting = 0
         self._epoch = 0  # +1 per pause: tells a pause abort from an engine-side one
         self._lock = asyncio.Lock()  # one pause/resume at a time
         self.last_mismatch: dict[str, Any] | None = None
         self.last_report: dict[str, Any] | None = None
+        self.changes = 0  # +1 per applied pause, resume or version (peer_sync.py re-reads on one)
+        self.synced = True  # False from `begin_sync` until `adopt` / `end_sync`
+        self._sync_gate: _Pause | None = None
         if weight_version is not None:
             self.set_weight_version(weight_version)
 
@@ -160,38 +156,17 @@ class ControlPlane:
 
     # --- in-flight registry ----------------------------------------------------------------
 
-    @contextmanager
-    def track_flight(self, rid: str, *, engine: str, lora: str | None) -> Iterator[None]:
+    def track_flight(self, rid: str, *, engine: str, lora: str | None) -> AbstractContextManager[None]:
         """Register segment `rid` as at `engine` while the block runs: a per-LoRA abort
         finds it by id, a drain waits for it to leave."""
-        self._flights[rid] = _Flight(engine, lora)
-        try:
-            yield
-        finally:
-            if self._flights.pop(rid, None) is not None:
-                self._flights_changed.set()
-                self._flights_changed = asyncio.Event()
+        return self.flights.track(rid, engine=engine, lora=lora)
 
     def in_flight(self, *, engine: str | None = None, lora: str | None = None) -> list[str]:
         """Request ids of segments now at an engine (optionally one engine / one LoRA)."""
-        return [
-            rid for rid, f in self._flights.items()
-            if (engine is None or f.engine == engine) and (lora is None or f.lora == lora)
-        ]
+        return self.flights.ids(engine=engine, lora=lora)
 
     async def _drain(self, *, engine: str | None = None, lora: str | None = None) -> bool:
-        """Wait until no matching segment is in flight; False when `drain_timeout_s` passed."""
-        deadline = time.monotonic() + self.drain_timeout_s
-        while self.in_flight(engine=engine, lora=lora):
-            changed = self._flights_changed
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(changed.wait(), left)
-            except TimeoutError:
-                continue
-        return True
+        return await self.flights.drain(self.drain_timeout_s, engine=engine, lora=lora)
 
     # --- engine fan-out ----------------------------------------------------------------------
 
@@ -236,6 +211,7 @@ class ControlPlane:
             else:
                 self._lora[lora] = pause
             self._epoch += 1
+            self.changes += 1
             self._notify()
             self.metrics.pauses_total.labels(scope=scope, mode=mode).inc()
             if self.grace_s > 0:
@@ -265,6 +241,7 @@ class ControlPlane:
             else:
                 engines = {}
                 self._lora.pop(lora, None)
+            self.changes += 1
             self._notify()
             self.metrics.resumes_total.labels(scope="global" if lora is None else "lora").inc()
             return self._report(
@@ -295,6 +272,15 @@ class ControlPlane:
                 )
             log.warning("weight version forced backwards: %s -> %s", previous, version)
             self._forced_reset = True
+        self._apply_version(version)
+        self.changes += 1
+        out: dict[str, Any] = {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt()}
+        if previous is not None and version < previous:
+            out["forced"] = True
+        return out
+
+    def _apply_version(self, version: int) -> None:
+        previous = self._version
         self._version = version
         self.metrics.weight_version.set(version)
         if version != previous:
@@ -303,10 +289,38 @@ class ControlPlane:
                     hook(version)
                 except Exception:  # a hook never blocks a weight update
                     log.exception("weight-version hook failed")
-        out: dict[str, Any] = {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt()}
-        if previous is not None and version < previous:
-            out["forced"] = True
-        return out
+
+    # --- joining a running cluster (peer_sync.py) -------------------------------------------------
+
+    def begin_sync(self) -> None:
+        """Close the gate until the cluster's state is known (`adopt`) or known to be
+        unknowable (`end_sync`): no turn runs on a state the cluster has left."""
+        now = time.monotonic()
+        self._sync_gate = self._global = _Pause("sync", now, time.time())
+        self.synced = False
+        self._notify()
+
+    def adopt(self, *, weight_version: int | None, pause_mode: str | None, lora_pauses: dict[str, str]) -> None:
+        """Take the cluster's state as read from the peers, without touching any engine
+        (the engines are shared: the peers already paused or resumed them). Not counted
+        in `changes`: this is catching up, not a change."""
+        if weight_version is not None:
+            self._apply_version(weight_version)
+        now, now_unix = time.monotonic(), time.time()
+        self._global = None if pause_mode is None else _Pause(pause_mode, now, now_unix)
+        self._lora = {name: _Pause(mode, now, now_unix) for name, mode in lora_pauses.items()}
+        self._sync_gate = None
+        self.synced = True
+        self._notify()
+
+    def end_sync(self) -> None:
+        """Open the sync gate with nothing adopted (no peer answered): a relayed pause
+        that replaced it meanwhile stays."""
+        if self._global is not None and self._global is self._sync_gate:
+            self._global = None
+        self._sync_gate = None
+        self.synced = True
+        self._notify()
 
     def version_floor(self, last: Any) -> Any:
         """The version a session's next turn may not go below: its last committed one,
@@ -324,27 +338,11 @@ class ControlPlane:
         """Abort `rid` on its engine in the background: the turn stopped waiting for it
         (cancelled or timed out), so the engine must not keep decoding for nobody. Never
         blocks the caller; bounded by `abort_timeout_s`; counted by outcome."""
-        fn = getattr(adapter, "abort_request", None)
-        if fn is None:
-            self.metrics.engine_aborts_total.labels("unsupported").inc()
-            return
-
-        async def run() -> None:
-            try:
-                await asyncio.wait_for(fn(rid), self.abort_timeout_s)
-                self.metrics.engine_aborts_total.labels("sent").inc()
-            except Exception as exc:
-                self.metrics.engine_aborts_total.labels("failed").inc()
-                log.warning("abort of %s on %s failed: %r", rid, getattr(adapter, "base_url", "?"), exc)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._abort_tasks.add(task)
-        task.add_done_callback(self._abort_tasks.discard)
+        self.aborts.send(adapter, rid)
 
     async def drain_aborts(self) -> None:
         """Wait for the background aborts in flight (shutdown, tests)."""
-        while self._abort_tasks:
-            await asyncio.gather(*list(self._abort_tasks), return_exceptions=True)
+        await self.aborts.drain()
 
     def cache_salt(self) -> str | None:
         """Prefix-cache namespace of the current weights (vLLM `cache_salt`, SGLang `extra_key`),
@@ -378,9 +376,10 @@ class ControlPlane:
                 for name, p in sorted(self._lora.items())
             },
             "weight_version": self._version,
+            "synced": self.synced,
             "cache_salt": self.cache_salt(),
             "grace_s": self.grace_s,
-            "in_flight": len(self._flights),
+            "in_flight": len(self.flights),
             "waiting_at_gate": self._waiting,
             "counters": self.metrics.totals(),
             "last_version_mismatch": self.last_mismatch,

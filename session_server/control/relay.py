@@ -39,6 +39,11 @@ class PeerRelay:
         self.admin_token = admin_token
         self._http: aiohttp.ClientSession | None = None
 
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._http
+
     def wanted(self, headers: Any) -> bool:
         """Relay this request? Not when there are no peers or it is itself a relay."""
         return bool(self.peers) and headers.get(RELAYED_HEADER) is None
@@ -61,10 +66,8 @@ class PeerRelay:
     async def _one(
         self, peer: str, method: str, path: str, body: bytes, headers: dict[str, str], absent_ok: bool,
     ) -> dict[str, Any]:
-        if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
-            async with self._http.request(method, peer + path, data=body or None, headers=headers) as resp:
+            async with self._session().request(method, peer + path, data=body or None, headers=headers) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -85,6 +88,27 @@ class PeerRelay:
         else:
             out["error"] = _error_text(reply, status)
         return out
+
+    async def fetch(self, path: str, *, timeout_s: float) -> dict[str, Any]:
+        """`GET path` on every peer concurrently: its JSON body where it answered 200,
+        else None (down, refused, timed out): a peer sync reads the cluster's state."""
+        headers = {RELAYED_HEADER: "1"}
+        if self.admin_token:
+            headers["authorization"] = f"Bearer {self.admin_token}"
+        async def one(peer: str) -> Any:
+            try:
+                async with self._session().get(peer + path, headers=headers,
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                    if resp.status != 200:
+                        log.info("peer %s answered %d to GET %s", peer, resp.status, path)
+                        return None
+                    return orjson.loads(await resp.read())
+            except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+                log.info("peer %s unreachable for GET %s: %r", peer, path, exc)
+                return None
+
+        outcomes = await asyncio.gather(*(one(peer) for peer in self.peers))
+        return dict(zip(self.peers, outcomes, strict=True))
 
     async def aclose(self) -> None:
         if self._http is not None:

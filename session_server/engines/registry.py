@@ -40,6 +40,7 @@ class EngineRegistry:
         # removed engines' adapters until their client is closed: a turn that was on one
         # may still ask whether it answers (`answers_health`)
         self._retired: dict[str, EngineAdapter] = {}
+        self.changes = 0  # +1 per engine attached or removed (a peer sync re-reads on a change)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -78,6 +79,7 @@ class EngineRegistry:
     def attach(self, engine_id: str, adapter: EngineAdapter, dp_size: int = 1) -> Engine:
         """Register an already built `adapter` as `engine_id` with its targets."""
         self._adapters[engine_id] = adapter
+        self.changes += 1
         return self.pool.add(engine_id, dp_size)
 
     def remove(self, engine_id: str, *, drain_s: float = 0.0) -> Engine | None:
@@ -87,6 +89,7 @@ class EngineRegistry:
         eng = self.pool.remove(engine_id)
         adapter = self._adapters.pop(engine_id, None)
         if adapter is not None:
+            self.changes += 1
             self._retired[engine_id] = adapter
             task = asyncio.get_running_loop().create_task(self._retire(engine_id, adapter, drain_s))
             _CLOSING.add(task)

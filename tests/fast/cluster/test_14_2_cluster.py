@@ -77,7 +77,9 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(tokenizer_dir: Path, engine: str, workers: int, tmp_path: Path) -> AsyncIterator[Cluster]:
+async def running_cluster(
+    tokenizer_dir: Path, engine: str, workers: int, tmp_path: Path, *extra: str,
+) -> AsyncIterator[Cluster]:
     """`session-server cluster` as a subprocess on a free port; always torn down (SIGTERM,
     then SIGKILL of the cluster and of every worker pid it reported)."""
     port = free_ports(1)[0]
@@ -86,7 +88,7 @@ async def running_cluster(tokenizer_dir: Path, engine: str, workers: int, tmp_pa
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "session_server.cli", "cluster", "--workers", str(workers), "--port", str(port),
             "--engine", f"sglang={engine}", "--tokenizer", str(tokenizer_dir), "--cpu-workers", "1",
-            "--decode-processes", "0", "--log-level", "warning", "--drain-timeout-s", "2",
+            "--decode-processes", "0", "--log-level", "warning", "--drain-timeout-s", "2", *extra,
             stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     cluster = Cluster(f"http://127.0.0.1:{port}", {}, log, proc)
     try:
@@ -107,7 +109,8 @@ async def running_cluster(tokenizer_dir: Path, engine: str, workers: int, tmp_pa
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-        for pid, _ in cluster.workers.values():
+        restarted = [int(pid) for pid in re.findall(r"worker w\d+ restarted pid=(\d+)", cluster.log_text())]
+        for pid in [p for p, _ in cluster.workers.values()] + restarted:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -143,7 +146,7 @@ async def test_14_2_cluster_routes_by_instance_and_a_dead_worker_fails_only_its_
 ) -> None:
     qwen3 = tokenizer_dirs["qwen3"]
     async with running_sim("sglang", str(qwen3), seed=5) as engine, \
-            running_cluster(qwen3, engine, 3, tmp_path) as cl, \
+            running_cluster(qwen3, engine, 3, tmp_path, "--no-restart") as cl, \
             httpx.AsyncClient(base_url=cl.url, timeout=60) as http:
         assert sorted(cl.workers) == ["w0", "w1", "w2"], cl.log_text()[-2000:]
         # sessions created through the proxy land on several instances; base_url is the proxy's

@@ -12,6 +12,7 @@ a 502 in our envelope naming the instance. Skipped only when `haproxy` is absent
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -156,3 +157,73 @@ async def test_14_2_a_worker_killed_mid_turn_answers_that_turn_with_502_naming_i
         r = await http.post(f"/sessions/{fresh['session_id']}/v1/chat/completions",
                             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200, r.text
+
+
+@needs_haproxy
+async def test_14_2_a_restarted_worker_joins_the_paused_cluster_at_its_version_and_engines(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """The supervisor restarts a dead worker (same instance id and port). Meanwhile the
+    trainer, through the proxy, added an engine, set weight version 5 and paused: the
+    restarted worker comes back paused at version 5 with both engines before the proxy
+    sends it anything; one resume through the proxy resumes every instance; the old
+    sessions of that worker are gone (404), new ones on it are stamped version 5."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3), seed=3) as engine, \
+            running_sim("vllm", str(qwen3), seed=4) as second, \
+            running_cluster(qwen3, engine, 2, tmp_path) as cl, \
+            httpx.AsyncClient(base_url=cl.url, timeout=120) as http, \
+            httpx.AsyncClient(timeout=30) as direct:
+        on: dict[str, str] = {}
+        for _ in range(20):  # a session on each instance
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            on.setdefault(sid.split(".")[0], sid)
+        assert sorted(on) == ["w0", "w1"], on
+        victim_pid, victim_url = cl.workers["w1"]
+        os.kill(victim_pid, signal.SIGKILL)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while "worker w1 exited" not in cl.log_text():
+            assert loop.time() < deadline, cl.log_text()[-2000:]
+            await asyncio.sleep(0.05)
+        # the trainer moves on while w1 is down: w1 is named as failed each time
+        for path, body in (("/engines", {"url": f"vllm={second}"}), ("/control/weight_version", {"version": 5}),
+                           ("/control/pause", {"mode": "abort"})):
+            r = await http.post(path, json=body)
+            assert r.status_code == 207 and r.json()["failed_instances"] == [victim_url], r.text
+        deadline = loop.time() + 120
+        while True:  # restarted (after its backoff) and joined: healthy only once synced
+            if "worker w1 restarted" in cl.log_text():
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await direct.get(f"{victim_url}/health")).status_code == 200:
+                        break
+            assert loop.time() < deadline, cl.log_text()[-3000:]
+            await asyncio.sleep(0.1)
+        st = (await direct.get(f"{victim_url}/control/state")).json()
+        assert st["synced"] and st["paused"] and st["mode"] == "abort" and st["weight_version"] == 5, st
+        engines = sorted(e["base_url"] for e in (await direct.get(f"{victim_url}/engines")).json()["engines"])
+        assert engines == sorted([engine, second])
+
+        r = await http.post("/control/resume", json={})
+        assert r.status_code == 200 and r.json()["ok"] and r.json()["failed_instances"] == [], r.text
+        assert not any([(await direct.get(f"{u}/control/state")).json()["paused"] for _, u in cl.workers.values()])
+        # w1's old session is gone (its memory died with it); w0's is intact
+        deadline = loop.time() + 30
+        while (r := await http.get(f"/sessions/{on['w1']}")).status_code == 503:  # until HAProxy sees it up
+            assert loop.time() < deadline, r.text
+            await asyncio.sleep(0.2)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "session_not_found", r.text
+        assert (await http.get(f"/sessions/{on['w0']}")).status_code == 200
+        # new sessions reach the restarted worker again and carry the cluster's version
+        fresh = None
+        for _ in range(20):
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            if sid.startswith("w1."):
+                fresh = sid
+                break
+        assert fresh is not None
+        r = await http.post(f"/sessions/{fresh}/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": TASK}], "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        turn = (await http.get(f"/sessions/{fresh}/trajectory")).json()["branches"][0]["turns"][0]
+        assert turn["weight_version"] == 5, turn
