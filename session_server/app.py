@@ -494,6 +494,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx = ctx_of()
         body = await _read_body(request, 64 * 1024)
         spec: EngineAdd = await ctx.offload.run(parse_json_model, body, EngineAdd)
+        ctx.registry.note(spec.url, "added")  # newer than a joining instance's read of its peers
         eng = ctx.registry.find(spec.url)
         existing = eng is not None
         if eng is None:
@@ -511,11 +512,14 @@ def create_app(config: AppConfig) -> FastAPI:
         """`base_url` (a relayed removal): the engine with that URL, whatever its id here."""
         ctx = ctx_of()
         if base_url is not None:
+            ctx.registry.note(base_url, "removed")  # even when absent: a joining instance must not add it
             found = ctx.registry.find(base_url)
             if found is None:
                 raise NotFound(f"no engine at {base_url!r}")
             engine_id = found.id
         url = ctx.registry.adapter(engine_id).base_url if engine_id in ctx.engines.engines else None
+        if url is not None:
+            ctx.registry.note(url, "removed")
         # turns already on it finish (their generation is good); new ones are refused;
         # the close runs in the background so DELETE does not wait for them
         if url is None or ctx.registry.remove(engine_id, drain_s=ctx.settings.turn_timeout_s) is None:

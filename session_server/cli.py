@@ -150,7 +150,8 @@ def _cluster(args: argparse.Namespace) -> int:
     try:
         return run_cluster(serve_args, workers=args.workers, port=args.port, host=args.host, haproxy=args.haproxy,
                            start_timeout_s=args.start_timeout_s, drain_timeout_s=settings.drain_timeout_s + 5.0,
-                           proxy_timeout_s=args.proxy_timeout_s, restart=args.restart)
+                           proxy_timeout_s=args.proxy_timeout_s, restart=args.restart,
+                           restart_backoff_s=args.restart_backoff_s)
     except ClusterError as exc:
         print(f"session-server cluster: error: {exc}", file=sys.stderr)
         return 2
@@ -338,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-restart", dest="restart", action="store_false",
                    help="leave a dead worker dead (default: restart it after a backoff; it joins the cluster's "
                         "pause state, weight version and engines from its peers before it takes traffic)")
+    c.add_argument("--restart-backoff-s", type=float, default=1.0,
+                   help="delay before a dead worker is restarted; doubles (up to 30 s) while it keeps dying within "
+                        "a minute")
     c.set_defaults(func=_cluster, serve_args=[])
 
     e = sub.add_parser(

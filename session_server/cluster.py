@@ -47,7 +47,7 @@ _log = logging.getLogger("session_server.cluster")
 
 HAPROXY_PACKAGE = "haproxy"
 POLL_S = 0.2
-RESTART_BACKOFF_S = (1.0, 30.0)  # first delay, cap; doubles per death of a worker that ran < RESTART_RESET_S
+RESTART_CAP_S = 30.0  # the restart delay doubles per death of a worker that ran < RESTART_RESET_S, up to this
 RESTART_RESET_S = 60.0
 # flags the cluster sets on every worker itself; given among the serve options they are an error
 RESERVED_FLAGS = ("--host", "--port", "--instance-id", "--peers")
@@ -217,6 +217,7 @@ class _Children:
     started_at: dict[str, float] = field(default_factory=dict)  # monotonic, per instance
     restart_at: dict[str, float] = field(default_factory=dict)  # monotonic, for dead instances
     backoff_s: dict[str, float] = field(default_factory=dict)
+    first_backoff_s: float = 1.0
 
     def start(self, w: WorkerSpec, argv: list[str]) -> subprocess.Popen[bytes]:
         self.workers[w.instance] = p = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
@@ -226,10 +227,10 @@ class _Children:
 
     def schedule_restart(self, name: str) -> float:
         """When to restart `name`: after a delay that doubles while it keeps dying young."""
-        first, cap = RESTART_BACKOFF_S
         ran = time.monotonic() - self.started_at.get(name, 0.0)
         prev = self.backoff_s.get(name)
-        delay = first if prev is None or ran >= RESTART_RESET_S else min(cap, prev * 2)
+        first = self.first_backoff_s
+        delay = first if prev is None or ran >= RESTART_RESET_S else min(max(first, RESTART_CAP_S), prev * 2)
         self.backoff_s[name] = delay
         self.restart_at[name] = time.monotonic() + delay
         return delay
@@ -293,13 +294,13 @@ def _wait_ready(children: _Children, specs: Sequence[WorkerSpec], timeout_s: flo
 def run_cluster(
     serve_args: Sequence[str], *, workers: int, port: int, host: str = "127.0.0.1", haproxy: str | None = None,
     start_timeout_s: float = 300.0, drain_timeout_s: float = 30.0, proxy_timeout_s: int = 3600,
-    restart: bool = True,
+    restart: bool = True, restart_backoff_s: float = 1.0,
 ) -> int:
     """Start the workers and HAProxy, supervise them until SIGTERM/SIGINT or HAProxy's
     death; exit status 0 when stopped with no worker ever dead, 1 otherwise.
 
-    `restart`: a dead worker is started again (same instance id and port) after a
-    backoff; it joins the cluster's control state from its peers before it reports
+    `restart`: a dead worker is started again (same instance id and port) after
+    `restart_backoff_s`, doubling while it keeps dying within a minute; it joins the cluster's control state from its peers before it reports
     healthy (control/peer_sync.py), so HAProxy sends it nothing stale. Its sessions are
     lost either way: they lived in its memory."""
     haproxy_bin = find_haproxy(haproxy)  # before anything starts
@@ -313,7 +314,7 @@ def run_cluster(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     specs = [WorkerSpec(f"w{i}", p) for i, p in enumerate(free_ports(workers))]
-    children = _Children()
+    children = _Children(first_backoff_s=restart_backoff_s)
     directory = Path(tempfile.mkdtemp(prefix="tito-cluster-"))
     try:
         for w in specs:
@@ -373,7 +374,12 @@ def _supervise(
             for name, when in list(children.restart_at.items()):
                 if now >= when:
                     del children.restart_at[name]
-                    proc = restarter(specs[name])
+                    try:
+                        proc = restarter(specs[name])
+                    except OSError as exc:  # e.g. out of processes: try again later
+                        delay = children.schedule_restart(name)
+                        _log.error("cluster: restarting worker %s failed (%s); again in %.0f s", name, exc, delay)
+                        continue
                     _log.info("cluster: worker %s restarted pid=%d url=%s", name, proc.pid, specs[name].url)
         if children.haproxy.poll() is not None:
             _log.error("cluster: haproxy exited with status %d; stopping the workers", children.haproxy.returncode)

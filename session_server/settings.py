@@ -90,7 +90,8 @@ class Settings(BaseSettings):
         120.0, gt=0, description="how long a control request relayed to a peer may take before it counts as failed")
     engine_load_poll_s: float = Field(
         2.0, ge=0, description="seconds between polls of each engine's own load (SGLang /get_load, vLLM /metrics), "
-        "which placement of new sessions adds to this instance's in-flight count (0: off)")
+        "which placement of new sessions (and bounded_load's cap, cache_aware's balance test) adds to this "
+        "instance's in-flight count (0: off)")
     routed_experts_num_experts: int | None = Field(
         None, ge=1, le=32768, description="experts per layer: routed ids must be below it (unset: not checked)")
 

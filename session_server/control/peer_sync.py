@@ -18,27 +18,29 @@ Peers still syncing themselves (`synced: false`) and peers that do not answer ar
 out; with none left there is nothing to adopt and the gate opens as it is.
 
 The instance listens while it syncs, so a control request relayed to it meanwhile is
-applied here. Such a change (counted by `ControlPlane.changes` / `EngineRegistry.changes`)
-makes the sync read its peers again rather than overwrite it with an older read: a
-peer relays every change to this instance too, so the re-read already includes it.
+applied here (pause and resume reach the engines as usual). What such a request set
+(the global pause, one LoRA adapter's, the version, one engine URL) is newer than any
+read of the peers that overlaps it (a peer may not have applied it yet when read), so
+`adopt` and the engine reconciliation keep it: only what no request touched is taken
+from the peers. A change whose relay to this instance failed (the trainer's 207 names
+it) is only as current here as the peers were when read: resend it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engines.registry import EngineRegistry
-from ..errors import BadRequest
-from .plane import PAUSE_MODES, ControlPlane
+from .plane import MAX_WEIGHT_VERSION, PAUSE_MODES, ControlPlane
 from .relay import PeerRelay
 
 __all__ = ["ClusterView", "SyncOutcome", "cluster_view", "sync_from_peers"]
 
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS = 8  # reads that a concurrent change may invalidate before the sync settles for the last one
 READ_TIMEOUT_S = 10.0  # per peer read; never longer than the relay's own timeout
 
 
@@ -56,14 +58,11 @@ class ClusterView:
 @dataclass
 class SyncOutcome:
     adopted_from: list[str]
-    rounds: int
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
-    settled: bool = True  # False: changes kept arriving; the last read was adopted
 
     def as_dict(self) -> dict[str, Any]:
-        return {"adopted_from": self.adopted_from, "rounds": self.rounds, "added": self.added,
-                "removed": self.removed, "settled": self.settled}
+        return {"adopted_from": self.adopted_from, "added": self.added, "removed": self.removed}
 
 
 def cluster_view(states: dict[str, Any], engines: dict[str, Any]) -> ClusterView:
@@ -75,15 +74,18 @@ def cluster_view(states: dict[str, Any], engines: dict[str, Any]) -> ClusterView
             continue
         view.peers.append(peer)
         v = st.get("weight_version")
-        if isinstance(v, int) and not isinstance(v, bool) and (view.weight_version is None or v > view.weight_version):
+        if (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_WEIGHT_VERSION
+                and (view.weight_version is None or v > view.weight_version)):
             view.weight_version = v
         mode = st.get("mode")
         if st.get("paused") and view.pause_mode is None and mode in PAUSE_MODES:
             view.pause_mode = mode
-        for name, lp in (st.get("lora_pauses") or {}).items():
+        loras = st.get("lora_pauses")
+        for name, lp in (loras.items() if isinstance(loras, dict) else ()):
             if isinstance(lp, dict) and lp.get("mode") in PAUSE_MODES:
                 view.lora_pauses.setdefault(name, lp["mode"])
-        for e in eng.get("engines") or ():
+        engs = eng.get("engines")
+        for e in (engs if isinstance(engs, list) else ()):
             if isinstance(e, dict) and isinstance(e.get("base_url"), str) and isinstance(e.get("protocol"), str):
                 view.engines.setdefault(e["base_url"].rstrip("/"), e)
     return view
@@ -91,64 +93,53 @@ def cluster_view(states: dict[str, Any], engines: dict[str, Any]) -> ClusterView
 
 async def _read(relay: PeerRelay) -> ClusterView:
     timeout_s = min(READ_TIMEOUT_S, relay.timeout_s)
-    states = await relay.fetch("/control/state", timeout_s=timeout_s)
-    engines = await relay.fetch("/engines", timeout_s=timeout_s)
+    states, engines = await asyncio.gather(relay.fetch("/control/state", timeout_s=timeout_s),
+                                           relay.fetch("/engines", timeout_s=timeout_s))
     return cluster_view(states, engines)
 
 
-async def _reconcile_engines(registry: EngineRegistry, view: ClusterView, drain_s: float,
-                             outcome: SyncOutcome) -> int:
-    """Add the peers' engines this instance lacks; remove those no peer has; how many."""
-    made = 0
+async def _reconcile_engines(registry: EngineRegistry, view: ClusterView, noted: dict[str, str],
+                             drain_s: float, outcome: SyncOutcome) -> None:
+    """Add the peers' engines this instance lacks; remove those no peer has. A URL an
+    add or remove was asked for here since the sync began (`noted`) is left as asked."""
     for url, e in view.engines.items():
-        if registry.find(url) is not None:
+        if url in noted or registry.find(url) is not None:
             continue
         dp = e.get("dp_size")
         try:
-            await registry.add(f"{e['protocol']}={url}", dp_size=dp if isinstance(dp, int) and dp >= 1 else None)
-            outcome.added.append(url)
-            made += 1
-        except BadRequest as exc:  # refuses to be an engine now: the health of it is the peers' concern
-            log.warning("peer sync: engine %s that peers use refused here: %s", url, exc)
-    for engine_id, adapter in [(a_id, registry.adapter(a_id)) for a_id in list(registry.pool.engines)]:
-        if adapter.base_url.rstrip("/") not in view.engines:
+            eng = await registry.add(f"{e['protocol']}={url}", dp_size=dp if isinstance(dp, int) and dp >= 1 else None)
+        except Exception as exc:  # one engine never stops the rest of the join; the peers own its health
+            log.warning("peer sync: could not add engine %s that peers use: %r", url, exc)
+            continue
+        if noted.get(url) == "removed":  # the cluster removed it while it was being added here
+            registry.remove(eng.id, drain_s=0.0)
+            continue
+        outcome.added.append(url)
+    for engine_id in list(registry.pool.engines):
+        url = registry.adapter(engine_id).base_url.rstrip("/")
+        if url not in view.engines and url not in noted:
             registry.remove(engine_id, drain_s=drain_s)
-            outcome.removed.append(adapter.base_url)
-            made += 1
-    return made
+            outcome.removed.append(url)
 
 
 async def sync_from_peers(relay: PeerRelay, control: ControlPlane, registry: EngineRegistry, *,
                           drain_s: float = 0.0) -> SyncOutcome:
     """Adopt the cluster's state (module doc); the caller has called `control.begin_sync()`.
 
-    Never raises for a peer: one that fails is left out. Always leaves the gate synced.
-    When changes keep arriving for `MAX_ROUNDS` reads, no read is adopted but its weight
-    version, if higher (versions only grow): the relayed changes are the newer state."""
-    outcome = SyncOutcome(adopted_from=[], rounds=0)
+    Never raises for a peer: one that fails is left out. Always leaves the gate open
+    (synced), whatever happens; engines are reconciled before it opens."""
+    outcome = SyncOutcome(adopted_from=[])
+    noted = registry.note_changes()
     try:
-        for rounds in range(1, MAX_ROUNDS + 1):
-            outcome.rounds = rounds
-            mark = (control.changes, registry.changes)
-            view = await _read(relay)
-            if (control.changes, registry.changes) != mark:
-                continue  # a change reached this instance while it read: read again
-            if not view.peers:
-                return outcome
-            # engines first, behind the closed gate: no turn runs before both are in step
-            made = await _reconcile_engines(registry, view, drain_s, outcome)
-            if (control.changes, registry.changes - made) != mark:
-                continue  # a relayed change landed meanwhile: read again (engine changes are idempotent)
-            control.adopt(weight_version=view.weight_version, pause_mode=view.pause_mode,
-                          lora_pauses=view.lora_pauses)  # no await between the check and this
-            outcome.adopted_from = view.peers
+        view = await _read(relay)
+        if not view.peers:
             return outcome
-        outcome.settled = False
-        log.warning("peer sync: control changes kept arriving during %d reads of the peers; keeping them", MAX_ROUNDS)
-        if view.weight_version is not None and (control.weight_version is None
-                                                or view.weight_version > control.weight_version):
-            control.set_weight_version(view.weight_version)
+        await _reconcile_engines(registry, view, noted, drain_s, outcome)
+        control.adopt(weight_version=view.weight_version, pause_mode=view.pause_mode,
+                      lora_pauses=view.lora_pauses)
+        outcome.adopted_from = view.peers
         return outcome
     finally:
+        registry.stop_noting()
         if not control.synced:
             control.end_sync()

@@ -103,9 +103,8 @@ class ControlPlane:
         self._lock = asyncio.Lock()  # one pause/resume at a time
         self.last_mismatch: dict[str, Any] | None = None
         self.last_report: dict[str, Any] | None = None
-        self.changes = 0  # +1 per applied pause, resume or version (peer_sync.py re-reads on one)
-        self.synced = True  # False from `begin_sync` until `adopt` / `end_sync`
-        self._sync_gate: _Pause | None = None
+        self.synced = True  # False from `begin_sync` until `adopt` / `end_sync`: the gate stays closed
+        self._touched: set[str] | None = None  # while joining: what relayed changes set here (peer_sync.py)
         if weight_version is not None:
             self.set_weight_version(weight_version)
 
@@ -123,7 +122,7 @@ class ControlPlane:
 
     def blocked(self, lora: str | None = None) -> bool:
         """Whether a new segment for `lora` must wait (global pause, or that adapter paused)."""
-        return self._global is not None or (lora is not None and lora in self._lora)
+        return self._global is not None or not self.synced or (lora is not None and lora in self._lora)
 
     async def wait_open(self, lora: str | None = None, *, deadline: float | None = None) -> float:
         """Wait until the gate is open for `lora`; seconds waited.
@@ -139,7 +138,7 @@ class ControlPlane:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     self.metrics.paused_too_long_total.inc()
-                    scope = "the server" if self._global else f"LoRA adapter {lora!r}"
+                    scope = "the server" if self._global or not self.synced else f"LoRA adapter {lora!r}"
                     raise PausedTooLong(
                         f"{scope} stayed paused past the turn's deadline "
                         f"(waited {time.monotonic() - t0:.3f}s)"
@@ -211,7 +210,7 @@ class ControlPlane:
             else:
                 self._lora[lora] = pause
             self._epoch += 1
-            self.changes += 1
+            self._touch("global" if lora is None else f"lora:{lora}")
             self._notify()
             self.metrics.pauses_total.labels(scope=scope, mode=mode).inc()
             if self.grace_s > 0:
@@ -241,7 +240,7 @@ class ControlPlane:
             else:
                 engines = {}
                 self._lora.pop(lora, None)
-            self.changes += 1
+            self._touch("global" if lora is None else f"lora:{lora}")
             self._notify()
             self.metrics.resumes_total.labels(scope="global" if lora is None else "lora").inc()
             return self._report(
@@ -273,7 +272,7 @@ class ControlPlane:
             log.warning("weight version forced backwards: %s -> %s", previous, version)
             self._forced_reset = True
         self._apply_version(version)
-        self.changes += 1
+        self._touch("version")
         out: dict[str, Any] = {"weight_version": version, "previous": previous, "cache_salt": self.cache_salt()}
         if previous is not None and version < previous:
             out["forced"] = True
@@ -293,32 +292,33 @@ class ControlPlane:
     # --- joining a running cluster (peer_sync.py) -------------------------------------------------
 
     def begin_sync(self) -> None:
-        """Close the gate until the cluster's state is known (`adopt`) or known to be
-        unknowable (`end_sync`): no turn runs on a state the cluster has left."""
-        now = time.monotonic()
-        self._sync_gate = self._global = _Pause("sync", now, time.time())
+        """Close the gate until `adopt` / `end_sync`; from now on remember what each applied
+        pause, resume and version set: newer than an overlapping read, `adopt` keeps it."""
         self.synced = False
+        self._touched = set()
         self._notify()
+
+    def _touch(self, what: str) -> None:
+        if self._touched is not None:
+            self._touched.add(what)
 
     def adopt(self, *, weight_version: int | None, pause_mode: str | None, lora_pauses: dict[str, str]) -> None:
-        """Take the cluster's state as read from the peers, without touching any engine
-        (the engines are shared: the peers already paused or resumed them). Not counted
-        in `changes`: this is catching up, not a change."""
-        if weight_version is not None:
+        """Take the peers' state except what changes applied since `begin_sync` set; open the
+        gate. No engine is asked: they are shared and the peers already paused them."""
+        touched = self._touched or set()
+        if weight_version is not None and "version" not in touched:
             self._apply_version(weight_version)
         now, now_unix = time.monotonic(), time.time()
-        self._global = None if pause_mode is None else _Pause(pause_mode, now, now_unix)
-        self._lora = {name: _Pause(mode, now, now_unix) for name, mode in lora_pauses.items()}
-        self._sync_gate = None
-        self.synced = True
-        self._notify()
+        if "global" not in touched:
+            self._global = None if pause_mode is None else _Pause(pause_mode, now, now_unix)
+        kept = {name: p for name, p in self._lora.items() if f"lora:{name}" in touched}
+        self._lora = {name: _Pause(mode, now, now_unix) for name, mode in lora_pauses.items()
+                      if f"lora:{name}" not in touched} | kept
+        self.end_sync()
 
     def end_sync(self) -> None:
-        """Open the sync gate with nothing adopted (no peer answered): a relayed pause
-        that replaced it meanwhile stays."""
-        if self._global is not None and self._global is self._sync_gate:
-            self._global = None
-        self._sync_gate = None
+        """Open the gate on the state as it is (nothing adopted when no peer answered)."""
+        self._touched = None
         self.synced = True
         self._notify()
 

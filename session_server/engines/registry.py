@@ -40,7 +40,7 @@ class EngineRegistry:
         # removed engines' adapters until their client is closed: a turn that was on one
         # may still ask whether it answers (`answers_health`)
         self._retired: dict[str, EngineAdapter] = {}
-        self.changes = 0  # +1 per engine attached or removed (a peer sync re-reads on a change)
+        self._noted: dict[str, str] | None = None  # while joining a cluster: URL -> last op asked here
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -72,6 +72,10 @@ class EngineRegistry:
                 except EngineError as exc:
                     log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
                     healthy = False
+        already = self.find(spec)  # added meanwhile (a relayed add racing a peer sync): one engine per URL
+        if already is not None:
+            await adapter.aclose()
+            return already
         eng = self.attach(f"e{self.pool.next_engine_number()}", adapter, dp_size)
         eng.healthy = healthy
         return eng
@@ -79,7 +83,6 @@ class EngineRegistry:
     def attach(self, engine_id: str, adapter: EngineAdapter, dp_size: int = 1) -> Engine:
         """Register an already built `adapter` as `engine_id` with its targets."""
         self._adapters[engine_id] = adapter
-        self.changes += 1
         return self.pool.add(engine_id, dp_size)
 
     def remove(self, engine_id: str, *, drain_s: float = 0.0) -> Engine | None:
@@ -89,7 +92,6 @@ class EngineRegistry:
         eng = self.pool.remove(engine_id)
         adapter = self._adapters.pop(engine_id, None)
         if adapter is not None:
-            self.changes += 1
             self._retired[engine_id] = adapter
             task = asyncio.get_running_loop().create_task(self._retire(engine_id, adapter, drain_s))
             _CLOSING.add(task)
@@ -127,6 +129,25 @@ class EngineRegistry:
             if adapter.base_url == url:
                 return self.pool.engines.get(engine_id)
         return None
+
+    # --- changes asked while joining a cluster (control/peer_sync.py) --------------------------
+
+    def note_changes(self) -> dict[str, str]:
+        """From now on remember each engine URL an add or remove was asked for (`note`),
+        found or not: a peer sync must not undo it with an older read of its peers."""
+        self._noted = {}
+        return self._noted
+
+    def note(self, spec: str, op: str) -> None:
+        """`op` ("added" / "removed") was asked for `spec`'s URL (the engine routes call this)."""
+        if self._noted is not None:
+            try:
+                self._noted[parse_engine_spec(spec)[1]] = op
+            except ValueError:
+                pass
+
+    def stop_noting(self) -> None:
+        self._noted = None
 
     def adapters(self) -> list[EngineAdapter]:
         """Every engine's adapter (the control plane's fan-out reads this on each call)."""

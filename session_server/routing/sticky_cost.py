@@ -8,12 +8,15 @@
   ties by fewest resident sessions, then rendezvous hash. Pending tokens grow as
   re-homed sessions land, so a dead engine's sessions spread over the survivors;
 - migration off a healthy home only for small contexts, and only when home has
-  >= migrate_min_extra_in_flight more load than the least loaded and
-  >= migrate_load_ratio times as much; a long (or unknown-length) context never
+  >= migrate_min_extra_in_flight more turns in flight than the least loaded and
+  >= migrate_load_ratio times as many; a long (or unknown-length) context never
   moves. Homes are never restored: a recovered engine gets only new placements.
 
-Load is `placement_load`: this instance's in-flight turns plus the requests the
-engine reported beyond them at the last poll (other instances', issue 14.4).
+Placement's load is `placement_load`: this instance's in-flight turns plus the
+requests the engine reported beyond them at the last poll (other instances', issue
+14.4). Migration counts only this instance's own turns: every instance sees the same
+polled report, up to a poll period old, so migrating on it would move all instances'
+sessions off one engine at once, and back at the next poll, re-prefilling each time.
 """
 
 from __future__ import annotations
@@ -76,10 +79,10 @@ class StickyCost(PolicyBase):
         ctx = signals.context_tokens
         if ctx is None or ctx >= cfg.migrate_max_context_tokens or len(healthy) < 2:
             return home.id
-        least = min(t.placement_load for t in healthy if t.id != home.id)
+        least = min(t.in_flight for t in healthy if t.id != home.id)
         if (
-            home.placement_load - least >= cfg.migrate_min_extra_in_flight
-            and home.placement_load >= cfg.migrate_load_ratio * least
+            home.in_flight - least >= cfg.migrate_min_extra_in_flight
+            and home.in_flight >= cfg.migrate_load_ratio * least
         ):
             return self._place(signals, [t for t in healthy if t.id != home.id])
         return home.id

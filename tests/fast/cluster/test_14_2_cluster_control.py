@@ -171,7 +171,7 @@ async def test_14_2_a_restarted_worker_joins_the_paused_cluster_at_its_version_a
     qwen3 = tokenizer_dirs["qwen3"]
     async with running_sim("sglang", str(qwen3), seed=3) as engine, \
             running_sim("vllm", str(qwen3), seed=4) as second, \
-            running_cluster(qwen3, engine, 2, tmp_path) as cl, \
+            running_cluster(qwen3, engine, 2, tmp_path, "--restart-backoff-s", "4") as cl, \
             httpx.AsyncClient(base_url=cl.url, timeout=120) as http, \
             httpx.AsyncClient(timeout=30) as direct:
         on: dict[str, str] = {}
@@ -186,7 +186,7 @@ async def test_14_2_a_restarted_worker_joins_the_paused_cluster_at_its_version_a
         while "worker w1 exited" not in cl.log_text():
             assert loop.time() < deadline, cl.log_text()[-2000:]
             await asyncio.sleep(0.05)
-        # the trainer moves on while w1 is down: w1 is named as failed each time
+        # the trainer moves on while w1 is down (restarted after 4 s): w1 is named as failed each time
         for path, body in (("/engines", {"url": f"vllm={second}"}), ("/control/weight_version", {"version": 5}),
                            ("/control/pause", {"mode": "abort"})):
             r = await http.post(path, json=body)

@@ -115,20 +115,22 @@ def test_14_4_load_blind_policies_stay_blind(name: str) -> None:
     assert picks(100) == picks(0) and set(picks(100)) == {"e0/0", "e1/0"}
 
 
-def test_14_4_sticky_cost_moves_a_small_context_off_a_home_others_overload() -> None:
-    """Migration weighs the same load: a short context leaves a home the engine reports
-    100 requests deep (it re-prefills little); a long one stays with its KV."""
+def test_14_4_sticky_cost_migrates_on_its_own_turns_not_on_polled_reports() -> None:
+    """Every instance sees the same polled report: migrating on it would move all of
+    their sessions off one engine at once (and back at the next poll). A home that
+    others load stays home; one this instance loads still sheds a small context."""
     pool = EnginePool(StickyCost())
     pool.add("e0")
     pool.add("e1")
     pool.set_engine_load("e0", {0: 100})
     small = RoutingSignals(session_id="s", home="e0/0", targets=pool.views(), context_tokens=100)
+    assert pool.policy.select(small) == "e0/0"
+    pool.set_engine_load("e0", None)
+    pool.targets["e0/0"].in_flight = 20  # this instance's own turns
+    small = RoutingSignals(session_id="s", home="e0/0", targets=pool.views(), context_tokens=100)
     assert pool.policy.select(small) == "e1/0"
     long = RoutingSignals(session_id="s", home="e0/0", targets=pool.views(), context_tokens=1 << 20)
     assert pool.policy.select(long) == "e0/0"
-    pool.set_engine_load("e0", {0: 3})
-    assert pool.policy.select(RoutingSignals(session_id="s", home="e0/0", targets=pool.views(),
-                                             context_tokens=100)) == "e0/0"
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
