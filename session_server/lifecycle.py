@@ -105,12 +105,26 @@ def start_background(ctx: ServerContext) -> Background:
         name="tito-health-checks",
     )
     tasks = [sweeper, checker]
+    if settings.loop_lag_probe_s > 0:
+        tasks.append(asyncio.create_task(loop_lag_probe(ctx.metrics, settings.loop_lag_probe_s), name="tito-loop-lag"))
     if settings.engine_load_poll_s > 0:  # other instances' load on shared engines (issue 14.4)
         tasks.append(asyncio.create_task(registry.poll_loads(settings.engine_load_poll_s), name="tito-load-polls"))
     gc.collect()
     gc.freeze()  # start-up objects (tokenizer, codec, templates) never need scanning again
     log.info("session server ready: family=%s engines=%d", getattr(ctx.codec, "family", "?"), len(engines.engines))
     return Background(tasks, stop_health_checks)
+
+
+async def loop_lag_probe(metrics: Metrics, interval_s: float) -> None:
+    """Every `interval_s`, how much later than asked a timer fired: the time the loop
+    spent on other callbacks (or blocked) that every request here waited for too. The
+    operator's view of "nothing blocks the event loop" (bench/_loopwatch.py is the
+    bench's); a few wake-ups a second cost nothing."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t0 = loop.time()
+        await asyncio.sleep(interval_s)
+        metrics.loop_lag_seconds.observe(max(0.0, loop.time() - t0 - interval_s))
 
 
 SWEEP_BATCH = 512  # heap entries per step of a sweep: ~3 ms of removals (bench/stall_timings.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PHASES = ("claim", "parse", "prepare", "render", "route", "generate", "validate", "commit", "respond", "total")
+_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -37,6 +38,10 @@ class Metrics:
             "calls streamed (committed as parsed: the tokens are the truth)", registry=r,
         )
         self.branches_total = Counter("tito_branches_total", "Branches created, by reason", ["reason"], registry=r)
+        self.loop_lag_seconds = Histogram(
+            "tito_event_loop_lag_seconds", "How late the event loop ran a timer (lifecycle.loop_lag_probe): "
+            "what every request on this process waited on top of its own work", buckets=_LAG_BUCKETS_S, registry=r,
+        )
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self.turn_phase_seconds.labels(phase=phase).observe(seconds)

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     max_branches: int = Field(
         64, ge=1, description="branches per session at most: a retry or fork past it is refused (429 branch_limit)")
     sweep_interval_s: float = Field(5.0, gt=0, description="how often expired sessions are swept")
+    loop_lag_probe_s: float = Field(
+        0.25, ge=0, description="how often the event loop's lag is measured into tito_event_loop_lag_seconds "
+        "(a timer's lateness; 0: off)")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="at shutdown, how long in-flight turns may finish before they are cancelled")
     clamp_logprob_sentinel: bool = Field(
