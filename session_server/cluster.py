@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from .control.relay import RELAYED_HEADER
 from .engines.http import raise_nofile_limit
 from .sessions import ID_SEPARATOR
 
@@ -106,10 +107,28 @@ def _error_response(status: int, reason: str, kind: str, message: str) -> str:
             f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}")
 
 
+# errors HAProxy answers itself once a request is parsed (a worker failing mid-request,
+# none up, a timeout), in our envelope on every route: status -> (reason, type, message).
+# A request HAProxy cannot parse at all gets its built-in 400 page (its HTTP/1 layer
+# answers that before any errorfile applies).
+PROXY_ERRORS = {
+    400: ("Bad Request", "bad_request", "the proxy could not parse the request"),
+    408: ("Request Timeout", "request_timeout", "the request was not received in time"),
+    500: ("Internal Server Error", "proxy_error", "the proxy failed on this request"),
+    502: ("Bad Gateway", "instance_unavailable", "the instance failed during the request (did it die?)"),
+    503: ("Service Unavailable", "instance_unavailable", "no instance of this cluster is up"),
+    504: ("Gateway Timeout", "instance_timeout", "the instance did not answer within the proxy's timeout"),
+}
+
+
 def write_error_files(directory: Path, workers: Sequence[WorkerSpec]) -> None:
-    """One 502/503/504 errorfile per instance backend (naming the instance) and for the pool."""
+    """Our-envelope errorfiles: the proxy's defaults (`PROXY_ERRORS`) and one 502/503/504
+    per instance backend naming the instance."""
+    for code, (reason, kind, message) in PROXY_ERRORS.items():
+        (directory / f"{code}_proxy.http").write_text(_error_response(code, reason, kind, message))
     for w in workers:
-        down = f"session instance {w.instance} is down: its sessions are lost (they lived in its memory)"
+        down = (f"session instance {w.instance} is down or not answering its health check; if it died, "
+                "its sessions are lost (they lived in its memory)")
         (directory / f"503_{w.instance}.http").write_text(
             _error_response(503, "Service Unavailable", "instance_unavailable", down))
         (directory / f"502_{w.instance}.http").write_text(_error_response(
@@ -118,8 +137,6 @@ def write_error_files(directory: Path, workers: Sequence[WorkerSpec]) -> None:
         (directory / f"504_{w.instance}.http").write_text(_error_response(
             504, "Gateway Timeout", "instance_timeout",
             f"session instance {w.instance} did not answer within the proxy's timeout"))
-    (directory / "503_pool.http").write_text(_error_response(
-        503, "Service Unavailable", "instance_unavailable", "no instance of this cluster is up"))
 
 
 def haproxy_config(
@@ -147,12 +164,15 @@ def haproxy_config(
         "    timeout http-request 300s",
         "    timeout http-keep-alive 75s",
         "    timeout queue 60s",
+        "    timeout check 5s",  # a loaded worker's /health may take a while: not the inter (1 s)
         "    retries 2",
         "    retry-on conn-failure",
+        *(f"    errorfile {code} {directory / f'{code}_proxy.http'}" for code in PROXY_ERRORS),
         "",
         "frontend tito",
         f"    bind {bind_host}:{port}",
         "    option forwardfor",
+        f"    http-request del-header {RELAYED_HEADER}",  # only instances mark relays; a client's would misfire
         "    acl session_path path_beg /sessions/",
         "    http-request set-var(txn.sid) path,field(3,/) if session_path",
         f"    http-request set-var(txn.instance) var(txn.sid),field(1,{ID_SEPARATOR}) if session_path",
@@ -162,7 +182,6 @@ def haproxy_config(
         "backend be_pool",
         "    balance leastconn",
         "    option redispatch",
-        f"    errorfile 503 {directory / '503_pool.http'}",
         *(f"    server {w.instance} {w.host}:{w.port} track be_{w.instance}/{w.instance}" for w in workers),
         "",
         "backend be_unknown_instance",
@@ -178,7 +197,7 @@ def haproxy_config(
             "    option httpchk GET /health",
             "    http-check expect status 200",
             *(f"    errorfile {code} {directory / f'{code}_{w.instance}.http'}" for code in (502, 503, 504)),
-            f"    server {w.instance} {w.host}:{w.port} check inter 1s fall 2 rise 2",
+            f"    server {w.instance} {w.host}:{w.port} check inter 1s fall 3 rise 2",
         ]
     return "\n".join(lines) + "\n"
 

@@ -6,9 +6,11 @@ to its own in-flight count (`routing/pool.py`, `EnginePool.set_engine_load`).
 
 - SGLang `GET /get_load`: a JSON list, one entry per DP rank, of
   `{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens", ...}` (sglang
-  `python/sglang/srt/entrypoints/http_server.py` `get_load`, backed by
-  `TokenizerManager.get_load`; newer builds keep that shape as a shim over `/v1/loads`,
-  whose entries say `num_running_reqs` instead of `num_reqs`; both are read).
+  `python/sglang/srt/entrypoints/http_server.py` `get_load`, backed by the
+  scheduler's `get_load`, where `num_reqs` is running + waiting and
+  `num_waiting_reqs` the waiting part of it). Newer builds keep that shape as a shim
+  over `/v1/loads`, whose entries give `num_running_reqs` and `num_waiting_reqs`
+  separately; both shapes are read.
 - vLLM `GET /metrics` (Prometheus text): the gauges `vllm:num_requests_running` and
   `vllm:num_requests_waiting`, one sample per DP rank labelled `engine="<rank>"`.
   Parsed with prometheus_client's text parser, off the event loop (the adapter's offload):
@@ -44,8 +46,11 @@ def sglang_load(reply: Any) -> dict[int, int]:
             continue
         rank = e.get("dp_rank", i)
         rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else i
-        running = e.get("num_reqs", e.get("num_running_reqs"))
-        out[rank] = out.get(rank, 0) + _count(running) + _count(e.get("num_waiting_reqs"))
+        if "num_reqs" in e:  # already running + waiting
+            n = _count(e["num_reqs"])
+        else:
+            n = _count(e.get("num_running_reqs")) + _count(e.get("num_waiting_reqs"))
+        out[rank] = out.get(rank, 0) + n
     return out
 
 

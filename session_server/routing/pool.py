@@ -201,10 +201,15 @@ class EnginePool:
         """What `engine_id` reports running + waiting per DP rank (None: unknown). The
         part beyond our own in-flight turns is other instances' work; new placements add
         it to our count (`TargetView.placement_load`), so instances sharing engines
-        spread without talking to each other (issue 14.4)."""
+        spread without talking to each other (issue 14.4). An engine we know as one
+        target (vLLM does not report its DP size) counts every rank it reports: its
+        own balancer spreads our requests over them."""
+        eng = self.engines.get(engine_id)
+        whole = eng is not None and eng.dp_size == 1
         for t in self.targets.values():
             if t.engine_id == engine_id:
-                reported = (by_rank or {}).get(t.dp_rank, 0)
+                ranks = by_rank or {}
+                reported = sum(ranks.values()) if whole else ranks.get(t.dp_rank, 0)
                 t.external_load = max(0, reported - t.in_flight)
 
     def reset_cached(self) -> None:

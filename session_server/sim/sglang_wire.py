@@ -233,7 +233,7 @@ class SGLangWire:
             [
                 {
                     "dp_rank": r,
-                    "num_reqs": e.running_on(r),
+                    "num_reqs": e.running_on(r) + e.waiting_on(r),  # SGLang: running + waiting
                     "num_waiting_reqs": e.waiting_on(r),
                     "num_tokens": e.caches[r].used_tokens,
                 }

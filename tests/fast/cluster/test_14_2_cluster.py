@@ -204,3 +204,54 @@ async def test_14_2_cluster_routes_by_instance_and_a_dead_worker_fails_only_its_
     assert cl.proc.returncode == 1, cl.log_text()[-2000:]
     for pid, _ in cl.workers.values():
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+@needs_haproxy
+async def test_14_2_errors_the_proxy_answers_itself_are_in_our_envelope(tmp_path: Path) -> None:
+    """A worker that passes its health check but drops a request mid-way: the proxy's own
+    502 is our JSON envelope on every route (a control request through the pool, a
+    session's request naming its instance), never HAProxy's HTML page."""
+    from aiohttp import web
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def drop(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        request.transport.abort()  # a worker dying mid-request
+        raise web.HTTPInternalServerError
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/{tail:.*}", drop)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    worker_port, proxy_port = free_ports(2)
+    await web.TCPSite(runner, "127.0.0.1", worker_port).start()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_config([WorkerSpec("w0", worker_port)], bind_host="127.0.0.1", port=proxy_port,
+                                  directory=tmp_path))
+    proc = await asyncio.create_subprocess_exec("haproxy", "-f", str(cfg), "-db", stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.DEVNULL)
+    try:
+        # a new client connection per request: HAProxy answers a request that was sent on a
+        # reused server connection by closing, so that the client retries (docs/scale-out.md)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy_port}", timeout=10,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while True:  # until HAProxy is up and has seen w0 healthy (rise 2)
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                assert loop.time() < deadline
+                await asyncio.sleep(0.2)
+            r = await http.post("/control/pause", json={})
+            assert r.status_code == 502 and r.headers["content-type"] == "application/json", r.text
+            assert r.json()["error"]["type"] == "instance_unavailable"
+            r = await http.get("/sessions/w0." + "0" * 32)
+            assert r.status_code == 502 and "instance w0 failed" in r.json()["error"]["message"], r.text
+    finally:
+        proc.terminate()
+        await proc.wait()
+        await runner.cleanup()

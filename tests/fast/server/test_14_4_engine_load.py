@@ -35,7 +35,8 @@ HOLD = {"sglang": "in_place", "vllm": "keep"}  # a pause that holds new requests
 
 
 def test_14_4_sglang_get_load_shapes() -> None:
-    legacy = [{"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": 900},
+    # the scheduler's num_reqs is running + waiting already (num_waiting_reqs is part of it)
+    legacy = [{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 900},
               {"dp_rank": 1, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
     assert sglang_load(legacy) == {0: 5, 1: 0}
     v1 = {"loads": [{"dp_rank": 1, "num_running_reqs": 4, "num_waiting_reqs": 1}]}
@@ -80,6 +81,19 @@ def test_14_4_placement_adds_engine_reported_load_and_keeps_homes(policy: Any) -
     assert policy.select(signals) == "e0/0"
     pool.set_engine_load("e0", None)  # unknown (engine did not answer): nothing added
     assert t0.external_load == 0
+
+
+def test_14_4_an_engine_known_as_one_target_counts_every_rank_it_reports() -> None:
+    """vLLM does not report its DP size: added without `dp_size` it is one target, and
+    its own balancer spreads our requests over its ranks, so all of them count."""
+    pool = EnginePool(StickyLeastLoaded())
+    pool.add("v")  # one target
+    pool.add("s", dp_size=2)  # SGLang: its ranks are our targets
+    pool.targets["v/0"].in_flight = 2
+    pool.set_engine_load("v", {0: 3, 1: 4})
+    assert pool.targets["v/0"].external_load == 5
+    pool.set_engine_load("s", {0: 3, 1: 4})
+    assert [pool.targets[f"s/{r}"].external_load for r in (0, 1)] == [3, 4]
 
 
 @pytest.mark.parametrize("name", ["sticky_cost", "sticky_least_loaded", "bounded_load", "cache_aware"])
@@ -157,7 +171,7 @@ async def test_14_4_sims_report_waiting_and_running_wire_faithfully(qwen3_dir: P
                     assert 'vllm:num_requests_waiting{engine="0",model_name=' in text
                 else:
                     raw = (await http.get("/get_load")).json()
-                    assert [e["num_waiting_reqs"] for e in raw] == [2, 1] and [e["num_reqs"] for e in raw] == [0, 0]
+                    assert [e["num_waiting_reqs"] for e in raw] == [2, 1] and [e["num_reqs"] for e in raw] == [2, 1]
                 await adapter.resume()
                 assert all(r.status_code == 200 for r in await asyncio.gather(*calls))
         finally:
