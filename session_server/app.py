@@ -54,6 +54,7 @@ from .auth import install_auth, new_instance_id
 from .context import ServerContext, log
 from .control.peer_sync import sync_from_peers
 from .control.relay import PeerRelay, merge_instances
+from .engines.admission_check import parse_engine_spec
 from .errors import (
     BadRequest,
     ClientGone,
@@ -529,6 +530,34 @@ def create_app(config: AppConfig) -> FastAPI:
         if peers is None:
             return Response(status_code=204)
         merged, code = merge_instances({"ok": True, "removed": engine_id, "base_url": url}, await peers)
+        return Response(status_code=204) if code == 200 else _json(merged, code)
+
+    @app.delete("/engines", status_code=204, **route_doc(None, 400, 404, ok=PARTIAL))
+    async def remove_engine_by_url(request: Request, url: str) -> Response:
+        """The engine at `url` (`protocol=` prefix optional), here and on every peer: the
+        form to use behind a proxy, where engine ids are per instance. 404 only when no
+        instance had it."""
+        ctx = ctx_of()
+        try:
+            base_url = parse_engine_spec(url)[1]
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        if not base_url:
+            raise BadRequest("url must name an engine, e.g. http://gpu-node:30000")
+        ctx.registry.note(base_url, "removed")
+        found = ctx.registry.find(base_url)
+        if found is not None:
+            ctx.registry.remove(found.id, drain_s=ctx.settings.turn_timeout_s)
+        peers = relay_to_peers(request, b"", path=f"/engines/by-url?base_url={quote(base_url, safe='')}",
+                               absent_ok=True)
+        instances = await peers if peers is not None else {}
+        if found is None and all(out.get("absent") for out in instances.values() if out["ok"]) \
+                and all(out["ok"] for out in instances.values()):
+            raise NotFound(f"no instance has an engine at {base_url!r}")
+        if peers is None:
+            return Response(status_code=204)
+        merged, code = merge_instances({"ok": True, "removed_here": found is not None, "base_url": base_url},
+                                       instances)
         return Response(status_code=204) if code == 200 else _json(merged, code)
 
     @app.get("/v1/models", **route_doc(None))

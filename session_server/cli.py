@@ -138,6 +138,9 @@ def _cluster(args: argparse.Namespace) -> int:
     from .cluster import RESERVED_FLAGS, ClusterError, run_cluster
 
     serve_args = list(args.serve_args)
+    if args.workers < 1:
+        print("session-server cluster: error: --workers must be at least 1", file=sys.stderr)
+        return 2
     taken = [a for a in serve_args if a.split("=", 1)[0] in RESERVED_FLAGS]
     if taken:
         print(f"session-server cluster: error: {', '.join(taken)}: the cluster sets these on each worker "

@@ -343,9 +343,10 @@ def run_cluster(
         cfg = directory / "haproxy.cfg"
         cfg.write_text(haproxy_config(specs, bind_host=host, port=port, directory=directory, timeout_s=proxy_timeout_s))
         children.haproxy = subprocess.Popen([haproxy_bin, "-f", str(cfg), "-db"], stdin=subprocess.DEVNULL)
-        _wait_proxy(children.haproxy, f"http://{host}:{port}", stop)
+        shown = f"[{host}]" if ":" in host else host  # an IPv6 literal
+        _wait_proxy(children.haproxy, f"http://{shown}:{port}", stop)
         _log.info("cluster ready: http://%s:%d (%d workers, haproxy pid=%d, config %s)",
-                  host, port, len(specs), children.haproxy.pid, cfg)
+                  shown, port, len(specs), children.haproxy.pid, cfg)
         restarter = (lambda w: children.start(w, worker_argv(w, specs, serve_args))) if restart else None
         return _supervise(children, stop, {w.instance: w for w in specs}, restarter)
     except ClusterError as exc:

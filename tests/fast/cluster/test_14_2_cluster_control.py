@@ -218,6 +218,13 @@ async def test_14_2_a_restarted_worker_joins_the_paused_cluster_at_its_version_a
             await asyncio.sleep(0.2)
         assert r.status_code == 404 and r.json()["error"]["type"] == "session_not_found", r.text
         assert (await http.get(f"/sessions/{on['w0']}")).status_code == 200
+        # retire the SGLang engine by URL through the proxy (engine ids differ per instance now:
+        # w1 numbered its engines anew); the SGLang sim stamps its own "default" version, the
+        # vLLM one none, so a turn on the vLLM engine carries the version the instance holds
+        r = await http.delete("/engines", params={"url": engine})
+        assert r.status_code == 204, r.text
+        for _, u in cl.workers.values():
+            assert [e["base_url"] for e in (await direct.get(f"{u}/engines")).json()["engines"]] == [second]
         # new sessions reach the restarted worker again and carry the cluster's version
         fresh = None
         for _ in range(20):

@@ -206,3 +206,32 @@ async def test_14_3_engines_added_and_removed_on_every_instance(qwen3_dir: Path)
         eid_b = r.json()["id"]
         assert (await b.delete(f"/engines/{eid_b}")).status_code == 204
         assert await urls(a) == await urls(b) == [cl.engines[0]]
+
+
+async def test_14_3_engines_removed_by_url_whatever_their_id_on_each_instance(qwen3_dir: Path) -> None:
+    """Behind a proxy the trainer cannot pick the instance that reads an engine id, and
+    ids differ between instances (each numbers its own). `DELETE /engines?url=` names
+    the engine the same way everywhere."""
+    async with live_cluster(qwen3_dir, 2) as cl, running_sim("vllm", str(qwen3_dir), seed=5) as second, \
+            running_sim("vllm", str(qwen3_dir), seed=6) as third:
+        a, b = cl.clients
+        # b learns `third` first, a `second` first: their ids differ per instance
+        assert (await b.post("/engines", json={"url": f"vllm={third}"}, headers={RELAYED_HEADER: "1"})).status_code == 201
+        assert (await a.post("/engines", json={"url": f"vllm={second}"})).status_code == 201
+        assert (await a.post("/engines", json={"url": f"vllm={third}"})).status_code == 201
+
+        def ids(view: dict) -> dict[str, str]:
+            return {e["base_url"]: e["id"] for e in view["engines"]}
+
+        ids_a, ids_b = ids((await a.get("/engines")).json()), ids((await b.get("/engines")).json())
+        assert ids_a[second] != ids_b[second]
+        r = await b.delete("/engines", params={"url": f"vllm={second}/"})
+        assert r.status_code == 204, r.text
+        for c in (a, b):
+            assert sorted(ids((await c.get("/engines")).json())) == sorted([cl.engines[0], third])
+        # gone everywhere: a 404; an instance that still has it makes it a removal
+        assert (await a.delete("/engines", params={"url": second})).status_code == 404
+        assert (await a.delete("/engines", params={"url": third}, headers={RELAYED_HEADER: "1"})).status_code == 204
+        assert (await a.delete("/engines", params={"url": third})).status_code == 204  # b still had it
+        assert third not in ids((await b.get("/engines")).json())
+        assert (await a.delete("/engines", params={"url": "nope=http://x"})).status_code == 400

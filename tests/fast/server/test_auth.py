@@ -45,6 +45,7 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("GET", "/engines"): Access.ADMIN,
     ("POST", "/engines"): Access.ADMIN,
     ("DELETE", "/engines/{engine_id}"): Access.ADMIN,
+    ("DELETE", "/engines"): Access.ADMIN,
     # the served model's name: what clients probe first; no session data
     ("GET", "/v1/models"): Access.OPEN,
     ("GET", "/sessions/{sid}/v1/models"): Access.SESSION,
