@@ -148,9 +148,8 @@ async def _join_cluster(relay: PeerRelay, ctx: ServerContext) -> None:
     """The peer sync of a starting instance, logged; its gate opens whatever happens."""
     try:
         outcome = await sync_from_peers(relay, ctx.control, ctx.registry, drain_s=ctx.settings.turn_timeout_s)
-    except Exception:  # never leave the gate closed: a failed sync serves as a lone instance would
+    except Exception:  # its `finally` opened the gate: serve as a lone instance would
         log.exception("peer sync failed; serving with this instance's own state")
-        ctx.control.end_sync()
         return
     if outcome.adopted_from:
         log.info("joined the cluster: %s", orjson.dumps(outcome.as_dict()).decode())

@@ -103,8 +103,7 @@ class ControlPlane:
         self._lock = asyncio.Lock()  # one pause/resume at a time
         self.last_mismatch: dict[str, Any] | None = None
         self.last_report: dict[str, Any] | None = None
-        self.synced = True  # False from `begin_sync` until `adopt` / `end_sync`: the gate stays closed
-        self._touched: set[str] | None = None  # while joining: what relayed changes set here (peer_sync.py)
+        self._touched: set[str] | None = None  # joining (peer_sync.py): what changes applied here set
         if weight_version is not None:
             self.set_weight_version(weight_version)
 
@@ -122,7 +121,7 @@ class ControlPlane:
 
     def blocked(self, lora: str | None = None) -> bool:
         """Whether a new segment for `lora` must wait (global pause, or that adapter paused)."""
-        return self._global is not None or not self.synced or (lora is not None and lora in self._lora)
+        return self._global is not None or self._touched is not None or (lora is not None and lora in self._lora)
 
     async def wait_open(self, lora: str | None = None, *, deadline: float | None = None) -> float:
         """Wait until the gate is open for `lora`; seconds waited.
@@ -294,9 +293,12 @@ class ControlPlane:
     def begin_sync(self) -> None:
         """Close the gate until `adopt` / `end_sync`; from now on remember what each applied
         pause, resume and version set: newer than an overlapping read, `adopt` keeps it."""
-        self.synced = False
         self._touched = set()
         self._notify()
+
+    @property
+    def synced(self) -> bool:  # False between `begin_sync` and `adopt` / `end_sync`: the gate is closed
+        return self._touched is None
 
     def _touch(self, what: str) -> None:
         if self._touched is not None:
@@ -319,7 +321,6 @@ class ControlPlane:
     def end_sync(self) -> None:
         """Open the gate on the state as it is (nothing adopted when no peer answered)."""
         self._touched = None
-        self.synced = True
         self._notify()
 
     def version_floor(self, last: Any) -> Any:
