@@ -52,12 +52,14 @@ from .api.models import (
 )
 from .auth import install_auth, new_instance_id
 from .context import ServerContext, log
+from .control.fanout import push_version
 from .control.peer_sync import sync_from_peers
 from .control.relay import PeerRelay, merge_instances
 from .engines.admission_check import parse_engine_spec
 from .errors import (
     BadRequest,
     ClientGone,
+    EngineError,
     NotFound,
     PayloadTooLarge,
     ServiceError,
@@ -481,12 +483,21 @@ def create_app(config: AppConfig) -> FastAPI:
         body = await _read_body(request, 4096)
         spec: WeightVersion = await ctx.offload.run(parse_json_model, body, WeightVersion)
         out = ctx.control.set_weight_version(spec.version, force=spec.force)  # a 400 here is relayed nowhere
-        peers = relay_to_peers(request, body)
-        return _json(out) if peers is None else _json(*merge_instances(out, await peers))
+        return await cluster_wide(request, body, ctx.control.push_weight_version(out))
 
     @app.get("/engines", **route_doc(None))
     async def list_engines() -> Response:
         return _json(ctx_of().registry.view())
+
+    async def _push_version_to(ctx: ServerContext, engine_id: str) -> dict[str, Any] | None:
+        """A new engine learns the trainer's version (None: none set yet)."""
+        version = ctx.control.weight_version
+        if version is None:
+            return None
+        try:
+            return {"ok": True, **await push_version(ctx.registry.adapter(engine_id), str(version))}
+        except EngineError as exc:  # reported, not fatal: its tokens get the version at dispatch
+            return {"ok": False, "error": str(exc)}
 
     @app.post("/engines", status_code=201, **route_doc(
         EngineAdd, 400, 413, 502, ok={200: "the engine was already there (idempotent)", **PARTIAL}))
@@ -500,6 +511,8 @@ def create_app(config: AppConfig) -> FastAPI:
         if eng is None:
             eng = await ctx.registry.add(spec.url, dp_size=spec.dp_size)
         out = {"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size, "existing": existing}
+        if not existing:  # it reports the trainer's version from its first turn on
+            out["weight_version_push"] = await _push_version_to(ctx, eng.id)
         status = 200 if existing else 201
         peers = relay_to_peers(request, body)
         if peers is None:

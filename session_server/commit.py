@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from trajectory.errors import ValidationError
 from trajectory.tree import ROLLBACK_REASON
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
@@ -64,8 +66,19 @@ async def validate(
     finish = valid.finish_reason
     if finish == "stop" and parsed.tool_calls:
         finish = "tool_calls"
+    extra = _undecodable(valid, ctx.codec.vocab_size)
     return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish,
-                   routed=routed)
+                   routed=routed, extra=extra)
+
+
+def _undecodable(valid: ValidGeneration, tokenizer_size: int) -> dict[str, Any]:
+    """Sampled ids in the model's vocabulary padding (rows past the tokenizer's ids): they
+    are committed exactly, but no text can show them, so the turn record says where."""
+    at = np.flatnonzero(valid.ids >= tokenizer_size)
+    if not len(at):
+        return {}
+    return {"undecodable_ids": {"count": int(len(at)), "first_index": int(at[0]),
+                                "ids": valid.ids[at[:8]].tolist(), "tokenizer_size": tokenizer_size}}
 
 
 def _routed_rows(ctx: ServerContext, call: EngineCall, result: ResilientResult) -> Any:
@@ -126,6 +139,8 @@ async def commit(
         )
         if "stale_bound" in extra:
             session.note("stale_bound", turn=record.index, **extra["stale_bound"])
+        if "undecodable_ids" in extra:
+            session.note("undecodable_ids", turn=record.index, **extra["undecodable_ids"])
         if checked.repair:
             session.note("repair", turn=record.index, tokens=len(checked.repair), finish_reason=checked.finish)
     ctx.metrics.tokens_in_total.inc(len(prompt_ids))

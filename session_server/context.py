@@ -31,6 +31,7 @@ class ServerContext:
     metrics: Metrics
     codec: ChatCodec
     tokenizer: Any
+    vocab_size: int  # the model's rows: the bound on sampled ids (model_config.py), >= the tokenizer's
     engines: EnginePool  # routing bookkeeping (targets, load, homes)
     registry: EngineRegistry  # engine lifecycle and adapters: the only way to an engine
     decoder: ReplyDecoder

@@ -61,7 +61,7 @@ def engine_request(
     expect = Expectations(
         request_id=greq.request_id,
         prompt_len=len(input_ids),
-        vocab_size=ctx.codec.vocab_size,
+        vocab_size=ctx.vocab_size,
         max_tokens=budget,
         stop_token_ids=frozenset(ctx.codec.stop_token_ids),
         last_weight_version=prep.last_weight_version,

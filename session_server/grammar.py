@@ -38,9 +38,22 @@ def _json_lit(v: Any) -> str:
     return _lit(json.dumps(v, ensure_ascii=False))
 
 
+# Whitespace between JSON tokens is bounded: enough for any gap a model writes (a newline
+# and 7 levels of 2-space indent), never unbounded. With `[ \t\n]*` a model that prefers
+# whitespace (seen: random weights under vLLM 0.32's xgrammar) fills the turn with it and
+# never closes the call. Written as nested optionals: every backend's EBNF takes that.
+WS_MAX = 16
+
+
+def _bounded_ws(n: int) -> str:
+    body = ""
+    for _ in range(n):
+        body = f"( [ \\t\\n] {body} )?" if body else "[ \\t\\n]?"
+    return f"ws ::= {body}\n"
+
+
 # JSON strings (RFC 8259 s7): no raw control characters, escapes include \uXXXX
-_BASE = r"""ws ::= [ \t\n]*
-str ::= "\"" chr* "\""
+_BASE = _bounded_ws(WS_MAX) + r"""str ::= "\"" chr* "\""
 chr ::= [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" hex hex hex hex )
 hex ::= [0-9a-fA-F]
 num ::= "-"? int frac? exp?
@@ -183,8 +196,9 @@ def schema_to_ebnf(schema: Any, root: str = "root") -> str:
     return "\n".join(lines) + "\n" + _BASE
 
 
-def hermes_tool_call_ebnf(tools: list[tuple[str, Any]]) -> str:
-    """`<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>` (one or more), optional think first."""
+def hermes_tool_call_ebnf(tools: list[tuple[str, Any]], *, single: bool = False) -> str:
+    """`<tool_call>\\n{"name": N, "arguments": ARGS}\\n</tool_call>` (one or more; exactly one
+    when `single`), optional think first."""
     g = _Ebnf()
     alts = []
     for i, (name, params) in enumerate(tools):
@@ -193,7 +207,7 @@ def hermes_tool_call_ebnf(tools: list[tuple[str, Any]]) -> str:
             f'"{{" ws "\\"name\\"" ws ":" ws {_json_lit(name)} ws "," ws "\\"arguments\\"" ws ":" ws {args} ws "}}"'
         )
     lines = [
-        'root ::= think? ws call ( ws call )*',
+        'root ::= think? ws call' + ('' if single else ' ( ws call )*'),
         'think ::= "<think>" [^<]* "</think>"',
         'call ::= "<tool_call>" ws callbody ws "</tool_call>"',
         "callbody ::= " + " | ".join(f"( {a} )" for a in alts),

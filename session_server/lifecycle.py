@@ -24,6 +24,7 @@ from .context import ServerContext, log
 from .control import ControlPlane
 from .engines.registry import EngineRegistry
 from .metrics import Metrics
+from .model_config import model_vocab_size
 from .offload import CpuOffload
 from .reply_decoder import ReplyDecoder
 from .routing import AdmissionConfig, PrefillAdmission, health_check_loop, make_policy
@@ -54,6 +55,9 @@ async def build_context(config: AppConfig) -> ServerContext:
     detection = await offload.run(resolve_family, tok, config.family or settings.template_family)
     log.info("chat-template family: %s", detection.describe())
     codec = await offload.run(codec_for, tok, detection)
+    vocab_size = await offload.run(model_vocab_size, tok, settings.vocab_size)
+    if vocab_size != len(tok):
+        log.info("model vocabulary: %d rows for %d tokenizer ids", vocab_size, len(tok))
     decoder = ReplyDecoder(offload, processes=settings.decode_processes)
     await decoder.start()
     engines = EnginePool(make_policy(settings.routing_policy))
@@ -75,6 +79,7 @@ async def build_context(config: AppConfig) -> ServerContext:
         metrics=metrics,
         codec=codec,
         tokenizer=tok,
+        vocab_size=vocab_size,
         engines=engines,
         registry=registry,
         decoder=decoder,

@@ -65,6 +65,10 @@ class Settings(BaseSettings):
         None, min_length=1, description="force the chat-template family: one of ours (qwen3, llama3, llama3.1, "
         "glm4moe), a renderers family (e.g. qwen3.5, glm-5), renderers:NAME, or generic (unset: detected from the "
         "tokenizer's own template, never its name)")
+    vocab_size: int | None = Field(
+        None, ge=1, description="the model's vocabulary rows, the bound on every sampled id (unset: the "
+        "`vocab_size` of the config.json beside the tokenizer, else the tokenizer's own size). Real models "
+        "have more rows than their tokenizer has ids (Qwen3: 151,936 for 151,669) and may sample any row")
     replay_grace_s: float = Field(
         10.0, ge=0, description="how long a turn whose client hung up waits for the SDK's retry (a request with "
         "x-stainless-retry-count or Idempotency-Key) before it is cancelled; a retry in time adopts it")

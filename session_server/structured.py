@@ -120,8 +120,11 @@ def derive_constraint(
     response_format: ResponseFormat | None,
     tools: list[dict[str, Any]] | None,
     family: str,
+    *,
+    single_call: bool = False,
 ) -> tuple[Constraint | None, OutputPolicy]:
     """The constraint and parse policy for one request; BadRequest (400) naming the field.
+    `single_call` (`parallel_tool_calls: false`): a forced call is exactly one call.
 
     Work is proportional to the schemas: callers run it off the event loop."""
     rf: Constraint | None = None
@@ -167,7 +170,7 @@ def derive_constraint(
     for n, p in params:
         check_schema_size(p, f"tools: {n!r} parameters")
     try:
-        grammar = hermes_tool_call_ebnf(params)
+        grammar = hermes_tool_call_ebnf(params, single=single_call)
     except SchemaError as exc:
         raise BadRequest(f"tool_choice: cannot build the tool-call grammar from the tools' parameters: {exc}") from exc
     return Constraint("ebnf", grammar), OutputPolicy(require_tool=tuple(allowed))
@@ -175,7 +178,8 @@ def derive_constraint(
 
 def request_constraint(req: Any, family: str) -> Constraint | None:
     """The constraint of a `ChatRequest` (BadRequest names the field it cannot honour)."""
-    return derive_constraint(req.tool_choice, req.response_format, req.tools, family)[0]
+    single = getattr(req, "parallel_tool_calls", None) is False
+    return derive_constraint(req.tool_choice, req.response_format, req.tools, family, single_call=single)[0]
 
 
 def apply_output_policy(parsed: Any, req: Any, codec: Any, valid: Any) -> Any:

@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+)
 
 from trajectory.codec.base import HistoryPolicy
 from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample
@@ -149,6 +157,8 @@ class ChatRequest(SamplingFields):
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
+    # false: a forced call (`tool_choice` required or named) is exactly one call in the grammar
+    parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

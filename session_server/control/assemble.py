@@ -79,7 +79,8 @@ class Acc:
             self.pieces.append(Piece(result.routed_experts, prompt_len, len(result.output_ids),
                                      self.routed_start(request)))
 
-    def add(self, result: GenerateResult, version: Any) -> None:
+    def add(self, result: GenerateResult, spans: Sequence[WeightSpan]) -> None:
+        """Append a segment's raw values and its stamped version spans (relative to it)."""
         n = len(result.output_ids)
         if n == 0:
             return
@@ -94,11 +95,12 @@ class Acc:
             self.echo_ok = False
         else:
             self.echo.extend(result.output_ids_echo)
-        last = self.spans[-1] if self.spans else None
-        if last is not None and last[2] == version and last[1] == start:
-            last[1] = start + n  # consecutive equal versions merge
-        else:
-            self.spans.append([start, start + n, version])
+        for s, e, version in spans:
+            last = self.spans[-1] if self.spans else None
+            if last is not None and last[2] == version and last[1] == start + s:
+                last[1] = start + e  # consecutive equal versions merge
+            else:
+                self.spans.append([start + s, start + e, version])
 
 
 @dataclass
@@ -116,7 +118,7 @@ def assemble(
     request: GenerateRequest,
     first: GenerateResult,
     final: GenerateResult | None,
-    final_version: Any,
+    final_spans: Sequence[WeightSpan],
     acc: Acc,
     counts: Counts,
     ended: FinishReason = "length",
@@ -128,12 +130,12 @@ def assemble(
     before = len(acc.ids)
     single = len(counts.rids) == 1
     if final is not None:
-        acc.add(final, final_version)
+        acc.add(final, final_spans)
         ct, pt = final.completion_tokens, final.prompt_tokens
         completion = before + ct if is_int(ct) else ct
         prompt_tokens = pt - before if is_int(pt) else pt
         finish, matched = final.finish_reason, final.matched_stop
-        weight_version = final.weight_version
+        weight_version = None  # the stamped spans' last version, below
         routed = final.routed_experts  # covers prompt + every partial: the last segment's is whole
         abort_message = final.abort_message
         echoed_rid = final.request_id

@@ -16,7 +16,7 @@ from typing import Any
 
 from session_server.engines.base import EngineAdapter
 
-__all__ = ["abort_lora_on", "fan_out", "pause_engine"]
+__all__ = ["abort_lora_on", "fan_out", "pause_engine", "push_version"]
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +73,11 @@ async def abort_lora_on(adapter: Any, rids: Sequence[str]) -> dict[str, Any]:
         else:
             await adapter.abort(list(rids))
     return {"aborted": len(rids)}
+
+
+async def push_version(adapter: Any, version: str) -> dict[str, Any]:
+    """Set the version an engine reports (`update_weight_version`), where its adapter can."""
+    update = getattr(adapter, "update_weight_version", None)
+    if update is None:
+        return {"pushed": False, "reason": f"no version endpoint for {getattr(adapter, 'protocol', '?')} engines"}
+    return dict(await update(version))

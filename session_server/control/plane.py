@@ -1,13 +1,11 @@
 """The server-wide weight-update control plane: pause state, versions, salts, fan-out.
 
 `ControlPlane` owns the server-side pause gate (global and per LoRA adapter), the
-fan-out of pause/resume to every engine through the adapters' own control methods
-(SGLang `/pause_generation` + `/continue_generation`, vLLM `/pause?mode=` +
-`/resume`; fanout.py) with per-engine failure reports, the in-flight request
-registry (to abort one adapter's requests by id and to drain), the monotone weight
-version with its per-version cache salt, and the control metrics (metrics.py, the
-one source of its counters). The per-turn loop (resilient.py) uses it through its
-public methods only (DESIGN.md s9).
+fan-out of pause/resume and of the trainer's weight version to every engine through
+the adapters' own control methods (fanout.py) with per-engine failure reports, the
+in-flight request registry (to abort one adapter's requests by id and to drain), the
+monotone weight version with its per-version cache salt, and the control metrics
+(metrics.py, their one source). The per-turn loop (resilient.py) uses its public methods.
 
 Engines cannot pause one LoRA adapter, so a per-LoRA pause is enforced here: the
 gate blocks that adapter's new segments; `abort` also aborts its in-flight requests
@@ -29,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from session_server.engines.base import EngineAdapter
 from session_server.errors import BadRequest, PausedTooLong
 
-from .fanout import Report, abort_lora_on, fan_out, pause_engine
+from .fanout import Report, abort_lora_on, fan_out, pause_engine, push_version
 from .flights import EngineAborts, Flights
 from .metrics import ControlMetrics
 
@@ -248,7 +246,6 @@ class ControlPlane:
             )
 
     # --- weight version ---------------------------------------------------------------------------
-
     @property
     def weight_version(self) -> int | None:
         return self._version
@@ -352,17 +349,20 @@ class ControlPlane:
             return None
         return f"wv-{self._version}"
 
-    def check_reported_version(self, engine: str, reported: Any) -> bool:
-        """Compare an engine-reported version with ours; a mismatch is a diagnostic, not fatal."""
-        if reported is None or self._version is None or str(reported) == str(self._version):
-            return True
+    def record_version_mismatch(self, engine: str, reported: Any) -> None:
+        """An engine reported a version the trainer did not go through (versions.py)."""
         self.metrics.version_mismatch_total.inc()
         self.last_mismatch = {"engine": engine, "reported": reported, "expected": self._version,
                               "at_unix": time.time()}
-        return False
+
+    async def push_weight_version(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Every engine told the version `set_weight_version` applied (`out`, its answer):
+        per engine `pushed: false` without such an endpoint, `ok: false` on failure."""
+        engines = await self._fan_out("weight_version", lambda a: push_version(a, str(out["weight_version"])))
+        failed = sorted(k for k, v in engines.items() if not v["ok"])
+        return {**out, "ok": not failed, "engines": engines, "failed": failed}
 
     # --- view ---------------------------------------------------------------------------------
-
     def state(self) -> dict[str, Any]:
         """`GET /control/state`."""
         now = time.monotonic()

@@ -9,11 +9,11 @@ It talks to the plane only through its public interface: `wait_open`, `blocked`,
 `epoch`, `weight_version`, `cache_salt`, `check_reported_version`,
 `track_flight`, `record_abort`, `record_resubmit`, `abort_engine_request`.
 
-Weight versions per token. Each segment's version is the one its engine reply
-reports (SGLang `meta_info.weight_version`); when the engine reports none (vLLM)
-it is the control plane's version when the segment was dispatched, which is exact
-for `abort` and `wait` pauses (a segment never runs across an update) and, for a
-`keep` pause, attributes a segment frozen across an update to the old version.
+Weight versions per token (versions.py): the trainer's version at each segment's
+dispatch, refined by what the engine reports where it is one the trainer went through
+(vLLM 0.32's per-token spans split a `keep` segment exactly where the update landed;
+SGLang's one version per request stamps it whole with the version at its end). An
+engine's unset or stale version never overrides the trainer's.
 A turn with `request.max_weight_lag` ends at the update that would take its tokens
 past that many versions instead of resubmitting (lag.py, issue 13.5).
 """
@@ -46,6 +46,7 @@ from trajectory.validate import Expectations, is_int, validate_chunk, validate_g
 from .assemble import Acc, Counts, ResilientResult, assemble
 from .lag import LagBound
 from .plane import ControlPlane
+from .versions import SegmentSpans, segment_spans
 
 __all__ = ["AbortEvent", "generate_resilient", "new_request_id"]
 
@@ -117,6 +118,27 @@ def _abort_on_stop_is_stop(result: GenerateResult, request: GenerateRequest,
     if not is_int(last) or last not in stops:
         return result
     return replace(result, finish_reason="stop", matched_stop=last, abort_message=None)
+
+
+def _stamped(control: ControlPlane, engine: str, result: GenerateResult, dispatch_version: int | None,
+             *, cut: bool, counts: Counts) -> SegmentSpans:
+    """The segment's tokens stamped with versions (control/versions.py): the engine's
+    per-token spans or its one version where it reports one the trainer went through,
+    else the dispatch version. A segment cut at an update (lag.py) on an engine that
+    reports nothing predates the update: its dispatch version. Malformed engine spans
+    are bad output (502)."""
+    n = len(result.output_ids)
+    reported, reported_spans = result.weight_version, result.version_spans
+    if cut and result.finish_reason == "abort" and not reported_spans:
+        reported = None
+    try:
+        spans, mismatches = segment_spans(n, reported, reported_spans, dispatch_version, control.weight_version)
+    except ValidationError as exc:
+        raise UpstreamInvalid(f"{result.request_id}: engine output rejected: {exc}", engine=engine) from exc
+    if mismatches:
+        counts.mismatches += mismatches
+        control.record_version_mismatch(engine, reported_spans or reported)
+    return spans
 
 
 def _check_partial(result: GenerateResult, seg_rid: str, prompt_len: int, budget: int,
@@ -231,7 +253,7 @@ async def generate_resilient(
                 continue  # closed again while we queued: release everything, wait again
             if first is not None and lag.ends_before(len(acc.ids), control.weight_version):
                 control.metrics.turns_ended_stale_total.inc()  # ended at the update (lag.py)
-                ended = assemble(request, first, None, None, acc, counts, ended="abort")
+                ended = assemble(request, first, None, (), acc, counts, ended="abort")
                 return replace(ended, stale_bound=lag.flag(control.weight_version))
             seg_rid = request.request_id if not counts.rids else new_request_id()
             counts.rids.append(seg_rid)
@@ -263,15 +285,11 @@ async def generate_resilient(
                     raise
         if first is None:
             first = result
-        if not control.check_reported_version(engine, result.weight_version):
-            counts.mismatches += 1
-        version = result.weight_version if result.weight_version is not None else dispatch_version
-        if watch.cut and result.finish_reason == "abort":
-            version = dispatch_version  # aborted at the update (lag.py): its tokens predate it
+        spans = _stamped(control, engine, result, dispatch_version, cut=watch.cut, counts=counts)
         result = _abort_on_stop_is_stop(result, request, expect)
         if result.finish_reason != "abort":
             acc.add_routed(request, result, len(seg_input))
-            return assemble(request, first, result, version, acc, counts)
+            return assemble(request, first, result, spans, acc, counts)
 
         _check_partial(result, seg_rid, len(seg_input), remaining, expect, last_version)
         n = len(result.output_ids)
@@ -279,9 +297,9 @@ async def generate_resilient(
         control.record_abort(empty=n == 0)
         if n and not constrained:
             acc.add_routed(request, result, len(seg_input))  # before add: its start is the rows held
-            acc.add(result, version)
-            lag.keep(version, *watch.versions)
-            last_version = version if version is not None else last_version
+            acc.add(result, spans)
+            lag.keep(*(v for _, _, v in spans), *watch.versions)
+            last_version = spans[-1][2] if spans[-1][2] is not None else last_version
             remaining -= n
             unexplained_empty = 0
         else:
@@ -312,6 +330,6 @@ async def generate_resilient(
                 remaining=remaining, paused=control.blocked(lora),
             ))
         if remaining <= 0:  # the budget ran out across aborts: the turn ends at its length
-            return assemble(request, first, None, None, acc, counts)
+            return assemble(request, first, None, (), acc, counts)
         counts.resubmits += 1
         control.record_resubmit()

@@ -97,7 +97,10 @@ class GenerateResult:
     prompt_tokens: Any
     completion_tokens: Any
     cached_tokens: Any
-    weight_version: Any = None
+    weight_version: Any = None  # one version for the whole output (SGLang: read at its end)
+    # per-token versions, raw: (start, end, version) over this result's output ids, when the
+    # engine reports them (vLLM 0.32 `choices[].weight_versions`); checked by control/versions.py
+    version_spans: Sequence[Any] | None = None
     # SGLang sends ids twice (output_ids and inside the logprob triples); the
     # second copy lets validation cross-check them. None when the engine has one copy.
     output_ids_echo: Sequence[Any] | None = None

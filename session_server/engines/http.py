@@ -407,6 +407,17 @@ class EngineHTTP:
         except msgspec.DecodeError:
             return reply.body.decode(errors="replace")
 
+    async def set_version(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /update_weight_version` (vLLM 0.32 dev mode and SGLang both have it, with
+        `new_version`): what the engine reports from now on. 404/405: this engine has no
+        such endpoint (`pushed: false`; the trainer's version is still stamped, at dispatch)."""
+        reply = await self.call("POST", "/update_weight_version", body)
+        if reply.status in (404, 405):
+            return {"pushed": False, "reason": f"the engine answered {reply.status} to /update_weight_version"}
+        if reply.status != 200:
+            raise http_error(reply, what=f"{self.protocol} /update_weight_version", engine=self.base_url)
+        return {"pushed": True}
+
     async def health(self) -> bool:
         """GET /health: 200 when serving; anything else, or no answer, is unhealthy."""
         try:

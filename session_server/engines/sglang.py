@@ -390,6 +390,13 @@ class SGLangAdapter:
     async def resume(self) -> None:
         await self.http.call_json("POST", "/continue_generation", {})
 
+    async def update_weight_version(self, version: str) -> dict[str, Any]:
+        """`POST /update_weight_version {"new_version", "abort_all_requests": false}`: the
+        version `meta_info.weight_version` reports for requests that finish from now on.
+        Its `abort_all_requests` defaults to true (SGLang's `UpdateWeightVersionReqInput`):
+        sent false, since pauses are the plane's to decide."""
+        return await self.http.set_version({"new_version": version, "abort_all_requests": False})
+
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request (rids match by prefix: use fixed-width ids) or all when rid is None."""
         await self.http.call_json("POST", "/abort_request", {"rid": rid} if rid else {"abort_all": True})

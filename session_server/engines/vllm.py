@@ -66,6 +66,7 @@ class _Choice(msgspec.Struct):
     stop_reason: Any = None
     logprobs: Any = None
     routed_experts: msgspec.Raw = msgspec.Raw()
+    weight_versions: Any = None  # 0.32+: [{version, start, end}] over the output (last stream frame)
 
 
 class _Envelope(msgspec.Struct):
@@ -176,6 +177,7 @@ def _result(
     finish = _finish(choice.finish_reason, engine=engine, request_id=request_id)
     prompt, completion, cached = _usage(env.usage, ids, choice.prompt_token_ids)
     matched = choice.stop_reason if isinstance(choice.stop_reason, int | str) else None
+    spans = _version_spans(choice.weight_versions)
     return GenerateResult(
         request_id=_echoed_id(env.request_id if env.request_id is not None else env.id),
         output_ids=ids,
@@ -185,11 +187,23 @@ def _result(
         prompt_tokens=prompt,
         completion_tokens=completion,
         cached_tokens=cached,
-        weight_version=None,
+        weight_version=spans[-1][2] if spans else None,
+        version_spans=spans,
         output_ids_echo=echo,
         top_logprobs=tops,
         routed_experts=raw_or_none(choice.routed_experts),
     )
+
+
+def _version_spans(raw: Any) -> list[tuple[Any, Any, Any]] | None:
+    """`weight_versions` entries as raw (start, end, version) triples; a malformed entry is
+    kept malformed (None fields) for the span check to reject, never dropped."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        return [(None, None, raw)]
+    return [(e.get("start"), e.get("end"), e.get("version")) if isinstance(e, dict) else (None, None, e)
+            for e in raw]
 
 
 def parse_vllm_generate(body: bytes, *, request_id: str, engine: str = "") -> GenerateResult:
@@ -246,8 +260,8 @@ def _completions_result(env: _Envelope, choice: _Choice, *, request_id: str, eng
 class VLLMStream:
     """Folds the frames of one streamed token-in generation into deltas and the final
     result. vLLM streams deltas: `token_ids` and logprob entries per chunk, the finish
-    reason on the last choice chunk, `usage` on a last chunk without choices (always on
-    `/inference/v1/generate`, with `stream_options.include_usage` on completions),
+    reason and `weight_versions` on the last choice chunk, `usage` on a last chunk without
+    choices (with `stream_options.include_usage`, which the adapter always sends),
     `prompt_token_ids` on the first completions chunk; the joined frames are parsed as a
     non-streamed body is."""
 
@@ -284,7 +298,7 @@ class VLLMStream:
 
     def _choice(self, c: _Choice) -> TokenDelta | None:
         acc = self.choice
-        for name in ("index", "finish_reason", "stop_reason", "prompt_token_ids"):
+        for name in ("index", "finish_reason", "stop_reason", "prompt_token_ids", "weight_versions"):
             if getattr(c, name) is not None:
                 setattr(acc, name, getattr(c, name))
         if raw_or_none(c.routed_experts) is not None:
@@ -384,6 +398,12 @@ def build_vllm_completions_payload(request: GenerateRequest, model: str, *, lega
     return payload
 
 
+def engine_request_ids(rids: Sequence[str]) -> list[str]:
+    """Our request ids as vLLM names them internally: the bare id (older servers) and each
+    endpoint's prefixed form (`_ID_PREFIXES`); an abort of an unknown id is a no-op."""
+    return [form for rid in rids for form in (rid, *(p + rid for p in _ID_PREFIXES))]
+
+
 class VLLMAdapter:
     """One vLLM server behind `EngineAdapter` (token-in generate, else completions)."""
 
@@ -450,6 +470,8 @@ class VLLMAdapter:
         assert self.model is not None
         if self.endpoint == "generate":
             path, payload = GENERATE_PATH, build_vllm_generate_payload(request, self.model)
+            if stream:  # 0.32 streams no usage frame unless asked, on this endpoint too
+                payload["stream_options"] = {"include_usage": True}
         else:
             legacy = self.version is not None and self.version < STRUCTURED_SINCE
             path, payload = COMPLETIONS_PATH, build_vllm_completions_payload(
@@ -497,6 +519,11 @@ class VLLMAdapter:
     async def resume(self) -> None:
         await self.http.call_json("POST", "/resume")
 
+    async def update_weight_version(self, version: str) -> dict[str, Any]:
+        """`POST /update_weight_version {"new_version"}` (0.32, dev mode): the version its
+        `weight_versions` spans report for tokens sampled from now on, paused or not."""
+        return await self.http.set_version({"new_version": version})
+
     async def load_by_rank(self) -> dict[int, int]:
         """Running + waiting requests per DP rank from `GET /metrics` (engines/load.py);
         the exposition is parsed off the event loop."""
@@ -510,19 +537,22 @@ class VLLMAdapter:
         return bool(isinstance(data, dict) and data.get("is_paused"))
 
     async def abort(self, request_ids: Sequence[str] = ()) -> None:
-        """POST /abort_requests; an empty list aborts everything."""
-        await self.http.call_json("POST", "/abort_requests", {"request_ids": list(request_ids)})
+        """POST /abort_requests (by the engine's own ids); an empty list aborts everything."""
+        await self.http.call_json("POST", "/abort_requests", {"request_ids": engine_request_ids(request_ids)})
 
     def slot(self) -> AbstractAsyncContextManager[None]:
         """One of this engine's concurrency slots (see `EngineHTTP.slot`)."""
         return self.http.slot()
 
     async def abort_request(self, rid: str) -> None:
-        """Abort one request (vLLM `POST /abort_requests {request_ids: [rid]}`); never an
-        empty list, which would abort everything."""
+        """Abort one request (vLLM `POST /abort_requests {request_ids}`); never an empty
+        list, which would abort everything. vLLM aborts by its own id, which prefixes ours
+        per endpoint (0.32: `generate-tokens-` on the token-in endpoint, `cmpl-` on
+        completions; a bare id answers 200 and aborts nothing), so every form is sent."""
         if not rid:
             raise ValueError("abort_request needs a request id")
-        await self.http.call_json("POST", "/abort_requests", {"request_ids": [rid]}, timeout_s=5.0)
+        await self.http.call_json("POST", "/abort_requests", {"request_ids": engine_request_ids([rid])},
+                                  timeout_s=5.0)
 
     async def aclose(self, drain_s: float = 0.0) -> None:
         await self.http.aclose(drain_s)

@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from session_server.sim.cache import PrefixCache
 from session_server.sim.faults import FaultQueue, abort_at
 from session_server.sim.sampler import ScriptedPolicy, SimModel
@@ -67,6 +69,9 @@ class Outcome:
     abort_message: str | None = None
     e2e_s: float = 0.0
     weight_version: str | None = None  # the engine's version when the output was finalised
+    # the engine's version when each token was sampled, as [start, end, version] spans (vLLM
+    # 0.32 reports them per request; SGLang only the version at the end)
+    version_spans: list[list[Any]] = field(default_factory=list)
 
 
 class EngineCore:
@@ -163,6 +168,11 @@ class EngineCore:
                     break
                 tok = cursor.token(i)
                 out.ids.append(tok)
+                spans = out.version_spans
+                if spans and spans[-1][2] == self.weight_version:
+                    spans[-1][1] += 1
+                else:
+                    spans.append([i, i + 1, self.weight_version])
                 out.lps.append(cursor.logprob(i, tok))
                 if out.tops is not None:
                     out.tops.append(cursor.top(i, tok, job.top_k))
@@ -219,6 +229,23 @@ class EngineCore:
         for job in list(self.running.values()):
             if match(job):
                 job.abort.set()
+
+    def set_weight_version(self, raw: bytes, *, abort_all_default: bool) -> tuple[dict[str, Any], int]:
+        """`POST /update_weight_version {"new_version"}` as both engines take it: the version
+        reported from now on. SGLang's `abort_all_requests` defaults to true (its
+        `UpdateWeightVersionReqInput`): every running request is aborted first; vLLM has none."""
+        try:
+            body = msgspec.json.decode(raw) if raw else {}
+        except msgspec.DecodeError as exc:
+            return {"error": f"invalid JSON: {exc}"}, 400
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str):
+            return {"error": f"new_version must be a string, not {version!r}"}, 400
+        abort_all = body.get("abort_all_requests", abort_all_default)
+        if abort_all:
+            self.abort_where("/update_weight_version", body, lambda job: True)
+        self.weight_version = version
+        return {"success": True, "new_version": version}, 200
 
     def running_on(self, rank: int) -> int:
         return sum(1 for j in self.running.values() if j.rank == rank and not j.waiting)

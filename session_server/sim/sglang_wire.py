@@ -61,6 +61,7 @@ class SGLangWire:
         r.add_post("/pause_generation", self.pause)
         r.add_post("/continue_generation", self.resume)
         r.add_post("/flush_cache", self.flush)
+        r.add_post("/update_weight_version", self.update_weight_version)
 
     def body(self, job: Job, out: Outcome, final: bool) -> dict[str, Any]:
         """One `/generate` answer (or stream frame) for the output so far."""
@@ -226,6 +227,11 @@ class SGLangWire:
                 "simulated": True,
             }
         )
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        answer, status = self.engine.set_weight_version(await request.read(), abort_all_default=True)
+        return json_response({**answer, "message": f"Weight version updated to {answer.get('new_version')}"}
+                             if status == 200 else answer, status)
 
     async def load(self, request: web.Request) -> web.Response:
         e = self.engine

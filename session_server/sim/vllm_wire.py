@@ -106,7 +106,16 @@ def _chunk(body: dict[str, Any], start: int, *, final: bool) -> dict[str, Any]:
     if not final:
         choice["finish_reason"] = choice["stop_reason"] = None
         choice.pop("routed_experts", None)
+        if "weight_versions" in choice:
+            choice["weight_versions"] = None
     return {**body, "choices": [choice], "usage": None}
+
+
+def engine_id(job: Job) -> str:
+    """vLLM's own id of a request: the client's id behind a per-endpoint prefix (0.32:
+    `generate-tokens-` on the token-in endpoint, `cmpl-` on completions). Replies echo it
+    and `/abort_requests` matches it, never the bare id."""
+    return ("generate-tokens-" if job.path == "/inference/v1/generate" else "cmpl-") + job.rid
 
 
 class VLLMWire:
@@ -140,7 +149,10 @@ class VLLMWire:
         r.add_post("/resume", self.resume)
         r.add_get("/is_paused", self.is_paused)
         r.add_post("/abort_requests", self.abort)
+        r.add_post("/inference/v1/abort_requests", self.abort)
         r.add_get("/metrics", self.metrics)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_get("/weight_info", self.weight_info)
 
     def _job(self, request: web.Request, body: Any, ids_key: str, path: str) -> Job | web.Response:
         if not isinstance(body, dict):
@@ -182,7 +194,8 @@ class VLLMWire:
         if isinstance(job, web.Response):
             return job
         if body.get("stream"):
-            usage = ids_key == "token_ids" or bool((body.get("stream_options") or {}).get("include_usage"))
+            # a usage frame only when asked, on both endpoints (0.32, as captured)
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(request, job, shape, usage=usage)
         out = await run_job(self.engine, request, job, vllm_error)
         return out if isinstance(out, web.StreamResponse) else json_response(shape(job, out))
@@ -243,7 +256,7 @@ class VLLMWire:
         if job.fault == "length_mismatch" and content:
             content.pop()
         return {
-            "request_id": job.rid,
+            "request_id": engine_id(job),
             "choices": [
                 {
                     "index": 0,
@@ -252,6 +265,8 @@ class VLLMWire:
                     "stop_reason": stop_reason,
                     "token_ids": out.ids,
                     "routed_experts": self._routed_payload(job, out),
+                    # 0.32: per-token spans of the versions that sampled them (the last frame only)
+                    "weight_versions": [{"version": v, "start": a, "end": b} for a, b, v in out.version_spans],
                 }
             ],
             "prompt_logprobs": None,
@@ -276,7 +291,7 @@ class VLLMWire:
             else [{f"token_id:{t}": lp} for t, lp in zip(out.ids, out.lps, strict=True)]
         )
         return {
-            "id": f"cmpl-{job.rid}",
+            "id": engine_id(job),
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.engine.model.name,
@@ -323,8 +338,8 @@ class VLLMWire:
         )
 
     async def version(self, request: web.Request) -> web.Response:
-        """`GET /version`: a release with `structured_outputs` (the fields the sim reads)."""
-        return json_response({"version": "0.12.0"})
+        """`GET /version`: the release whose wire the sim follows (0.32: per-token versions)."""
+        return json_response({"version": "0.32.0"})
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
@@ -340,6 +355,13 @@ class VLLMWire:
         self.engine.resume()
         return json_response({"status": "resumed"})
 
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        answer, status = self.engine.set_weight_version(await request.read(), abort_all_default=False)
+        return json_response(answer, status)
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return json_response({"weight_version": self.engine.weight_version})
+
     async def is_paused(self, request: web.Request) -> web.Response:
         return json_response({"is_paused": self.engine.paused is not None})
 
@@ -347,7 +369,8 @@ class VLLMWire:
         raw = await request.read()
         body = msgspec.json.decode(raw) if raw else {}
         ids = set(body.get("request_ids") or ())
-        self.engine.abort_where("/abort_requests", body, lambda job: not ids or job.rid in ids)
+        # by the engine's own id only: a bare request id aborts nothing (0.32, as captured)
+        self.engine.abort_where("/abort_requests", body, lambda job: not ids or engine_id(job) in ids)
         return json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:

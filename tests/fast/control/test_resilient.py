@@ -196,7 +196,7 @@ async def test_weight_spans_across_a_version_bump(
     k = len(spy.results[0].output_ids)
     n = len(got.output_ids)
     assert 0 < k < n
-    v1, v2 = ("1", "2") if protocol == "sglang" else (1, 2)  # vLLM reports none: ours at dispatch
+    v1, v2 = 1, 2  # the trainer's versions; what the engine reports ("1", "2" or spans) agrees
     assert got.weight_spans == ((0, k, v1), (k, n, v2))
     assert got.weight_version == v2 and got.version_mismatches == 0
     assert [r.cache_salt for r in spy.requests] == ["wv-1", "wv-2"]
@@ -220,7 +220,8 @@ async def test_engine_version_mismatch_is_a_diagnostic(
         finally:
             await adapter.aclose()
     assert got.finish_reason == "stop" and got.version_mismatches == 1
-    assert got.weight_spans == ((0, len(got.output_ids), "1"),)  # what the engine says sampled it
+    # the trainer's version: a stale engine report is counted, never stamped
+    assert got.weight_spans == ((0, len(got.output_ids), 3),)
     state = control.state()
     assert state["counters"]["version_mismatches"] == 1
     assert state["last_version_mismatch"]["reported"] == "1"

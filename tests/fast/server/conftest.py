@@ -87,13 +87,19 @@ async def until_in_flight(st: Stack, sid: str) -> None:
 
 
 async def sim_aborted_rids(engine: str) -> list[str]:
-    """Every request id in the simulator's abort log (SGLang `rid`, vLLM `request_ids`)."""
+    """Every request id in the simulator's abort log (SGLang `rid`, vLLM `request_ids`), as
+    the server named it: vLLM is asked by each of its own forms of one id (`cmpl-ID`,
+    `generate-tokens-ID` and the bare ID), counted once per call."""
     async with httpx.AsyncClient() as c:
         log = (await c.get(f"{engine}/sim/aborts")).json()
     out: list[str] = []
     for call in log["calls"]:
         body = call["body"]
-        out += [body["rid"]] if "rid" in body else list(body.get("request_ids", []))
+        if "rid" in body:
+            out.append(body["rid"])
+            continue
+        ids = [r.removeprefix("generate-tokens-").removeprefix("cmpl-") for r in body.get("request_ids", [])]
+        out += list(dict.fromkeys(ids))
     return out
 
 

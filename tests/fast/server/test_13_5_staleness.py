@@ -76,7 +76,7 @@ async def test_13_5_k1_ends_the_turn_at_the_first_update(qwen3_dir: Path) -> Non
         n = turn["output_end"] - turn["output_start"]
         assert n == len(log[0]["output_ids"]) == r.json()["usage"]["completion_tokens"] > 0
         assert turn["finish_reason"] == "abort" and _versions(turn) == ["1"]
-        assert turn["extra"]["stale_bound"] == {"max_weight_lag": 1, "versions": ["1"], "next_version": 2}
+        assert turn["extra"]["stale_bound"] == {"max_weight_lag": 1, "versions": [1], "next_version": 2}
         traj = (await st.trajectory(sid))["branches"][0]
         out = slice(turn["output_start"], turn["output_end"])
         assert traj["token_ids"][out] == log[0]["output_ids"] and all(traj["loss_mask"][out])
@@ -84,7 +84,7 @@ async def test_13_5_k1_ends_the_turn_at_the_first_update(qwen3_dir: Path) -> Non
         view = (await st.http.get(f"/sessions/{sid}")).json()
         assert view["control"]["ended_stale"] == 1
         notes = [d for d in view["diagnostics"] if d["kind"] == "stale_bound"]
-        assert [(d["turn"], d["max_weight_lag"], d["versions"]) for d in notes] == [(0, 1, ["1"])]
+        assert [(d["turn"], d["max_weight_lag"], d["versions"]) for d in notes] == [(0, 1, [1])]
         samples = load_samples_json((await st.http.get(f"/sessions/{sid}/samples", params={"format": "json"})).content)
         assert samples[0].status == "aborted"
         assert samples[0].diagnostics[-1]["stale_bound"]["max_weight_lag"] == 1

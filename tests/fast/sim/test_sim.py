@@ -254,8 +254,11 @@ async def test_abort_endpoint(protocol: str) -> None:
             await asyncio.sleep(0.03)
             if protocol == "sglang":
                 await _post(url + "/abort_request", {"rid": _rid(0xABC)[:20]})  # prefix match
-            else:
+            else:  # vLLM 0.32 aborts by its own id only: the bare one answers 200 and aborts nothing
                 await _post(url + "/abort_requests", {"request_ids": [_rid(0xABC)]})
+                await asyncio.sleep(0.03)
+                assert not task.done()
+                await _post(url + "/abort_requests", {"request_ids": ["generate-tokens-" + _rid(0xABC)]})
             r = await task
             assert r.finish_reason == "abort" and len(r.output_ids) < 200
         finally:

@@ -1,0 +1,106 @@
+"""Which weight version sampled each token: the trainer's word, refined by the engine's.
+
+The trainer's version (`POST /control/weight_version`) is the truth the server stamps;
+the plane pushes it to every engine that takes one (vLLM and SGLang
+`POST /update_weight_version`), so an engine that reports versions reports the
+trainer's. What an engine reports only refines where the server cannot know:
+
+- vLLM 0.32 reports per-token spans (`choices[].weight_versions`), exact across a
+  `keep` pause: a request frozen under version 7 and resumed under 8 comes back as
+  two spans, split where the update landed.
+- SGLang reports one version per request, read when it finishes
+  (`meta_info.weight_version`): a `keep` segment frozen across an update is stamped
+  with the new version whole.
+- An engine that reports nothing (older vLLM): every token of a segment is stamped
+  with the trainer's version at the segment's dispatch.
+
+A reported version is taken only when it is one the trainer went through while the
+segment ran: an int-like version in [dispatch, current]. An engine's unset version
+(`"default"`, what SGLang and vLLM report until told otherwise) never overrides the
+trainer's; neither does a stale or foreign one, which is counted as a mismatch and
+stamped with the dispatch version. With no trainer version at all, the engine's own
+version is kept as it reports it (int-like strings as ints), its unset marker as None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from trajectory.errors import ValidationError
+from trajectory.validate import is_int
+
+__all__ = ["UNSET_VERSIONS", "SegmentSpans", "resolve_version", "segment_spans"]
+
+# what SGLang (`server_args.weight_version`) and vLLM (`/weight_info`) report until a
+# version is set (both default to "default"); an empty or null version means the same
+UNSET_VERSIONS = frozenset({"default", ""})
+
+SegmentSpans = list[tuple[int, int, Any]]
+
+
+def _as_int(v: Any) -> int | None:
+    if is_int(v):
+        return int(v)
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v.strip())
+    return None
+
+
+def resolve_version(reported: Any, dispatch: int | None, current: int | None) -> tuple[Any, bool]:
+    """(the version to stamp, whether `reported` disagreed with the trainer).
+
+    `dispatch` is the trainer's version when the segment was sent, `current` now."""
+    unset = reported is None or (isinstance(reported, str) and reported.strip() in UNSET_VERSIONS)
+    if current is None and dispatch is None:  # no trainer version: the engine's is all there is
+        if unset:
+            return None, False
+        as_int = _as_int(reported)
+        return (as_int if as_int is not None else reported), False
+    if unset:
+        return dispatch, False
+    v = _as_int(reported)
+    lo = dispatch if dispatch is not None else v
+    hi = current if current is not None else dispatch
+    if v is not None and lo is not None and hi is not None and lo <= v <= hi:
+        return v, False
+    return dispatch, True
+
+
+def _checked_spans(raw: Sequence[Any], n: int) -> list[tuple[int, int, Any]]:
+    """Engine spans must tile [0, n) in order; anything else is bad engine output."""
+    out: list[tuple[int, int, Any]] = []
+    at = 0
+    for i, span in enumerate(raw):
+        try:
+            start, end, version = span
+        except (TypeError, ValueError):
+            raise ValidationError("weight_versions", f"entry {i} is not (start, end, version): {span!r}") from None
+        if not (is_int(start) and is_int(end)) or start != at or end <= start or end > n:
+            raise ValidationError("weight_versions", f"entry {i} {span!r} does not continue [0, {n}) at {at}")
+        out.append((int(start), int(end), version))
+        at = int(end)
+    if at != n:
+        raise ValidationError("weight_versions", f"spans end at {at}, not at the {n} output ids")
+    return out
+
+
+def segment_spans(
+    n: int, reported: Any, reported_spans: Sequence[Any] | None, dispatch: int | None, current: int | None,
+) -> tuple[SegmentSpans, int]:
+    """The stamped (start, end, version) spans of one segment's `n` output ids, relative
+    to it, and how many reported versions disagreed with the trainer's. Per-token spans
+    win over the one reported version; equal neighbours merge."""
+    if n == 0:
+        return [], 0
+    raw = list(reported_spans) if reported_spans is not None else [(0, n, reported)]
+    spans: SegmentSpans = []
+    mismatches = 0
+    for start, end, version in _checked_spans(raw, n):
+        stamped, mismatch = resolve_version(version, dispatch, current)
+        mismatches += mismatch
+        if spans and spans[-1][2] == stamped:
+            spans[-1] = (spans[-1][0], end, stamped)
+        else:
+            spans.append((start, end, stamped))
+    return spans, mismatches

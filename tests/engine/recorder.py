@@ -1,0 +1,123 @@
+"""A recording HTTP proxy between the session server and a real engine: the ground truth
+of what the engine saw and sampled, to compare the committed trajectory with.
+
+Every request is forwarded as is (streams chunk by chunk, so the session server sees the
+engine's own timing); generation requests and their replies are kept in order. A client
+that hangs up cancels the handler, which closes the upstream connection: the engine sees
+the disconnect exactly as it would from the session server itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from session_server.harness import free_port
+
+__all__ = ["Exchange", "Recorder", "recording_proxy"]
+
+GENERATE_PATHS = ("/inference/v1/generate", "/v1/completions", "/generate")
+_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
+
+
+@dataclass
+class Exchange:
+    """One generation request and the engine's reply."""
+
+    path: str
+    request: dict[str, Any]
+    status: int = 0
+    body: bytes = b""
+    done: bool = False  # the reply was read to its end (False: the client hung up first)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.get("stream"))
+
+    def reply(self) -> dict[str, Any]:
+        """The reply as one body: a non-streamed JSON, or a stream's frames folded (ids and
+        logprob entries concatenated, the last frame's finish reason and version spans)."""
+        if not self.stream:
+            return dict(json.loads(self.body))
+        ids: list[int] = []
+        content: list[Any] = []
+        choice: dict[str, Any] = {}
+        for line in self.body.decode().splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            frame = json.loads(line[6:])
+            for c in frame.get("choices") or []:
+                ids.extend(c.get("token_ids") or [])
+                lp = c.get("logprobs")
+                content.extend((lp or {}).get("content") or [])
+                choice.update({k: v for k, v in c.items() if v is not None and k not in ("token_ids", "logprobs")})
+        return {"choices": [{**choice, "token_ids": ids, "logprobs": {"content": content}}]}
+
+    def sampled(self) -> tuple[list[int], list[float]]:
+        choice = self.reply()["choices"][0]
+        return list(choice["token_ids"]), [e["logprob"] for e in choice["logprobs"]["content"]]
+
+
+@dataclass
+class Recorder:
+    """The proxy's URL and what it saw."""
+
+    url: str
+    upstream: str
+    exchanges: list[Exchange] = field(default_factory=list)
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (method, path) of every request
+
+    def generations(self) -> list[Exchange]:
+        return [e for e in self.exchanges if e.path in GENERATE_PATHS]
+
+    def clear(self) -> None:
+        self.exchanges.clear()
+        self.calls.clear()
+
+
+@contextlib.asynccontextmanager
+async def recording_proxy(upstream: str) -> AsyncIterator[Recorder]:
+    """Serve a recording proxy to `upstream` on a free 127.0.0.1 port until the block exits."""
+    rec = Recorder(url="", upstream=upstream)
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        rec.calls.append((request.method, request.path))
+        ex: Exchange | None = None
+        if request.method == "POST" and request.path in GENERATE_PATHS:
+            ex = Exchange(path=request.path, request=json.loads(raw) if raw else {})
+            rec.exchanges.append(ex)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        async with session.request(request.method, upstream + request.path_qs, data=raw, headers=headers) as up:
+            resp = web.StreamResponse(status=up.status, headers={
+                k: v for k, v in up.headers.items() if k.lower() not in _HOP})
+            await resp.prepare(request)
+            chunks: list[bytes] = []
+            async for chunk in up.content.iter_any():
+                chunks.append(chunk)
+                await resp.write(chunk)
+            await resp.write_eof()
+            if ex is not None:
+                ex.status, ex.body, ex.done = up.status, b"".join(chunks), True
+            return resp
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    rec.url = f"http://127.0.0.1:{port}"
+    try:
+        yield rec
+    finally:
+        await runner.cleanup()
+        await session.close()
