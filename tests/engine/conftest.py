@@ -23,7 +23,7 @@ import pytest
 from session_server.harness import free_port
 
 from .recorder import Recorder, recording_proxy
-from .vllm_engine import VLLMServer, build_tiny_qwen3, vllm_python, vllm_server
+from .vllm_engine import ENGINE_FLAGS, VLLMServer, build_tiny_qwen3, vllm_python, vllm_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,11 +63,6 @@ def vllm(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     with vllm_server(qwen3_dir, tmp_path_factory.mktemp("vllm-logs"), extra=ENGINE_FLAGS) as server:
         yield server
 
-
-# cached-token counts in `usage`; a grammar without free whitespace (random weights would fill
-# an object with whitespace until `max_tokens`: vLLM reads this switch per server only)
-ENGINE_FLAGS = ("--enable-prompt-tokens-details",
-                "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
 @dataclass

@@ -11,10 +11,10 @@ import pytest
 
 from session_server.harness import free_port
 
-from .conftest import ENGINE_FLAGS, serve_process
+from .conftest import serve_process
 from .helpers import engine_running, new_session, own_turns, trajectory, wait_until
 from .recorder import recording_proxy
-from .vllm_engine import kill, vllm_server
+from .vllm_engine import ENGINE_FLAGS, kill, vllm_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
 

@@ -126,7 +126,8 @@ async def test_streamed_deltas_equal_the_committed_message(stack: Stack) -> None
     assert all(e.stream for e in turn_exchanges(stack.rec, line, turn))
 
 
-async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 600, **session: Any) -> tuple[
+async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 600, stream: bool = False,
+                            **session: Any) -> tuple[
         dict[str, Any], np.ndarray, np.ndarray, int, int, dict[str, Any]]:
     """One turn paused in `mode` mid-way, the weight version moved v -> v+1 while paused,
     then resumed: (turn, line, logprobs, v, v+1, the pause report)."""
@@ -136,7 +137,8 @@ async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 600, *
         sid = await new_session(http, **session)
         sent = len(stack.rec.generations())
         chat = asyncio.create_task(_chat(http, sid, {"messages": [{"role": "user", "content": f"Go ({mode})."}],
-                                                     "max_tokens": max_tokens, "temperature": 1.0}))
+                                                     "max_tokens": max_tokens, "temperature": 1.0,
+                                                     "stream": stream}))
         await wait_until(lambda: _dispatched(stack, sent), 60, "the turn to run at the engine")
         await asyncio.sleep(0.8)  # tens of tokens sampled under the old version
         pause = (await http.post("/control/pause", json={"mode": mode})).json()
@@ -169,10 +171,11 @@ async def test_pause_abort_mid_turn_resubmits_and_stamps_each_segment(stack: Sta
     assert spans[0][1] == len(first_ids), "the old version's span ends where the engine aborted"
 
 
-async def test_pause_keep_mid_turn_splits_versions_where_the_update_landed(stack: Stack) -> None:
-    """vLLM keeps the frozen request and reports per-token versions: the committed spans
-    are the engine's split, with the trainer's versions (not one version for all)."""
-    turn, line, lps, old, new, pause = await _turn_under_pause(stack, "keep")
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
+async def test_pause_keep_mid_turn_splits_versions_where_the_update_landed(stack: Stack, stream: bool) -> None:
+    """vLLM keeps the frozen request and reports per-token versions (in a stream: on its
+    last frame): the committed spans are the engine's split, with the trainer's versions."""
+    turn, line, lps, old, new, pause = await _turn_under_pause(stack, "keep", stream=stream)
     assert pause["ok"], pause
     (ex,) = turn_exchanges(stack.rec, line, turn)  # one engine request: frozen, never resubmitted
     reported = [(s["start"], s["end"], int(s["version"])) for s in ex.reply()["choices"][0]["weight_versions"]]

@@ -35,6 +35,7 @@ import numpy as np
 from session_server.harness import free_port
 
 __all__ = [
+    "ENGINE_FLAGS",
     "QWEN3_VOCAB_ROWS",
     "QWEN3_TOKENIZER_IDS",
     "VLLMServer",
@@ -50,6 +51,10 @@ ROOT = Path(__file__).resolve().parents[2]
 QWEN3_VOCAB_ROWS = 151_936  # the released Qwen3 models' embedding rows (config.json vocab_size)
 QWEN3_TOKENIZER_IDS = 151_669  # ids the Qwen3 tokenizer can decode: the rows past it are padding
 START_TIMEOUT_S = 300.0
+# cached-token counts in `usage`; a grammar without free whitespace (random weights would fill
+# an object with whitespace until `max_tokens`: vLLM reads this switch per server only)
+ENGINE_FLAGS = ("--enable-prompt-tokens-details",
+                "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
 def vllm_python() -> Path | None:
