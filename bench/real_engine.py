@@ -6,11 +6,20 @@ Starts vLLM's CPU build (`.venv-vllm`, see `.ci/install-vllm`) serving the tiny
 random-weight Qwen3 of the engine suite (or uses `--engine-url` / `--model-dir`), then
 `session-server serve` in front of it as its own process, then `--agents` agents in a
 closed loop of `--turns` chat turns each (real `openai` client, growing history,
-`--max-tokens` sampled per turn). Per turn it reports the latency the agent saw; the
-engine's own time is vLLM's `vllm:e2e_request_latency_seconds` (arrival to finish,
-queueing in the engine included) over the same requests, read from its `/metrics`
-before and after. Added latency = agent-seen mean - engine mean, per turn; the server's
-CPU per turn comes from its process counters (with its children: the reply decoder).
+`--max-tokens` sampled per turn). Per turn it reports the latency the agent saw, and
+two references for the engine's own time over the same requests:
+
+- `engine_e2e`: vLLM's `vllm:e2e_request_latency_seconds` (arrival at its engine core
+  to finish, queueing included), from its `/metrics` before and after; it leaves out
+  vLLM's own HTTP front end;
+- `direct`: the same agents (count, turns, tokens per turn, growing context) sending
+  token ids straight to vLLM's `/inference/v1/generate`, measured as a client sees it.
+
+Added latency per turn = the agent-seen mean through the server - the direct mean (the
+server's share), and - the engine's e2e mean (the server plus vLLM's front end). The
+legs alternate `--repeat` times (direct, server, ...); medians are reported. The
+server's CPU per turn comes from its process counters (with its children: the reply
+decoder).
 """
 
 from __future__ import annotations
@@ -90,6 +99,28 @@ async def _agent(url: str, turns: int, max_tokens: int, lat: list[float], errors
         await agent.close()
 
 
+async def _direct_agent(engine: str, model: str, prompt: list[int], turns: int, max_tokens: int,
+                        lat: list[float], errors: list[str]) -> None:
+    """One agent without the server: its context grows by what was sampled plus a short
+    user turn (the ids of one rendered user message), as a session's would."""
+    import itertools
+
+    ids = list(prompt)
+    rid = itertools.count()
+    async with httpx.AsyncClient(base_url=engine, timeout=600) as http:
+        for _ in range(turns):
+            body = {"request_id": f"direct-{id(lat)}-{id(ids)}-{next(rid)}", "model": model, "token_ids": ids,
+                    "sampling_params": {"max_tokens": max_tokens, "logprobs": 1, "skip_special_tokens": False,
+                                        "include_stop_str_in_output": True, "stop_token_ids": [151645, 151643]}}
+            t0 = time.perf_counter()
+            r = await http.post("/inference/v1/generate", json=body)
+            if r.status_code != 200:
+                errors.append(f"{r.status_code}: {r.text[:200]}")
+                return
+            lat.append(time.perf_counter() - t0)
+            ids += r.json()["choices"][0]["token_ids"] + prompt[-12:]
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -105,32 +136,70 @@ def _engine(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[str, Path]]:
         yield engine.url, model
 
 
+def _server_leg(args: argparse.Namespace, url: str, pid: int, engine_url: str) -> dict[str, Any]:
+    e_sum0, e_n0 = _engine_e2e(engine_url)
+    cpu0, t0 = _cpu_s(pid), time.perf_counter()
+    lat, errors = asyncio.run(_many(url, args.agents, args.turns, args.max_tokens))
+    wall = time.perf_counter() - t0
+    cpu = _cpu_s(pid) - cpu0
+    e_sum1, e_n1 = _engine_e2e(engine_url)
+    n_engine = e_n1 - e_n0
+    return {"turns": len(lat), "errors": errors, "wall_s": wall, "mean_s": statistics.fmean(lat) if lat else 0.0,
+            "p50_s": _pct(lat, 0.5), "p99_s": _pct(lat, 0.99),
+            "engine_e2e_mean_s": (e_sum1 - e_sum0) / n_engine if n_engine else float("nan"),
+            "cpu_ms_per_turn": cpu / len(lat) * 1000 if lat else float("nan")}
+
+
+def _direct_leg(args: argparse.Namespace, engine_url: str, model: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": "Start the task."}], tokenize=True,
+                                          add_generation_prompt=True, return_dict=False,
+                                          enable_thinking=False))
+    served = httpx.get(engine_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    lat: list[float] = []
+    errors: list[str] = []
+
+    async def many() -> None:
+        await asyncio.gather(*(_direct_agent(engine_url, served, prompt, args.turns, args.max_tokens, lat, errors)
+                               for _ in range(args.agents)))
+
+    t0 = time.perf_counter()
+    asyncio.run(many())
+    wall = time.perf_counter() - t0
+    return {"turns": len(lat), "errors": errors, "wall_s": wall, "mean_s": statistics.fmean(lat) if lat else 0.0,
+            "p50_s": _pct(lat, 0.5), "p99_s": _pct(lat, 0.99)}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench._procs import PIDS
 
+    legs: dict[str, list[dict[str, Any]]] = {"direct": [], "server": []}
     with tempfile.TemporaryDirectory() as d, _engine(args, Path(d)) as (engine_url, model):
         with server([f"vllm={engine_url}"], str(model)) as url:
-            pid = PIDS[url]
-            # warm-up: one turn per agent's worth of shapes (compile caches, prefix cache of the system part)
-            asyncio.run(_many(url, min(4, args.agents), 1, args.max_tokens))
-            e_sum0, e_n0 = _engine_e2e(engine_url)
-            cpu0, t0 = _cpu_s(pid), time.perf_counter()
-            lat, errors = asyncio.run(_many(url, args.agents, args.turns, args.max_tokens))
-            wall = time.perf_counter() - t0
-            cpu = _cpu_s(pid) - cpu0
-            e_sum1, e_n1 = _engine_e2e(engine_url)
-    n_engine = e_n1 - e_n0
-    engine_mean = (e_sum1 - e_sum0) / n_engine if n_engine else float("nan")
-    mean = statistics.fmean(lat) if lat else float("nan")
+            asyncio.run(_many(url, min(4, args.agents), 1, args.max_tokens))  # warm-up (compile caches)
+            for _ in range(args.repeat):
+                legs["direct"].append(_direct_leg(args, engine_url, model))
+                legs["server"].append(_server_leg(args, url, PIDS[url], engine_url))
+
+    def med(leg: str, key: str) -> float:
+        return statistics.median(r[key] for r in legs[leg])
+
+    server_mean, direct_mean, e2e = med("server", "mean_s"), med("direct", "mean_s"), med("server", "engine_e2e_mean_s")
+    errors = [e for leg in legs.values() for r in leg for e in r["errors"]]
     return {
-        "agents": args.agents, "turns_per_agent": args.turns, "max_tokens": args.max_tokens,
-        "turns": len(lat), "errors": len(errors), "error_samples": errors[:5], "wall_s": wall,
-        "turns_per_s": len(lat) / wall if wall else 0.0, "engine_requests": n_engine,
-        "turn_latency_s": {"mean": mean, "p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99)},
-        "engine_e2e_mean_s": engine_mean,
-        "added_latency_ms_per_turn": (mean - engine_mean) * 1000,
-        "added_share": (mean - engine_mean) / mean if lat else float("nan"),
-        "server_cpu_ms_per_turn": cpu / len(lat) * 1000 if lat else float("nan"),
+        "agents": args.agents, "turns_per_agent": args.turns, "max_tokens": args.max_tokens, "repeat": args.repeat,
+        "errors": len(errors), "error_samples": errors[:5],
+        "server": {"mean_s": server_mean, "p50_s": med("server", "p50_s"), "p99_s": med("server", "p99_s"),
+                   "turns_per_s": statistics.median(r["turns"] / r["wall_s"] for r in legs["server"]),
+                   "cpu_ms_per_turn": med("server", "cpu_ms_per_turn")},
+        "direct": {"mean_s": direct_mean, "p50_s": med("direct", "p50_s"), "p99_s": med("direct", "p99_s"),
+                   "turns_per_s": statistics.median(r["turns"] / r["wall_s"] for r in legs["direct"])},
+        "engine_e2e_mean_s": e2e,
+        "added_ms_per_turn_vs_direct": (server_mean - direct_mean) * 1000,
+        "added_ms_per_turn_vs_engine_e2e": (server_mean - e2e) * 1000,
+        "legs": {k: [{kk: vv for kk, vv in r.items() if kk != "errors"} for r in v] for k, v in legs.items()},
     }
 
 
@@ -146,6 +215,7 @@ def main() -> None:
     p.add_argument("--agents", type=int, default=32)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3, help="direct/server leg pairs, alternated (medians reported)")
     p.add_argument("--engine-url", help="an engine already serving --model-dir (started with ENGINE_FLAGS)")
     p.add_argument("--model-dir", help="the model the --engine-url engine serves (its tokenizer is used)")
     p.add_argument("--json", type=Path, help="write the result here")
