@@ -144,7 +144,7 @@ def _server_leg(args: argparse.Namespace, url: str, pid: int, engine_url: str) -
     cpu = _cpu_s(pid) - cpu0
     e_sum1, e_n1 = _engine_e2e(engine_url)
     n_engine = e_n1 - e_n0
-    return {"turns": len(lat), "errors": errors, "wall_s": wall, "mean_s": statistics.fmean(lat) if lat else 0.0,
+    return {"turns": len(lat), "errors": errors, "wall_s": wall, "mean_s": statistics.fmean(lat) if lat else float("nan"),
             "p50_s": _pct(lat, 0.5), "p99_s": _pct(lat, 0.99),
             "engine_e2e_mean_s": (e_sum1 - e_sum0) / n_engine if n_engine else float("nan"),
             "cpu_ms_per_turn": cpu / len(lat) * 1000 if lat else float("nan")}
@@ -168,7 +168,7 @@ def _direct_leg(args: argparse.Namespace, engine_url: str, model: Path) -> dict[
     t0 = time.perf_counter()
     asyncio.run(many())
     wall = time.perf_counter() - t0
-    return {"turns": len(lat), "errors": errors, "wall_s": wall, "mean_s": statistics.fmean(lat) if lat else 0.0,
+    return {"turns": len(lat), "errors": errors, "wall_s": wall, "mean_s": statistics.fmean(lat) if lat else float("nan"),
             "p50_s": _pct(lat, 0.5), "p99_s": _pct(lat, 0.99)}
 
 

@@ -511,9 +511,11 @@ def create_app(config: AppConfig) -> FastAPI:
         if eng is None:
             eng = await ctx.registry.add(spec.url, dp_size=spec.dp_size)
         out = {"id": eng.id, "healthy": eng.healthy, "dp_size": eng.dp_size, "existing": existing}
-        if not existing:  # it reports the trainer's version from its first turn on
-            out["weight_version_push"] = await _push_version_to(ctx, eng.id)
         status = 200 if existing else 201
+        if not existing:  # it reports the trainer's version from its first turn on
+            push = out["weight_version_push"] = await _push_version_to(ctx, eng.id)
+            if push is not None and not push["ok"]:  # added, but not told the version: partial
+                out["ok"], status = False, 207
         peers = relay_to_peers(request, body)
         if peers is None:
             return _json(out, status)

@@ -33,10 +33,12 @@ def read_config_vocab_size(config: dict[str, Any]) -> int | None:
 
 
 def _config_path(name_or_path: str) -> Path | None:
+    if not name_or_path:
+        return None
     local = Path(name_or_path) / "config.json"
     if local.is_file():
         return local
-    if not name_or_path or Path(name_or_path).exists():
+    if Path(name_or_path).exists():
         return None
     try:  # a hub name: only what is already in the local cache, never a download
         from huggingface_hub import try_to_load_from_cache

@@ -19,8 +19,8 @@ Two places can cross it, both checked here for `generate_resilient`:
   all sampled before the update and are attributed to its dispatch version; the
   resubmission check then ends the turn. If the engine still samples after the update
   before the abort lands (the version was set after `resume`, or the engine cannot
-  abort), those tokens are attributed to the dispatch version like every token of a
-  frozen segment on an engine that reports no version: the bound is exact only when
+  abort), those tokens carry the version the engine says sampled them where it reports
+  per-token spans (vLLM 0.32), else the dispatch version: the bound is exact only when
   the version is set while the engines are paused, as docs/api.md says to.
 
 Versions compare as strings (SGLang reports "2" for the plane's 2); an unknown version

@@ -6,7 +6,7 @@ plane while at the engine (`ControlPlane.track_flight`); it returns one
 `ResilientResult` (a `GenerateResult` plus weight spans and per-turn counters) that
 is indistinguishable from an uninterrupted generation (assemble.py builds it).
 It talks to the plane only through its public interface: `wait_open`, `blocked`,
-`epoch`, `weight_version`, `cache_salt`, `check_reported_version`,
+`epoch`, `weight_version`, `cache_salt`, `record_version_mismatch`,
 `track_flight`, `record_abort`, `record_resubmit`, `abort_engine_request`.
 
 Weight versions per token (versions.py): the trainer's version at each segment's
@@ -124,9 +124,9 @@ def _stamped(control: ControlPlane, engine: str, result: GenerateResult, dispatc
              *, cut: bool, counts: Counts) -> SegmentSpans:
     """The segment's tokens stamped with versions (control/versions.py): the engine's
     per-token spans or its one version where it reports one the trainer went through,
-    else the dispatch version. A segment cut at an update (lag.py) on an engine that
-    reports nothing predates the update: its dispatch version. Malformed engine spans
-    are bad output (502)."""
+    else the dispatch version. A segment cut at an update (lag.py) without per-token
+    spans predates the update: its dispatch version (SGLang's one version, read at the
+    end, would be the new one). Malformed spans or versions are bad output (502)."""
     n = len(result.output_ids)
     reported, reported_spans = result.weight_version, result.version_spans
     if cut and result.finish_reason == "abort" and not reported_spans:
@@ -135,9 +135,9 @@ def _stamped(control: ControlPlane, engine: str, result: GenerateResult, dispatc
         spans, mismatches = segment_spans(n, reported, reported_spans, dispatch_version, control.weight_version)
     except ValidationError as exc:
         raise UpstreamInvalid(f"{result.request_id}: engine output rejected: {exc}", engine=engine) from exc
-    if mismatches:
-        counts.mismatches += mismatches
-        control.record_version_mismatch(engine, reported_spans or reported)
+    if mismatches:  # one per segment, as the metric counts
+        counts.mismatches += 1
+        control.record_version_mismatch(engine, reported if not reported_spans else list(reported_spans))
     return spans
 
 
@@ -291,7 +291,10 @@ async def generate_resilient(
             acc.add_routed(request, result, len(seg_input))
             return assemble(request, first, result, spans, acc, counts)
 
-        _check_partial(result, seg_rid, len(seg_input), remaining, expect, last_version)
+        # the partial is held to the rules of a whole result with the version it was stamped
+        # with: a stale engine report is counted above, never a reason to fail the turn
+        stamped = replace(result, weight_version=spans[-1][2] if spans else None)
+        _check_partial(stamped, seg_rid, len(seg_input), remaining, expect, last_version)
         n = len(result.output_ids)
         counts.aborts += 1
         control.record_abort(empty=n == 0)

@@ -24,6 +24,8 @@ version is kept as it reports it (int-like strings as ints), its unset marker as
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,19 +41,43 @@ UNSET_VERSIONS = frozenset({"default", ""})
 SegmentSpans = list[tuple[int, int, Any]]
 
 
+_INT = re.compile(r"-?[0-9]+")
+
+
 def _as_int(v: Any) -> int | None:
     if is_int(v):
         return int(v)
-    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+    if isinstance(v, str) and _INT.fullmatch(v.strip()):
         return int(v.strip())
     return None
+
+
+def _check_type(reported: Any) -> None:
+    """A version is a string or a finite number; anything else is bad engine output."""
+    if isinstance(reported, str) or is_int(reported):
+        return
+    if isinstance(reported, float) and math.isfinite(reported):
+        return
+    raise ValidationError("weight_version", f"must be a str or finite number, got {reported!r}")
+
+
+def _went_through(v: int, dispatch: int | None, current: int | None) -> bool:
+    """Whether the trainer's version was `v` at some time while the segment ran."""
+    if dispatch is None:  # the first version came while the segment ran: only that one
+        return v == current
+    if current is None or current >= dispatch:
+        return dispatch <= v <= (current if current is not None else dispatch)
+    return v in (dispatch, current)  # forced back (`force: true`): the two it saw
 
 
 def resolve_version(reported: Any, dispatch: int | None, current: int | None) -> tuple[Any, bool]:
     """(the version to stamp, whether `reported` disagreed with the trainer).
 
-    `dispatch` is the trainer's version when the segment was sent, `current` now."""
+    `dispatch` is the trainer's version when the segment was sent, `current` now.
+    Raises `ValidationError` for a version that is neither a string nor a number."""
     unset = reported is None or (isinstance(reported, str) and reported.strip() in UNSET_VERSIONS)
+    if not unset:
+        _check_type(reported)
     if current is None and dispatch is None:  # no trainer version: the engine's is all there is
         if unset:
             return None, False
@@ -60,9 +86,7 @@ def resolve_version(reported: Any, dispatch: int | None, current: int | None) ->
     if unset:
         return dispatch, False
     v = _as_int(reported)
-    lo = dispatch if dispatch is not None else v
-    hi = current if current is not None else dispatch
-    if v is not None and lo is not None and hi is not None and lo <= v <= hi:
+    if v is not None and _went_through(v, dispatch, current):
         return v, False
     return dispatch, True
 

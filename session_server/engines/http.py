@@ -411,7 +411,8 @@ class EngineHTTP:
         """`POST /update_weight_version` (vLLM 0.32 dev mode and SGLang both have it, with
         `new_version`): what the engine reports from now on. 404/405: this engine has no
         such endpoint (`pushed: false`; the trainer's version is still stamped, at dispatch)."""
-        reply = await self.call("POST", "/update_weight_version", body)
+        # short: the trainer waits for this answer while its engines are paused
+        reply = await self.call("POST", "/update_weight_version", body, timeout_s=5.0)
         if reply.status in (404, 405):
             return {"pushed": False, "reason": f"the engine answered {reply.status} to /update_weight_version"}
         if reply.status != 200:

@@ -230,10 +230,11 @@ class EngineCore:
             if match(job):
                 job.abort.set()
 
-    def set_weight_version(self, raw: bytes, *, abort_all_default: bool) -> tuple[dict[str, Any], int]:
+    def set_weight_version(self, raw: bytes, *, honours_abort_all: bool) -> tuple[dict[str, Any], int]:
         """`POST /update_weight_version {"new_version"}` as both engines take it: the version
-        reported from now on. SGLang's `abort_all_requests` defaults to true (its
-        `UpdateWeightVersionReqInput`): every running request is aborted first; vLLM has none."""
+        reported from now on. SGLang (`honours_abort_all`) reads `abort_all_requests`, default
+        true (its `UpdateWeightVersionReqInput`): every running request is aborted first;
+        vLLM 0.32 ignores the field."""
         try:
             body = msgspec.json.decode(raw) if raw else {}
         except msgspec.DecodeError as exc:
@@ -241,7 +242,7 @@ class EngineCore:
         version = body.get("new_version") if isinstance(body, dict) else None
         if not isinstance(version, str):
             return {"error": f"new_version must be a string, not {version!r}"}, 400
-        abort_all = body.get("abort_all_requests", abort_all_default)
+        abort_all = honours_abort_all and body.get("abort_all_requests", True)
         if abort_all:
             self.abort_where("/update_weight_version", body, lambda job: True)
         self.weight_version = version

@@ -229,7 +229,7 @@ class SGLangWire:
         )
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        answer, status = self.engine.set_weight_version(await request.read(), abort_all_default=True)
+        answer, status = self.engine.set_weight_version(await request.read(), honours_abort_all=True)
         return json_response({**answer, "message": f"Weight version updated to {answer.get('new_version')}"}
                              if status == 200 else answer, status)
 

@@ -149,7 +149,7 @@ class VLLMWire:
         r.add_post("/resume", self.resume)
         r.add_get("/is_paused", self.is_paused)
         r.add_post("/abort_requests", self.abort)
-        r.add_post("/inference/v1/abort_requests", self.abort)
+        r.add_post("/inference/v1/abort_requests", self.abort_tokens_in)
         r.add_get("/metrics", self.metrics)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_get("/weight_info", self.weight_info)
@@ -356,7 +356,7 @@ class VLLMWire:
         return json_response({"status": "resumed"})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        answer, status = self.engine.set_weight_version(await request.read(), abort_all_default=False)
+        answer, status = self.engine.set_weight_version(await request.read(), honours_abort_all=False)
         return json_response(answer, status)
 
     async def weight_info(self, request: web.Request) -> web.Response:
@@ -366,12 +366,23 @@ class VLLMWire:
         return json_response({"is_paused": self.engine.paused is not None})
 
     async def abort(self, request: web.Request) -> web.Response:
+        """`/abort_requests` (dev mode): by the engine's own ids only (a bare request id
+        aborts nothing, 0.32 as captured); an empty list aborts everything."""
         raw = await request.read()
         body = msgspec.json.decode(raw) if raw else {}
         ids = set(body.get("request_ids") or ())
-        # by the engine's own id only: a bare request id aborts nothing (0.32, as captured)
+        hits = [j for j in self.engine.running.values() if not ids or engine_id(j) in ids]
         self.engine.abort_where("/abort_requests", body, lambda job: not ids or engine_id(job) in ids)
-        return json_response({"status": "ok"})
+        return json_response({"status": "aborted", "aborted": len(hits)})
+
+    async def abort_tokens_in(self, request: web.Request) -> web.Response:
+        """`/inference/v1/abort_requests`: the listed ids only (an empty list aborts
+        nothing), an empty 200 (0.32, as captured)."""
+        raw = await request.read()
+        body = msgspec.json.decode(raw) if raw else {}
+        ids = set(body.get("request_ids") or ())
+        self.engine.abort_where("/inference/v1/abort_requests", body, lambda job: engine_id(job) in ids)
+        return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """vLLM's prefix-cache counters and its running/waiting gauges, per DP rank (`engine` label)."""

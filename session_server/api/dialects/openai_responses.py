@@ -389,7 +389,7 @@ def parse_responses(body: bytes, *, session: Any = None, switches: frozenset[str
         "response_format": _response_format(spec.text), "stream": spec.stream,
         "logprobs": logprobs or None, "top_logprobs": spec.top_logprobs if logprobs else None,
         "chat_template_kwargs": kwargs or None, "timeout_s": spec.timeout_s,
-        "max_weight_lag": spec.max_weight_lag,
+        "max_weight_lag": spec.max_weight_lag, "parallel_tool_calls": spec.parallel_tool_calls,
     }
     try:
         req = ResponsesTurn.model_validate({k: v for k, v in chat.items() if v is not None})

@@ -167,3 +167,51 @@ def test_forced_tool_call_missing_is_502_unless_cut_short() -> None:
     with pytest.raises(UpstreamInvalid):
         apply_output_policy(parsed, req, None, SimpleNamespace(ids=np.array([1]), finish_reason="stop"))
     assert apply_output_policy(parsed, req, None, SimpleNamespace(ids=np.array([1]), finish_reason="length")) is parsed
+
+
+def _tool_call_parser(single: bool) -> Any:
+    from tests.fast.server.test_hardening_review import _gbnf_to_lark
+
+    lark = pytest.importorskip("lark")  # a general CFG parser stands in for the engines' backends
+    params = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}}, "required": ["city"]}
+    grammar = hermes_tool_call_ebnf([("get_weather", params)], single=single)
+    return lark, lark.Lark(_gbnf_to_lark(grammar), start="root", parser="earley")
+
+
+def test_parallel_tool_calls_false_allows_exactly_one_call() -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    lark, one = _tool_call_parser(single=True)
+    _, many = _tool_call_parser(single=False)
+    one.parse(call)
+    many.parse(call + "\n" + call)
+    with pytest.raises(lark.exceptions.LarkError):
+        one.parse(call + "\n" + call)
+
+
+def test_whitespace_between_json_tokens_is_bounded() -> None:
+    """A model that prefers whitespace cannot fill the turn with it (seen with random
+    weights under vLLM's grammar backend): 16 characters per gap, no more."""
+    lark, parser = _tool_call_parser(single=True)
+    for n in (0, 1, 16):
+        parser.parse('<tool_call>{"name":' + " " * n + '"get_weather", "arguments": {"city": "Paris"}}</tool_call>')
+    with pytest.raises(lark.exceptions.LarkError):
+        parser.parse('<tool_call>{"name":' + " " * 17 + '"get_weather", "arguments": {"city": "Paris"}}</tool_call>')
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_parallel_tool_calls_false_reaches_the_engine_grammar(qwen3_dir: Path, protocol: str) -> None:
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+    async with live_stack(qwen3_dir, protocol) as st:
+        sid = await st.session()
+        r = await st.chat(sid, {"messages": [{"role": "user", "content": "Read it."}], "tools": tools,
+                                "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 128})
+        assert r.status_code == 200, r.text
+        import httpx
+
+        async with httpx.AsyncClient() as c:
+            sent = (await c.get(f"{st.engines[0]}/sim/requests")).json()[-1]["sampling_params"]
+        grammar = sent["ebnf"] if protocol == "sglang" else sent["structured_outputs"]["grammar"]
+        assert grammar.splitlines()[0] == "root ::= think? ws call"
+        bad = await st.chat(sid, {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "no"})
+        assert bad.status_code == 400 and "parallel_tool_calls" in bad.text
