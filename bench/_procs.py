@@ -20,6 +20,7 @@ import httpx
 from session_server.harness import free_port
 
 CLI = [sys.executable, "-m", "session_server.cli"]
+TICKS = os.sysconf("SC_CLK_TCK")
 PIDS: dict[str, int] = {}  # url -> pid of the process serving it (peak RSS from /proc)
 
 
@@ -81,3 +82,21 @@ def server(engines: Sequence[str], tokenizer: str, *, extra: Sequence[str] = (),
         args += ["--engine", e]
     with process(args, f"http://127.0.0.1:{port}", cli=cli) as url:
         yield url
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of one process (seconds); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (every thread's), from /proc."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out

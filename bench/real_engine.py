@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import re
 import statistics
 import sys
@@ -42,10 +41,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._procs import server  # noqa: E402
+from bench._procs import children, process_cpu_s, server  # noqa: E402
 from tests.engine.vllm_engine import ENGINE_FLAGS, build_tiny_qwen3, vllm_server  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
 _E2E = re.compile(r"^vllm:e2e_request_latency_seconds_(sum|count)\{[^}]*\}\s+([0-9.e+-]+)", re.M)
 
 
@@ -60,20 +58,7 @@ def _engine_e2e(url: str) -> tuple[float, float]:
 
 def _cpu_s(pid: int) -> float:
     """utime + stime of a process and its children still alive (seconds)."""
-    total = 0.0
-    for p in [pid, *_children(pid)]:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / TICKS
-    return total
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
+    return sum(process_cpu_s(p) for p in [pid, *children(pid)])
 
 
 async def _agent(url: str, turns: int, max_tokens: int, lat: list[float], errors: list[str]) -> None:

@@ -35,20 +35,11 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._procs import process, server, sim_engine  # noqa: E402
+from bench._procs import TICKS, process, server, sim_engine  # noqa: E402
+from bench._procs import children as _children  # noqa: E402
+from bench._procs import process_cpu_s as _cpu_s  # noqa: E402
 from session_server.harness import free_port  # noqa: E402
 from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of one process (seconds); 0 once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def _machine_busy_s() -> float:
@@ -56,13 +47,6 @@ def _machine_busy_s() -> float:
     f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]  # guest is in user
     return (sum(f) - f[3] - f[4]) / TICKS  # minus idle and iowait
 
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
 
 
 def _comm(pid: int) -> str:
