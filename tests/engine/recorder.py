@@ -35,6 +35,7 @@ class Exchange:
     status: int = 0
     body: bytes = b""
     done: bool = False  # the reply was read to its end (False: the client hung up first)
+    received: int = 0  # reply bytes forwarded so far (a stream's grow as tokens are sampled)
 
     @property
     def stream(self) -> bool:
@@ -102,6 +103,8 @@ async def recording_proxy(upstream: str) -> AsyncIterator[Recorder]:
             chunks: list[bytes] = []
             async for chunk in up.content.iter_any():
                 chunks.append(chunk)
+                if ex is not None:
+                    ex.received += len(chunk)
                 await resp.write(chunk)
             await resp.write_eof()
             if ex is not None:

@@ -12,7 +12,7 @@ import pytest
 from session_server.harness import free_port
 
 from .conftest import serve_process
-from .helpers import engine_running, new_session, own_turns, trajectory, wait_until
+from .helpers import new_session, own_turns, trajectory, wait_until
 from .recorder import recording_proxy
 from .vllm_engine import ENGINE_FLAGS, kill, vllm_server
 
@@ -34,12 +34,14 @@ async def test_engine_death_fails_the_turn_and_a_restart_serves_the_session(
             before = await trajectory(http, sid)
             follow = {**CHAT, "max_tokens": 3000, "messages": [
                 *CHAT["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "Go on."}]}
+            sent = len(rec.generations())
             turn = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json=follow))
 
-            async def running() -> bool:
-                return await engine_running(engine.url) > 0
+            async def running() -> bool:  # at the engine, not answered yet
+                return any(not e.done for e in rec.generations()[sent:])
 
             await wait_until(running, 60, "the long turn to run")
+            await asyncio.sleep(0.5)
             kill(engine)
             r = await turn
             assert r.status_code in (502, 503), r.text

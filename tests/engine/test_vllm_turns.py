@@ -15,6 +15,7 @@ import pytest
 
 from .conftest import Stack
 from .helpers import (
+    engine_finished,
     engine_running,
     new_session,
     next_version,
@@ -126,36 +127,49 @@ async def test_streamed_deltas_equal_the_committed_message(stack: Stack) -> None
     assert all(e.stream for e in turn_exchanges(stack.rec, line, turn))
 
 
-async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 600, stream: bool = False,
-                            **session: Any) -> tuple[
-        dict[str, Any], np.ndarray, np.ndarray, int, int, dict[str, Any]]:
+async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 1200, stream: bool = False,
+                            **session: Any) -> tuple[dict[str, Any], np.ndarray, np.ndarray, int, int, dict[str, Any]]:
     """One turn paused in `mode` mid-way, the weight version moved v -> v+1 while paused,
-    then resumed: (turn, line, logprobs, v, v+1, the pause report)."""
+    then resumed: (turn, line, logprobs, v, v+1, the pause report). The pause must land
+    while the engine is sampling the turn; a turn that is not (yet or any more) at the
+    engine when the pause would go out is a failed precondition, tried again (3 times)."""
     async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
-        old = await next_version(http)
-        assert (await http.post("/control/weight_version", json={"version": old})).status_code == 200
-        sid = await new_session(http, **session)
-        sent = len(stack.rec.generations())
-        chat = asyncio.create_task(_chat(http, sid, {"messages": [{"role": "user", "content": f"Go ({mode})."}],
-                                                     "max_tokens": max_tokens, "temperature": 1.0,
-                                                     "stream": stream}))
-        await wait_until(lambda: _dispatched(stack, sent), 60, "the turn to run at the engine")
-        await asyncio.sleep(0.8)  # tens of tokens sampled under the old version
-        pause = (await http.post("/control/pause", json={"mode": mode})).json()
-        new = old + 1
-        set_v = await http.post("/control/weight_version", json={"version": new})
-        assert set_v.status_code == 200, set_v.text
-        await asyncio.sleep(0.3)
-        assert (await http.post("/control/resume", json={})).status_code == 200
-        r = await chat
-        assert r.status_code == 200, r.text
-        line, _, lps, turns = own_turns(await trajectory(http, sid))
-    return turns[-1], line, lps, old, new, pause
+        for _ in range(3):
+            old = await next_version(http)
+            assert (await http.post("/control/weight_version", json={"version": old})).status_code == 200
+            sid = await new_session(http, **session)
+            sent = len(stack.rec.generations())
+            chat = asyncio.create_task(_chat(http, sid, {"messages": [{"role": "user", "content": f"Go ({sid})."}],
+                                                         "max_tokens": max_tokens, "temperature": 1.0,
+                                                         "stream": stream}))
+            await wait_until(lambda n=sent: _dispatched(stack, n), 60, "the turn to run at the engine")
+            if stream:  # tokens are flowing: the request is decoding, past its prefill
+                await wait_until(lambda n=sent: _streamed_bytes(stack, n, 4000), 60, "the engine's stream to flow")
+            await asyncio.sleep(0.8)  # tens of tokens sampled under the old version
+            if not await _dispatched(stack, sent) or chat.done():
+                await chat  # it ran to its end before the pause: not the case under test
+                continue
+            pause = (await http.post("/control/pause", json={"mode": mode})).json()
+            new = old + 1
+            set_v = await http.post("/control/weight_version", json={"version": new})
+            assert set_v.status_code == 200, set_v.text
+            await asyncio.sleep(0.3)
+            assert (await http.post("/control/resume", json={})).status_code == 200
+            r = await chat
+            assert r.status_code == 200, r.text
+            line, _, lps, turns = own_turns(await trajectory(http, sid))
+            return turns[-1], line, lps, old, new, pause
+    raise AssertionError("the turn never was at the engine when the pause went out")
+
+
+async def _streamed_bytes(stack: Stack, before: int, n: int) -> bool:
+    return any(e.received >= n for e in stack.rec.generations()[before:])
 
 
 async def _dispatched(stack: Stack, before: int) -> bool:
-    """A generation request newer than the first `before` is at the engine and running."""
-    return len(stack.rec.generations()) > before and await engine_running(stack.engine.url) > 0
+    """A generation request newer than the first `before` went through to the engine and
+    is not answered yet (vLLM's running gauge lags: it is refreshed with its stats)."""
+    return any(not e.done for e in stack.rec.generations()[before:])
 
 
 async def test_pause_abort_mid_turn_resubmits_and_stamps_each_segment(stack: Stack) -> None:
@@ -186,7 +200,7 @@ async def test_pause_keep_mid_turn_splits_versions_where_the_update_landed(stack
 
 
 async def test_pause_wait_lets_the_turn_finish_under_the_old_version(stack: Stack) -> None:
-    turn, line, lps, old, _, pause = await _turn_under_pause(stack, "wait", max_tokens=300)
+    turn, line, lps, old, _, pause = await _turn_under_pause(stack, "wait", max_tokens=400)
     assert pause["ok"], pause
     assert [v for _, _, v in relative_spans(turn)] == [old]
     _assert_turn_is_engine_output(stack, line, lps, turn)
@@ -230,8 +244,12 @@ async def test_an_engine_reporting_its_unset_version_never_overrides_the_trainer
 
 
 async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:
+    """A streaming client hangs up mid-turn: vLLM's running count drops to 0 long before
+    its 3,000 tokens could be sampled, it never finishes the request (no stop or length
+    counted), and nothing is committed."""
     async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
         await wait_until(lambda: _idle(stack), 60, "an idle engine")
+        finished = await engine_finished(stack.engine.url)
         sid = await new_session(http)
         body = {"model": "m", "messages": [{"role": "user", "content": "Stream forever."}], "max_tokens": 3000,
                 "stream": True, "chat_template_kwargs": {"enable_thinking": False}}
@@ -240,11 +258,21 @@ async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> No
             assert r.status_code == 200
             chunks = r.aiter_bytes()
             await anext(chunks)
-            await wait_until(lambda: _dispatched(stack, sent), 60, "the streamed turn to run at the engine")
-            await anext(chunks)
-        await wait_until(lambda: _idle(stack), 30, "the engine to drop the request")
+            await wait_until(lambda: _dispatched(stack, sent), 60, "the streamed turn to reach the engine")
+            for _ in range(10):  # tokens are flowing
+                await anext(chunks)
+            await wait_until(lambda: _busy(stack), 30, "vLLM to count the request running")
+        await wait_until(lambda: _idle(stack), 15, "vLLM's running count to drop")
+        after = await engine_finished(stack.engine.url)
         view = (await http.get(f"/sessions/{sid}")).json()
-    assert view["turns"] == 0
+    assert {k: after.get(k, 0.0) for k in ("stop", "length")} == {k: finished.get(k, 0.0) for k in ("stop", "length")}
+    assert view["turns"] == 0 and view["turns_discarded"] == 1
+    (ex,) = [e for e in stack.rec.generations()[sent:]]
+    assert not ex.done, "the engine's stream was cut, not read to its end"
+
+
+async def _busy(stack: Stack) -> bool:
+    return await engine_running(stack.engine.url) > 0
 
 
 async def _idle(stack: Stack) -> bool:
