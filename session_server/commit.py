@@ -58,7 +58,7 @@ async def validate(
 ) -> Checked:
     """The engine output validated, parsed and shaped by the request's output policy;
     with routing replay, its routed experts decoded and gap-checked (offload)."""
-    valid, parsed, repair = await ctx.offload.run(_check_output, ctx, result, expect, req, prep)
+    valid, parsed, repair, extra = await ctx.offload.run(_check_output, ctx, result, expect, req, prep)
     routed = None
     if call is not None and call.greq.return_routed_experts:
         routed = await ctx.offload.run(_routed_rows, ctx, call, result)
@@ -66,7 +66,6 @@ async def validate(
     finish = valid.finish_reason
     if finish == "stop" and parsed.tool_calls:
         finish = "tool_calls"
-    extra = _undecodable(valid, ctx.codec.vocab_size)
     return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish,
                    routed=routed, extra=extra)
 
@@ -93,9 +92,9 @@ def _routed_rows(ctx: ServerContext, call: EngineCall, result: ResilientResult) 
 
 def _check_output(
     ctx: ServerContext, result: GenerateResult, expect: Expectations, req: ChatRequest, prep: Prepared
-) -> tuple[ValidGeneration, Any, list[int]]:
-    """Validate, parse (as this request: its tools, its thinking switch) and compute
-    repair tokens (offload). `tool_choice: none` offers no tools to call."""
+) -> tuple[ValidGeneration, Any, list[int], dict[str, Any]]:
+    """Validate, parse (as this request: its tools, its thinking switch), compute repair
+    tokens and note ids no text shows (offload: all O(output)). `tool_choice: none` offers no tools to call."""
     try:
         valid = validate_generation(result, expect)
     except ValidationError as exc:
@@ -104,7 +103,7 @@ def _check_output(
     tools = None if req.tool_choice == "none" else prep.tools
     parsed = ctx.codec.parse_assistant(ids, tools=tools, template_kwargs=prep.template_kwargs)
     repair = list(ctx.codec.close_turn(ids))
-    return valid, parsed, repair
+    return valid, parsed, repair, _undecodable(valid, ctx.codec.vocab_size)
 
 
 async def commit(
