@@ -33,9 +33,17 @@ class Exchange:
     path: str
     request: dict[str, Any]
     status: int = 0
-    body: bytes = b""
+    raw: bytearray = field(default_factory=bytearray)  # recorded before forwarded: the reader never sees more
     done: bool = False  # the reply was read to its end (False: the client hung up first)
-    received: int = 0  # reply bytes forwarded so far (a stream's grow as tokens are sampled)
+
+    @property
+    def body(self) -> bytes:
+        return bytes(self.raw)
+
+    @property
+    def received(self) -> int:
+        """Reply bytes forwarded so far (a stream's grow as tokens are sampled)."""
+        return len(self.raw)
 
     @property
     def stream(self) -> bool:
@@ -59,6 +67,14 @@ class Exchange:
                 content.extend((lp or {}).get("content") or [])
                 choice.update({k: v for k, v in c.items() if v is not None and k not in ("token_ids", "logprobs")})
         return {"choices": [{**choice, "token_ids": ids, "logprobs": {"content": content}}]}
+
+    def finished(self) -> bool:
+        """The engine's reply so far carries a finish reason: the session server had all of
+        it (the proxy may not have seen the upstream's end yet)."""
+        try:
+            return self.reply()["choices"][0].get("finish_reason") is not None
+        except (ValueError, KeyError, IndexError):
+            return False
 
     def sampled(self) -> tuple[list[int], list[float]]:
         choice = self.reply()["choices"][0]
@@ -99,16 +115,19 @@ async def recording_proxy(upstream: str) -> AsyncIterator[Recorder]:
         async with session.request(request.method, upstream + request.path_qs, data=raw, headers=headers) as up:
             resp = web.StreamResponse(status=up.status, headers={
                 k: v for k, v in up.headers.items() if k.lower() not in _HOP})
-            await resp.prepare(request)
-            chunks: list[bytes] = []
-            async for chunk in up.content.iter_any():
-                chunks.append(chunk)
-                if ex is not None:
-                    ex.received += len(chunk)
-                await resp.write(chunk)
-            await resp.write_eof()
             if ex is not None:
-                ex.status, ex.body, ex.done = up.status, b"".join(chunks), True
+                ex.status = up.status
+            await resp.prepare(request)
+            # Each chunk is recorded before it is forwarded: the session server can commit a
+            # turn (and a test read the record) as soon as the last chunk reaches it, while
+            # this handler still waits on the write.
+            async for chunk in up.content.iter_any():
+                if ex is not None:
+                    ex.raw.extend(chunk)
+                await resp.write(chunk)
+            if ex is not None:
+                ex.done = True
+            await resp.write_eof()
             return resp
 
     app = web.Application(client_max_size=1 << 30)
