@@ -101,10 +101,12 @@ def die_with_parent_argv(argv: list[str]) -> list[str]:
 
 
 def _arm_from_env() -> None:
-    """On import in a direct child of the process `ENV` names (the forkserver, which
-    imports this module as a preload): die with that parent. Anywhere else: nothing."""
+    """On import in the forkserver (a `python -c` direct child of the process `ENV`
+    names, which imports this module as a preload): die with that parent. Anywhere
+    else (`serve` itself, or a process that merely inherited the variable): nothing."""
     named = os.environ.get(ENV, "")
-    if named.isdigit() and int(named) != os.getpid() and int(named) == os.getppid():
+    if (named.isdigit() and sys.argv[:1] == ["-c"] and int(named) != os.getpid()
+            and int(named) == os.getppid()):
         die_with_parent(int(named))
 
 
