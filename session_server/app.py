@@ -79,6 +79,27 @@ OCTETS = "application/octet-stream"
 PARTIAL = {207: "some engines or peer instances failed; the report names them"}
 
 
+def _require_routed_shape(ctx: ServerContext) -> None:
+    """A routing-replay session is refused at creation when its turns could not be
+    stored: SGLang sends each row of routed experts flat, so splitting it needs the
+    model's (layers, topk), from the settings or a model config.json the server could
+    read (ServerContext.routed_shape). Without it every turn would do the engine work
+    and then fail with a 502. vLLM's `.npy` payload carries its own shape, so a pool of
+    vLLM engines alone needs nothing."""
+    shape = ctx.routed_shape()
+    if shape.layers or shape.topk:
+        return
+    protocols = ctx.registry.protocols()
+    if protocols and protocols <= {"vllm"}:
+        return
+    raise BadRequest(
+        "routing_replay: the model's routed-experts shape (MoE layers, experts per token) is unknown: no "
+        "engine's model config.json (num_hidden_layers, num_experts_per_tok) could be read here, nor one "
+        "beside the tokenizer. Start the server with --routed-experts-layers and --routed-experts-topk "
+        "(env TITO_ROUTED_EXPERTS_LAYERS, TITO_ROUTED_EXPERTS_TOPK; settings routed_experts_layers, "
+        "routed_experts_topk)")
+
+
 def _json(body: Any, status: int = 200) -> Response:
     return Response(content=orjson.dumps(body), status_code=status, media_type=JSON)
 
@@ -278,6 +299,8 @@ def create_app(config: AppConfig) -> FastAPI:
             routing_replay=ctx.settings.routing_replay if spec.routing_replay is None else spec.routing_replay,
             max_weight_lag=spec.max_weight_lag,
         )
+        if cfg.routing_replay:
+            _require_routed_shape(ctx)
         s = ctx.store.create(cfg)
         base = str(request.base_url).rstrip("/")
         return _json({"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1", "api_key": s.token}, 201)

@@ -162,7 +162,6 @@ def _cluster(args: argparse.Namespace) -> int:
 
 def _sim_engine(args: argparse.Namespace) -> int:
     from .sim import run_sim_engine
-    from .sim.routed import RoutedSpec
 
     run_sim_engine(
         args.protocol,
@@ -175,10 +174,21 @@ def _sim_engine(args: argparse.Namespace) -> int:
         request_latency_ms=args.request_latency_ms,
         noncanonical=args.noncanonical,
         padding=args.padding,
-        routed=RoutedSpec(layers=args.routed_layers, topk=args.routed_topk, num_experts=args.routed_experts),
+        routed=_sim_routed(args),
         return_routed_experts=args.enable_return_routed_experts,
     )
     return 0
+
+
+def _sim_routed(args: argparse.Namespace) -> Any:
+    """The simulated MoE: the flags given (the rest from the default), else the served
+    model's config.json, else the default (`sim.routed.model_spec`)."""
+    from .sim.routed import DEFAULT_ROUTED, RoutedSpec
+
+    given = {"layers": args.routed_layers, "topk": args.routed_topk, "num_experts": args.routed_experts}
+    if all(v is None for v in given.values()):
+        return "model"
+    return RoutedSpec(**{k: getattr(DEFAULT_ROUTED, k) if v is None else v for k, v in given.items()})
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -364,9 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--noncanonical", action="store_true", help="emit non-canonical segmentations")
     e.add_argument("--padding", choices=("base64", "floats"), default=None,
                    help="add a routed-experts-like payload to every reply (default: none)")
-    e.add_argument("--routed-layers", type=int, default=4, help="routing replay: MoE layers of the simulated model")
-    e.add_argument("--routed-topk", type=int, default=2, help="routing replay: experts per token")
-    e.add_argument("--routed-experts", type=int, default=16, help="routing replay: experts per layer")
+    e.add_argument("--routed-layers", type=int, default=None,
+                   help="routing replay: MoE layers of the simulated model (default: the model's config.json "
+                   "num_hidden_layers, as SGLang reads it, else 4)")
+    e.add_argument("--routed-topk", type=int, default=None,
+                   help="routing replay: experts per token (default: config.json num_experts_per_tok, else 2)")
+    e.add_argument("--routed-experts", type=int, default=None,
+                   help="routing replay: experts per layer (default: config.json num_experts, else 16)")
     e.add_argument("--enable-return-routed-experts", action="store_true",
                    help="vLLM: every answer carries its routed experts (vLLM's server flag; SGLang answers "
                         "when a request asks)")

@@ -40,6 +40,7 @@ from types import FrameType
 
 from .control.relay import RELAYED_HEADER
 from .engines.http import raise_nofile_limit
+from .parent_death import die_with_parent_argv
 from .sessions import ID_SEPARATOR
 
 __all__ = ["ClusterError", "HaproxyMissing", "WorkerSpec", "haproxy_config", "find_haproxy", "run_cluster"]
@@ -239,7 +240,8 @@ class _Children:
     first_backoff_s: float = 1.0
 
     def start(self, w: WorkerSpec, argv: list[str]) -> subprocess.Popen[bytes]:
-        self.workers[w.instance] = p = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+        # dies with the cluster, even by `kill -9` (parent_death.py)
+        self.workers[w.instance] = p = subprocess.Popen(die_with_parent_argv(argv), stdin=subprocess.DEVNULL)
         self.started_at[w.instance] = time.monotonic()
         self.reported.discard(w.instance)
         return p
@@ -342,7 +344,8 @@ def run_cluster(
         _wait_ready(children, specs, start_timeout_s, stop)
         cfg = directory / "haproxy.cfg"
         cfg.write_text(haproxy_config(specs, bind_host=host, port=port, directory=directory, timeout_s=proxy_timeout_s))
-        children.haproxy = subprocess.Popen([haproxy_bin, "-f", str(cfg), "-db"], stdin=subprocess.DEVNULL)
+        children.haproxy = subprocess.Popen(die_with_parent_argv([haproxy_bin, "-f", str(cfg), "-db"]),
+                                            stdin=subprocess.DEVNULL)
         shown = f"[{host}]" if ":" in host else host  # an IPv6 literal
         _wait_proxy(children.haproxy, f"http://{shown}:{port}", stop)
         _log.info("cluster ready: http://%s:%d (%d workers, haproxy pid=%d, config %s)",

@@ -24,7 +24,7 @@ from .engine_request import EngineCall
 from .engines.base import GenerateResult
 from .errors import InternalInvariant, UpstreamInvalid
 from .prepare import Prepared
-from .routed import RoutedShape, join, wire_size
+from .routed import join, wire_size
 from .sessions import Claim, Session
 from .structured import apply_output_policy
 
@@ -82,9 +82,7 @@ def _undecodable(valid: ValidGeneration, tokenizer_size: int) -> dict[str, Any]:
 
 def _routed_rows(ctx: ServerContext, call: EngineCall, result: ResilientResult) -> Any:
     """The turn's routed experts for positions [start, input + output - 1) (offload)."""
-    s = ctx.settings
-    shape = RoutedShape(layers=s.routed_experts_layers, topk=s.routed_experts_topk,
-                        num_experts=s.routed_experts_num_experts)
+    shape = ctx.routed_shape()
     end = len(call.greq.input_ids) + len(result.output_ids) - 1
     return join(result.routed_pieces, start=call.greq.routed_experts_start, end=end, shape=shape,
                 expect=call.routed_shape)

@@ -13,6 +13,7 @@ from .engines.registry import EngineRegistry
 from .metrics import Metrics
 from .offload import CpuOffload
 from .reply_decoder import ReplyDecoder
+from .routed import RoutedShape
 from .routing.admission import PrefillAdmission
 from .routing.pool import EnginePool
 from .sessions import SessionStore
@@ -37,3 +38,13 @@ class ServerContext:
     decoder: ReplyDecoder
     control: ControlPlane
     admission: PrefillAdmission = field(default_factory=PrefillAdmission)
+    # routed-experts (layers, topk, experts) of the config.json beside the tokenizer (model_config.py)
+    model_routed: tuple[int, int, int | None] | None = None
+
+    def routed_shape(self) -> RoutedShape:
+        """What the server knows of the model's routed experts: each setting, else the
+        config of the model an engine serves, else the config beside the tokenizer."""
+        s = self.settings
+        layers, topk, experts = self.registry.routed_shape() or self.model_routed or (None, None, None)
+        return RoutedShape(layers=s.routed_experts_layers or layers, topk=s.routed_experts_topk or topk,
+                           num_experts=s.routed_experts_num_experts or experts)

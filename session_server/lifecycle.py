@@ -24,7 +24,7 @@ from .context import ServerContext, log
 from .control import ControlPlane
 from .engines.registry import EngineRegistry
 from .metrics import Metrics
-from .model_config import model_vocab_size
+from .model_config import model_routed_shape, model_vocab_size
 from .offload import CpuOffload
 from .reply_decoder import ReplyDecoder
 from .routing import AdmissionConfig, PrefillAdmission, health_check_loop, make_policy
@@ -58,6 +58,7 @@ async def build_context(config: AppConfig) -> ServerContext:
     vocab_size = await offload.run(model_vocab_size, tok, settings.vocab_size)
     if vocab_size != len(tok):
         log.info("model vocabulary: %d rows for %d tokenizer ids", vocab_size, len(tok))
+    model_routed = await offload.run(model_routed_shape, str(getattr(tok, "name_or_path", "") or ""))
     decoder = ReplyDecoder(offload, processes=settings.decode_processes)
     await decoder.start()
     engines = EnginePool(make_policy(settings.routing_policy))
@@ -87,6 +88,7 @@ async def build_context(config: AppConfig) -> ServerContext:
         admission=PrefillAdmission(
             AdmissionConfig(settings.prefill_slots_per_engine, settings.large_prefill_tokens)
         ),
+        model_routed=model_routed,
     )
     ctx.store.on_remove.append(lambda s: engines.forget(s.id, s.home))  # DELETE and TTL alike
     return ctx

@@ -23,12 +23,15 @@ import asyncio
 import dataclasses
 import functools
 import multiprocessing
+import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from .engines.base import GenerateResult
 from .offload import CpuOffload
+from .parent_death import ENV as DIE_WITH_ENV
+from .parent_death import arm_pool_worker
 from .routed import predecode
 
 LARGE_REPLY_BYTES = 256 * 1024
@@ -62,9 +65,14 @@ class ReplyDecoder:
         self.large_reply_bytes = large_reply_bytes
         self._procs: ProcessPoolExecutor | None = None
         if processes > 0:
+            # the forkserver and its workers die with this process, even by `kill -9`
+            # (parent_death.py): the forkserver arms itself on importing the module, the
+            # workers in the pool's initializer
+            os.environ[DIE_WITH_ENV] = str(os.getpid())
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["session_server.engines"])
-            self._procs = ProcessPoolExecutor(max_workers=processes, mp_context=ctx)
+            ctx.set_forkserver_preload(["session_server.parent_death", "session_server.engines"])
+            self._procs = ProcessPoolExecutor(max_workers=processes, mp_context=ctx,
+                                              initializer=arm_pool_worker, initargs=(os.getpid(),))
 
     async def start(self) -> None:
         """Start the workers now, not on the first large reply."""

@@ -172,7 +172,9 @@ def _flat_rows(arr: np.ndarray, p: Piece, shape: RoutedShape, expect: tuple[int,
     if known is not None:
         per = known[0] * known[1]
         if size % per:
-            raise UpstreamInvalid(f"{where}: {size} routed ids are not whole rows of {known[0]}x{known[1]}")
+            raise UpstreamInvalid(f"{where}: {size} routed ids are not whole rows of {known[0]}x{known[1]} "
+                                  "(layers x topk: the routed_experts_layers and routed_experts_topk settings, "
+                                  "else the model's config.json)")
         return arr.reshape(size // per, *known)
     if want <= 0 or size % want:
         raise UpstreamInvalid(

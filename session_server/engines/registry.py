@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from ..errors import BadRequest, EngineError, NoHealthyEngine
+from ..model_config import model_routed_shape
 from ..routing.pool import Engine, EnginePool
 from . import make_adapter
 from .admission_check import EngineRefused, parse_engine_spec, verify_engine
@@ -41,6 +42,9 @@ class EngineRegistry:
         # may still ask whether it answers (`answers_health`)
         self._retired: dict[str, EngineAdapter] = {}
         self._noted: dict[str, str] | None = None  # while joining a cluster: URL -> last op asked here
+        # engine id -> its model's routed-experts (layers, topk, experts), read from the
+        # config.json of the model it names (`learn_routed_shape`)
+        self.routed_shapes: dict[str, tuple[int, int, int | None]] = {}
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -76,8 +80,11 @@ class EngineRegistry:
         if already is not None:
             await adapter.aclose()
             return already
+        shape = await learn_routed_shape(adapter) if healthy else None
         eng = self.attach(f"e{self.pool.next_engine_number()}", adapter, dp_size)
         eng.healthy = healthy
+        if shape is not None:
+            self.routed_shapes[eng.id] = shape
         return eng
 
     def attach(self, engine_id: str, adapter: EngineAdapter, dp_size: int = 1) -> Engine:
@@ -91,6 +98,7 @@ class EngineRegistry:
         (bounded by `drain_s`), so the caller does not wait. None when unknown."""
         eng = self.pool.remove(engine_id)
         adapter = self._adapters.pop(engine_id, None)
+        self.routed_shapes.pop(engine_id, None)
         if adapter is not None:
             self._retired[engine_id] = adapter
             task = asyncio.get_running_loop().create_task(self._retire(engine_id, adapter, drain_s))
@@ -148,6 +156,14 @@ class EngineRegistry:
 
     def stop_noting(self) -> None:
         self._noted = None
+
+    def protocols(self) -> set[str]:
+        """The protocols the registered engines speak."""
+        return {a.protocol for a in self._adapters.values()}
+
+    def routed_shape(self) -> tuple[int, int, int | None] | None:
+        """The model's routed-experts shape as learned from an engine, None when none told."""
+        return next(iter(self.routed_shapes.values()), None)
 
     def adapters(self) -> list[EngineAdapter]:
         """Every engine's adapter (the control plane's fan-out reads this on each call)."""
@@ -233,6 +249,23 @@ class EngineRegistry:
 
 
 _CLOSING: set[asyncio.Task[None]] = set()  # background closes: the loop keeps weak task refs
+
+
+async def learn_routed_shape(adapter: EngineAdapter, timeout_s: float = 10.0) -> tuple[int, int, int | None] | None:
+    """The routed-experts (layers, topk, experts) of the model `adapter` serves, from that
+    model's config.json (model_config.py: no engine sends the numbers themselves, both
+    name the model). None when the engine does not say or the config cannot be read here
+    (an engine on another machine, a hub model not in the local cache): routing replay
+    then needs the settings. Never fails an engine's admission."""
+    ask = getattr(adapter, "served_model_path", None)
+    if ask is None:
+        return None
+    try:
+        path = await asyncio.wait_for(ask(), timeout_s)
+        return None if path is None else await asyncio.to_thread(model_routed_shape, path)
+    except Exception as exc:  # a best-effort read: the settings still supply the shape
+        log.info("engine %s: no routed-experts shape learned (%r)", adapter.base_url, exc)
+        return None
 
 
 async def _close_quietly(adapter: EngineAdapter, drain_s: float) -> None:

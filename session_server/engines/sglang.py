@@ -362,6 +362,13 @@ class SGLangAdapter:
     async def model_info(self) -> dict[str, Any]:
         return await self.http.call_json("GET", "/get_model_info")
 
+    async def served_model_path(self) -> str | None:
+        """The served model's path or hub name: `/get_model_info`'s `model_path` (the
+        `--model-path` it was started with; tests/fixtures/engines/sglang/get_model_info_2026-04.json)."""
+        info = await self.model_info()
+        path = info.get("model_path") if isinstance(info, dict) else None
+        return path if isinstance(path, str) and path else None
+
     async def server_info(self) -> dict[str, Any]:
         """`/get_server_info` (newer builds also serve `/server_info`); carries `dp_size`."""
         try:

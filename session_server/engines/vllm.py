@@ -463,6 +463,21 @@ class VLLMAdapter:
                 self.endpoint = "completions" if reply.status in (404, 405) else "generate"
             return self.endpoint
 
+    async def served_model_path(self) -> str | None:
+        """The served model's path or hub name: `/v1/models`' first `root` (the `--model`
+        it was started with; its `id` is the served name, which `--served-model-name`
+        may change: tests/fixtures/engines/vllm/real-0.32.0-cpu/models.json)."""
+        reply = await self.http.call("GET", "/v1/models")
+        if reply.status != 200:
+            raise http_error(reply, what="vllm /v1/models", engine=self.base_url)
+        try:
+            first = msgspec.json.decode(reply.body)["data"][0]
+            path = first.get("root") or first.get("id")
+        except (msgspec.DecodeError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise UpstreamInvalid(f"vllm /v1/models: unexpected body {reply.body[:200]!r}",
+                                  engine=self.base_url) from exc
+        return path if isinstance(path, str) and path else None
+
     async def _request(self, request: GenerateRequest, *, stream: bool) -> tuple[str, bytes, dict[str, str]]:
         """(path, body, headers) of one generation on the discovered endpoint."""
         if self.endpoint is None or self.model is None:

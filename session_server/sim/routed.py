@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DEFAULT_ROUTED", "ROUTED_FAULTS", "RoutedSpec", "line_rows", "sglang_payload", "vllm_payload"]
+__all__ = ["DEFAULT_ROUTED", "ROUTED_FAULTS", "RoutedSpec", "line_rows", "model_spec", "sglang_payload",
+           "vllm_payload"]
 
 # fault kinds that act on the routed experts of the answer they land on
 ROUTED_FAULTS = {
@@ -40,6 +41,21 @@ class RoutedSpec:
 
 
 DEFAULT_ROUTED = RoutedSpec()
+
+
+def model_spec(name_or_path: str) -> RoutedSpec:
+    """The simulated MoE of the model the engine serves, as SGLang sizes its routed-experts
+    capture: `hf_text_config.num_hidden_layers` x `num_experts_per_tok` of the model's
+    config.json (sgl-project/sglang python/sglang/srt/layers/moe/routed_experts_capturer.py);
+    `DEFAULT_ROUTED` for a model without one (a bare tokenizer, a dense config). The
+    expert count, when the config has none, is the default's (at least topk)."""
+    from session_server.model_config import model_routed_shape
+
+    shape = model_routed_shape(name_or_path)
+    if shape is None:
+        return DEFAULT_ROUTED
+    layers, topk, experts = shape
+    return RoutedSpec(layers=layers, topk=topk, num_experts=experts or max(DEFAULT_ROUTED.num_experts, topk))
 
 
 def line_rows(ids: Sequence[int] | np.ndarray, spec: RoutedSpec, start: int = 0) -> np.ndarray:

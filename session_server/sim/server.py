@@ -22,7 +22,7 @@ from aiohttp import web
 from session_server.loopback import serving_aiohttp
 from session_server.sim.engine import EngineCore
 from session_server.sim.faults import FAULT_KINDS
-from session_server.sim.routed import DEFAULT_ROUTED, RoutedSpec
+from session_server.sim.routed import RoutedSpec, model_spec
 from session_server.sim.sampler import SimModel, sim_model_from_tokenizer
 from session_server.sim.sglang_wire import SGLangWire
 from session_server.sim.vllm_wire import VLLMWire
@@ -36,17 +36,22 @@ class SimEngine(EngineCore):
 
     `padding` ("floats" | "base64") adds the benchmark's routed_experts payload to every
     final answer. `routed` is the simulated MoE (layers, topk, experts) whose
-    deterministic routed experts answer routing replay: SGLang when a request asks,
+    deterministic routed experts answer routing replay ("model": the served model's
+    config.json, as SGLang reads it, `sim.routed.model_spec`): SGLang when a request asks,
     vLLM on every answer when `return_routed_experts` (its server flag
     `--enable-return-routed-experts`). The other keywords configure the core (`EngineCore`).
     """
 
     def __init__(self, protocol: str, model: SimModel, *, padding: str | None = None,
-                 routed: RoutedSpec | None = DEFAULT_ROUTED, return_routed_experts: bool = False,
+                 routed: RoutedSpec | str | None = "model", return_routed_experts: bool = False,
                  **core: Any) -> None:
         super().__init__(protocol, model, **core)
         self.padding = padding_payload(padding) if padding else None
-        self.routed = routed
+        if isinstance(routed, str):
+            if routed != "model":
+                raise ValueError(f"routed must be a RoutedSpec, None or 'model', not {routed!r}")
+            routed = model_spec(model.name)
+        self.routed: RoutedSpec | None = routed
         self.return_routed_experts = return_routed_experts
 
     def make_app(self) -> web.Application:
@@ -182,7 +187,7 @@ def run_sim_engine(
     request_latency_ms: float = 0.0,
     noncanonical: bool = False,
     padding: str | None = None,
-    routed: RoutedSpec | None = DEFAULT_ROUTED,
+    routed: RoutedSpec | str | None = "model",
     return_routed_experts: bool = False,
 ) -> None:
     """Blocking entry for `session-server sim-engine`."""

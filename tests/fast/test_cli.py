@@ -244,4 +244,7 @@ def test_13_6_sim_engine_routed_experts_flags(monkeypatch: pytest.MonkeyPatch) -
     assert cli.main(["sim-engine", "--protocol", "sglang", "--tokenizer", "toy"]) == 0
     assert seen[0]["routed"] == RoutedSpec(layers=60, topk=8, num_experts=128)
     assert seen[0]["return_routed_experts"] is True
-    assert seen[1]["routed"] == DEFAULT_ROUTED and seen[1]["return_routed_experts"] is False
+    # no flag: the served model's config.json shapes it, as SGLang reads it (sim.routed.model_spec)
+    assert seen[1]["routed"] == "model" and seen[1]["return_routed_experts"] is False
+    assert cli.main(["sim-engine", "--protocol", "sglang", "--tokenizer", "toy", "--routed-topk", "8"]) == 0
+    assert seen[2]["routed"] == RoutedSpec(layers=DEFAULT_ROUTED.layers, topk=8, num_experts=DEFAULT_ROUTED.num_experts)
