@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message
+from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message, RefusalReason
 from trajectory.history import attach
 from trajectory.tree import TrajectoryTree
 
@@ -45,7 +45,8 @@ class Prepared:
     template_kwargs: dict[str, Any]
     last_weight_version: Any
     constraint: Constraint | None = None  # tool_choice / response_format, derived off the loop
-    fork_reason: str | None = None  # why a fork was decided at prepare (diagnostic at commit)
+    fork_reason: str | None = None  # why a fork was decided (prepare or render; diagnostic at commit)
+    fork_detail: str | None = None  # the codec's words for a fork decided at render
     tool_call_renames: dict[str, Any] = field(default_factory=dict)  # client id -> ours (10.2)
     prev_output: tuple[int, int, int] | None = None  # (turn index, output_start, output_end) before the node
     history_rewrite: dict[str, Any] | None = None  # set by render: where a re-render would differ
@@ -167,12 +168,16 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: 
         if session.config.history_policy is HistoryPolicy.TEMPLATE else None,
     )
     if isinstance(result, BridgeRefusal):
-        if session.config.history_policy is HistoryPolicy.TEMPLATE:
-            # follow the template: a new branch rendered from the whole request
+        if (session.config.history_policy is HistoryPolicy.TEMPLATE
+                or result.reason is RefusalReason.ROLE_MISMATCH):
+            # follow the template: a new branch rendered from the whole request. A role
+            # mismatch forks under `append` too: no delta after the sampled role token is
+            # what the template renders, and the sampled token is never rewritten (the
+            # branch holding it stays as it is). Noted at commit, with the turn.
             full: list[Message] = [*prep.history, *prep.new_messages]
-            session_note("fork", reason=result.reason.value, detail=result.detail)
             forked = replace(prep, kind="fork", checkpoint=0, new_messages=full,
-                             context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[])
+                             context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[],
+                             fork_reason=result.reason.value, fork_detail=result.detail)
             ids = await ctx.offload.run(
                 codec.render_first, full, tools=forked.tools, template_kwargs=forked.template_kwargs
             )
