@@ -161,6 +161,7 @@ def session_view(s: Session) -> dict[str, Any]:
             for b in s.tree.branches()
         ],
         "diagnostics": list(s.diagnostics),
+        "diagnostics_dropped": s.diagnostics_dropped,
         "control": dataclasses.asdict(s.control_totals),
         "turns_discarded": s.turns_discarded,
         **samples_api.reward_view(s),

@@ -159,12 +159,17 @@ def _apply_branch_change(ctx: ServerContext, session: Session, prep: Prepared) -
             session.note("resume", branch=branch.id, from_branch=tree.active_id)
         tree.activate(branch.id)
     elif prep.kind == "rollback":
+        if prep.fork_reason is not None:  # a known cause (inlined reasoning): say why it is not an append
+            detail = {"detail": prep.fork_detail} if prep.fork_detail else {}
+            session.note("rollback", reason=prep.fork_reason, checkpoint=prep.checkpoint,
+                         from_branch=branch.id, **detail)
         tree.branch_from(branch.id, prep.checkpoint, ROLLBACK_REASON)
         ctx.metrics.branches_total.labels(reason="rollback").inc()
     elif prep.kind == "fork":
         if prep.fork_reason is not None:
+            detail = {"detail": prep.fork_detail} if prep.fork_detail else {}
             session.note("fork", reason=prep.fork_reason, turn=len(branch.trajectory.turns),
-                         from_branch=branch.id)
+                         from_branch=branch.id, **detail)
         tree.branch_from(branch.id, 0, prep.fork_reason or "history_rewrite")
         ctx.metrics.branches_total.labels(reason="fork").inc()
 

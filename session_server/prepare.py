@@ -14,8 +14,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message
+from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message, RefusalReason
 from trajectory.history import attach
+from trajectory.messages import inlined_reasoning
 from trajectory.tree import TrajectoryTree
 
 from .api.models import ChatRequest
@@ -45,7 +46,8 @@ class Prepared:
     template_kwargs: dict[str, Any]
     last_weight_version: Any
     constraint: Constraint | None = None  # tool_choice / response_format, derived off the loop
-    fork_reason: str | None = None  # why a fork was decided at prepare (diagnostic at commit)
+    fork_reason: str | None = None  # why a fork was decided (prepare or render; diagnostic at commit)
+    fork_detail: str | None = None  # the codec's words for a fork decided at render
     tool_call_renames: dict[str, Any] = field(default_factory=dict)  # client id -> ours (10.2)
     prev_output: tuple[int, int, int] | None = None  # (turn index, output_start, output_end) before the node
     history_rewrite: dict[str, Any] | None = None  # set by render: where a re-render would differ
@@ -82,7 +84,8 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
     kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
     tools = req.tools or None
     kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
-    fork_reason = None
+    fork_reason: str | None = None
+    fork_detail: str | None = None
     if kind in ("append", "rollback") and not codec.same_tools(
         session.tools_by_branch.get(branch.id), tools, template_kwargs=kwargs
     ):
@@ -90,6 +93,8 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         # what the model would see, so the whole request starts a new branch (16.1)
         kind, checkpoint, new = "fork", 0, list[Message](request_msgs)
         fork_reason = "tools_changed"
+    if fork_reason is None and kind in ("rollback", "fork") and plan.diverged is not None:
+        fork_reason, fork_detail = _divergence_cause(tree, plan.diverged, request_msgs)
     if kind in ("append", "rollback") and not new:
         raise BadRequest("no new message after the committed history: nothing to respond to")
     if kind == "append":
@@ -115,9 +120,23 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         # proportional to the client's schemas: derived here, off the event loop
         constraint=request_constraint(req, ctx.codec.family),
         fork_reason=fork_reason,
+        fork_detail=fork_detail,
         tool_call_renames=dict(plan.renames) if kind in ("append", "rollback") else {},
         prev_output=_prev_output(traj, checkpoint) if keep else None,
     )
+
+
+def _divergence_cause(tree: TrajectoryTree, at: tuple[int, int],
+                      request: list[dict[str, Any]]) -> tuple[str | None, str | None]:
+    """Why the request left the line it matched furthest, when a known client habit
+    explains it (noted with the new branch at commit); else (None, None)."""
+    branch_id, i = at
+    if inlined_reasoning(tree.get(branch_id).trajectory.message(i), request[i]):
+        return "inlined_reasoning", (
+            f"message {i} is the assistant message returned on branch {branch_id} with its reasoning "
+            "inlined in content as <think>...</think>; it was returned in reasoning_content, so the "
+            "message differs from what was committed: send reasoning_content back as returned (or drop it)")
+    return None, None
 
 
 def _prev_output(traj: Any, checkpoint: int) -> tuple[int, int, int] | None:
@@ -167,12 +186,16 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: 
         if session.config.history_policy is HistoryPolicy.TEMPLATE else None,
     )
     if isinstance(result, BridgeRefusal):
-        if session.config.history_policy is HistoryPolicy.TEMPLATE:
-            # follow the template: a new branch rendered from the whole request
+        if (session.config.history_policy is HistoryPolicy.TEMPLATE
+                or result.reason is RefusalReason.ROLE_MISMATCH):
+            # follow the template: a new branch rendered from the whole request. A role
+            # mismatch forks under `append` too: no delta after the sampled role token is
+            # what the template renders, and the sampled token is never rewritten (the
+            # branch holding it stays as it is). Noted at commit, with the turn.
             full: list[Message] = [*prep.history, *prep.new_messages]
-            session_note("fork", reason=result.reason.value, detail=result.detail)
             forked = replace(prep, kind="fork", checkpoint=0, new_messages=full,
-                             context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[])
+                             context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[],
+                             fork_reason=result.reason.value, fork_detail=result.detail)
             ids = await ctx.offload.run(
                 codec.render_first, full, tools=forked.tools, template_kwargs=forked.template_kwargs
             )

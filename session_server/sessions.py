@@ -10,6 +10,7 @@ it too, so a concurrent commit never mutates what they read.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import heapq
 import itertools
@@ -27,6 +28,8 @@ from trajectory.tree import TrajectoryTree
 from .errors import OverCapacity, SessionBusy, SessionClosed, SessionNotFound, WrongInstance
 
 _log = logging.getLogger("session_server")
+
+MAX_DIAGNOSTICS = 256  # per session, the newest kept (Session.note)
 
 ID_SEPARATOR = "."
 """Between the instance id and the random part of a session id (`{instance}.{32 hex}`):
@@ -115,7 +118,10 @@ class Session:
         self.inflight: int | None = None  # claim token of the chat in flight
         self.home: str | None = None  # routing target id, set by the router
         self.tools_by_branch: dict[int, Any] = {}  # tools each branch was rendered with
-        self.diagnostics: list[dict[str, Any]] = []  # TITO mismatches, repairs, forks
+        # TITO mismatches, repairs, forks: the newest MAX_DIAGNOSTICS (what explains the
+        # session's present state), the older ones counted
+        self.diagnostics: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_DIAGNOSTICS)
+        self.diagnostics_dropped = 0
         self.turns_discarded = 0  # turns ended without a commit: client gone, deleted mid-turn
         self.turn: asyncio.Task[Any] | None = None  # the in-flight turn's work; a DELETE cancels it
         self.control_totals = ControlTotals()
@@ -133,9 +139,12 @@ class Session:
         self.state = new
 
     def note(self, kind: str, **info: Any) -> None:
-        """Record a diagnostic visible in the session view (bounded)."""
-        if len(self.diagnostics) < 256:
-            self.diagnostics.append({"kind": kind, "at": time.time(), **info})
+        """Record a diagnostic visible in the session view. Bounded, keeping the newest: a
+        long session's latest fork or repair is the one to explain, and the oldest are
+        dropped and counted (`diagnostics_dropped`)."""
+        if len(self.diagnostics) == MAX_DIAGNOSTICS:
+            self.diagnostics_dropped += 1
+        self.diagnostics.append({"kind": kind, "at": time.time(), **info})
 
 
 def _deadline(s: Session) -> float:

@@ -95,6 +95,9 @@ class Attachment:
     checkpoint: int  # the node: this checkpoint of the branch's line (0 for first/fork)
     new_messages: list[Message] = field(default_factory=list)
     renames: dict[str, Any] = field(default_factory=dict)  # client tool-call id -> ours (last turn)
+    # rollback/fork: (branch, message index) where the request first differs from the
+    # line it matched furthest (a diagnostic names why, e.g. inlined reasoning)
+    diverged: tuple[int, int] | None = None
 
 
 def _is_returned(traj: Any, counts: Sequence[int], i: int) -> bool:
@@ -166,7 +169,9 @@ def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
         if best is None or key > best:
             best, best_k = key, k
     if best is None:
-        return Attachment("fork", tree.active_id, 0, list(request))
+        far = max(tree.branches(), key=lambda b: (matched[b.id], b.id == tree.active_id, b.id))
+        return Attachment("fork", tree.active_id, 0, list(request),
+                          diverged=_diverged(far.trajectory, far.id, matched[far.id], request))
     branch = tree.get(best[3])
     traj = branch.trajectory
     counts = traj.message_counts_view()
@@ -176,4 +181,10 @@ def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
     if last is not None:
         renames = match_returned(last, request[counts[best_k] - 1]) or {}
     kind: PlanKind = "append" if best_k == traj.num_turns else "rollback"
-    return Attachment(kind, branch.id, best_k, new, renames)
+    diverged = _diverged(traj, branch.id, matched[branch.id], request) if kind == "rollback" else None
+    return Attachment(kind, branch.id, best_k, new, renames, diverged)
+
+
+def _diverged(traj: Any, branch_id: int, m: int, request: Sequence[Message]) -> tuple[int, int] | None:
+    """(branch, m) when message m of the line and of the request both exist (they differ)."""
+    return (branch_id, m) if m < min(traj.num_messages, len(request)) else None

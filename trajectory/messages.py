@@ -21,6 +21,7 @@ import orjson
 
 __all__ = [
     "flatten_content",
+    "inlined_reasoning",
     "match_returned",
     "messages_equal",
     "normalize_message",
@@ -130,3 +131,25 @@ def _canonical(value: Any) -> bytes:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except TypeError:  # an int beyond 64 bits: the standard encoder takes any int
         return json.dumps(value, sort_keys=True).encode()
+
+
+THINK_CLOSE = "</think>"
+
+
+def inlined_reasoning(committed: Mapping[str, Any], sent: Mapping[str, Any]) -> bool:
+    """Whether `sent` is the assistant message we returned as `committed`, except that the
+    client inlined the reasoning into its content as `<think>...</think>` (some agent
+    frameworks do, as the raw model text reads). Such a message does not match (the
+    content differs), so the request forks or rolls back; this names the cause for the
+    session's diagnostics. What follows `</think>` must be our content (whitespace
+    aside) and the tool calls ours (ids aside), so an unrelated edit is not blamed."""
+    if committed.get("role") != "assistant" or sent.get("role") != "assistant":
+        return False
+    text = flatten_content(sent.get("content"))
+    at = text.find(THINK_CLOSE)
+    if at < 0 or text[at + len(THINK_CLOSE) :].strip() != flatten_content(committed.get("content")).strip():
+        return False
+    a = {k: v for k, v in committed.items() if k != "reasoning_content"}
+    b = {k: v for k, v in sent.items() if k != "reasoning_content"}
+    a["content"] = b["content"] = ""
+    return match_returned(a, b) is not None

@@ -15,6 +15,19 @@ of `N` plus the generation prompt as the template places it after the previous
 assistant turn, and `C` is unchanged. When the codec cannot *prove* this (the
 template is not append-only for this step), it returns a `BridgeRefusal`: a
 value, never a guess and never a silent re-tokenization.
+
+Role-token stops (one rule for every family whose turn ends with the *next* message's
+role token: GLM `<|user|>` / `<|observation|>`, through our template codec or the
+`renderers` one). The sampled role token is committed with mask 1 and never changed.
+When the new messages' render starts with that same token, the delta continues after
+it (the token is not repeated). When it starts with another one (the model sampled
+`<|observation|>` after tool calls, the agent answers with a user message), no delta
+is what the template renders: `...<|observation|><|user|>` is a sequence the model
+never sees in training, and dropping or replacing the sampled token would rewrite what
+the model did. So the bridge refuses with `ROLE_MISMATCH` and the caller forks under
+*either* history policy: the new branch is the template's own render of the whole
+history (the earlier assistant turns as prompt), while the branch that holds the
+sampled role token stays in the tree exactly as sampled, a sample of its own.
 """
 
 from __future__ import annotations
@@ -42,6 +55,10 @@ class RefusalReason(enum.StrEnum):
     NOT_APPEND_ONLY = "not_append_only"  # render(B) is not a prefix of render(B + new)
     UNSUPPORTED_MESSAGE = "unsupported_message"  # role/shape the family cannot place here
     RENDER_FAILED = "render_failed"  # the template raised (e.g. Llama 3.1: two tool calls)
+    # the model ended its turn by sampling the next message's role token (GLM `<|observation|>`)
+    # and the new message needs another one (`<|user|>`): nothing appended after the sampled
+    # token is what the template renders, so the caller forks under either policy
+    ROLE_MISMATCH = "role_mismatch"
 
 
 @dataclass(frozen=True)
@@ -204,3 +221,14 @@ def extend_committed(full: Sequence[int], committed: Sequence[int]) -> BridgeRes
     if len(full) == len(done):
         return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "the full render adds no tokens")
     return BridgeResult(prompt_ids=list(full[len(done):]))
+
+
+def role_mismatch(sampled: str, needed: str) -> BridgeRefusal:
+    """The refusal of a bridge whose sampled role-token stop (`sampled`, its text) is not
+    the role token the new messages render with (`needed`): see the module doc."""
+    return BridgeRefusal(
+        RefusalReason.ROLE_MISMATCH,
+        f"the model ended its turn with {sampled!r} but the next message starts with {needed!r}: "
+        "the template never renders one role token after another, so the turn forks "
+        "(the sampled token stays on the previous branch)",
+    )

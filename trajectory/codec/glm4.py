@@ -6,7 +6,9 @@ model stops by sampling the next role token (`<|user|>` after a reply,
 renders for the next message. So `close_turn` returns [] (there is no EOT to
 repair), and `bridge` drops the delta's leading role token when it equals the
 last committed (sampled) token; after a turn cut short (no role token sampled)
-the bridge keeps it, so the role token is emitted exactly once either way.
+the bridge keeps it, so the role token is emitted exactly once either way. A
+sampled role token the next message does not start with (`<|observation|>`, then
+a user message) is a ROLE_MISMATCH refusal: the turn forks (base.py's rule).
 """
 
 from __future__ import annotations

@@ -76,6 +76,7 @@ from trajectory.codec.base import (
     RefusalReason,
     ToolCallParseStatus,
     extend_committed,
+    role_mismatch,
 )
 from trajectory.codec.probe import (
     DUMMY_SYSTEM,
@@ -300,6 +301,9 @@ class RenderersCodec:
             return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
         kw = template_kwargs
         new = list(new_messages)
+        mismatch = self._role_mismatch(history[-1], committed_tail, new, tools=tools, kw=kw)
+        if mismatch is not None:
+            return mismatch
         if policy == HistoryPolicy.TEMPLATE and committed is not None:
             return self._bridge_template(list(history) + new, committed, tools=tools, kw=kw)
         window = list(history) if policy == HistoryPolicy.TEMPLATE else [DUMMY_SYSTEM, DUMMY_USER, dict(history[-1])]
@@ -321,9 +325,7 @@ class RenderersCodec:
             completion = completion[:-1]
         completion = self._close_reasoning(prompt, completion)
         if last is not None and last in self.stop_token_ids:
-            if self._close is None and completion and last != self._canonical_stop(prev, tools, kw):
-                rewrites = True  # GLM: sampled another role token than a re-render has
-            completion = [*completion, last]
+            completion = [*completion, last]  # the role token new messages start with (checked above)
         prior = prompt + completion
         try:
             out = self._renderer(kw, retention="all").bridge_to_next_turn(
@@ -411,10 +413,23 @@ class RenderersCodec:
             raise CodecError(f"{self.family}: assistant render does not extend the prompt")
         return full[k:]
 
-    def _canonical_stop(self, message: Message, tools: Any, kw: Any) -> int | None:
-        """Role-token families: the stop token a re-render puts after `message`."""
-        stop = self.canonical_assistant_ids(message, template_kwargs=kw)
-        return stop[-1] if stop else None
+    def _role_mismatch(self, prev: Message, tail: Sequence[int], new: list[Message], *, tools: Any,
+                       kw: Any) -> BridgeRefusal | None:
+        """Role-token families (no close of their own: GLM): ROLE_MISMATCH when the turn
+        ended on a sampled role token the new messages do not render first (base.py's
+        rule). O(one turn): the previous message alone, after a dummy query."""
+        if self._close is not None or not tail or tail[-1] not in self.stop_token_ids:
+            return None
+        base = [DUMMY_SYSTEM, DUMMY_USER, {k: v for k, v in prev.items() if k != "reasoning_content"}]
+        try:
+            ids_b = self._ids(base, tools=tools, gen=False, kw=kw)
+            ids_bn = self._ids([*base, *new], tools=tools, gen=True, kw=kw)
+        except Exception:  # noqa: BLE001 - the bridge itself reports a renderer failure
+            return None
+        if not is_prefix(ids_b, ids_bn) or len(ids_bn) == len(ids_b) or ids_bn[len(ids_b)] == tail[-1]:
+            return None
+        return role_mismatch(decode_text(self.tokenizer, [tail[-1]]),
+                             decode_text(self.tokenizer, [ids_bn[len(ids_b)]]))
 
     def parse_assistant(
         self,

@@ -10,7 +10,9 @@ tool_calls (reasoning left out)]`, ids(B) must be a prefix of ids(B + new + gene
 delta is ids(B + new)[len(ids(B)) - len(gap):], which starts with the gap. For
 templates without an EOT (GLM) the delta starts with the next role token; when
 the model already sampled that token as its stop token (last committed id), it
-is dropped so it is not duplicated.
+is dropped so it is not duplicated; when it sampled another role token, the
+bridge refuses with ROLE_MISMATCH and the caller forks (base.py: one rule for
+every role-token stop).
 
 History rewrites are detected separately, on the real history `H`: when the
 text of render(H) is not a prefix of render(H + new), the template would
@@ -34,6 +36,7 @@ from trajectory.codec.base import (
     ParsedAssistant,
     RefusalReason,
     ToolCallParseStatus,
+    role_mismatch,
 )
 from trajectory.codec.parsing import tool_names
 from trajectory.codec.probe import (
@@ -185,6 +188,9 @@ class TemplateCodec:
         except Exception as exc:
             return BridgeRefusal(RefusalReason.RENDER_FAILED, f"template raised: {exc}")
         rewrites = not hn_text.startswith(h_text)
+        mismatch = self._role_mismatch(committed_tail, ids_b, ids_bn)
+        if mismatch is not None:
+            return mismatch
         if rewrites and policy == HistoryPolicy.TEMPLATE:
             return BridgeRefusal(
                 RefusalReason.HISTORY_REWRITE,
@@ -204,16 +210,22 @@ class TemplateCodec:
         delta = ids_bn[len(ids_b) - len(gap) :]
         if not rewrites and any(m.get("role") == "assistant" for m in new):
             delta = self._positional_delta(h_text, hn_text, len(gap)) or delta
-        if self.probe.boundary_ids and committed_tail:
-            last = committed_tail[-1]
-            if delta and last == delta[0]:
-                delta = delta[1:]  # the model sampled this role token as its stop token
-            elif last in self.probe.boundary_ids:
-                rewrites = True  # sampled a different role token; a re-render lacks it
+        if self.probe.boundary_ids and committed_tail and delta and committed_tail[-1] == delta[0]:
+            delta = delta[1:]  # the model sampled this role token as its stop token
         offset = None
         if rewrites and policy != HistoryPolicy.TEMPLATE:
             offset = self._rewrite_offset(window, new, tools=tools, template_kwargs=kw)
         return BridgeResult(prompt_ids=list(delta), rewrites_history=rewrites, rewrite_offset=offset)
+
+    def _role_mismatch(self, tail: Sequence[int], ids_b: list[int], ids_bn: list[int]) -> BridgeRefusal | None:
+        """ROLE_MISMATCH when the turn ended on a sampled role token (a no-EOT template's
+        boundary) other than the one the new messages render first (see base.py)."""
+        if not self.probe.boundary_ids or not tail or tail[-1] not in self.probe.boundary_ids:
+            return None
+        if not is_prefix(ids_b, ids_bn) or len(ids_bn) == len(ids_b) or ids_bn[len(ids_b)] == tail[-1]:
+            return None  # a base that does not extend is refused below; the same token is dropped
+        return role_mismatch(decode_text(self.tokenizer, [tail[-1]]),
+                             decode_text(self.tokenizer, [ids_bn[len(ids_b)]]))
 
     def _positional_delta(self, h_text: str, hn_text: str, gap_len: int) -> list[int] | None:
         """The delta as the window (a real user query before the last turn) renders it.

@@ -87,3 +87,17 @@ def test_illegal_transition_names_both_states() -> None:
     store.close(s.id)
     with pytest.raises(IllegalTransition, match="closed -> active"):
         s.transition(SessionState.ACTIVE)
+
+
+def test_diagnostics_keep_the_newest_and_count_the_dropped() -> None:
+    from session_server.app import session_view
+
+    cap = 256  # the documented per-session bound
+    store, _ = make()
+    s = store.create(SessionConfig(ttl_s=60))
+    for i in range(cap + 44):
+        s.note("repair", turn=i)
+    view = session_view(s)
+    turns = [d["turn"] for d in view["diagnostics"]]
+    assert turns == list(range(44, cap + 44))  # the newest, in order
+    assert view["diagnostics_dropped"] == 44

@@ -243,3 +243,31 @@ def test_11_4_qwen3_injected_assistant_last_renders_as_the_template_does(
     full = tok.apply_chat_template([USER, native, TOOL, reply, injected], add_generation_prompt=True, tokenize=False)
     assert "<think>\n\n</think>\n\nAnything else?" in full
     assert committed + res.prompt_ids == tok.encode(full, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE])
+@pytest.mark.parametrize(
+    ("asst", "new", "sampled_stop", "needed"),
+    [
+        ({"role": "assistant", "content": "", "tool_calls": [CALL]},
+         [{"role": "user", "content": "Never mind."}], "<|observation|>", "<|user|>"),
+        ({"role": "assistant", "content": "Hi."},
+         [{"role": "system", "content": "Be brief."}], "<|user|>", "<|system|>"),
+    ],
+    ids=["observation-then-user", "user-then-system"],
+)
+def test_glm_sampled_role_token_other_than_the_next_message_refuses_role_mismatch(
+    load_tokenizer: Any, asst: dict, new: list, sampled_stop: str, needed: str, policy: HistoryPolicy
+) -> None:
+    """The model sampled one role token, the next message renders with another: no delta
+    after the sampled token is what the template renders (never two role tokens in a
+    row, never the sampled token dropped), so the bridge refuses and the caller forks."""
+    tok = load_tokenizer("glm4moe")
+    codec = load_codec(tok)
+    prompt = codec.render_first([USER])
+    sampled = codec.canonical_assistant_ids(asst)
+    assert tok.convert_ids_to_tokens(sampled[-1]) == sampled_stop
+    committed = prompt + sampled
+    res = codec.bridge([USER, asst], committed[-8:], new, policy=policy, committed=committed)
+    assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.ROLE_MISMATCH
+    assert sampled_stop in res.detail and needed in res.detail

@@ -98,3 +98,16 @@ def test_8_6_messages_equal_is_typed_json_equality(a: object, b: object) -> None
 
     same = orjson.dumps(a, option=orjson.OPT_SORT_KEYS) == orjson.dumps(b, option=orjson.OPT_SORT_KEYS)
     assert messages_equal(_call({"x": a}), _call({"x": b})) == same
+
+
+def test_inlined_reasoning_recognised_only_when_the_rest_is_ours() -> None:
+    from trajectory.messages import inlined_reasoning
+
+    ours = {"role": "assistant", "content": "Done.", "reasoning_content": "Think.", "tool_calls": [CALL]}
+    sent = {"role": "assistant", "content": "<think>\nThink.\n</think>\n\nDone.",
+            "tool_calls": [{**CALL, "id": "client_1"}]}
+    assert not messages_equal(ours, sent) and inlined_reasoning(ours, sent)
+    assert not inlined_reasoning(ours, {**sent, "content": "<think>Think.</think>Other."})
+    assert not inlined_reasoning(ours, {**sent, "tool_calls": []})
+    assert not inlined_reasoning(ours, {**sent, "content": "Done."})  # nothing inlined
+    assert not inlined_reasoning({**ours, "role": "user"}, sent)

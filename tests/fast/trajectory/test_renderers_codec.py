@@ -232,3 +232,23 @@ def test_11_1_minimax_mid_system_append_refused_never_inexact(load_renderer_toke
     more = [{"role": "user", "content": "And tomorrow?"}]
     got = codec.bridge([user, asst], committed[-8:], more, policy=HistoryPolicy.APPEND)
     assert isinstance(got, BridgeResult) and full_ids(tok, [user, asst, *more], None)[-len(got.prompt_ids):] == got.prompt_ids
+
+
+@pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE])
+def test_glm_renderer_sampled_observation_then_user_refuses_role_mismatch(
+    load_renderer_tokenizer: Any, policy: HistoryPolicy
+) -> None:
+    """The same rule as our template codec (base.py): the model sampled `<|observation|>`,
+    the agent answers with a user message; no delta after it is the template's, so the
+    bridge refuses ROLE_MISMATCH (never `<|observation|><|user|>`) under either policy."""
+    tok = load_renderer_tokenizer("glm-4.6")
+    codec = RenderersCodec(tok, "glm-4.5")
+    user = {"role": "user", "content": "q"}
+    asst = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": {}}}]}
+    committed = codec.render_first([user], tools=TOOLS) + codec.canonical_assistant_ids(asst)
+    assert tok.convert_ids_to_tokens(committed[-1]) == "<|observation|>"
+    res = codec.bridge([user, asst], committed[-8:], [{"role": "user", "content": "Never mind."}], tools=TOOLS,
+                       policy=policy, committed=committed)
+    assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.ROLE_MISMATCH
+    assert "<|observation|>" in res.detail and "<|user|>" in res.detail
