@@ -603,8 +603,9 @@ def to_parsed_assistant(parsed: Any, *, tools_offered: bool,
                  f"tool call names {tc.name!r}, not one of the request's tools {sorted(names)}")
             continue
         again = xml_arguments(tc.raw, tools) if st == "invalid_json" and "<parameter=" in (tc.raw or "") else None
+        args: dict[str, Any] | None
         if again is not None:
-            name, args = again
+            name, args = again[0], again[1]
         elif st != "ok":
             fail(ToolCallParseStatus.INVALID_JSON if st == "invalid_json" else ToolCallParseStatus.INVALID_FORMAT,
                  f"{st}: {(tc.raw or '')[:200]}")
