@@ -8,6 +8,7 @@ half-commits) applies the branch change decided at prepare and appends the turn.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,12 +63,35 @@ async def validate(
     routed = None
     if call is not None and call.greq.return_routed_experts:
         routed = await ctx.offload.run(_routed_rows, ctx, call, result)
-    parsed = await ctx.offload.run(apply_output_policy, parsed, req, ctx.codec, valid)
+    parsed, message = await ctx.offload.run(_shaped, parsed, req, ctx.codec, valid)
     finish = valid.finish_reason
     if finish == "stop" and parsed.tool_calls:
         finish = "tool_calls"
-    return Checked(valid=valid, parsed=parsed, repair=repair, message=parsed.to_message(), finish=finish,
+    return Checked(valid=valid, parsed=parsed, repair=repair, message=message, finish=finish,
                    routed=routed, extra=extra)
+
+
+def _shaped(parsed: Any, req: ChatRequest, codec: Any, valid: ValidGeneration) -> tuple[Any, dict[str, Any]]:
+    """The parse shaped by the request's output policy, and the message every dialect
+    renders from it, checked before commit (offload: O(output)): a dialect's response
+    must not be able to fail after the turn is committed, or the client's retry (an SDK
+    retries a 5xx) would commit the turn a second time. Every codec gives tool-call
+    arguments as a JSON object (`ParsedToolCall`); a call that is not one would fail
+    Anthropic's `tool_use.input` (an object), so it is refused here: 502, nothing
+    committed."""
+    parsed = apply_output_policy(parsed, req, codec, valid)
+    message = parsed.to_message()
+    for tc in message.get("tool_calls") or []:
+        fn = tc["function"]
+        try:
+            args = json.loads(fn["arguments"])
+        except (TypeError, ValueError):
+            args = None
+        if not isinstance(args, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise UpstreamInvalid(
+                f"the model's tool call {str(fn.get('name'))[:64]!r} parsed with arguments that are not a JSON "
+                f"object ({str(fn.get('arguments'))[:80]!r}); no client dialect can carry it (nothing committed)")
+    return parsed, message
 
 
 def _undecodable(valid: ValidGeneration, tokenizer_size: int) -> dict[str, Any]:

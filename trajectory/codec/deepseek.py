@@ -307,7 +307,7 @@ def parse_deepseek_v31(text: str, reasoning: str | None, names: frozenset[str]) 
         except ValueError as exc:
             return _bad(text, reasoning, ToolCallParseStatus.INVALID_JSON, f"tool call: {exc}")
         if not isinstance(args, dict):
-            return _bad(text, reasoning, ToolCallParseStatus.INVALID_FORMAT, "tool call arguments are not an object")
+            return _bad(text, reasoning, ToolCallParseStatus.INVALID_JSON, "tool call arguments are not a JSON object")
         calls.append(ParsedToolCall(new_call_id(), name, json.dumps(args, ensure_ascii=False)))
         pos = end + len(CALL_END)
     if text[pos + len(CALLS_END):].strip():

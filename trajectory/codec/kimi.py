@@ -91,7 +91,7 @@ def _call(raw_id: str, raw_args: str, names: frozenset[str]) -> ParsedToolCall |
     if end != len(raw_args.strip()):
         return ToolCallParseStatus.INVALID_JSON, "tool call: text after the JSON object"
     if not isinstance(args, dict):
-        return ToolCallParseStatus.INVALID_FORMAT, "tool call arguments are not a JSON object"
+        return ToolCallParseStatus.INVALID_JSON, "tool call arguments are not a JSON object"
     return ParsedToolCall(id=raw_id.strip(), name=m.group(1), arguments=json.dumps(args, ensure_ascii=False))
 
 

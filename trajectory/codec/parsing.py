@@ -211,7 +211,8 @@ def parse_xml_calls(text: str, reasoning: str | None, names: frozenset[str]) -> 
 
 
 def _call_from_obj(obj: Any, args_key: str) -> ParsedToolCall | str | None:
-    """A call from a decoded JSON object; a str is an INVALID_JSON detail; None a bad shape."""
+    """A call from a decoded JSON object; a str is an INVALID_JSON detail (arguments
+    that are not a JSON object, nor a string holding one); None a bad shape."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     if not {args_key, "arguments", "parameters"} & obj.keys() and obj.keys() - {"name", "type", "id"}:
@@ -223,7 +224,9 @@ def _call_from_obj(obj: Any, args_key: str) -> ParsedToolCall | str | None:
         except ValueError:
             return "arguments string is not JSON"
     if not isinstance(args, dict):
-        return None
+        # a call whose arguments no client can receive (`tool_use.input` is an object):
+        # a parse failure in every codec, never a call
+        return "arguments are not a JSON object"
     return ParsedToolCall(id=new_call_id(), name=obj["name"], arguments=_dump(args))
 
 

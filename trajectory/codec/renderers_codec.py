@@ -48,6 +48,23 @@ re-render past the committed ids, HISTORY_REWRITE exactly when they are not its
 prefix (this sees a prefilled `<think>` re-tokenized or dropped at the edge of the
 sampled tokens, which a message-level comparison misses).
 
+Parsing keeps our rules, whatever the renderer's parser accepts (every codec keeps
+them; tests/fast/trajectory/test_codec_parse_rules.py checks each family):
+
+- text is decoded exactly: the renderer is handed `ExactDecode(tokenizer)`, whose
+  `decode` always turns `clean_up_tokenization_spaces` off (the real Llama 3.2
+  tokenizer turns it on: `print(a , b)` would come back `print(a, b)`);
+- only the request's tool names are calls (`tool_names`): another name is a parse
+  status (the call's markup stays visible in the turn record), as our markup
+  parsers do;
+- arguments are a JSON object (or a string holding one): anything else
+  (`"parameters": "Paris"`) is INVALID_JSON, never a call whose arguments no
+  client dialect can carry (Anthropic's `tool_use.input` is an object);
+- Llama 3 (`llama-3`) has no tool-call markup: the whole reply is
+  `{"name": ..., "parameters": {...}}`, the grammar of our Llama 3.1 codec, so the
+  exactly decoded reply is parsed by `parse_llama31` itself: a JSON *answer* that
+  names no offered tool (`{"name": "Alice", "age": 30}`) is content, kept verbatim.
+
 Load-time checks (prefer the tokenizer's template, the truth of what the model was
 trained with): the renderer's prompts must equal the template's on probe
 conversations (default system prompt, explicit system, tool declaration), else
@@ -61,7 +78,6 @@ pinned 26 Jul 2024; APPEND's comparison renders keep the pin).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -78,6 +94,7 @@ from trajectory.codec.base import (
     extend_committed,
     role_mismatch,
 )
+from trajectory.codec.parsing import new_call_id, parse_llama31, tool_names
 from trajectory.codec.probe import (
     DUMMY_SYSTEM,
     DUMMY_USER,
@@ -120,6 +137,34 @@ RENDERER_FAMILIES: tuple[str, ...] = (
 )
 
 _ROLES = ("user", "tool", "system", "developer")
+
+# families whose tool calls have no markup (the whole reply is the call's JSON): parsed
+# by our grammar of the same format on the exactly decoded reply (module doc)
+_BARE_JSON_CALLS = frozenset({"llama-3"})
+
+
+class ExactDecode:
+    """The tokenizer as the renderer sees it: every `decode` with
+    `clean_up_tokenization_spaces` off (`probe.decode_text`'s rule), everything else
+    the tokenizer's own. The renderer's parsers call `tokenizer.decode(ids,
+    skip_special_tokens=False)`, which honours a config that turns clean-up on (the
+    real Llama 3.2 tokenizer's: `it 's` -> `it's`)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, ids: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["clean_up_tokenization_spaces"] = False
+        return self._tokenizer.decode(ids, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer(*args, **kwargs)
 
 
 def _renderers() -> Any:
@@ -193,7 +238,7 @@ class RenderersCodec:
                 config = type(config)(thinking_retention=retention, **self._overrides)
             except Exception:  # the family's own knob forbids it: keep its default
                 pass
-        renderer = r.create_renderer(self.tokenizer, config, chat_template_kwargs=dict(kw or {}) or None)
+        renderer = r.create_renderer(ExactDecode(self.tokenizer), config, chat_template_kwargs=dict(kw or {}) or None)
         self._cache[key] = renderer
         return renderer
 
@@ -438,8 +483,11 @@ class RenderersCodec:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> ParsedAssistant:
-        """Their `parse_response`, mapped to ours; never raises on bad markup."""
+        """Their `parse_response`, mapped to ours with our rules (module doc); never
+        raises on bad markup."""
         ids = [int(t) for t in sampled_ids]
+        if self.renderer_name in _BARE_JSON_CALLS:
+            return self._parse_bare_json(ids, tools)
         try:
             parsed = self._renderer(template_kwargs).parse_response(
                 ids, tools=list(tools) if tools else None, prompt_ids=self._prompt_ids(tools, template_kwargs)
@@ -450,6 +498,17 @@ class RenderersCodec:
                 status=ToolCallParseStatus.INVALID_FORMAT, status_detail=f"unparseable: {exc}",
             )
         return to_parsed_assistant(parsed, tools_offered=bool(tools), tools=tools)
+
+    def _parse_bare_json(self, ids: list[int], tools: Any) -> ParsedAssistant:
+        """Llama 3: the reply up to its first stop token, decoded exactly, read by our
+        Llama 3.1 grammar (the same markup-less format; module doc)."""
+        cut = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), len(ids))
+        try:
+            text = decode_text(self.tokenizer, ids[:cut])
+        except Exception as exc:  # ids outside the vocabulary
+            return ParsedAssistant(content="", reasoning_content=None,
+                                   status=ToolCallParseStatus.INVALID_FORMAT, status_detail=f"undecodable ids: {exc}")
+        return parse_llama31(text, tool_names(tools))
 
     def same_tools(
         self,
@@ -536,25 +595,46 @@ def today() -> str:
 
 def to_parsed_assistant(parsed: Any, *, tools_offered: bool,
                         tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedAssistant:
-    """Their `ParsedResponse` as our `ParsedAssistant` (ids for calls without one).
+    """Their `ParsedResponse` as our `ParsedAssistant` (ids for calls without one),
+    with our rules (module doc): a call names an offered tool, its arguments are a
+    JSON object; else the turn's status says why and the call is dropped.
 
     A `<function=...><parameter=...>` call they flag `invalid_json` is read again with
     the template's own value rule (`xml_args`: `True`/`None`, plain strings)."""
+    names = tool_names(tools)
     calls: list[ParsedToolCall] = []
     status, detail = ToolCallParseStatus.OK, ""
+
+    def fail(st: ToolCallParseStatus, why: str) -> None:
+        nonlocal status, detail
+        status, detail = st, why
+
     for tc in parsed.tool_calls:
         st = str(getattr(tc.status, "value", tc.status))
+        if tools_offered and tc.name and tc.name not in names:
+            # before their status: a renderer that types arguments by the tool's schema
+            # (MiniMax, Hy3, Laguna) calls an unknown tool's arguments invalid_json
+            fail(ToolCallParseStatus.INVALID_FORMAT,
+                 f"tool call names {tc.name!r}, not one of the request's tools {sorted(names)}")
+            continue
         again = xml_arguments(tc.raw, tools) if st == "invalid_json" and "<parameter=" in (tc.raw or "") else None
+        args: dict[str, Any] | None
         if again is not None:
-            calls.append(ParsedToolCall(id=tc.id or f"call_{uuid.uuid4().hex[:24]}", name=again[0],
-                                        arguments=json.dumps(again[1], ensure_ascii=False)))
+            name, args = again[0], again[1]
+        elif st != "ok":
+            fail(ToolCallParseStatus.INVALID_JSON if st == "invalid_json" else ToolCallParseStatus.INVALID_FORMAT,
+                 f"{st}: {(tc.raw or '')[:200]}")
             continue
-        if st != "ok":
-            status = ToolCallParseStatus.INVALID_JSON if st == "invalid_json" else ToolCallParseStatus.INVALID_FORMAT
-            detail = f"{st}: {tc.raw[:200]}"
+        else:
+            name, args = tc.name or "", object_arguments(tc.arguments)
+        if tools_offered and name not in names:
+            fail(ToolCallParseStatus.INVALID_FORMAT,
+                 f"tool call names {name!r}, not one of the request's tools {sorted(names)}")
             continue
-        args = tc.arguments if isinstance(tc.arguments, str) else json.dumps(tc.arguments or {}, ensure_ascii=False)
-        calls.append(ParsedToolCall(id=tc.id or f"call_{uuid.uuid4().hex[:24]}", name=tc.name or "", arguments=args))
+        if args is None:
+            fail(ToolCallParseStatus.INVALID_JSON, f"tool call arguments are not a JSON object: {(tc.raw or '')[:200]}")
+            continue
+        calls.append(ParsedToolCall(id=tc.id or new_call_id(), name=name, arguments=json.dumps(args, ensure_ascii=False)))
     if not tools_offered and (calls or status is not ToolCallParseStatus.OK):
         # no tools offered: any call is the model's mistake, kept visible as a status
         return ParsedAssistant(
@@ -568,3 +648,17 @@ def to_parsed_assistant(parsed: Any, *, tools_offered: bool,
         status=status,
         status_detail=detail,
     )
+
+
+def object_arguments(arguments: Any) -> dict[str, Any] | None:
+    """A parsed call's arguments as the JSON object a client receives: an object, a
+    string holding one, or none at all (`{}`: a call of no arguments); None for
+    anything else (`"Paris"`, a list, a number): no client dialect can carry it."""
+    if arguments is None:
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return arguments if isinstance(arguments, dict) else None

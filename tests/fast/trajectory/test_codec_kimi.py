@@ -148,7 +148,7 @@ ONE = "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{}<
 
 @pytest.mark.parametrize(("text", "status", "detail"), [
     ("Hi" + SEC.format(ONE.format('{"city": ')), ToolCallParseStatus.INVALID_JSON, "tool call"),
-    ("Hi" + SEC.format(ONE.format("[1]")), ToolCallParseStatus.INVALID_FORMAT, "not a JSON object"),
+    ("Hi" + SEC.format(ONE.format("[1]")), ToolCallParseStatus.INVALID_JSON, "not a JSON object"),
     ("Hi<|tool_calls_section_begin|>" + ONE.format("{}"), ToolCallParseStatus.INVALID_FORMAT, "unclosed"),
     (SEC.format(ONE.format("{}").replace("get_weather", "rm_rf")), ToolCallParseStatus.INVALID_FORMAT, "rm_rf"),
     (SEC.format(ONE.format("{}").replace("functions.get_weather:0", "call_1")),
