@@ -48,7 +48,7 @@ from .assemble import Acc, Counts, ResilientResult, assemble
 from .lag import LagBound
 from .plane import ControlPlane
 from .stops import Decode, StopStrings, StreamStops, cut_at
-from .versions import ReceivedSplit, SegmentSpans, received_split, segment_spans
+from .versions import ReceivedSplit, SegmentSpans, received_split, reports_per_token, segment_spans
 
 __all__ = ["AbortEvent", "generate_resilient", "new_request_id"]
 
@@ -142,7 +142,7 @@ def _stamped(control: ControlPlane, engine: str, result: GenerateResult, dispatc
     if mismatches:  # one per segment, as the metric counts
         counts.mismatches += 1
         control.record_version_mismatch(engine, reported if not reported_spans else list(reported_spans))
-    known = None if split is None or reported_spans or cut else split.spans(n, dispatch_version)
+    known = None if split is None or reports_per_token(reported_spans) or cut else split.spans(n, dispatch_version)
     return spans if known is None else known
 
 

@@ -41,7 +41,8 @@ from trajectory.validate import is_int
 
 from .plane import ControlPlane
 
-__all__ = ["UNSET_VERSIONS", "ReceivedSplit", "SegmentSpans", "received_split", "resolve_version", "segment_spans"]
+__all__ = ["UNSET_VERSIONS", "ReceivedSplit", "SegmentSpans", "received_split", "reports_per_token",
+           "resolve_version", "segment_spans"]
 
 # what SGLang (`server_args.weight_version`) and vLLM (`/weight_info`) report until a
 # version is set (both default to "default"); an empty or null version means the same
@@ -79,12 +80,22 @@ def _went_through(v: int, dispatch: int | None, current: int | None) -> bool:
     return v in (dispatch, current)  # forced back (`force: true`): the two it saw
 
 
+def _unset(reported: Any) -> bool:
+    return reported is None or (isinstance(reported, str) and reported.strip() in UNSET_VERSIONS)
+
+
+def reports_per_token(spans: Sequence[Any] | None) -> bool:
+    """Whether an engine's per-token spans say anything: vLLM without dev mode reports
+    spans of its unset `"default"` only (a malformed span counts: it is rejected later)."""
+    return any(not (isinstance(sp, tuple | list) and len(sp) == 3 and _unset(sp[2])) for sp in spans or ())
+
+
 def resolve_version(reported: Any, dispatch: int | None, current: int | None) -> tuple[Any, bool]:
     """(the version to stamp, whether `reported` disagreed with the trainer).
 
     `dispatch` is the trainer's version when the segment was sent, `current` now.
     Raises `ValidationError` for a version that is neither a string nor a number."""
-    unset = reported is None or (isinstance(reported, str) and reported.strip() in UNSET_VERSIONS)
+    unset = _unset(reported)
     if not unset:
         _check_type(reported)
     if current is None and dispatch is None:  # no trainer version: the engine's is all there is

@@ -70,3 +70,23 @@ async def test_a_streamed_keep_paused_turn_is_split_where_the_update_took_effect
         assert (await st.http.post("/control/weight_version", json={"version": 1, "force": True})).json()["ok"]
         spans, truth = await _keep_paused_turn(st, stream=False)
         assert [int(v) for _, _, v in truth] == [1, 2] and [v for _, _, v in spans] == [2], (spans, truth)
+
+
+async def test_a_vllm_reporting_only_its_unset_version_is_split_like_sglang(qwen3_dir: Path) -> None:
+    """vLLM without dev mode reports per-token spans of `"default"` only: they say nothing,
+    so a streamed keep-paused turn is split by the server as on SGLang."""
+    async with live_stack(qwen3_dir, "vllm", latency_ms=4) as st, httpx.AsyncClient() as sim:
+        assert (await st.http.post("/control/weight_version", json={"version": 1})).json()["ok"]
+
+        async def unset_after_each_push() -> None:
+            while True:  # the engine forgets every version pushed to it (as after a restart)
+                await sim.post(f"{st.engines[0]}/sim/weight_version", json={"version": "default"})
+                await asyncio.sleep(0.002)
+
+        forget = asyncio.create_task(unset_after_each_push())
+        try:
+            spans, truth = await _keep_paused_turn(st, stream=True)
+        finally:
+            forget.cancel()
+        assert {v for _, _, v in truth} == {"default"}
+        assert [v for _, _, v in spans] == [1, 2] and 0 < spans[0][1] < spans[1][1], spans
