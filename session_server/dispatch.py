@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from trajectory.validate import Expectations
+from trajectory.codec.probe import decode_text
+from trajectory.validate import Expectations, is_int
 
 from .api.models import ChatRequest
 from .context import ServerContext, log
@@ -127,7 +128,7 @@ async def _attempt(
     result: ResilientResult | None = None
     try:
         result = await generate_resilient(adapter, pinned, ctx.control, expect=expect, admit=admit, deadline=deadline,
-                                          on_delta=on_delta)
+                                          on_delta=on_delta, decode=_output_text(ctx) if greq.sampling.stop else None)
         return result
     except UpstreamTransportError as exc:
         if not await _engine_down(ctx, engine.id, exc):
@@ -140,6 +141,18 @@ async def _attempt(
         target.in_flight -= 1
         total = n + len(result.output_ids) if result is not None else None
         engines.on_turn_complete(target, session.id, ok=result is not None, total_tokens=total)
+
+
+def _output_text(ctx: ServerContext) -> Callable[[Sequence[Any]], str]:
+    """Output ids as the engines' detokenizers read them for stop strings (special tokens
+    kept: the server sends `skip_special_tokens: false`); an id the tokenizer has no text
+    for (vocabulary padding, or bad output the validator rejects later) adds none."""
+    tokenizer, size = ctx.tokenizer, ctx.codec.vocab_size
+
+    def text(ids: Sequence[Any]) -> str:
+        return decode_text(tokenizer, [int(t) for t in ids if is_int(t) and 0 <= t < size])
+
+    return text
 
 
 def _admission(

@@ -80,10 +80,18 @@ class Piece:
     prompt_len: int
     output_len: int
     start: int
+    # the output the engine's rows cover, when the turn kept fewer ids than it sampled (a
+    # stop string the server matched across a pause: control/stops.py); None: output_len
+    sampled_len: int | None = None
 
     @property
     def end(self) -> int:
         return self.prompt_len + self.output_len - 1
+
+    @property
+    def rows_end(self) -> int:
+        """Where the engine's rows end: past `end` when the turn kept fewer ids."""
+        return self.prompt_len + (self.output_len if self.sampled_len is None else self.sampled_len) - 1
 
 
 def decode_payload(raw: bytes) -> np.ndarray:
@@ -167,7 +175,7 @@ def _flat_rows(arr: np.ndarray, p: Piece, shape: RoutedShape, expect: tuple[int,
     divides (then split by `routed_experts_topk` or `routed_experts_layers`). An
     unknown width never guesses between readings: the first segment of a session's
     rows decides it, and a wrong row count there is caught only with both settings."""
-    size, want = int(arr.shape[0]), p.end - p.start
+    size, want = int(arr.shape[0]), p.rows_end - p.start
     known = _known(shape, expect)
     if known is not None:
         per = known[0] * known[1]
@@ -205,11 +213,11 @@ def _piece(p: Piece, shape: RoutedShape, expect: tuple[int, int] | None, where: 
     if (shape.layers and layers != shape.layers) or (shape.topk and topk != shape.topk):
         raise UpstreamInvalid(f"{where}: rows of (layers, topk) ({layers}, {topk}), the settings say "
                               f"({shape.layers}, {shape.topk})")
-    want, full, n = p.end - p.start, p.end, int(arr.shape[0])
-    if n == want:
-        return arr
-    if n == full and full > want:
-        return arr[p.start :]
+    want, n, full = p.end - p.start, int(arr.shape[0]), p.rows_end
+    if n == full - p.start:
+        return arr[:want]
+    if n == full and p.start > 0:  # every position from 0 (an engine that ignores the start)
+        return arr[p.start : p.end]
     raise UpstreamInvalid(
         f"{where}: {n} routed-experts rows for positions [{p.start}, {p.end}) "
         f"({p.prompt_len} prompt + {p.output_len} output - 1 - start {p.start} = {want})"

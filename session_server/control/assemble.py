@@ -73,11 +73,13 @@ class Acc:
         """Where the next segment's routed-experts rows start: after the rows held."""
         return self.pieces[-1].end if self.pieces else request.routed_experts_start
 
-    def add_routed(self, request: GenerateRequest, result: GenerateResult, prompt_len: int) -> None:
-        """Keep a segment's routed experts (when the turn asked for them)."""
+    def add_routed(self, request: GenerateRequest, result: GenerateResult, prompt_len: int,
+                   sampled: int | None = None) -> None:
+        """Keep a segment's routed experts (when the turn asked for them); `sampled`: the
+        ids the engine's rows cover when the turn kept fewer (cut at a stop string)."""
         if request.return_routed_experts:
             self.pieces.append(Piece(result.routed_experts, prompt_len, len(result.output_ids),
-                                     self.routed_start(request)))
+                                     self.routed_start(request), sampled))
 
     def add(self, result: GenerateResult, spans: Sequence[WeightSpan]) -> None:
         """Append a segment's raw values and its stamped version spans (relative to it)."""

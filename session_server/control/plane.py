@@ -82,8 +82,8 @@ class ControlPlane:
         abort_timeout_s: float = 2.0,
     ) -> None:
         self._engines: EngineSource = _Adapters(engines) if callable(engines) else engines
-        # called with each new weight version (the pool drops its prefix estimates; lag.py)
-        self.on_weight_version: list[Callable[[int], None]] = []
+        self.on_weight_version: list[Callable[[int], None]] = []  # each new version (the pool, lag.py)
+        self.on_resume: list[Callable[[], None]] = []  # as the engines resume (versions.py: splits)
         self.metrics = ControlMetrics(registry)
         self.flights = Flights()
         self.aborts = EngineAborts(self.metrics, abort_timeout_s)
@@ -167,10 +167,8 @@ class ControlPlane:
     # --- engine fan-out ----------------------------------------------------------------------
 
     async def _fan_out(self, op: str, call: Callable[[EngineAdapter], Any]) -> Report:
-        return await fan_out(self._engines.adapters(), op, call, self._count_engine_failure)
-
-    def _count_engine_failure(self, op: str) -> None:
-        self.metrics.engine_failures_total.labels(op=op).inc()
+        return await fan_out(self._engines.adapters(), op, call,
+                             lambda failed_op: self.metrics.engine_failures_total.labels(op=failed_op).inc())
 
     async def _pause_engine(self, adapter: EngineAdapter, mode: str) -> dict[str, Any]:
         return await pause_engine(adapter, mode, lambda url: self._drain(engine=url))
@@ -232,6 +230,8 @@ class ControlPlane:
             was = self._global if lora is None else self._lora.get(lora)
             await self.drain_aborts()  # requests cut at an update (lag.py) stop before engines resume
             if lora is None:
+                for hook in list(self.on_resume):
+                    hook()
                 engines = await self._fan_out("resume", lambda a: a.resume())
                 self._global = None
             else:

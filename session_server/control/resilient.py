@@ -27,6 +27,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,8 @@ from trajectory.validate import Expectations, is_int, validate_chunk, validate_g
 from .assemble import Acc, Counts, ResilientResult, assemble
 from .lag import LagBound
 from .plane import ControlPlane
-from .versions import SegmentSpans, segment_spans
+from .stops import Decode, StopStrings, StreamStops, cut_at
+from .versions import ReceivedSplit, SegmentSpans, received_split, reports_per_token, segment_spans
 
 __all__ = ["AbortEvent", "generate_resilient", "new_request_id"]
 
@@ -121,10 +123,12 @@ def _abort_on_stop_is_stop(result: GenerateResult, request: GenerateRequest,
 
 
 def _stamped(control: ControlPlane, engine: str, result: GenerateResult, dispatch_version: int | None,
-             *, cut: bool, counts: Counts) -> SegmentSpans:
+             *, cut: bool, counts: Counts, split: ReceivedSplit | None = None) -> SegmentSpans:
     """The segment's tokens stamped with versions (control/versions.py): the engine's
     per-token spans or its one version where it reports one the trainer went through,
-    else the dispatch version. A segment cut at an update (lag.py) without per-token
+    else the dispatch version. Without per-token spans a streamed segment is split where
+    the server saw an update take effect (`split`), which it knows better than SGLang's one
+    version, read at the end. A segment cut at an update (lag.py) without per-token
     spans predates the update: its dispatch version (SGLang's one version, read at the
     end, would be the new one). Malformed spans or versions are bad output (502)."""
     n = len(result.output_ids)
@@ -138,7 +142,8 @@ def _stamped(control: ControlPlane, engine: str, result: GenerateResult, dispatc
     if mismatches:  # one per segment, as the metric counts
         counts.mismatches += 1
         control.record_version_mismatch(engine, reported if not reported_spans else list(reported_spans))
-    return spans
+    known = None if split is None or reports_per_token(reported_spans) or cut else split.spans(n, dispatch_version)
+    return spans if known is None else known
 
 
 def _check_partial(result: GenerateResult, seg_rid: str, prompt_len: int, budget: int,
@@ -178,16 +183,56 @@ def _checked_delta(delta: TokenDelta, expect: Expectations | None, seg_rid: str)
 
 
 async def _streamed(items: AsyncIterator[StreamItem], on_delta: Callable[[TokenDelta], None],
-                    expect: Expectations | None, seg_rid: str) -> GenerateResult:
+                    expect: Expectations | None, seg_rid: str,
+                    stops: StreamStops | None = None, on_stop: Callable[[], None] | None = None) -> GenerateResult:
     """One streamed segment: its checked deltas to `on_delta`, its final result returned.
-    The engine stream is closed on the way out (a rejected chunk drops the connection)."""
+    With `stops` (a resubmitted segment of a turn with stop strings) nothing past a stop
+    string completed across the boundary is shown, and `on_stop` aborts the engine request
+    there (its final answer is then cut, `_stop_strings`). The engine stream is closed on
+    the way out (a rejected chunk drops the connection)."""
     async with contextlib.aclosing(items) as stream:  # type: ignore[type-var]
         async for item in stream:
-            if isinstance(item, TokenDelta):
-                on_delta(_checked_delta(item, expect, seg_rid))
-            else:
+            if not isinstance(item, TokenDelta):
                 return item
+            if stops is not None and stops.matched:
+                continue  # past the stop: never shown, the engine request is being aborted
+            delta = _checked_delta(item, expect, seg_rid)
+            keep = None if stops is None else stops.feed(delta.ids)
+            if keep is not None:
+                tops = None if delta.top_logprobs is None else delta.top_logprobs[:keep]
+                delta = TokenDelta(delta.ids[:keep], delta.logprobs[:keep], tops)
+                if on_stop is not None:
+                    on_stop()
+            on_delta(delta)
     raise UpstreamInvalid("the engine stream ended without a result")
+
+
+def _counted(on_delta: Callable[[TokenDelta], None], split: ReceivedSplit | None) -> Callable[[TokenDelta], None]:
+    """`on_delta`, counting the tokens received so far (the segment's version split)."""
+    if split is None:
+        return on_delta
+
+    def seen(delta: TokenDelta) -> None:
+        split.received += len(delta.ids)
+        on_delta(delta)
+
+    return seen
+
+
+async def _stop_strings(stops: StopStrings | None, kept: list[Any], result: GenerateResult,
+                        spans: SegmentSpans) -> tuple[GenerateResult, SegmentSpans, int | None]:
+    """The segment ended where the engine would have on a stop string it could not match
+    (control/stops.py): after an abort, or in a resubmission. Returns the segment, its
+    spans and, when cut, how many ids the engine sampled (its routed rows cover them).
+    Decoded off the event loop."""
+    n = len(result.output_ids)
+    if stops is None or not n or (result.finish_reason != "abort" and not kept):
+        return result, spans, None
+    hit = await asyncio.to_thread(stops.in_segment, kept, list(result.output_ids))
+    if hit is None or (hit[0] == n and result.finish_reason == "stop" and result.matched_stop == hit[1]):
+        return result, spans, None
+    cut, cut_spans = cut_at(result, spans, *hit)
+    return cut, cut_spans, n
 
 
 async def generate_resilient(
@@ -200,6 +245,7 @@ async def generate_resilient(
     deadline: float | None = None,
     admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None = None,
     on_delta: Callable[[TokenDelta], None] | None = None,
+    decode: Decode | None = None,
 ) -> ResilientResult:
     """Generate one turn through any number of pauses: abort -> accumulate -> resubmit.
 
@@ -216,6 +262,8 @@ async def generate_resilient(
     it, when the adapter can stream and the turn is unconstrained (a constrained partial
     may be dropped on a pause, so it is never shown early); an aborted segment's deltas
     are its kept partial, so the resubmitted segment's deltas continue the same stream.
+    `decode` (output ids -> text) lets the server match `request.sampling.stop` where the
+    engine cannot: on an aborted step and across a resubmission's boundary (stops.py).
     Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
     empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
     """
@@ -235,6 +283,7 @@ async def generate_resilient(
     first_salt = control.cache_salt()
     constrained = request.sampling.constraint is not None
     streaming = getattr(adapter, "generate_stream", None) if on_delta is not None and not constrained else None
+    stops = StopStrings(request.sampling.stop, decode) if decode and request.sampling.stop and not constrained else None
     while True:
         async with contextlib.AsyncExitStack() as held:
             # gate -> prefill admission -> engine slot -> gate again -> read version/salt:
@@ -270,10 +319,13 @@ async def generate_resilient(
                 routed_experts_start=acc.routed_start(request),  # rows already held (R3)
             )
             with (control.track_flight(seg_rid, engine=engine, lora=lora),
-                  lag.watch(control, adapter, seg_rid, dispatch_version) as watch):
+                  lag.watch(control, adapter, seg_rid, dispatch_version) as watch,
+                  received_split(control, streaming is not None) as split):
                 try:
                     if streaming is not None and on_delta is not None:
-                        result = await _streamed(streaming(seg), on_delta, expect, seg_rid)
+                        watch_stops = StreamStops(stops, acc.ids) if stops is not None and acc.ids else None
+                        result = await _streamed(streaming(seg), _counted(on_delta, split), expect, seg_rid,
+                                                 watch_stops, partial(control.abort_engine_request, adapter, seg_rid))
                     else:
                         result = await adapter.generate(seg)
                 except (asyncio.CancelledError, UpstreamTimeout):
@@ -285,10 +337,11 @@ async def generate_resilient(
                     raise
         if first is None:
             first = result
-        spans = _stamped(control, engine, result, dispatch_version, cut=watch.cut, counts=counts)
+        spans = _stamped(control, engine, result, dispatch_version, cut=watch.cut, counts=counts, split=split)
         result = _abort_on_stop_is_stop(result, request, expect)
+        result, spans, sampled = await _stop_strings(stops, acc.ids, result, spans)
         if result.finish_reason != "abort":
-            acc.add_routed(request, result, len(seg_input))
+            acc.add_routed(request, result, len(seg_input), sampled)
             return assemble(request, first, result, spans, acc, counts)
 
         # the partial is held to the rules of a whole result with the version it was stamped

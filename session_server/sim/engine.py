@@ -53,6 +53,7 @@ class Job:
     produced: int = 0
     constrained: str | None = None  # the text a constraint forces (None: unconstrained)
     routed_start: int | None = None  # routing replay asked: rows from this position (None: not asked)
+    stop_strs: tuple[str, ...] = ()  # stop strings, matched on the decoded output only
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Outcome:
     lps: list[Any]
     tops: list[list[tuple[int, float]]] | None
     finish: str  # stop | length | abort | repetition
-    matched: int | None
+    matched: int | str | None  # the stop id, or the stop string
     prompt_tokens: int
     cached_tokens: int
     abort_message: str | None = None
@@ -72,6 +73,20 @@ class Outcome:
     # the engine's version when each token was sampled, as [start, end, version] spans (vLLM
     # 0.32 reports them per request; SGLang only the version at the end)
     version_spans: list[list[Any]] = field(default_factory=list)
+
+
+def stop_string_in(decode: Callable[[Sequence[int]], str], ids: Sequence[int], stops: Sequence[str]) -> str | None:
+    """The first of `stops` (in the request's order) in the decoded output so far, as both
+    engines match stop strings: on the output text only, never the prompt (vLLM's
+    detokenizer checks `output_text` after each step, v1/engine/detokenizer.py; SGLang's
+    `Req._check_str_based_finish` decodes the output's tail). Only the tail is decoded: a
+    match the previous step did not see ends in the last token, and a character takes at
+    most 4 byte-level tokens."""
+    if not stops or not ids:
+        return None
+    window = 4 * max(len(s) for s in stops) + 8
+    text = decode([int(t) for t in ids[-window:]])
+    return next((s for s in stops if s in text), None)
 
 
 class EngineCore:
@@ -121,6 +136,7 @@ class EngineCore:
         self.abort_plan: list[int] = [int(k) for k in abort_plan]
         self.aborted_rids: list[str] = []  # every rid that ended with an abort, in order
         self.abort_calls: list[dict[str, Any]] = []  # every abort request received (GET /sim/aborts)
+        self.held: set[str] = set()  # rids held on their stop step by the `hold_on_stop` fault
 
     # --- generation ------------------------------------------------------------------
 
@@ -177,11 +193,16 @@ class EngineCore:
                 if out.tops is not None:
                     out.tops.append(cursor.top(i, tok, job.top_k))
                 job.produced = i + 1
-                if plan_at is not None and i + 1 >= plan_at:
+                stop = self._stop(job, out.ids, eos)
+                held = (stop is not None and job.fault == "hold_on_stop") or (
+                    stop is None and job.fault == "hold_before_stop" and i + 1 < job.max_tokens
+                    and self._stop(job, [*out.ids, cursor.token(i + 1)], eos) is not None)
+                held = held and await self._hold(job)
+                if (plan_at is not None and i + 1 >= plan_at) or held:
                     out.finish, out.abort_message = "abort", "Abort in running batch."
                     break
-                if tok in job.stop_ids or (not job.ignore_eos and tok in eos):
-                    out.finish, out.matched = "stop", tok
+                if stop is not None:
+                    out.finish, out.matched = "stop", stop
                 if on_token is not None:
                     await on_token(out)
                 if out.finish == "stop":
@@ -196,6 +217,29 @@ class EngineCore:
             return out
         finally:
             self.running.pop(job.rid, None)
+
+    def _stop(self, job: Job, ids: list[Any], eos: set[int]) -> int | str | None:
+        """What stops `job` after `ids`: the last id (a stop id, or EOS unless ignored) or
+        a stop string its output text now holds; None: it runs on."""
+        tok = ids[-1]
+        if tok in job.stop_ids or (not job.ignore_eos and tok in eos):
+            return int(tok)
+        return stop_string_in(self.model.decode, ids, job.stop_strs)
+
+    async def _hold(self, job: Job) -> bool:
+        """The `hold_on_stop` / `hold_before_stop` faults: the step that would stop `job` (or
+        the one before it) waits until the engine is paused or the request aborted (a keep
+        pause: until resume). True when aborted: SGLang checks the abort flag before the
+        stop check, so that step reports `abort` with its token."""
+        self.held.add(job.rid)
+        try:
+            while self.paused is None and not job.abort.is_set() and not self.closing.is_set():
+                await asyncio.sleep(0.002)
+            while self.paused == "keep" and not job.abort.is_set():
+                await self._wait_resumed(job)
+        finally:
+            self.held.discard(job.rid)
+        return job.abort.is_set()
 
     def log(self, job: Job, out: Outcome | None, status: int) -> None:
         """Append one finished request to the log `GET /sim/requests` serves."""
@@ -217,6 +261,8 @@ class EngineCore:
                 "logprobs": None if out is None else [float(x) for x in out.lps],
                 "finished_s": time.monotonic(),
                 "e2e_s": None if out is None else out.e2e_s,
+                # the engine's version as each token was sampled (the truth SGLang does not report)
+                "version_spans": None if out is None else [list(sp) for sp in out.version_spans],
             }
         )
 

@@ -45,6 +45,10 @@ FAULT_KINDS = (
     "bad_finish",  # finish inconsistent with the output (length <-> stop)
     "repetition",  # vLLM: the repetition detector stops after half the planned tokens (SGLang: none)
     "pass",  # no fault: queued first, it lets the next fault land on a later request
+    # the step that would stop the request (a stop id or string) waits for a pause or an abort;
+    # aborted there, it reports `abort` with that token (SGLang checks abort before stop)
+    "hold_on_stop",
+    "hold_before_stop",  # the same one step earlier: a pause there splits a multi-token stop string
     *ROUTED_FAULTS,  # routing replay: the answer's routed experts bent (sim/routed.py)
     # streamed answers only: the frames sent while running show a lie, the final answer is clean
     # (vLLM streams deltas, so its final answer is the frames joined: the lie lands there too)

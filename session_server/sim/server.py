@@ -5,7 +5,8 @@ loop, pause modes) served through its protocol's wire (`sglang_wire` / `vllm_wir
 plus the `/sim/*` routes tests drive: fault injection (`POST|DELETE /sim/faults`),
 the request log (`GET|DELETE /sim/requests`), the abort log (`GET /sim/aborts`) and
 the reported weight version (`GET|POST /sim/weight_version`, what a weight update
-sets). It says it is a simulator (`"simulated": true`) in its info endpoints;
+sets) and the requests the `hold_*_stop` faults hold (`GET /sim/held`). It says it is
+a simulator (`"simulated": true`) in its info endpoints;
 generate responses carry only real fields.
 """
 
@@ -66,6 +67,7 @@ class SimEngine(EngineCore):
         r.add_delete("/sim/faults", self.sim_faults_clear)
         r.add_get("/sim/requests", self.sim_requests)
         r.add_get("/sim/aborts", self.sim_aborts)
+        r.add_get("/sim/held", self.sim_held)
         r.add_get("/sim/weight_version", self.sim_weight_version)
         r.add_post("/sim/weight_version", self.sim_weight_version)
         r.add_delete("/sim/requests", self.sim_requests_clear)
@@ -108,6 +110,10 @@ class SimEngine(EngineCore):
     async def sim_aborts(self, request: web.Request) -> web.Response:
         """The abort log: every abort call received and every rid that ended aborted."""
         return json_response({"calls": self.abort_calls, "aborted": self.aborted_rids})
+
+    async def sim_held(self, request: web.Request) -> web.Response:
+        """The rids the `hold_*_stop` faults hold near their stop step now (a test pauses then)."""
+        return json_response({"held": sorted(self.held)})
 
     async def sim_requests(self, request: web.Request) -> web.Response:
         return json_response(self.requests)

@@ -19,6 +19,8 @@ from session_server.sim.wire import (
     finish_job,
     json_response,
     salt,
+    stop_strings,
+    trim_at_stop,
 )
 
 __all__ = ["SGLangWire", "sglang_constraint"]
@@ -104,6 +106,8 @@ class SGLangWire:
             meta["routed_experts"] = sglang_payload([*job.input_ids, *real], self.routed, job.routed_start, job.fault)
         vocab = self.engine.model.vocab_size  # a faulted id (out of range) has no text
         text = self.engine.model.decode([int(t) for t in ids if not isinstance(t, bool) and 0 <= int(t) < vocab])
+        if final:
+            text = trim_at_stop(text, out, keep=bool(job.params.get("no_stop_trim")))
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
     def _job(self, body: Any) -> Job | web.Response:
@@ -123,6 +127,7 @@ class SGLangWire:
             input_ids=input_ids,
             max_tokens=int(sp.get("max_new_tokens", 128)),
             stop_ids=frozenset(sp.get("stop_token_ids") or ()),
+            stop_strs=stop_strings(sp.get("stop")),
             ignore_eos=bool(sp.get("ignore_eos", False)),
             top_k=int(body.get("top_logprobs_num") or 0),
             pinned_rank=rank,

@@ -24,6 +24,8 @@ from session_server.sim.wire import (
     json_response,
     run_job,
     salt,
+    stop_strings,
+    trim_at_stop,
 )
 
 __all__ = ["VLLMWire", "vllm_constraint"]
@@ -58,7 +60,8 @@ def vllm_constraint(so: Any) -> Constraint:
 
 def _finish(job: Job, out: Outcome) -> tuple[str, Any]:
     """vLLM's finish_reason and stop_reason (the matched id only when it was a stop id)."""
-    stop_reason = out.matched if out.finish == "stop" and out.matched in job.stop_ids else None
+    stop_reason = out.matched if out.finish == "stop" and (
+        out.matched in job.stop_ids or isinstance(out.matched, str)) else None
     return out.finish, stop_reason
 
 
@@ -171,6 +174,7 @@ class VLLMWire:
             input_ids=list(prompt),
             max_tokens=int(sp.get("max_tokens") or 16),
             stop_ids=frozenset(sp.get("stop_token_ids") or ()),
+            stop_strs=stop_strings(sp.get("stop")),
             ignore_eos=bool(sp.get("ignore_eos", False)),
             top_k=int(sp.get("logprobs") or 0),
             pinned_rank=rank,
@@ -298,7 +302,7 @@ class VLLMWire:
             "choices": [
                 {
                     "index": 0,
-                    "text": "".join(pieces),
+                    "text": trim_at_stop("".join(pieces), out, keep=bool(job.params.get("include_stop_str_in_output"))),
                     "logprobs": {
                         "text_offset": offsets,
                         "token_logprobs": token_logprobs,

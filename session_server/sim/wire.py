@@ -14,7 +14,7 @@ from session_server.sim.engine import EngineCore, Job, Outcome
 from session_server.sim.faults import ErrorResponder, answer_fault, apply_value_fault
 
 __all__ = ["ENCODER", "Constraint", "attach_constraint", "json_response", "padding_payload",
-           "run_job", "salt"]
+           "run_job", "salt", "stop_strings", "trim_at_stop"]
 
 ENCODER = msgspec.json.Encoder()
 
@@ -40,6 +40,25 @@ def padding_payload(kind: str) -> msgspec.Raw:
 def salt(value: Any) -> str | None:
     """SGLang `extra_key` / vLLM `cache_salt` as the cache's namespace key."""
     return None if value is None else str(value)
+
+
+def stop_strings(value: Any) -> tuple[str, ...]:
+    """The request's `stop` (both engines take one string or a list) as a tuple."""
+    if isinstance(value, str):
+        return (value,) if value else ()
+    return tuple(s for s in value or () if isinstance(s, str) and s)
+
+
+def trim_at_stop(text: str, out: Outcome, *, keep: bool) -> str:
+    """The output text as the engine shows it after a stop-string match: cut after the
+    string (`keep`: vLLM `include_stop_str_in_output`, SGLang `no_stop_trim`) or before
+    it. Only the text: both engines keep every sampled id."""
+    if out.finish != "stop" or not isinstance(out.matched, str):
+        return text
+    at = text.find(out.matched)
+    if at < 0:
+        return text
+    return text[: at + len(out.matched)] if keep else text[:at]
 
 
 def attach_constraint(
