@@ -65,6 +65,7 @@ from .errors import (
     ServiceError,
     from_http_status,
     from_library,
+    shown,
 )
 from .idempotency import Hold, ReplayLog, identify
 from .lifecycle import AppConfig, build_context, shutdown, start_background
@@ -538,7 +539,7 @@ def create_app(config: AppConfig) -> FastAPI:
         # turns already on it finish (their generation is good); new ones are refused;
         # the close runs in the background so DELETE does not wait for them
         if url is None or ctx.registry.remove(engine_id, drain_s=ctx.settings.turn_timeout_s) is None:
-            raise NotFound(f"unknown engine {engine_id!r}")
+            raise NotFound(f"unknown engine {shown(engine_id)}")
         peers = relay_to_peers(request, b"", path=f"/engines/{engine_id}?base_url={quote(url, safe='')}",
                                absent_ok=True)
         if peers is None:
