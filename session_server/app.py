@@ -299,9 +299,10 @@ def create_app(config: AppConfig) -> FastAPI:
         `parse` replaces the dialect's (one bound to the session); `committed` runs
         once per committed turn (not for a replay), before the response is rendered."""
         ctx = ctx_of()
-        ctx.store.get(sid)  # 404 before reading a body for an unknown session
+        session = ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
-        ident = await identify(ctx.offload, sid, dialect.name, request.headers, body)
+        # where the session stands as the request arrives: a retry replays only its own attempt
+        ident = await identify(ctx.offload, sid, dialect.name, request.headers, body, position=session.commits)
 
         live = LiveTurn(ctx, dialect)
 

@@ -117,6 +117,9 @@ class Session:
         self.tools_by_branch: dict[int, Any] = {}  # tools each branch was rendered with
         self.diagnostics: list[dict[str, Any]] = []  # TITO mismatches, repairs, forks
         self.turns_discarded = 0  # turns ended without a commit: client gone, deleted mid-turn
+        # turns committed on any branch: where the session stands, so a replayed request
+        # matches only the attempt it retries, never an older identical one (idempotency.py)
+        self.commits = 0
         self.turn: asyncio.Task[Any] | None = None  # the in-flight turn's work; a DELETE cancels it
         self.control_totals = ControlTotals()
         self.token = secrets.token_urlsafe(32)  # the agent's api_key; checked by auth.py when auth is on
