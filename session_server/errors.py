@@ -11,6 +11,7 @@
     ├── SessionBusy                      409 session_busy    Retry-After: 2
     ├── SessionClosed                    409 session_closed
     ├── PayloadTooLarge                  413 payload_too_large
+    ├── StreamOverflow                   503 stream_overflow (only an SSE error event: the client stopped reading)
     ├── WrongInstance                    421 wrong_instance (the session id names another instance)
     ├── IdempotencyKeyReused             422 idempotency_key_reused (same Idempotency-Key, other body)
     ├── OverCapacity                     429 over_capacity   Retry-After: 5
@@ -113,6 +114,14 @@ class SessionClosed(ServiceError):
 
 class PayloadTooLarge(ServiceError):
     status, type = 413, "payload_too_large"
+
+
+class StreamOverflow(ServiceError):
+    """A streamed response's client stopped reading and its unsent frames passed
+    `stream_buffer_bytes`: its stream ends with this error event (never an HTTP status:
+    the response has begun). The turn itself runs on and commits."""
+
+    status, type = 503, "stream_overflow"
 
 
 class WrongInstance(ServiceError):

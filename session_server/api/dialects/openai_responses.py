@@ -44,7 +44,14 @@ from trajectory.errors import BranchError
 
 from ...errors import BadRequest, NotFound, shown
 from ...turns import TurnOutput
-from ..models import ChatRequest, SamplingFields, TemplateKwargs, TimeoutS, WeightLag, parse_json_model
+from ..models import (
+    ChatRequest,
+    SamplingFields,
+    TemplateKwargs,
+    TimeoutS,
+    WeightLag,
+    parse_json_model,
+)
 from ..stream_events import (
     ContentDelta,
     ReasoningDelta,

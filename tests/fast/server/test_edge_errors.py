@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from session_server.app import AppConfig, create_app
 from session_server.context import Settings
+
 ECHO_CHARS = 64  # what an error quotes of a client-supplied id (errors.shown)
 
 
