@@ -65,6 +65,7 @@ from .errors import (
     ServiceError,
     from_http_status,
     from_library,
+    shown,
 )
 from .idempotency import Hold, ReplayLog, identify
 from .lifecycle import AppConfig, build_context, shutdown, start_background
@@ -322,9 +323,10 @@ def create_app(config: AppConfig) -> FastAPI:
         `parse` replaces the dialect's (one bound to the session); `committed` runs
         once per committed turn (not for a replay), before the response is rendered."""
         ctx = ctx_of()
-        ctx.store.get(sid)  # 404 before reading a body for an unknown session
+        session = ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
-        ident = await identify(ctx.offload, sid, dialect.name, request.headers, body)
+        # where the session stands as the request arrives: a retry replays only its own attempt
+        ident = await identify(ctx.offload, sid, dialect.name, request.headers, body, position=session.commits)
 
         live = LiveTurn(ctx, dialect)
 
@@ -562,7 +564,7 @@ def create_app(config: AppConfig) -> FastAPI:
         # turns already on it finish (their generation is good); new ones are refused;
         # the close runs in the background so DELETE does not wait for them
         if url is None or ctx.registry.remove(engine_id, drain_s=ctx.settings.turn_timeout_s) is None:
-            raise NotFound(f"unknown engine {engine_id!r}")
+            raise NotFound(f"unknown engine {shown(engine_id)}")
         peers = relay_to_peers(request, b"", path=f"/engines/{engine_id}?base_url={quote(url, safe='')}",
                                absent_ok=True)
         if peers is None:

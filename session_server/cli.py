@@ -312,6 +312,16 @@ def _one_line(exc: Exception) -> str:
     return "; ".join(parts)
 
 
+def _engine_spec(spec: str) -> str:
+    """`--engine`: the address shape POST /engines checks, refused before anything starts."""
+    from .engines.admission_check import check_engine_spec
+
+    try:
+        return check_engine_spec(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="session-server", description="TITO session server for agentic RL rollouts")
     sub = p.add_subparsers(dest="command", required=True)
@@ -321,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="run the session server", formatter_class=_HelpFormatter,
         description="Run the session server in front of one or more SGLang/vLLM engines. API: docs/api.md.",
     )
-    s.add_argument("--engine", action="append", required=True,
+    s.add_argument("--engine", action="append", required=True, type=_engine_spec,
                    help="engine URL, sglang=URL or vllm=URL (repeatable; the protocol is probed when not given)")
     s.add_argument("--tokenizer", required=True,
                    help=f"the engine model's tokenizer: a local directory, a hub name (needs the hub or its "

@@ -8,9 +8,10 @@
     ├── SessionNotFound                  404 session_not_found
     ├── NotFound                         404 not_found (unknown engine id, unknown route)
     ├── MethodNotAllowed                 405 method_not_allowed
-    ├── SessionBusy                      409 session_busy
+    ├── SessionBusy                      409 session_busy    Retry-After: 2
     ├── SessionClosed                    409 session_closed
     ├── PayloadTooLarge                  413 payload_too_large
+    ├── StreamOverflow                   503 stream_overflow (only an SSE error event: the client stopped reading)
     ├── WrongInstance                    421 wrong_instance (the session id names another instance)
     ├── IdempotencyKeyReused             422 idempotency_key_reused (same Idempotency-Key, other body)
     ├── OverCapacity                     429 over_capacity   Retry-After: 5
@@ -98,7 +99,13 @@ class MethodNotAllowed(ServiceError):
 
 
 class SessionBusy(ServiceError):
+    """A turn is already in flight on the session. Both SDKs retry a 409 and honour
+    `Retry-After` (openai / anthropic `_base_client.py`: `_should_retry` retries 409,
+    `_calculate_retry_timeout` reads `retry-after-ms` / `retry-after` up to 60 s); without
+    it they back off 0.5 s, 1 s: likely still busy. 2 s covers a short agent turn."""
+
     status, type = 409, "session_busy"
+    retry_after_s = 2
 
 
 class SessionClosed(ServiceError):
@@ -107,6 +114,14 @@ class SessionClosed(ServiceError):
 
 class PayloadTooLarge(ServiceError):
     status, type = 413, "payload_too_large"
+
+
+class StreamOverflow(ServiceError):
+    """A streamed response's client stopped reading and its unsent frames passed
+    `stream_buffer_bytes`: its stream ends with this error event (never an HTTP status:
+    the response has begun). The turn itself runs on and commits."""
+
+    status, type = 503, "stream_overflow"
 
 
 class WrongInstance(ServiceError):
@@ -197,6 +212,16 @@ class NoHealthyEngine(ServiceError):
 class PausedTooLong(ServiceError):
     status, type = 503, "paused"
     retry_after_s = 10
+
+
+ECHO_CHARS = 64
+
+
+def shown(value: object) -> str:
+    """A client-supplied value (a session id, a response id) as an error message quotes it:
+    its repr, cut to `ECHO_CHARS` characters + "…", so a 60 KB id is not echoed back whole."""
+    text = str(value)
+    return repr(text) if len(text) <= ECHO_CHARS else repr(text[:ECHO_CHARS]) + "…"
 
 
 def from_library(exc: Exception) -> ServiceError | None:

@@ -8,8 +8,15 @@ the same session and route (dialect) when
 - it carries an `Idempotency-Key` that an earlier request carried: the key names the
   request by itself; the same key with another body is refused with 422
   `idempotency_key_reused` (IETF draft-ietf-httpapi-idempotency-key-header), or
-- it carries `x-stainless-retry-count` > 0 and its body's digest (SHA-256 of the raw
-  bytes) equals an earlier request's.
+- it carries `x-stainless-retry-count` > 0, its body's digest (SHA-256 of the raw
+  bytes) equals an earlier request's, and that request is the attempt it retries: an
+  original in flight (it holds the session: nothing else runs), or a committed one
+  with nothing committed on the session after it (`Session.commits`, the turns
+  committed so far, read as each request arrives: at most one more than at the
+  original's arrival, its own commit). An identical request sent later, after the trajectory moved on (an agent resending
+  the same prompt to sample again), is a new turn even when its own first attempt
+  never reached the server and only its retry (count 1) did: the count says "a retry",
+  not "of which request", and an older identical body is another request.
 
 A replay of a request still in flight waits for it (no 409) and gets its response
 (a streamed original that has begun streaming is followed instead: `on_follow` gets
@@ -67,6 +74,7 @@ class Ident:
     digest: bytes
     key: str | None  # Idempotency-Key
     retry_count: int | None  # x-stainless-retry-count (None: absent or not an integer)
+    position: int | None = None  # the session's commits as the request arrived (None: not tracked)
 
     @property
     def recorded(self) -> bool:
@@ -95,20 +103,22 @@ def _sha256(body: bytes) -> bytes:
     return hashlib.sha256(body).digest()
 
 
-async def identify(offload: CpuOffload, session_id: str, route: str, headers: Mapping[str, str], body: bytes) -> Ident:
+async def identify(offload: CpuOffload, session_id: str, route: str, headers: Mapping[str, str], body: bytes,
+                   *, position: int | None = None) -> Ident:
     """The request's `Ident`; the digest is O(body), so a large body hashes off the loop."""
     key, count = _key(headers), _retry_count(headers)
     digest = await offload.run_sized(len(body), _sha256, body) if key or count is not None else b""
-    return Ident(session_id, route, digest, key, count)
+    return Ident(session_id, route, digest, key, count, position)
 
 
 class _Entry:
     """One recorded request: in flight until `done`, then stored (`rendered`) or gone."""
 
-    __slots__ = ("adopted", "digest", "done", "key", "live", "rendered", "route")
+    __slots__ = ("adopted", "digest", "done", "key", "live", "position", "rendered", "route")
 
     def __init__(self, ident: Ident, live: Any = None) -> None:
         self.route, self.digest, self.key = ident.route, ident.digest, ident.key
+        self.position = ident.position
         self.done = asyncio.Event()
         self.adopted = asyncio.Event()  # a replay waits for this turn
         self.rendered: Rendered | None = None
@@ -193,9 +203,18 @@ class ReplayLog:
                         f"Idempotency-Key {ident.key!r} was already used on this session for another request "
                         "body; a key names one request: send a new key for a new request")
                 return entry
-            if entry.digest == ident.digest:
+            if entry.digest == ident.digest and self._retries(entry, ident):
                 return entry
         return None
+
+    @staticmethod
+    def _retries(entry: _Entry, ident: Ident) -> bool:
+        """Whether `ident` (a retry by its count) retries `entry`'s attempt: `entry` is in
+        flight, or committed and the session moved no further than that commit when
+        `ident` arrived (it may have arrived while `entry` ran: `<=`, not `==`)."""
+        if entry.rendered is None or entry.position is None or ident.position is None:
+            return True  # in flight, or positions not tracked (a log used without sessions)
+        return ident.position <= entry.position + 1
 
     def _held(self, entry: _Entry, gone: ClientGone) -> ClientGone:
         """`gone`, unless a replay adopts the turn: after the client hangs up, wait up to

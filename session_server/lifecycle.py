@@ -75,7 +75,7 @@ async def build_context(config: AppConfig) -> ServerContext:
     ctx = ServerContext(
         settings=settings,
         store=SessionStore(max_sessions=settings.max_sessions, default_ttl_s=settings.default_ttl_s,
-                           instance_id=settings.instance_id),
+                           instance_id=settings.instance_id, clustered=bool(settings.peers)),
         offload=offload,
         metrics=metrics,
         codec=codec,

@@ -14,6 +14,14 @@ and notes a final parse that disagrees with the streamed calls (committed anyway
 tool calls, `TurnCommitted`). A turn
 that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also kept
 (`frames`) so that a replayed request gets exactly these bytes (idempotency.py).
+
+The client's frames wait in a bounded outbox (`stream_buffer_bytes`): a client that
+stops reading without disconnecting would otherwise hold every frame of its turn, for
+as long as its connection lives. Past the bound its waiting frames are dropped and its
+stream ends with a `stream_overflow` error event (then its dialect's end, e.g. chat's
+`[DONE]`), delivered if it ever reads again; the turn runs on and commits, and a retry
+(with a retry header) gets the whole stored response. The reader holds only the outbox:
+once the turn ends, its frames are not pinned by a stalled connection.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from .api.stream_events import (
     TurnStarted,
 )
 from .engines.base import TokenDelta
-from .errors import BadRequest, ServiceError, UpstreamInvalid, from_library
+from .errors import BadRequest, ServiceError, StreamOverflow, UpstreamInvalid, from_library
 from .incremental import (
     CallArgs,
     CallStart,
@@ -154,6 +162,60 @@ def _failure(exc: BaseException) -> TurnFailed:
     return TurnFailed(err.type, err.message, err.status)
 
 
+class _Outbox:
+    """The client's frames not yet taken by its response, bounded in bytes: past `limit`
+    they are dropped and replaced by the cut frames (`cut`), then the end."""
+
+    def __init__(self, limit: int) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.limit, self.waiting, self.cut = limit, 0, False
+
+    def put(self, frame: bytes) -> bool:
+        """Queue `frame`; False when it would pass the bound (nothing queued: cut it)."""
+        if self.cut:
+            return True  # the client's stream has ended; the turn's frames still go to `frames`
+        if self.waiting + len(frame) > self.limit:
+            return False
+        self.waiting += len(frame)
+        self.queue.put_nowait(frame)
+        return True
+
+    def cut_with(self, frames: Sequence[bytes]) -> None:
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.cut, self.waiting = True, 0
+        for f in frames:
+            self.queue.put_nowait(f)
+        self.queue.put_nowait(None)
+
+    def end(self) -> None:
+        if not self.cut:
+            self.queue.put_nowait(None)
+
+    async def get(self) -> bytes | None:
+        frame = await self.queue.get()
+        if frame is not None and not self.cut:
+            self.waiting -= len(frame)
+        return frame
+
+
+async def _drain(outbox: _Outbox, task: asyncio.Future[Any], held: bool) -> AsyncIterator[bytes]:
+    """The client's frames as they come (`LiveTurn.stream`). It holds the outbox and, only
+    while the turn runs, its task (to cancel it if the client leaves): never the LiveTurn,
+    whose `frames` a stalled reader would otherwise keep alive after the turn ended."""
+    running: list[asyncio.Future[Any]] = [task]
+    task.add_done_callback(lambda _t: running.clear())
+    del task
+    ended = False
+    try:
+        while (frame := await outbox.get()) is not None:
+            yield frame
+        ended = True
+    finally:
+        if not ended and not held and running and not running[0].done():
+            running[0].cancel()
+
+
 class LiveTurn:
     """One request's live stream: frames out as events happen, kept for replays."""
 
@@ -161,7 +223,8 @@ class LiveTurn:
         self.ctx, self.dialect = ctx, dialect
         self.started = asyncio.Event()
         self.frames: list[bytes] = []
-        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._outbox = _Outbox(ctx.settings.stream_buffer_bytes)
+        self._req: ChatRequest | None = None
         self._encoder: Any = None
         self._text: TextStreamer | None = None
         self._ids: list[Any] = []
@@ -184,6 +247,7 @@ class LiveTurn:
         if not req.stream:
             return None
         ctx = self.ctx
+        self._req = req
         self._encoder = self.dialect.encoder(req, ctx.tokenizer)
         tools = None if req.tool_choice == "none" else prep.tools
         kwargs = prep.template_kwargs
@@ -329,18 +393,11 @@ class LiveTurn:
             self._emit(_failure(exc))
             self._end()
 
-    async def stream(self, task: asyncio.Future[Any], *, held: bool = False) -> AsyncIterator[bytes]:
+    def stream(self, task: asyncio.Future[Any], *, held: bool = False) -> AsyncIterator[bytes]:
         """The frames as they come; a client that leaves cancels the turn (nothing committed),
         unless `held`: a request that may be retried (idempotency.py) keeps its turn for the
         replay grace, and the retry gets every frame from the start and the one commit."""
-        ended = False
-        try:
-            while (frame := await self._queue.get()) is not None:
-                yield frame
-            ended = True
-        finally:
-            if not ended and not held and not task.done():
-                task.cancel()
+        return _drain(self._outbox, task, held)  # not a generator of this object: see `_drain`
 
     async def follow(self, waiter: asyncio.Future[Any]) -> AsyncIterator[bytes]:
         """For a replay that adopted this turn while it streams: every frame from the first,
@@ -368,13 +425,29 @@ class LiveTurn:
     def _emit(self, event: StreamEvent) -> None:
         for frame in self._encoder.encode(event):
             self.frames.append(frame)
-            self._queue.put_nowait(frame)
+            if not self._outbox.put(frame):
+                self._cut()
+            # followers are replays of a recorded request, whose frames are kept for the
+            # replay log anyway (`frames`): their queues reference them, they add no bytes
             for follower in self._followers:
                 follower.put_nowait(frame)
 
+    def _cut(self) -> None:
+        """The client stopped reading: drop its waiting frames and end its stream with a
+        `stream_overflow` error event, encoded apart (the turn's own encoder keeps the
+        frames a replay gets unchanged)."""
+        err = StreamOverflow(
+            f"the client read this stream too slowly: more than {self._outbox.limit} bytes waited unsent, so the "
+            "stream was cut; the turn goes on and is committed (a retry with x-stainless-retry-count or "
+            "Idempotency-Key gets the whole response; GET /sessions/{sid}/trajectory has it)")
+        assert self._req is not None
+        encoder = self.dialect.encoder(self._req, self.ctx.tokenizer)
+        self._outbox.cut_with(encoder.encode(_failure(err)))
+        self.ctx.metrics.stream_overflows_total.inc()
+
     def _end(self) -> None:
         self._ended = True
-        self._queue.put_nowait(None)
+        self._outbox.end()
         for follower in self._followers:
             follower.put_nowait(None)
 

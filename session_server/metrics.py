@@ -37,6 +37,10 @@ class Metrics:
             "tito_stream_tool_divergence_total", "Live-streamed turns whose final parse disagrees with the tool "
             "calls streamed (committed as parsed: the tokens are the truth)", registry=r,
         )
+        self.stream_overflows_total = Counter(
+            "tito_stream_overflows_total", "Streamed responses cut because their client stopped reading (its "
+            "unsent frames passed stream_buffer_bytes); the turns still committed", registry=r,
+        )
         self.branches_total = Counter("tito_branches_total", "Branches created, by reason", ["reason"], registry=r)
         self.loop_lag_seconds = Histogram(
             "tito_event_loop_lag_seconds", "How late the event loop ran a timer (lifecycle.loop_lag_probe): "

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from trajectory.codec.base import HistoryPolicy
 from trajectory.tree import TrajectoryTree
 
-from .errors import OverCapacity, SessionBusy, SessionClosed, SessionNotFound, WrongInstance
+from .errors import OverCapacity, SessionBusy, SessionClosed, SessionNotFound, WrongInstance, shown
 
 _log = logging.getLogger("session_server")
 
@@ -123,6 +123,9 @@ class Session:
         self.diagnostics: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_DIAGNOSTICS)
         self.diagnostics_dropped = 0
         self.turns_discarded = 0  # turns ended without a commit: client gone, deleted mid-turn
+        # turns committed on any branch: where the session stands, so a replayed request
+        # matches only the attempt it retries, never an older identical one (idempotency.py)
+        self.commits = 0
         self.turn: asyncio.Task[Any] | None = None  # the in-flight turn's work; a DELETE cancels it
         self.control_totals = ControlTotals()
         self.token = secrets.token_urlsafe(32)  # the agent's api_key; checked by auth.py when auth is on
@@ -174,8 +177,11 @@ class SessionStore:
         default_ttl_s: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
         instance_id: str | None = None,
+        clustered: bool = False,
     ) -> None:
         self.instance_id = instance_id  # prefix of every session id made here (None: bare ids)
+        # other instances exist (peers are configured): only then may an unknown id be theirs
+        self.clustered = clustered
         self.max_sessions = max_sessions
         self.default_ttl_s = default_ttl_s
         self._clock = clock
@@ -207,13 +213,15 @@ class SessionStore:
         return s
 
     def _raise_missing(self, session_id: str) -> NoReturn:
-        """404, or 421 when the id names another instance: a proxy sent it to the wrong
-        one (only the miss path pays for the check)."""
+        """404, or 421 when the id names another instance of this cluster: a proxy sent it
+        to the wrong one (only the miss path pays for the check). A server without peers
+        has no other instance to route to: any unknown id, whatever its prefix, is a 404
+        (a made-up id must not send the client looking for an "instance 0")."""
         owner = instance_of(session_id)
-        if owner is not None and self.instance_id is not None and owner != self.instance_id:
-            raise WrongInstance(f"session {session_id!r} belongs to instance {owner!r}, not to this one "
+        if owner is not None and self.clustered and self.instance_id is not None and owner != self.instance_id:
+            raise WrongInstance(f"session {shown(session_id)} belongs to instance {owner!r}, not to this one "
                                 f"({self.instance_id!r}): route /sessions/{owner}{ID_SEPARATOR}... to instance {owner}")
-        raise SessionNotFound(f"unknown session {session_id!r}")
+        raise SessionNotFound(f"unknown session {shown(session_id)}")
 
     def touch(self, session: Session) -> None:
         """A read of the session (view, trajectory) counts as use: it pushes back its TTL."""

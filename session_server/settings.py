@@ -33,6 +33,10 @@ class Settings(BaseSettings):
         600.0, gt=0, description="deadline of one turn, unless the request's timeout_s sets another")
     max_body_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)")
+    stream_buffer_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="SSE bytes one streamed response may have waiting for a client that "
+        "does not read; past it the client's stream is cut with a stream_overflow error event (the turn still "
+        "commits: a retry with x-stainless-retry-count or Idempotency-Key gets it whole)")
     max_sessions: int = Field(100_000, ge=1, description="live sessions at most (429 over_capacity above)")
     default_ttl_s: float = Field(
         3600.0, gt=0, description="idle time after which a session expires, unless its creation sets ttl_s")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import orjson
 from pydantic import (
@@ -25,6 +24,7 @@ from pydantic import (
 from trajectory.codec.base import HistoryPolicy
 from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample
 
+from ..engines.admission_check import check_engine_spec
 from ..errors import BadRequest
 from ..structured import ResponseFormat, ToolChoice
 
@@ -91,10 +91,24 @@ TEMPLATE_KWARGS_RESERVED = frozenset(
 )
 
 
+# the reasoning switches chat templates read, and the type each must have: a template
+# tests them with Jinja truthiness, so `"no"` or `"false"` would silently turn thinking ON
+# (Qwen3/GLM `enable_thinking`, DeepSeek-V3.1 `thinking`: booleans; gpt-oss
+# `reasoning_effort`: "low" | "medium" | "high", rendered as text)
+TEMPLATE_SWITCH_TYPES: dict[str, tuple[type, str]] = {
+    "enable_thinking": (bool, "a boolean (true or false)"),
+    "thinking": (bool, "a boolean (true or false)"),
+    "reasoning_effort": (str, "a string"),
+}
+
+
 def _template_kwargs(v: dict[str, Any]) -> dict[str, Any]:
     owned = sorted(TEMPLATE_KWARGS_RESERVED.intersection(v))
     if owned:
         raise ValueError(f"keys {owned} are set by the server, not by chat_template_kwargs")
+    for key, (kind, what) in TEMPLATE_SWITCH_TYPES.items():
+        if key in v and v[key] is not None and not isinstance(v[key], kind):
+            raise ValueError(f"chat_template_kwargs.{key} must be {what}, got {v[key]!r}")
     return v
 
 
@@ -107,9 +121,66 @@ TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
 Tokens = Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS_LIMIT)]
 # weight versions one turn's sampled tokens may span (issue 13.5, control/lag.py); None: unbounded
 WeightLag = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+# `strict`: a JSON number only (an integer is a number); `true`, `"0.5"` are a 400, never
+# read as 1.0 / 0.5 (pydantic's lax mode would): OpenAI and Anthropic type these `float`
+Penalty = Annotated[float, Field(strict=True, ge=-2.0, le=2.0, allow_inf_nan=False)]
+TimeoutS = Annotated[float, Field(strict=True, ge=TIMEOUT_S_MIN, le=TIMEOUT_S_MAX, allow_inf_nan=False)]
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = Annotated[StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOPS)], AfterValidator(_stop_list)]
+
+# a LoRA adapter's name: pause/resume address adapters by it, and "" names none of them
+LoraName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class FunctionDefinition(BaseModel):
+    """`function` of a chat tool (openai SDK `shared_params/function_definition.py`:
+    `name: Required[str]`, `description: str`, `parameters: Dict[str, object]`,
+    `strict: Optional[bool]`); other keys pass, as OpenAI's extra fields do."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(BaseModel):
+    """`ChatCompletionFunctionToolParam`; a missing `type` is a function, as vLLM reads it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class CustomToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    name: str = Field(min_length=1)
+
+
+class CustomTool(BaseModel):
+    """`ChatCompletionCustomToolParam` (`{type: custom, custom: {name, ...}}`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["custom"]
+    custom: CustomToolDefinition
+
+
+def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each tool checked against OpenAI's types; the dicts are kept as sent (the template
+    renders them as JSON text: a re-serialised model could reorder keys and change the prompt)."""
+    for i, tool in enumerate(tools):
+        model: type[BaseModel] = CustomTool if tool.get("type") == "custom" else FunctionTool
+        try:
+            model.model_validate(tool)
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            where = ".".join(str(p) for p in (f"tools[{i}]", *e["loc"]))
+            raise ValueError(f"{where}: {e['msg']}") from None
+    return tools
 
 
 class SamplingFields(BaseModel):
@@ -120,15 +191,17 @@ class SamplingFields(BaseModel):
 
     max_tokens: Tokens | None = None
     max_completion_tokens: Tokens | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: float | None = Field(default=None, strict=True, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, strict=True, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, strict=True, ge=-1, le=MAX_TOKENS_LIMIT)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)
+    min_p: float | None = Field(default=None, strict=True, ge=0.0, le=1.0, allow_inf_nan=False)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, strict=True, gt=0.0, le=2.0, allow_inf_nan=False)
     stop: Stop | None = None
-    seed: int | None = Field(default=None, strict=True, ge=-INT64_MAX - 1, le=INT64_MAX)
+    # non-negative: -1 is "a random seed" to llama.cpp-style clients, but an engine reads it as
+    # a fixed seed (torch maps -1 to 2**64 - 1): a client wanting randomness omits `seed`
+    seed: int | None = Field(default=None, strict=True, ge=0, le=INT64_MAX)
 
     @field_validator("top_k")
     @classmethod
@@ -155,17 +228,17 @@ class ChatRequest(SamplingFields):
 
     messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": _MESSAGE_SCHEMA})
     model: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], AfterValidator(_chat_tools)] | None = None
     tool_choice: ToolChoice | None = None
     # false: a forced call (`tool_choice` required or named) is exactly one call in the grammar
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    stream: bool = False
-    n: int = 1
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=20)
+    stream: StrictBool = False
+    n: int = Field(default=1, strict=True)
     chat_template_kwargs: TemplateKwargs | None = None
-    timeout_s: float | None = Field(default=None, ge=TIMEOUT_S_MIN, le=TIMEOUT_S_MAX, allow_inf_nan=False)
+    timeout_s: TimeoutS | None = None
     max_weight_lag: WeightLag | None = None  # overrides the session's (issue 13.5)
 
     @field_validator("n")
@@ -184,6 +257,9 @@ class ChatRequest(SamplingFields):
                 raise ValueError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
             if role == "tool" and not isinstance(m.get("content"), str | list):
                 raise ValueError(f"messages[{i}]: tool message needs content")
+            for key in ("tool_call_id", "name"):  # strings in every OpenAI message type
+                if m.get(key) is not None and not isinstance(m[key], str):
+                    raise ValueError(f"messages[{i}].{key} must be a string, got {m[key]!r}")
             _check_content(f"messages[{i}].content", m.get("content"))
             if m.get("tool_calls") is not None:
                 _check_tool_calls(f"messages[{i}].tool_calls", m["tool_calls"])
@@ -250,10 +326,10 @@ class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     metadata: SampleMetadata = Field(default_factory=dict)
-    ttl_s: float | None = Field(default=None, gt=0, le=TTL_S_MAX, allow_inf_nan=False)
+    ttl_s: float | None = Field(default=None, strict=True, gt=0, le=TTL_S_MAX, allow_inf_nan=False)
     max_context_tokens: int | None = Field(default=None, strict=True, ge=1, le=MAX_CONTEXT_TOKENS_LIMIT)
     sampling: SessionSampling = Field(default_factory=SessionSampling)
-    lora: str | None = None
+    lora: LoraName | None = None
     chat_template_kwargs: TemplateKwargs = Field(default_factory=dict)
     history_policy: Literal["append", "template"] = HistoryPolicy.APPEND.value
     # record the engine's routed experts (R3) with the tokens; None: the server default
@@ -325,23 +401,14 @@ class EngineAdd(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(min_length=1, max_length=2048, examples=["http://127.0.0.1:30000", "vllm=http://10.0.0.2:8000"])
-    dp_size: int | None = Field(default=None, ge=1, le=MAX_DP_SIZE)
+    dp_size: int | None = Field(default=None, strict=True, ge=1, le=MAX_DP_SIZE)
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        """An engine address is `[sglang=|vllm=]http(s)://host[:port]`: anything else is a 400
-        here, not an unreachable engine (502) later."""
-        head, sep, rest = v.partition("=")
-        address = rest if sep and "://" not in head else v  # the protocol name is checked on add
-        parts = urlsplit(address)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("expected [sglang=|vllm=]http(s)://host[:port]")
-        try:
-            parts.port  # noqa: B018 (raises on a bad port)
-        except ValueError as exc:
-            raise ValueError(f"bad port: {exc}") from None
-        return v
+        """`[sglang=|vllm=]http(s)://host[:port]`: anything else is a 400 here, not an
+        unreachable engine (502) later (`check_engine_spec`, shared with `--engine`)."""
+        return check_engine_spec(v)
 
 
 class PauseRequest(BaseModel):
@@ -350,13 +417,13 @@ class PauseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["abort", "keep", "wait"] = "abort"
-    lora: str | None = None
+    lora: LoraName | None = None
 
 
 class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora: str | None = None
+    lora: LoraName | None = None
 
 
 class WeightVersion(BaseModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -21,7 +22,7 @@ from session_server.errors import (
     UpstreamTransportError,
 )
 
-__all__ = ["PROTOCOLS", "EngineRefused", "detect_protocol", "parse_engine_spec", "verify_engine"]
+__all__ = ["PROTOCOLS", "EngineRefused", "check_engine_spec", "detect_protocol", "parse_engine_spec", "verify_engine"]
 
 PROTOCOLS = ("sglang", "vllm")
 
@@ -34,6 +35,27 @@ def parse_engine_spec(spec: str) -> tuple[str | None, str]:
     if sep and "://" not in head:
         raise ValueError(f"unknown engine protocol {head!r} in {spec!r}; use one of {PROTOCOLS}")
     return None, spec.rstrip("/")
+
+
+def check_engine_spec(spec: str) -> str:
+    """An engine address as `[sglang=|vllm=]http(s)://host[:port][/path]`, else ValueError
+    naming what is wrong: checked where an address enters (POST /engines, `--engine`), so
+    a typo is refused there, not an unreachable engine (502) later. Whitespace and control
+    characters are refused anywhere: no URL holds them unescaped (RFC 3986), and urlsplit
+    would keep a host like `a b` that no resolver knows."""
+    bad = next((c for c in spec if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"engine URL {spec!r} contains {bad!r}: no whitespace or control characters")
+    head, sep, rest = spec.partition("=")
+    address = rest if sep and "://" not in head else spec  # the protocol name is checked by parse_engine_spec
+    parts = urlsplit(address)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"engine URL {spec!r}: expected [sglang=|vllm=]http(s)://host[:port]")
+    try:
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError as exc:
+        raise ValueError(f"engine URL {spec!r}: bad port: {exc}") from None
+    return spec
 
 
 async def detect_protocol(base_url: str, *, timeout_s: float = 5.0) -> str:

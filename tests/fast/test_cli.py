@@ -148,7 +148,7 @@ def _serve_parser() -> Any:
 
 
 def _settings(argv: list[str]) -> Settings:
-    args = cli.build_parser().parse_args(["serve", "--engine", "x", "--tokenizer", "t", *argv])
+    args = cli.build_parser().parse_args(["serve", "--engine", "http://x:1", "--tokenizer", "t", *argv])
     return cli.settings_from_args(args)
 
 
@@ -248,3 +248,14 @@ def test_13_6_sim_engine_routed_experts_flags(monkeypatch: pytest.MonkeyPatch) -
     assert seen[1]["routed"] == "model" and seen[1]["return_routed_experts"] is False
     assert cli.main(["sim-engine", "--protocol", "sglang", "--tokenizer", "toy", "--routed-topk", "8"]) == 0
     assert seen[2]["routed"] == RoutedSpec(layers=DEFAULT_ROUTED.layers, topk=8, num_experts=DEFAULT_ROUTED.num_experts)
+
+
+@pytest.mark.parametrize("spec", ["http://a b:80", "sglang=http://h:1 ", "vllm"])
+def test_serve_engine_url_with_whitespace_or_no_url_is_a_cli_error_naming_it(
+    spec: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["serve", "--engine", spec, "--tokenizer", "t"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--engine" in err and repr(spec) in err

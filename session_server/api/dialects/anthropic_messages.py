@@ -50,17 +50,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from ...errors import BadRequest, InternalInvariant, ServiceError
 from ...turns import TurnOutput
 from ..models import (
     MAX_STOPS,
-    TIMEOUT_S_MAX,
-    TIMEOUT_S_MIN,
     ChatRequest,
     StopStr,
     TemplateKwargs,
+    TimeoutS,
     Tokens,
     WeightLag,
     parse_json_model,
@@ -106,14 +105,14 @@ class MessagesRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     stop_sequences: list[StopStr] | None = Field(default=None, max_length=MAX_STOPS)
     # the API documents temperature in [0, 1]; we keep the engines' range (as chat completions)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: float | None = Field(default=None, strict=True, ge=0.0, le=100.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, strict=True, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, strict=True, ge=1)
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None  # {user_id}: accepted, not used
-    stream: bool = False
+    stream: StrictBool = False  # `"yes"`, `1` are a 400 (the SDK's `bool`), never coerced
     chat_template_kwargs: TemplateKwargs | None = None
-    timeout_s: float | None = Field(default=None, ge=TIMEOUT_S_MIN, le=TIMEOUT_S_MAX, allow_inf_nan=False)
+    timeout_s: TimeoutS | None = None
     max_weight_lag: WeightLag | None = None
 
 
@@ -289,6 +288,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         # template renders the tools as JSON text, so the same tools through chat
         # completions and through here render the same prompt (no fork on a dialect switch)
         fn: dict[str, Any] = {"name": name}
+        if t.get("description") is not None and not isinstance(t["description"], str):
+            raise BadRequest(f"tools[{j}].description must be a string")  # `description: str` (ToolParam)
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         fn["parameters"] = schema

@@ -37,14 +37,21 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError
 
 from trajectory.codec.probe import decode_text
 from trajectory.errors import BranchError
 
-from ...errors import BadRequest, NotFound
+from ...errors import BadRequest, NotFound, shown
 from ...turns import TurnOutput
-from ..models import ChatRequest, SamplingFields, TemplateKwargs, WeightLag, parse_json_model
+from ..models import (
+    ChatRequest,
+    SamplingFields,
+    TemplateKwargs,
+    TimeoutS,
+    WeightLag,
+    parse_json_model,
+)
 from ..stream_events import (
     ContentDelta,
     ReasoningDelta,
@@ -91,20 +98,22 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = Field(default=None, description="a leading system message, this request only")
     tools: list[dict[str, Any]] | None = Field(default=None, description="function tools; other types are left out of the prompt")
     tool_choice: str | dict[str, Any] | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    # strict: `"5"`, `true`, `"yes"` are a 400 (the SDK types: int, float, bool), never coerced
+    max_output_tokens: int | None = Field(default=None, strict=True)
+    temperature: float | None = Field(default=None, strict=True)
+    top_p: float | None = Field(default=None, strict=True)
     reasoning: ReasoningConfig | None = None
-    parallel_tool_calls: bool | None = None
-    store: bool = Field(default=True, description="keep the response for previous_response_id and GET")
+    parallel_tool_calls: StrictBool | None = None
+    store: StrictBool = Field(default=True, description="keep the response for previous_response_id and GET")
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = Field(default=None, description="a stored response of this session")
-    stream: bool = False
+    stream: StrictBool = False
     text: dict[str, Any] | None = Field(default=None, description="{format: text | json_object | json_schema}")
     include: list[str] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="alternatives per output_text token")
+    top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=20,
+                                     description="alternatives per output_text token")
     chat_template_kwargs: TemplateKwargs | None = None
-    timeout_s: float | None = None
+    timeout_s: TimeoutS | None = None
     max_weight_lag: WeightLag | None = None
 
 
@@ -272,6 +281,12 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# `FunctionToolParam` (`openai/types/responses/function_tool_param.py`): description
+# Optional[str], parameters Optional[Dict[str, object]], strict Optional[bool]
+_FUNCTION_TOOL_FIELDS: tuple[tuple[str, type, str], ...] = (
+    ("description", str, "a string"), ("parameters", dict, "a JSON schema object"), ("strict", bool, "a boolean"))
+
+
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Function tools in chat form. Other tool types (hosted `web_search`, `file_search`,
     Codex's `namespace` groups and freeform `custom` tools, ...) have no function-call
@@ -287,13 +302,18 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if not isinstance(t, dict):
             raise _bad(f"tools[{i}]", "must be a tool object")
         kind = t.get("type")
+        if not isinstance(kind, str) or not kind:  # `type` is Required in every `ToolParam`
+            raise _bad(f"tools[{i}].type", "must be a tool type string (function, web_search, custom, ...)")
         if kind != "function":
-            dropped.append(f"{kind}:{t['name']}" if isinstance(t.get("name"), str) else str(kind))
+            dropped.append(f"{kind}:{t['name']}" if isinstance(t.get("name"), str) else kind)
             continue
         fn: dict[str, Any] = {"name": _str_field(t, "name", f"tools[{i}]")}
-        for key in ("description", "parameters", "strict"):
-            if t.get(key) is not None:
-                fn[key] = t[key]
+        for key, kinds, what in _FUNCTION_TOOL_FIELDS:
+            if t.get(key) is None:
+                continue
+            if not isinstance(t[key], kinds) or (kinds is dict and isinstance(t[key], bool)):
+                raise _bad(f"tools[{i}].{key}", f"must be {what}, got {type(t[key]).__name__}")
+            fn[key] = t[key]
         out.append({"type": "function", "function": fn})
     if dropped:
         _log.warning("responses: tools the model cannot call here were left out of the prompt "
@@ -358,12 +378,12 @@ def resolve_previous(session: Any, previous_id: str) -> list[dict[str, Any]]:
     left out: the committed messages of its branch's line through its turn (a copy)."""
     stored = session.responses.get(previous_id) if session is not None else None
     if stored is None:
-        raise NotFound(f"previous_response_id {previous_id!r} is not a stored response of this session "
+        raise NotFound(f"previous_response_id {shown(previous_id)} is not a stored response of this session "
                        "(unknown, another session's, or created with store: false)")
     try:
         traj = session.tree.get(stored.branch_id).trajectory
     except BranchError:
-        raise NotFound(f"previous_response_id {previous_id!r}: its branch is gone") from None
+        raise NotFound(f"previous_response_id {shown(previous_id)}: its branch is gone") from None
     end = traj.message_counts_view()[stored.turn_index + 1]
     msgs = [traj.message(i) for i in range(stored.echo.n_instructions, end)]
     copied: list[dict[str, Any]] = orjson.loads(orjson.dumps(msgs))
@@ -717,7 +737,7 @@ class OpenAIResponses:
     def stored_body(self, session: Any, rid: str) -> bytes:
         stored: StoredResponse | None = session.responses.get(rid)
         if stored is None:
-            raise NotFound(f"response {rid!r} is not stored in this session")
+            raise NotFound(f"response {shown(rid)} is not stored in this session")
         return orjson.dumps(final_object(stored.outcome, stored.echo))
 
 

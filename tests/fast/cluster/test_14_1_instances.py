@@ -36,7 +36,8 @@ def test_14_1_session_ids_carry_the_instance_and_128_random_bits(tokenizer_dirs:
 def test_14_1_another_instances_session_is_421_naming_it_and_nothing_is_touched(
     tokenizer_dirs: dict[str, Path],
 ) -> None:
-    with TestClient(_app(tokenizer_dirs, instance_id="w0")) as c:
+    # a cluster member: it has a peer (down here: port 9 refuses), so other instances exist
+    with TestClient(_app(tokenizer_dirs, instance_id="w0", peers=["http://127.0.0.1:9"])) as c:
         mine = c.post("/sessions", json={}).json()["session_id"]
         theirs = "w1." + mine.split(".", 1)[1]  # the same random part under another instance
         for method, path in [("GET", f"/sessions/{theirs}"), ("DELETE", f"/sessions/{theirs}"),
@@ -83,7 +84,7 @@ def test_14_1_instance_id_accepts_dns_label_names(good: str) -> None:
 
 
 def test_14_2_peers_setting_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    base = ["serve", "--engine", "x", "--tokenizer", "t"]
+    base = ["serve", "--engine", "http://x:1", "--tokenizer", "t"]
     args = cli.build_parser().parse_args([*base, "--peers", "http://127.0.0.1:1", "--peers", "http://127.0.0.1:2"])
     assert cli.settings_from_args(args).peers == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     monkeypatch.setenv("TITO_PEERS", '["http://h:3"]')

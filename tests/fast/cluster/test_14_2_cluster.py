@@ -48,12 +48,12 @@ def test_14_2_missing_haproxy_names_the_debian_package(
 
 
 def test_14_2_cluster_sets_the_worker_identity_itself(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.main(["cluster", "--engine", "x", "--tokenizer", "t", "--instance-id", "a"])
+    rc = cli.main(["cluster", "--engine", "http://x:1", "--tokenizer", "t", "--instance-id", "a"])
     assert rc == 2 and "--instance-id" in capsys.readouterr().err
-    rc = cli.main(["cluster", "--workers", "0", "--engine", "x", "--tokenizer", "t"])
+    rc = cli.main(["cluster", "--workers", "0", "--engine", "http://x:1", "--tokenizer", "t"])
     assert rc == 2 and "--workers must be at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a bad serve option fails before anything starts
-        cli.main(["cluster", "--engine", "x", "--tokenizer", "t", "--no-such-flag", "1"])
+        cli.main(["cluster", "--engine", "http://x:1", "--tokenizer", "t", "--no-such-flag", "1"])
 
 
 @needs_haproxy

@@ -81,3 +81,20 @@ async def test_unknown_session_oversized_body_and_metrics(qwen3_dir: Path) -> No
         assert to_dict(from_npz_bytes(npz.content))["branches"] == (await st.trajectory(sid))["branches"]
         d = await st.http.delete(f"/sessions/{sid}", params={"return_trajectory": "true"})
         assert d.status_code == 200 and d.json()["branches"][0]["turns"]
+
+
+async def test_busy_409_carries_retry_after_on_every_dialect(qwen3_dir: Path) -> None:
+    """The openai and anthropic SDKs retry a 409 and wait what `Retry-After` says (else
+    0.5 s, 1 s: likely still busy); session_busy says 2 s, in each route's error shape."""
+    async with live_stack(qwen3_dir, latency_ms=20) as st:
+        sid = await st.session()
+        first = asyncio.create_task(st.chat(sid))
+        await _until_busy(st, sid)
+        busy = await st.chat(sid)
+        anthropic = await st.http.post(f"/sessions/{sid}/v1/messages",
+                                       json={"max_tokens": 8, "messages": CHAT["messages"]})
+        assert (await first).status_code == 200
+        assert busy.status_code == 409 and busy.headers["retry-after"] == "2", busy.headers
+        assert busy.json()["error"]["type"] == "session_busy"
+        assert anthropic.status_code == 409 and anthropic.headers["retry-after"] == "2", anthropic.headers
+        assert anthropic.json()["error"]["type"] == "conflict_error"

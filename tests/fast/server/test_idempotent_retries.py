@@ -81,6 +81,30 @@ async def test_12_3_replay_after_commit_gets_the_stored_response(qwen3_dir: Path
     assert metric_value(metrics, "tito_replays_total", source="stored") == 1
 
 
+async def test_an_identical_request_after_the_trajectory_moved_on_is_a_new_turn_and_its_retry_replays_it(
+    qwen3_dir: Path,
+) -> None:
+    """A retry count says "a retry", not "of which request": an agent that resends a body it
+    sent before (to sample the same prompt again) after the session moved on, whose first
+    attempt never reached the server, arrives with count 1. It must not get the older
+    identical request's response; its own genuine retry still gets its replay."""
+    async with live_stack(qwen3_dir) as st_:
+        sid = await st_.session()
+        first = await st_.chat(sid, CHAT, headers={RETRY: "0"})
+        reply = first.json()["choices"][0]["message"]
+        follow_up = {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": reply["content"]},
+                                          {"role": "user", "content": "And now the docs."}]}
+        moved = await st_.chat(sid, follow_up, headers={RETRY: "0"})  # the trajectory moves on
+        resent = await st_.chat(sid, CHAT, headers={RETRY: "1"})  # attempt 0 lost before the server
+        retried = await st_.chat(sid, CHAT, headers={RETRY: "2"})  # a genuine retry of `resent`
+        traj = await st_.trajectory(sid)
+        log = await st_.engine_log()
+    assert first.status_code == moved.status_code == resent.status_code == retried.status_code == 200
+    assert resent.json()["id"] != first.json()["id"]  # its own turn, not the old response
+    assert retried.content == resent.content  # the retry of it: the replay
+    assert _turns(traj) == 3 and len(log) == 3  # first, moved, resent (a rollback): no fourth
+
+
 async def test_12_3_replay_in_flight_waits_for_the_original(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, request_latency_ms=400) as st_:
         sid = await st_.session()

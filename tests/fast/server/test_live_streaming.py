@@ -182,3 +182,72 @@ async def test_12_2_client_leaving_mid_stream_cancels_the_turn(qwen3_dir: Path) 
         traj = await st.trajectory(sid)
     assert traj["branches"][0]["turns"] == [] and not view["busy"]
     assert aborted, "the engine request was not aborted"
+
+
+async def _stalled_stream(app: Any, path: str, body: dict[str, Any], unblock: asyncio.Event,
+                          got: list[bytes]) -> None:
+    """An ASGI client that takes the response's first body chunk, then stops reading (its
+    `send` never returns: a socket nobody drains) without disconnecting, until `unblock`."""
+    data = json.dumps(body).encode()
+    sent_body = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await unblock.wait()  # connected all along; it only stops reading
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            got.append(message["body"])
+            if len(got) == 1:
+                await unblock.wait()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
+async def test_a_client_that_stops_reading_is_cut_at_the_stream_bound_and_the_turn_still_commits(
+    qwen3_dir: Path, route: str,
+) -> None:
+    """Its waiting frames stay under `stream_buffer_bytes` (the rest are dropped, not held for
+    as long as the connection lives); when it reads again its stream ends with a
+    `stream_overflow` error event; the turn committed meanwhile."""
+    from session_server.context import Settings
+    from session_server.harness import live_apps
+
+    from .conftest import metric_value
+
+    limit = 4096
+    async with live_stack(qwen3_dir, settings=Settings(stream_buffer_bytes=limit)) as st:
+        sid = await st.session()
+        body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Fix the failing test."}],
+                                "max_tokens": 300, "stream": True, "logprobs": True, "top_logprobs": 5}
+        if route == "/v1/messages":
+            body = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+        unblock, got = asyncio.Event(), []
+        client = asyncio.create_task(_stalled_stream(live_apps[st.url], f"/sessions/{sid}{route}", body, unblock, got))
+        for _ in range(1000):  # the turn commits while the client is stalled
+            if (await st.http.get(f"/sessions/{sid}")).json()["turns"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        traj = await st.trajectory(sid)
+        overflows = metric_value((await st.http.get("/metrics")).text, "tito_stream_overflows_total")
+        unblock.set()
+        await asyncio.wait_for(client, 10)  # the cut stream ends by itself
+    assert len(traj["branches"][0]["turns"]) == 1
+    assert overflows == 1
+    received = b"".join(got)
+    assert len(received) <= limit + 2048, len(received)  # the first chunk, the bound, the cut frames
+    assert received.count(b"read this stream too slowly") == 1, received[-600:]
+    if route == "/v1/chat/completions":  # our type in chat's error chunk, then its end
+        assert b'"type":"stream_overflow"' in received and received.endswith(b"data: [DONE]\n\n")
+    else:  # Anthropic's error event, last
+        assert received.rsplit(b"event: ", 1)[1].startswith(b"error\n")
