@@ -81,7 +81,8 @@ async def _stop_turn(protocol: str, model: SimModel, prompt: list[int], at: int,
     assert ref.finish_reason == "stop" and ref.matched_stop == stop[0], ref
     n = len(ref.output_ids)
     full = model.decode(ids[:n])
-    starts = next(k for k in range(n) if stop[0] not in model.decode(ids[k:n])) - 1
+    # the last k whose tail still holds the string (n - 1 when the last token alone does)
+    starts = next((k for k in range(n) if stop[0] not in model.decode(ids[k:n])), n) - 1
     assert stop[0] in full and stop[0] not in model.decode(ids[:n - 1])
     return stop, ref, starts
 
@@ -109,7 +110,7 @@ def test_aborts_on_any_step_keep_the_stop_string(
         length=st.integers(2, 4),
         mid=st.booleans(),
         cuts=st.lists(st.floats(0.0, 1.0), max_size=3),
-        in_stop=st.lists(st.integers(0, 5), max_size=3),
+        in_stop=st.lists(st.integers(0, 5), min_size=1, max_size=3),  # at least one abort inside the string
         stream=st.booleans(),
     )
     def prop(protocol: str, topic: int, at: int, length: int, mid: bool, cuts: list[float],
