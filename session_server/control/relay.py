@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 RELAYED_HEADER = "x-tito-relayed"
 _ACK = frozenset({200, 201, 204})
+_REPORTED = frozenset({207, 409, 504})  # answers whose body carries the peer's report
 
 
 class PeerRelay:
@@ -50,29 +51,38 @@ class PeerRelay:
 
     async def send(
         self, method: str, path: str, body: bytes = b"", *, authorization: str | None = None,
-        absent_ok: bool = False,
+        absent_ok: bool = False, timeout_s: float | None = None,
     ) -> dict[str, dict[str, Any]]:
         """`method path body` on every peer concurrently; one outcome per peer URL.
 
-        `absent_ok`: a 404 counts as acknowledged (a DELETE of what a peer does not have)."""
+        `absent_ok`: a 404 counts as acknowledged (a DELETE of what a peer does not have).
+        `timeout_s`: this call's limit when it may take longer than `self.timeout_s`
+        (a drain). A peer that refused the connection is `unreachable`: it is down."""
         headers = {RELAYED_HEADER: "1", "content-type": "application/json"}
         auth = f"Bearer {self.admin_token}" if self.admin_token else authorization
         if auth:
             headers["authorization"] = auth
         outcomes = await asyncio.gather(
-            *(self._one(peer, method, path, body, headers, absent_ok) for peer in self.peers))
+            *(self._one(peer, method, path, body, headers, absent_ok, timeout_s) for peer in self.peers))
         return dict(zip(self.peers, outcomes, strict=True))
 
     async def _one(
         self, peer: str, method: str, path: str, body: bytes, headers: dict[str, str], absent_ok: bool,
+        timeout_s: float | None,
     ) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         try:
-            async with self._session().request(method, peer + path, data=body or None, headers=headers) as resp:
+            async with self._session().request(method, peer + path, data=body or None, headers=headers,
+                                               timeout=timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("control relay %s %s to %s failed: %r", method, path, peer, exc)
-            return {"ok": False, "status": None, "error": f"{type(exc).__name__}: {exc}".rstrip(": ")}
+            failed: dict[str, Any] = {"ok": False, "status": None,
+                                      "error": f"{type(exc).__name__}: {exc}".rstrip(": ")}
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                failed["unreachable"] = True
+            return failed
         reply = _json_or_text(raw)
         if status in _ACK or (absent_ok and status == 404):
             out: dict[str, Any] = {"ok": True, "status": status}
@@ -83,9 +93,9 @@ class PeerRelay:
             return out
         log.warning("control relay %s %s to %s answered %d", method, path, peer, status)
         out = {"ok": False, "status": status}
-        if status == 207:
-            out["report"] = reply  # the peer's own engines failed: its report names them
-        else:
+        if status in _REPORTED:
+            out["report"] = reply  # the peer's report: its engines failed, or its pause did not complete
+        if status != 207:
             out["error"] = _error_text(reply, status)
         return out
 
