@@ -419,12 +419,17 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.store.touch(s)
         return _json(await samples_api.set_reward(ctx, s, spec))
 
-    @app.post("/samples", **route_doc(SamplesBatch, 400, 404, 409, 413, 421, media=(JSON, OCTETS)))
-    async def post_samples(request: Request) -> Response:
+    @app.post("/samples", **route_doc(SamplesBatch, 400, 404, 409, 413, 421, 503, media=(JSON, OCTETS)))
+    async def post_samples(request: Request, check: bool = False) -> Response:
+        """A batch of any instances' sessions; relayed (a peer gathering a batch), only
+        this instance's, and `check` validates without reading (samples_cluster.py)."""
         ctx = ctx_of()
         body = await _read_body(request, ctx.settings.max_body_bytes)
         spec: SamplesBatch = await ctx.offload.run_sized(len(body), parse_json_model, body, SamplesBatch)
-        return samples_api.batch_response(ctx, spec)
+        relay: PeerRelay = state["relay"]
+        if not relay.wanted(request.headers):
+            return _json(samples_api.check_batch(ctx, spec)) if check else await samples_api.batch_response(ctx, spec)
+        return await samples_api.batch_response(ctx, spec, relay, request.headers.get("authorization"))
 
     @app.delete(
         "/sessions/{sid}",

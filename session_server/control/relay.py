@@ -39,6 +39,7 @@ class PeerRelay:
         self.timeout_s = timeout_s
         self.admin_token = admin_token
         self._http: aiohttp.ClientSession | None = None
+        self._instances: dict[str, str] | None = None  # instance id -> peer URL (`instances`)
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -58,10 +59,7 @@ class PeerRelay:
         `absent_ok`: a 404 counts as acknowledged (a DELETE of what a peer does not have).
         `timeout_s`: this call's limit when it may take longer than `self.timeout_s`
         (a drain). A peer that refused the connection is `unreachable`: it is down."""
-        headers = {RELAYED_HEADER: "1", "content-type": "application/json"}
-        auth = f"Bearer {self.admin_token}" if self.admin_token else authorization
-        if auth:
-            headers["authorization"] = auth
+        headers = self._headers(authorization)
         outcomes = await asyncio.gather(
             *(self._one(peer, method, path, body, headers, absent_ok, timeout_s) for peer in self.peers))
         return dict(zip(self.peers, outcomes, strict=True))
@@ -119,6 +117,33 @@ class PeerRelay:
 
         outcomes = await asyncio.gather(*(one(peer) for peer in self.peers))
         return dict(zip(self.peers, outcomes, strict=True))
+
+    def _headers(self, authorization: str | None) -> dict[str, str]:
+        headers = {RELAYED_HEADER: "1", "content-type": "application/json"}
+        auth = f"Bearer {self.admin_token}" if self.admin_token else authorization
+        if auth:
+            headers["authorization"] = auth
+        return headers
+
+    async def post(self, peer: str, path: str, body: bytes, *,
+                   authorization: str | None = None) -> tuple[int, bytes]:
+        """One relayed `POST` to one peer: its status and body. Raises the transport's
+        error (`aiohttp.ClientError`, `TimeoutError`): the caller says what it means."""
+        async with self._session().post(peer + path, data=body, headers=self._headers(authorization)) as resp:
+            return resp.status, await resp.read()
+
+    async def instances(self, *, refresh: bool = False) -> tuple[dict[str, str], list[str]]:
+        """Which peer URL is which instance (`/health` names it): ({instance: url}, the
+        peers that did not answer). Cached once every peer answered; `refresh` asks again."""
+        if self._instances is None or refresh:
+            health = await self.fetch("/health", timeout_s=min(10.0, self.timeout_s))
+            found = {str(h["instance_id"]): peer for peer, h in health.items()
+                     if isinstance(h, dict) and isinstance(h.get("instance_id"), str)}
+            silent = [peer for peer in self.peers if peer not in found.values()]
+            if silent:
+                return found, silent
+            self._instances = found
+        return self._instances, []
 
     async def aclose(self) -> None:
         if self._http is not None:
