@@ -138,3 +138,13 @@ async def test_sim_weight_version_control() -> None:
             assert await r.json() == {"weight_version": "8"}
         async with s.get(url + "/get_model_info") as r:
             assert (await r.json())["weight_version"] == "8"
+
+
+async def test_a_lora_wait_pause_that_cannot_drain_is_not_ok() -> None:
+    control = ControlPlane(lambda: [], grace_s=0.0, drain_timeout_s=0.05)
+    with control.track_flight("r-lora", engine="http://e", lora="a"):
+        report = await control.pause("wait", lora="a")
+    assert not report["ok"] and report["drained"] is False and report["in_flight"] == 1
+    assert control.blocked("a") and not control.blocked("b")  # that adapter's gate stays closed
+    drained = await control.pause("wait", lora="a")
+    assert drained["ok"] and drained["drained"] is True
