@@ -52,9 +52,10 @@ from .api.models import (
 )
 from .auth import install_auth, new_instance_id
 from .context import ServerContext, log
+from .control import cluster_pause
 from .control.fanout import push_version
 from .control.peer_sync import sync_from_peers
-from .control.relay import PeerRelay, merge_instances
+from .control.relay import RELAYED_HEADER, PeerRelay, merge_instances
 from .engines.admission_check import parse_engine_spec
 from .errors import (
     BadRequest,
@@ -444,12 +445,17 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx.store.touch(s)
         return _json(await samples_api.set_reward(ctx, s, spec))
 
-    @app.post("/samples", **route_doc(SamplesBatch, 400, 404, 409, 413, 421, media=(JSON, OCTETS)))
-    async def post_samples(request: Request) -> Response:
+    @app.post("/samples", **route_doc(SamplesBatch, 400, 404, 409, 413, 421, 503, media=(JSON, OCTETS)))
+    async def post_samples(request: Request, check: bool = False) -> Response:
+        """A batch of any instances' sessions; relayed (a peer gathering a batch), only
+        this instance's, and `check` validates without reading (samples_cluster.py)."""
         ctx = ctx_of()
         body = await _read_body(request, ctx.settings.max_body_bytes)
         spec: SamplesBatch = await ctx.offload.run_sized(len(body), parse_json_model, body, SamplesBatch)
-        return samples_api.batch_response(ctx, spec)
+        relay: PeerRelay = state["relay"]
+        if not relay.wanted(request.headers):
+            return _json(samples_api.check_batch(ctx, spec)) if check else await samples_api.batch_response(ctx, spec)
+        return await samples_api.batch_response(ctx, spec, relay, request.headers.get("authorization"))
 
     @app.delete(
         "/sessions/{sid}",
@@ -485,12 +491,26 @@ def create_app(config: AppConfig) -> FastAPI:
             return _json(report, 200 if report["ok"] else 207)
         return _json(*merge_instances(report, instances))
 
-    @app.post("/control/pause", **route_doc(PauseRequest, 400, 413, required=False, ok=PARTIAL))
+    async def _lora_wait(local: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+        return cluster_pause.phase_response(await local)  # not drained: 504 (peers are still asked)
+
+    @app.post("/control/pause", **route_doc(PauseRequest, 400, 409, 413, 504, required=False, ok=PARTIAL))
     async def pause(request: Request) -> Response:
         ctx = ctx_of()
         body = await _read_body(request, 4096)
         spec: PauseRequest = await ctx.offload.run(parse_json_model, body, PauseRequest)
-        return await cluster_wide(request, body, ctx.control.pause(spec.mode, spec.lora))
+        if spec.mode != "wait":
+            return await cluster_wide(request, body, ctx.control.pause(spec.mode, spec.lora))
+        if spec.lora is not None:  # each instance drains its own requests of that adapter; no engine pauses
+            return await cluster_wide(request, body, _lora_wait(ctx.control.pause("wait", spec.lora)))
+        if request.headers.get(RELAYED_HEADER) is None:  # the whole wait pause, here and on every peer
+            report, status = await cluster_pause.wait_pause(
+                ctx.control, state["relay"], body, authorization=request.headers.get("authorization"))
+            return _json(report, status)
+        # one phase of a peer's wait pause (control/cluster_pause.py); a relay without a phase: all of it here
+        phase = request.query_params.get("phase")
+        report = cluster_pause.phase_response(await ctx.control.pause("wait", phase=phase))
+        return _json(report, 200 if report["ok"] else 207)
 
     @app.post("/control/resume", **route_doc(ResumeRequest, 400, 413, required=False, ok=PARTIAL))
     async def resume(request: Request) -> Response:

@@ -10,6 +10,7 @@
     ├── MethodNotAllowed                 405 method_not_allowed
     ├── SessionBusy                      409 session_busy    Retry-After: 2
     ├── SessionClosed                    409 session_closed
+    ├── PauseSuperseded                  409 pause_superseded (a resume or another pause came between a wait's drain and its freeze)
     ├── PayloadTooLarge                  413 payload_too_large
     ├── StreamOverflow                   503 stream_overflow (only an SSE error event: the client stopped reading)
     ├── WrongInstance                    421 wrong_instance (the session id names another instance)
@@ -25,11 +26,17 @@
     │   ├── UpstreamTimeout              504 upstream_timeout
     │   └── EngineAborted                503 engine_aborted  Retry-After: 1 (abort with nothing to resume)
     ├── NoHealthyEngine                  503 no_healthy_engine  Retry-After: 5
-    └── PausedTooLong                    503 paused          Retry-After: 10 (deadline passed while paused)
+    ├── InstanceUnavailable              503 instance_unavailable  Retry-After: 5 (a peer instance is down or failed)
+    ├── PausedTooLong                    503 paused          Retry-After: 10 (deadline passed while paused)
+    └── DrainTimeout                     504 drain_timeout (a wait pause's turns outlived the drain: no engine paused)
 
 `from_http_status` builds a plain `ServiceError` with type `http_error` for any other
 framework-level status. `tests/fast/server/test_errors_tree.py` keeps this drawing
 equal to the classes.
+
+`details` (None: none) are extra top-level fields of the error body: a pause that failed
+sends its report there beside the envelope. `from_peer` rebuilds the error a peer
+instance answered (its status, type and message) for the trainer.
 
 `retry_after_s` (None: no header) is a class attribute; the app's one error handler
 sends it as `Retry-After` (whole seconds) so clients back off instead of hammering.
@@ -56,6 +63,7 @@ class ServiceError(Exception):
     status: int = 500
     type: str = "internal_error"
     retry_after_s: int | None = None  # sent as the Retry-After header when set
+    details: dict[str, object] | None = None  # extra top-level body fields (a failed pause's report)
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message or self.type)
@@ -66,8 +74,8 @@ class ServiceError(Exception):
         # process boundary: engine replies may be decoded in a worker process
         return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
-    def to_body(self) -> dict[str, dict[str, str]]:
-        return {"error": {"type": self.type, "message": self.message}}
+    def to_body(self) -> dict[str, object]:
+        return {"error": {"type": self.type, "message": self.message}, **(self.details or {})}
 
 
 class BadRequest(ServiceError):
@@ -110,6 +118,13 @@ class SessionBusy(ServiceError):
 
 class SessionClosed(ServiceError):
     status, type = 409, "session_closed"
+
+
+class PauseSuperseded(ServiceError):
+    """A cluster `wait` pause drained, but before its engines were paused a resume (or
+    another pause) reopened or changed the gate here: nothing was frozen."""
+
+    status, type = 409, "pause_superseded"
 
 
 class PayloadTooLarge(ServiceError):
@@ -209,9 +224,25 @@ class NoHealthyEngine(ServiceError):
     retry_after_s = 5
 
 
+class InstanceUnavailable(ServiceError):
+    """Another instance of the cluster, needed for this request (the owner of a session
+    in a samples batch), is down, did not answer in time, or failed: nothing was sent."""
+
+    status, type = 503, "instance_unavailable"
+    retry_after_s = 5
+
+
 class PausedTooLong(ServiceError):
     status, type = 503, "paused"
     retry_after_s = 10
+
+
+class DrainTimeout(ServiceError):
+    """A `wait` pause's in-flight turns did not all finish within the drain timeout. No
+    engine was paused (a frozen turn would go on under the new weights), the gate stays
+    closed; `details` is the pause report (which instances, how many turns left)."""
+
+    status, type = 504, "drain_timeout"
 
 
 ECHO_CHARS = 64
@@ -239,6 +270,22 @@ def from_library(exc: Exception) -> ServiceError | None:
 _BY_STATUS: dict[int, type[ServiceError]] = {
     400: BadRequest, 401: Unauthorized, 404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge,
 }
+
+
+def from_peer(status: int, body: object) -> ServiceError:
+    """The error a peer instance answered (our envelope), as this instance's own: its
+    known types keep their class, anything else its status and type; a peer's 5xx or a
+    reply that is not our envelope means the peer failed (503 instance_unavailable)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if status >= 500 or not isinstance(err, dict):
+        return InstanceUnavailable(f"a peer instance answered {status}: {str(body)[:300]}")
+    kind, message = str(err.get("type", "http_error")), str(err.get("message", ""))
+    for cls in (SessionNotFound, SessionBusy, SessionClosed, WrongInstance, BadRequest, Unauthorized, NotFound):
+        if cls.type == kind and cls.status == status:
+            return cls(message)
+    out = ServiceError(message)
+    out.status, out.type = status, kind
+    return out
 
 
 def from_http_status(status: int, detail: str) -> ServiceError:

@@ -70,6 +70,7 @@ async def build_context(config: AppConfig) -> ServerContext:
         registry,
         registry=metrics.registry,
         grace_s=settings.pause_grace_s,
+        drain_timeout_s=settings.pause_drain_timeout_s,
     )
     control.on_weight_version.append(lambda _v: engines.reset_cached())  # new salt: nothing cached
     ctx = ServerContext(

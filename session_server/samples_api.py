@@ -16,13 +16,14 @@ A batch (`POST /samples`) is validated whole before a byte is sent (unknown id: 
 ``close`` with a turn in flight: 409), then streamed one session at a time: build,
 hand to the format's batch writer, drop, yield to the loop. Only one session's
 samples are alive at once; npz and safetensors spool the arrays
-(`trajectory.sample_formats.SampleBatchWriter`).
+(`trajectory.sample_formats.SampleBatchWriter`). In a cluster the instance a batch
+lands on gathers the other instances' sessions from their owners (samples_cluster.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Container
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
@@ -31,12 +32,15 @@ from trajectory.errors import SampleError
 from trajectory.sample_formats import BATCH_WRITERS, MEDIA_TYPES, SERIALIZERS, SampleBatchWriter
 from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample, build_samples, tree_lines
 
+from . import samples_cluster
 from .api.models import RewardRequest, SamplesBatch
 from .context import ServerContext
+from .control.relay import PeerRelay
 from .errors import BadRequest, SessionBusy, from_library
+from .samples_cluster import Peers
 from .sessions import Session, SessionState
 
-__all__ = ["DEFAULT_PICKER", "batch_response", "reward_view", "session_response", "set_reward"]
+__all__ = ["DEFAULT_PICKER", "batch_response", "check_batch", "reward_view", "session_response", "set_reward"]
 
 
 def sample_metadata(s: Session) -> dict[str, Any]:
@@ -106,9 +110,10 @@ async def set_reward(ctx: ServerContext, s: Session, spec: RewardRequest) -> dic
         return await ctx.offload.run(_reward_body, s)
 
 
-def _validated(ctx: ServerContext, spec: SamplesBatch) -> list[Session]:
-    """Every session of the batch, or the error, before anything is streamed."""
-    sessions = [ctx.store.get(sid) for sid in spec.session_ids]  # 404 on the first unknown
+def _validated(ctx: ServerContext, spec: SamplesBatch, foreign: Container[str] = ()) -> list[Session]:
+    """Every session of the batch held here (all but `foreign`), or the error, before
+    anything is streamed."""
+    sessions = [ctx.store.get(sid) for sid in spec.session_ids if sid not in foreign]  # 404 on the first unknown
     if spec.close:
         busy = [s.id for s in sessions if s.inflight is not None]
         if busy:
@@ -118,15 +123,21 @@ def _validated(ctx: ServerContext, spec: SamplesBatch) -> list[Session]:
     return sessions
 
 
-async def _stream(ctx: ServerContext, sessions: list[Session], spec: SamplesBatch) -> AsyncIterator[bytes]:
+async def _stream(ctx: ServerContext, sessions: list[Session], spec: SamplesBatch,
+                  peers: Peers | None) -> AsyncIterator[bytes]:
     writer: SampleBatchWriter = BATCH_WRITERS[spec.format]()
+    here = iter(sessions)
     try:
         if head := writer.head():
             yield head
-        for s in sessions:
-            samples = await _built(ctx, s, spec.picker, spec.max_seq_len)
-            if spec.close and s.state is SessionState.ACTIVE:
-                ctx.store.close(s.id)
+        for sid in spec.session_ids:  # the batch's order, wherever each session lives
+            if peers is not None and sid in peers.owners:
+                samples = await peers.samples(ctx, sid)
+            else:
+                s = next(here)
+                samples = await _built(ctx, s, spec.picker, spec.max_seq_len)
+                if spec.close and s.state is SessionState.ACTIVE:
+                    ctx.store.close(s.id)
             part = await ctx.offload.run(writer.add, samples)
             del samples
             if part:
@@ -139,7 +150,17 @@ async def _stream(ctx: ServerContext, sessions: list[Session], spec: SamplesBatc
         writer.close()
 
 
-def batch_response(ctx: ServerContext, spec: SamplesBatch) -> StreamingResponse:
-    """`POST /samples`: validate every id now (errors are answered whole), then stream."""
-    sessions = _validated(ctx, spec)
-    return StreamingResponse(_stream(ctx, sessions, spec), media_type=MEDIA_TYPES[spec.format])
+def check_batch(ctx: ServerContext, spec: SamplesBatch) -> dict[str, Any]:
+    """A peer's `POST /samples?check=1`: this instance's part of a batch validated as a
+    batch here would be; nothing read or closed (samples_cluster.py)."""
+    return {"ok": True, "sessions": len(_validated(ctx, spec))}
+
+
+async def batch_response(
+    ctx: ServerContext, spec: SamplesBatch, relay: PeerRelay | None = None, authorization: str | None = None,
+) -> StreamingResponse:
+    """`POST /samples`: validate every id now, here and (with `relay`) on the owners of
+    the other instances' sessions (errors are answered whole), then stream."""
+    peers = await samples_cluster.plan(ctx, spec, relay, authorization) if relay is not None else None
+    sessions = _validated(ctx, spec, peers.owners if peers is not None else ())
+    return StreamingResponse(_stream(ctx, sessions, spec, peers), media_type=MEDIA_TYPES[spec.format])

@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     pause_grace_s: float = Field(
         0.05, ge=0, description="after the gate closes, how long requests already past it get to reach the engine "
         "before the pause fans out")
+    pause_drain_timeout_s: float = Field(
+        60.0, gt=0, description="how long a wait pause lets in-flight turns finish before it gives up (504 "
+        "drain_timeout: no engine paused, the gate stays closed)")
     decode_processes: int = Field(
         1, ge=0, le=64, description="processes decoding large engine replies (0: threads only)")
     admin_token: str | None = Field(

@@ -25,20 +25,23 @@ ERROR_DESCRIPTIONS = {
     401: "missing or wrong bearer token (only when the server runs with an admin token)",
     404: "unknown session, engine or route",
     405: "method not allowed on this route",
-    409: "session busy (a turn is in flight; Retry-After: 2) or closed during the turn",
+    409: "session busy (a turn is in flight; Retry-After: 2) or closed during the turn; a wait pause resumed "
+         "between its drain and its freeze (pause_superseded)",
     413: "body larger than the configured limit",
     421: "the session id names another instance of the cluster (wrong_instance): the proxy misrouted it; "
          "only on an instance with peers (elsewhere an unknown id is a 404)",
     429: "a capacity limit was reached (session cap: over_capacity; branches per session: branch_limit)",
     502: "the engine failed or answered invalid output; nothing was committed",
-    503: "no healthy engine, paused past the deadline, or the engine aborted",
-    504: "the engine did not finish within the turn's deadline",
+    503: "no healthy engine, paused past the deadline, the engine aborted, or a peer instance is down "
+         "(instance_unavailable)",
+    504: "the engine did not finish within the turn's deadline, or a wait pause's turns outlived its drain "
+         "timeout (drain_timeout: no engine paused, the gate stays closed)",
 }
 
 RETRY_AFTER_CODES = (409, 429, 503)
 RETRY_AFTER_HEADER: dict[str, Any] = {
     "description": "seconds to wait before retrying (session_busy 2, over_capacity 5, branch_limit 60, "
-    "no_healthy_engine 5, paused 10, engine_aborted 1; none on session_closed)",
+    "no_healthy_engine 5, paused 10, engine_aborted 1, instance_unavailable 5; none on session_closed)",
     "schema": {"type": "integer", "minimum": 0},
 }
 

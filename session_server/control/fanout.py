@@ -2,9 +2,10 @@
 
 Mode mapping. `abort`: both engines have it (running requests return partial
 output with finish `abort`). `keep`: vLLM `keep`, SGLang `in_place` (requests
-freeze with their KV). `wait` (drain): vLLM `wait`; SGLang has no drain mode, so
-the gate is closed, our in-flight requests on that engine are drained (bounded by
-the plane's `drain_timeout_s`), then it is frozen `in_place`.
+freeze with their KV). `wait` (drain): the plane first drains our in-flight requests
+with the gate closed (bounded by its `drain_timeout_s`; in a cluster every instance
+drains before any pauses, control/cluster_pause.py), then vLLM pauses `wait` and
+SGLang, which has no drain mode, is frozen `in_place`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,33 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from session_server.engines.base import EngineAdapter
 
-__all__ = ["abort_lora_on", "fan_out", "pause_engine", "push_version"]
+__all__ = ["CallableSource", "EngineSource", "abort_lora_on", "fan_out", "pause_engine", "push_version"]
 
 log = logging.getLogger(__name__)
 
 _SGLANG_MODE = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 
 Report = dict[str, dict[str, Any]]
+
+
+class EngineSource(Protocol):
+    """Where the plane finds the engines to fan out to (`engines.registry.EngineRegistry`)."""
+
+    def adapters(self) -> Iterable[EngineAdapter]: ...
+
+
+class CallableSource:
+    """An `EngineSource` over a callable (tests and benches pass `lambda: [adapter]`)."""
+
+    def __init__(self, fn: Callable[[], Iterable[EngineAdapter]]) -> None:
+        self._fn = fn
+
+    def adapters(self) -> Iterable[EngineAdapter]:
+        return self._fn()
 
 
 async def fan_out(
@@ -48,16 +65,10 @@ async def fan_out(
     return report
 
 
-async def pause_engine(
-    adapter: EngineAdapter, mode: str, drain: Callable[[str], Awaitable[bool]]
-) -> dict[str, Any]:
-    """Pause one engine in `mode` (mapped to its own name); `drain(base_url)` waits for
-    our requests on it, for SGLang's missing `wait` mode."""
+async def pause_engine(adapter: EngineAdapter, mode: str) -> dict[str, Any]:
+    """Pause one engine in `mode` (mapped to its own name). For `wait` the plane has
+    drained our requests first (SGLang has no drain mode: it is then frozen in place)."""
     if getattr(adapter, "protocol", None) == "sglang":
-        if mode == "wait":  # SGLang has no drain mode: drain ours, then freeze
-            drained = await drain(adapter.base_url)
-            await adapter.pause(_SGLANG_MODE[mode])
-            return {"engine_mode": "in_place", "drained": drained}
         await adapter.pause(_SGLANG_MODE[mode])
         return {"engine_mode": _SGLANG_MODE[mode]}
     await adapter.pause(mode)

@@ -9,7 +9,8 @@ monotone weight version with its per-version cache salt, and the control metrics
 
 Engines cannot pause one LoRA adapter, so a per-LoRA pause is enforced here: the
 gate blocks that adapter's new segments; `abort` also aborts its in-flight requests
-by id, `wait` drains them, `keep` lets them run on.
+by id, `wait` drains them, `keep` lets them run on. A `wait` that cannot drain in
+`drain_timeout_s` pauses no engine and says so (`drained: false`): never an `ok`.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from session_server.engines.base import EngineAdapter
 from session_server.errors import BadRequest, PausedTooLong
 
-from .fanout import Report, abort_lora_on, fan_out, pause_engine, push_version
+from . import fanout
+from .fanout import EngineSource, Report, abort_lora_on, fan_out, pause_engine, push_version
 from .flights import EngineAborts, Flights
 from .metrics import ControlMetrics
 
@@ -37,22 +39,6 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "keep", "wait")
 MAX_WEIGHT_VERSION = 2**53 - 1  # the largest integer every JSON client reads exactly
-
-
-class EngineSource(Protocol):
-    """Where the plane finds the engines to fan out to (`engines.registry.EngineRegistry`)."""
-
-    def adapters(self) -> Iterable[EngineAdapter]: ...
-
-
-class _Adapters:
-    """An `EngineSource` over a callable (tests and benches pass `lambda: [adapter]`)."""
-
-    def __init__(self, fn: Callable[[], Iterable[EngineAdapter]]) -> None:
-        self._fn = fn
-
-    def adapters(self) -> Iterable[EngineAdapter]:
-        return self._fn()
 
 
 @dataclass
@@ -81,7 +67,7 @@ class ControlPlane:
         max_empty_aborts: int = 8,
         abort_timeout_s: float = 2.0,
     ) -> None:
-        self._engines: EngineSource = _Adapters(engines) if callable(engines) else engines
+        self._engines: EngineSource = fanout.CallableSource(engines) if callable(engines) else engines
         self.on_weight_version: list[Callable[[int], None]] = []  # each new version (the pool, lag.py)
         self.on_resume: list[Callable[[], None]] = []  # as the engines resume (versions.py: splits)
         self.metrics = ControlMetrics(registry)
@@ -161,26 +147,18 @@ class ControlPlane:
         """Request ids of segments now at an engine (optionally one engine / one LoRA)."""
         return self.flights.ids(engine=engine, lora=lora)
 
-    async def _drain(self, *, engine: str | None = None, lora: str | None = None) -> bool:
-        return await self.flights.drain(self.drain_timeout_s, engine=engine, lora=lora)
-
     # --- engine fan-out ----------------------------------------------------------------------
 
     async def _fan_out(self, op: str, call: Callable[[EngineAdapter], Any]) -> Report:
         return await fan_out(self._engines.adapters(), op, call,
                              lambda failed_op: self.metrics.engine_failures_total.labels(op=failed_op).inc())
 
-    async def _pause_engine(self, adapter: EngineAdapter, mode: str) -> dict[str, Any]:
-        return await pause_engine(adapter, mode, lambda url: self._drain(engine=url))
-
-    async def _abort_lora_on(self, adapter: EngineAdapter, lora: str) -> dict[str, Any]:
-        return await abort_lora_on(adapter, self.in_flight(engine=adapter.base_url, lora=lora))
-
     def _report(self, action: str, mode: str | None, lora: str | None, t0: float,
                 engines: Report, **extra: Any) -> dict[str, Any]:
         failed = sorted(k for k, v in engines.items() if not v["ok"])
         report = {
-            "action": action, "mode": mode, "lora": lora, "ok": not failed,
+            "action": action, "mode": mode, "lora": lora,
+            "ok": not failed and extra.get("drained", True) and not extra.get("superseded"),
             "engines": engines, "failed": failed, "elapsed_s": time.monotonic() - t0, **extra,
         }
         self.last_report = report
@@ -188,14 +166,23 @@ class ControlPlane:
 
     # --- pause / resume -----------------------------------------------------------------------
 
-    async def pause(self, mode: str, lora: str | None = None) -> dict[str, Any]:
+    async def pause(self, mode: str, lora: str | None = None, *, phase: str | None = None) -> dict[str, Any]:
         """Close the gate (globally or for `lora`), wait the grace period, then pause engines.
 
-        Never raises for an engine's failure: the report lists each engine's outcome."""
+        `wait` first drains this instance's segments (bounded by `drain_timeout_s`) and
+        pauses engines only once drained: a report with `drained: false` paused no engine
+        and left the gate closed (the app answers it 504). `phase` splits a global `wait`
+        in two for a cluster (control/cluster_pause.py): `drain` (gate and drain only),
+        then `freeze` (the engines), so no instance freezes a shared engine under a peer's
+        turns. Never raises for an engine's failure: the report lists each engine's outcome."""
         if mode not in PAUSE_MODES:
             raise BadRequest(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
         if lora is not None and (not isinstance(lora, str) or not lora):
             raise BadRequest(f"lora must be a non-empty string, not {lora!r}")
+        if phase is not None and (mode != "wait" or lora is not None or phase not in ("drain", "freeze")):
+            raise BadRequest(f"phase {phase!r} is only for a global wait pause (drain, then freeze)")
+        if phase == "freeze":
+            return await self._freeze(time.monotonic(), drained=True)
         async with self._lock:
             t0 = time.monotonic()
             scope = "global" if lora is None else "lora"
@@ -211,16 +198,29 @@ class ControlPlane:
             if self.grace_s > 0:
                 # requests that passed the gate but are still in transit reach the engine
                 await asyncio.sleep(self.grace_s)
-            extra: dict[str, Any] = {}
-            if lora is None:
-                engines = await self._fan_out("pause", lambda a: self._pause_engine(a, mode))
-            elif mode == "abort":
-                engines = await self._fan_out("abort", lambda a: self._abort_lora_on(a, lora))
+            if mode == "wait":  # the engines pause only once this instance's turns are done
+                drained = await self.flights.drain(self.drain_timeout_s, lora=lora)
+                if not drained or lora is not None or phase == "drain":
+                    return self._report("pause", mode, lora, t0, {}, drained=drained,
+                                        in_flight=len(self.in_flight(lora=lora)), engines_paused=False)
+            elif lora is not None:
+                engines = await self._fan_out("abort", lambda a: abort_lora_on(
+                    a, self.in_flight(engine=a.base_url, lora=lora))) if mode == "abort" else {}
+                return self._report("pause", mode, lora, t0, engines)
             else:
-                engines = {}
-                if mode == "wait":
-                    extra["drained"] = await self._drain(lora=lora)
-            return self._report("pause", mode, lora, t0, engines, **extra)
+                engines = await self._fan_out("pause", lambda a: pause_engine(a, mode))
+                return self._report("pause", mode, lora, t0, engines)
+        return await self._freeze(t0, drained=True)
+
+    async def _freeze(self, t0: float, *, drained: bool) -> dict[str, Any]:
+        """The engines of a drained global `wait` pause are paused (SGLang frozen in place);
+        refused when the gate was reopened or repaused in another mode meanwhile."""
+        async with self._lock:
+            if self._global is None or self._global.mode != "wait":
+                return self._report("pause", "wait", None, t0, {}, drained=drained, engines_paused=False,
+                                    superseded=True)
+            engines = await self._fan_out("pause", lambda a: pause_engine(a, "wait"))
+            return self._report("pause", "wait", None, t0, engines, drained=drained, engines_paused=True)
 
     async def resume(self, lora: str | None = None) -> dict[str, Any]:
         """Resume engines (global) and open the gate; the gate opens even if an engine failed,

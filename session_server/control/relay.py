@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 RELAYED_HEADER = "x-tito-relayed"
 _ACK = frozenset({200, 201, 204})
+_REPORTED = frozenset({207, 409, 504})  # answers whose body carries the peer's report
 
 
 class PeerRelay:
@@ -38,6 +39,7 @@ class PeerRelay:
         self.timeout_s = timeout_s
         self.admin_token = admin_token
         self._http: aiohttp.ClientSession | None = None
+        self._instances: dict[str, str] | None = None  # instance id -> peer URL (`instances`)
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -50,29 +52,35 @@ class PeerRelay:
 
     async def send(
         self, method: str, path: str, body: bytes = b"", *, authorization: str | None = None,
-        absent_ok: bool = False,
+        absent_ok: bool = False, timeout_s: float | None = None,
     ) -> dict[str, dict[str, Any]]:
         """`method path body` on every peer concurrently; one outcome per peer URL.
 
-        `absent_ok`: a 404 counts as acknowledged (a DELETE of what a peer does not have)."""
-        headers = {RELAYED_HEADER: "1", "content-type": "application/json"}
-        auth = f"Bearer {self.admin_token}" if self.admin_token else authorization
-        if auth:
-            headers["authorization"] = auth
+        `absent_ok`: a 404 counts as acknowledged (a DELETE of what a peer does not have).
+        `timeout_s`: this call's limit when it may take longer than `self.timeout_s`
+        (a drain). A peer that refused the connection is `unreachable`: it is down."""
+        headers = self._headers(authorization)
         outcomes = await asyncio.gather(
-            *(self._one(peer, method, path, body, headers, absent_ok) for peer in self.peers))
+            *(self._one(peer, method, path, body, headers, absent_ok, timeout_s) for peer in self.peers))
         return dict(zip(self.peers, outcomes, strict=True))
 
     async def _one(
         self, peer: str, method: str, path: str, body: bytes, headers: dict[str, str], absent_ok: bool,
+        timeout_s: float | None,
     ) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         try:
-            async with self._session().request(method, peer + path, data=body or None, headers=headers) as resp:
+            async with self._session().request(method, peer + path, data=body or None, headers=headers,
+                                               timeout=timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("control relay %s %s to %s failed: %r", method, path, peer, exc)
-            return {"ok": False, "status": None, "error": f"{type(exc).__name__}: {exc}".rstrip(": ")}
+            failed: dict[str, Any] = {"ok": False, "status": None,
+                                      "error": f"{type(exc).__name__}: {exc}".rstrip(": ")}
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                failed["unreachable"] = True
+            return failed
         reply = _json_or_text(raw)
         if status in _ACK or (absent_ok and status == 404):
             out: dict[str, Any] = {"ok": True, "status": status}
@@ -83,9 +91,9 @@ class PeerRelay:
             return out
         log.warning("control relay %s %s to %s answered %d", method, path, peer, status)
         out = {"ok": False, "status": status}
-        if status == 207:
-            out["report"] = reply  # the peer's own engines failed: its report names them
-        else:
+        if status in _REPORTED:
+            out["report"] = reply  # the peer's report: its engines failed, or its pause did not complete
+        if status != 207:
             out["error"] = _error_text(reply, status)
         return out
 
@@ -109,6 +117,33 @@ class PeerRelay:
 
         outcomes = await asyncio.gather(*(one(peer) for peer in self.peers))
         return dict(zip(self.peers, outcomes, strict=True))
+
+    def _headers(self, authorization: str | None) -> dict[str, str]:
+        headers = {RELAYED_HEADER: "1", "content-type": "application/json"}
+        auth = f"Bearer {self.admin_token}" if self.admin_token else authorization
+        if auth:
+            headers["authorization"] = auth
+        return headers
+
+    async def post(self, peer: str, path: str, body: bytes, *,
+                   authorization: str | None = None) -> tuple[int, bytes]:
+        """One relayed `POST` to one peer: its status and body. Raises the transport's
+        error (`aiohttp.ClientError`, `TimeoutError`): the caller says what it means."""
+        async with self._session().post(peer + path, data=body, headers=self._headers(authorization)) as resp:
+            return resp.status, await resp.read()
+
+    async def instances(self, *, refresh: bool = False) -> tuple[dict[str, str], list[str]]:
+        """Which peer URL is which instance (`/health` names it): ({instance: url}, the
+        peers that did not answer). Cached once every peer answered; `refresh` asks again."""
+        if self._instances is None or refresh:
+            health = await self.fetch("/health", timeout_s=min(10.0, self.timeout_s))
+            found = {str(h["instance_id"]): peer for peer, h in health.items()
+                     if isinstance(h, dict) and isinstance(h.get("instance_id"), str)}
+            silent = [peer for peer in self.peers if peer not in found.values()]
+            if silent:
+                return found, silent
+            self._instances = found
+        return self._instances, []
 
     async def aclose(self) -> None:
         if self._http is not None:

@@ -238,3 +238,53 @@ async def test_14_2_a_restarted_worker_joins_the_paused_cluster_at_its_version_a
         assert r.status_code == 200, r.text
         turn = (await http.get(f"/sessions/{fresh}/trajectory")).json()["branches"][0]["turns"][0]
         assert turn["weight_version"] == 5, turn
+
+
+@needs_haproxy
+async def test_14_2_a_wait_pause_lets_every_instances_turn_finish_under_the_old_version(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """Three instances share one SGLang engine, each with a turn in flight (of different
+    lengths). A `wait` pause through the proxy answers 200 only once every instance's turn
+    has left the engine, and no instance froze the shared engine under another's turn: each
+    turn is one span of the old version, although the weights change right after."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3), seed=3, latency_ms=10) as engine, \
+            running_cluster(qwen3, engine, 3, tmp_path) as cl, \
+            httpx.AsyncClient(base_url=cl.url, timeout=120) as http, \
+            httpx.AsyncClient(timeout=30) as direct:
+        workers = [url for _, url in sorted(cl.workers.values())]
+        assert (await http.post("/control/weight_version", json={"version": 1})).status_code == 200
+        on: dict[str, str] = {}
+        for _ in range(60):  # a session on each instance
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            on.setdefault(sid.split(".")[0], sid)
+            if len(on) == 3:
+                break
+        assert sorted(on) == ["w0", "w1", "w2"], on
+        turns = {name: asyncio.create_task(http.post(
+            f"/sessions/{sid}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": TASK}], "max_tokens": 50 + 40 * i}))
+            for i, (name, sid) in enumerate(sorted(on.items()))}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not all(s["in_flight"] >= 1 for s in await _states(direct, workers)):
+            assert loop.time() < deadline and not any(t.done() for t in turns.values()), "turns never all in flight"
+            await asyncio.sleep(0.01)
+        r = await http.post("/control/pause", json={"mode": "wait"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["ok"] and body["drained"] and body["engines_paused"] and body["failed_instances"] == [], body
+        assert all(out["report"]["drained"] for out in body["instances"].values()), body
+        states = await _states(direct, workers)
+        # 200 only once no instance has a turn's request left at the engine (they all ended)
+        assert [s["in_flight"] for s in states] == [0, 0, 0], states
+        assert all(s["paused"] and s["mode"] == "wait" for s in states)
+        assert (await http.post("/control/weight_version", json={"version": 2})).status_code == 200
+        assert (await http.post("/control/resume", json={})).status_code == 200
+        for name, t in turns.items():
+            resp = await t
+            assert resp.status_code == 200, (name, resp.text)
+            got = (await http.get(f"/sessions/{on[name]}/trajectory")).json()["branches"][0]["turns"]
+            assert len(got) == 1 and got[0]["finish_reason"] in ("stop", "length"), (name, got)
+            assert got[0]["weight_spans"] == [[got[0]["output_start"], got[0]["output_end"], 1]], (name, got)

@@ -46,8 +46,42 @@ async def test_wait_mode_on_sglang_drains_then_freezes(qwen3_model: SimModel) ->
         control = ControlPlane(lambda: [adapter], grace_s=0.0)
         try:
             report = await control.pause("wait")
-            assert report["engines"][sg] == {"ok": True, "engine_mode": "in_place", "drained": True}
+            assert report["ok"] and report["drained"] and report["engines_paused"]
+            assert report["engines"][sg] == {"ok": True, "engine_mode": "in_place"}
             assert (await control.resume())["ok"]
+        finally:
+            await adapter.aclose()
+
+
+async def test_a_wait_pause_that_cannot_drain_pauses_no_engine_and_is_not_ok(qwen3_model: SimModel) -> None:
+    """A segment outlives the drain timeout: freezing the engine now would freeze that turn
+    and let it go on under the next weights, so no engine is paused, the report is not
+    ok and says what is left, and the gate stays closed (defined: paused, engines running)."""
+    async with running_sim("sglang", qwen3_model) as sg:
+        adapter = SGLangAdapter(sg, retries=0)
+        control = ControlPlane(lambda: [adapter], grace_s=0.0, drain_timeout_s=0.1)
+        paused: list[str] = []
+        real_pause = adapter.pause
+
+        async def spy(mode: str) -> None:
+            paused.append(mode)
+            await real_pause(mode)
+
+        adapter.pause = spy  # type: ignore[method-assign]
+        try:
+            with control.track_flight("r-long", engine=sg, lora=None):
+                report = await control.pause("wait")
+                assert not report["ok"] and report["drained"] is False and report["in_flight"] == 1
+                assert report["engines"] == {} and report["engines_paused"] is False
+                assert control.blocked() and control.state()["mode"] == "wait"
+                assert paused == []  # the engine was never told to pause
+            freeze = await control.pause("wait", phase="freeze")  # the gate is still in wait: freezes now
+            assert freeze["ok"] and freeze["engines_paused"] and paused == ["in_place"]
+            assert (await control.resume())["ok"]
+            late = await control.pause("wait", phase="freeze")  # resumed meanwhile: nothing frozen
+            assert not late["ok"] and late["superseded"] and late["engines"] == {}
+            with pytest.raises(BadRequest):
+                await control.pause("abort", phase="drain")
         finally:
             await adapter.aclose()
 
@@ -104,3 +138,13 @@ async def test_sim_weight_version_control() -> None:
             assert await r.json() == {"weight_version": "8"}
         async with s.get(url + "/get_model_info") as r:
             assert (await r.json())["weight_version"] == "8"
+
+
+async def test_a_lora_wait_pause_that_cannot_drain_is_not_ok() -> None:
+    control = ControlPlane(lambda: [], grace_s=0.0, drain_timeout_s=0.05)
+    with control.track_flight("r-lora", engine="http://e", lora="a"):
+        report = await control.pause("wait", lora="a")
+    assert not report["ok"] and report["drained"] is False and report["in_flight"] == 1
+    assert control.blocked("a") and not control.blocked("b")  # that adapter's gate stays closed
+    drained = await control.pause("wait", lora="a")
+    assert drained["ok"] and drained["drained"] is True

@@ -168,3 +168,34 @@ async def test_partial_pause_failure_is_207_and_names_the_engine(qwen3_dir: Path
         assert (await st.http.get("/control/state")).json()["paused"] is False
         sid = await st.session()
         assert (await st.chat(sid, {"messages": MSGS, "max_tokens": 32})).status_code == 200
+
+
+async def test_a_wait_pause_whose_drain_times_out_answers_504_and_pauses_no_engine(qwen3_dir: Path) -> None:
+    """A turn longer than the drain timeout: the pause answers 504 drain_timeout naming
+    what is left, never 200 ok; the engine was not frozen (the turn finishes, one span,
+    the old weights), the gate stays closed until a later wait pause (now drained: 200)
+    and a resume."""
+    from session_server.harness import live_apps
+
+    async with live_stack(qwen3_dir, latency_ms=15) as st:
+        live_apps[st.url].state.ctx.control.drain_timeout_s = 0.3
+        assert (await st.http.post("/control/weight_version", json={"version": 1})).status_code == 200
+        sid = await st.session()
+        chat = asyncio.create_task(st.chat(sid, {"messages": MSGS, "max_tokens": 150}))
+        await until_in_flight(st, sid)
+        r = await st.http.post("/control/pause", json={"mode": "wait"})
+        assert r.status_code == 504, r.text
+        body = r.json()
+        assert body["error"]["type"] == "drain_timeout" and "1 turn(s) still in flight" in body["error"]["message"]
+        assert body["ok"] is False and body["drained"] is False and body["engines_paused"] is False
+        assert body["engines"] == {} and body["in_flight"] == 1
+        state = (await st.http.get("/control/state")).json()
+        assert state["paused"] and state["mode"] == "wait"  # the gate stays closed
+        done = await asyncio.wait_for(chat, 30)  # not frozen: the turn runs to its end
+        assert done.status_code == 200, done.text
+        turn = _branch(await st.trajectory(sid))["turns"][0]
+        assert turn["weight_spans"] == [[turn["output_start"], turn["output_end"], 1]], turn
+        r = await st.http.post("/control/pause", json={"mode": "wait"})  # nothing left: drained, frozen
+        assert r.status_code == 200 and r.json()["ok"] and r.json()["engines_paused"], r.text
+        assert (await st.http.post("/control/resume", json={})).status_code == 200
+        assert not (await st.http.get("/control/state")).json()["paused"]
