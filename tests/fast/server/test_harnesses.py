@@ -278,3 +278,27 @@ async def test_12_4_codex_exec_episode_trajectory_equals_engine_io(qwen3_dir: Pa
     assert_trajectory_matches_engine(branch, log, "codex")
     tool_msgs = [m for m in branch["messages"] if m["role"] == "tool"]
     assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
+
+
+async def test_claude_code_with_a_wrong_key_stops_at_once_and_says_why(qwen3_dir: Path, tmp_path: Path) -> None:
+    """With auth on, a wrong `ANTHROPIC_API_KEY` used to keep Claude Code silent for
+    minutes: it retries a 401 (it might refresh its key) unless the answer says
+    `x-should-retry: false`. Now it exits non-zero at once with the server's reason, and
+    the server sees a bounded number of requests."""
+    from session_server.context import Settings
+
+    from .conftest import metric_value
+
+    claude = _tool("TITO_CLAUDE_BIN", "claude")
+    async with live_stack(qwen3_dir, "sglang", settings=Settings(admin_token="admin-secret")) as st:
+        st.http.headers["authorization"] = "Bearer admin-secret"
+        sid = await st.session()
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_API_KEY": "wrong",
+               "ANTHROPIC_BASE_URL": f"{st.url}/sessions/{sid}", "DISABLE_TELEMETRY": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+        rc, out, err = await _run([claude, "-p", "say hi"], cwd=tmp_path, env=env, timeout=45)
+        denied = metric_value((await st.http.get("/metrics")).text, "tito_errors_total", type="unauthorized")
+    assert rc != 0, out
+    # its own words for an authentication_error about the key, or the server's message
+    assert "Invalid API key" in out + err or "invalid credentials" in out + err, (out, err)
+    assert 1 <= denied <= 3, f"the server answered {denied} x 401"
