@@ -25,7 +25,7 @@ ERROR_DESCRIPTIONS = {
     401: "missing or wrong bearer token (only when the server runs with an admin token)",
     404: "unknown session, engine or route",
     405: "method not allowed on this route",
-    409: "session busy (a turn is in flight) or closed during the turn",
+    409: "session busy (a turn was still in flight after busy_wait_s of waiting) or closed during the turn",
     413: "body larger than the configured limit",
     421: "the session id names another instance of the cluster (wrong_instance): the proxy misrouted it",
     429: "a capacity limit was reached (session cap: over_capacity; branches per session: branch_limit)",
