@@ -335,12 +335,29 @@ class LiveTurn:
         replay grace, and the retry gets every frame from the start and the one commit."""
         ended = False
         try:
-            while (frame := await self._queue.get()) is not None:
+            async for frame in self._with_keepalives(self._queue):
                 yield frame
             ended = True
         finally:
             if not ended and not held and not task.done():
                 task.cancel()
+
+    async def _with_keepalives(self, queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+        """The frames of `queue` until its end, and the dialect's keep-alive whenever
+        none came for `keepalive_s`. Why: a turn held by a weight-update pause or a long
+        constrained sample sends nothing for minutes, and clients abort a stream that is
+        silent too long (Claude Code, Codex's `stream_idle_timeout_ms`). Keep-alives are
+        not part of the turn: never kept in `frames`, so a replay does not carry them."""
+        every = self.ctx.settings.keepalive_s
+        while True:
+            try:
+                frame = await asyncio.wait_for(queue.get(), every)
+            except TimeoutError:
+                yield self._encoder.keepalive()
+                continue
+            if frame is None:
+                return
+            yield frame
 
     async def follow(self, waiter: asyncio.Future[Any]) -> AsyncIterator[bytes]:
         """For a replay that adopted this turn while it streams: every frame from the first,
@@ -356,7 +373,7 @@ class LiveTurn:
             self._followers.append(queue)
         ended = False
         try:
-            while (frame := await queue.get()) is not None:
+            async for frame in self._with_keepalives(queue):
                 yield frame
             ended = True  # the waiter ends by itself now (the turn is over)
         finally:
