@@ -116,7 +116,8 @@ class BearerAuth:
     async def _deny(scope: Scope, send: Send, had_token: bool, access: Access) -> None:
         need = "this session's token or the admin token" if access is Access.SESSION else "the admin token"
         what = "invalid credentials" if had_token else "missing credentials"
-        err = Unauthorized(f"{what}: this route needs {need} as 'Authorization: Bearer <token>'")
+        how = "'Authorization: Bearer <token>'" + (" or 'x-api-key: <token>'" if access is Access.SESSION else "")
+        err = Unauthorized(f"{what}: this route needs {need} as {how}")
         ctx = getattr(scope["app"].state, "ctx", None)
         if ctx is not None:
             ctx.metrics.errors_total.labels(type=err.type).inc()
@@ -130,6 +131,12 @@ class BearerAuth:
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
                 (b"www-authenticate", challenge),
+                # A wrong key stays wrong: Claude Code retries a 401 (it may refresh a key
+                # or token) unless told not to, and without this it kept retrying (silent
+                # for minutes); it and the Anthropic and OpenAI SDKs read `x-should-retry`
+                # before their status rules (Claude Code 2.1.197's retry predicate;
+                # anthropic-sdk `_should_retry`, openai-python `_should_retry`).
+                (b"x-should-retry", b"false"),
             ],
         })
         await send({"type": "http.response.body", "body": body})

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trajectory.codec.parsing import new_call_id, tool_names
@@ -199,16 +199,36 @@ class _Outbox:
         return frame
 
 
-async def _drain(outbox: _Outbox, task: asyncio.Future[Any], held: bool) -> AsyncIterator[bytes]:
-    """The client's frames as they come (`LiveTurn.stream`). It holds the outbox and, only
-    while the turn runs, its task (to cancel it if the client leaves): never the LiveTurn,
-    whose `frames` a stalled reader would otherwise keep alive after the turn ended."""
+async def _with_keepalives(get: Callable[[], Awaitable[bytes | None]], keepalive: Callable[[], bytes],
+                           every: float) -> AsyncIterator[bytes]:
+    """The frames `get` gives until its end (None), and the dialect's keep-alive whenever
+    none came for `every` seconds. Why: a turn held by a weight-update pause or a long
+    constrained sample sends nothing for minutes, and clients abort a stream that is
+    silent too long (Claude Code, Codex's `stream_idle_timeout_ms`). Keep-alives are not
+    part of the turn: never kept in `frames`, so a replay does not carry them."""
+    while True:
+        try:
+            frame = await asyncio.wait_for(get(), every)
+        except TimeoutError:
+            yield keepalive()
+            continue
+        if frame is None:
+            return
+        yield frame
+
+
+async def _drain(outbox: _Outbox, task: asyncio.Future[Any], held: bool, keepalive: Callable[[], bytes],
+                 every: float) -> AsyncIterator[bytes]:
+    """The client's frames as they come (`LiveTurn.stream`), keep-alives in the silences.
+    It holds the outbox, the encoder's keep-alive and, only while the turn runs, its task
+    (to cancel it if the client leaves): never the LiveTurn, whose `frames` a stalled
+    reader would otherwise keep alive after the turn ended."""
     running: list[asyncio.Future[Any]] = [task]
     task.add_done_callback(lambda _t: running.clear())
     del task
     ended = False
     try:
-        while (frame := await outbox.get()) is not None:
+        async for frame in _with_keepalives(outbox.get, keepalive, every):
             yield frame
         ended = True
     finally:
@@ -397,7 +417,8 @@ class LiveTurn:
         """The frames as they come; a client that leaves cancels the turn (nothing committed),
         unless `held`: a request that may be retried (idempotency.py) keeps its turn for the
         replay grace, and the retry gets every frame from the start and the one commit."""
-        return _drain(self._outbox, task, held)  # not a generator of this object: see `_drain`
+        # not a generator of this object: see `_drain`
+        return _drain(self._outbox, task, held, self._encoder.keepalive, self.ctx.settings.keepalive_s)
 
     async def follow(self, waiter: asyncio.Future[Any]) -> AsyncIterator[bytes]:
         """For a replay that adopted this turn while it streams: every frame from the first,
@@ -413,7 +434,7 @@ class LiveTurn:
             self._followers.append(queue)
         ended = False
         try:
-            while (frame := await queue.get()) is not None:
+            async for frame in _with_keepalives(queue.get, self._encoder.keepalive, self.ctx.settings.keepalive_s):
                 yield frame
             ended = True  # the waiter ends by itself now (the turn is over)
         finally:

@@ -2,7 +2,10 @@
 
 A session owns one `TrajectoryTree` and at most one chat turn in flight. The
 gate is a *claim*: a unique token taken at the start of a chat and released in a
-`finally` by the request that made it, and only by it. Prepare and commit run
+`finally` by the request that made it, and only by it. A chat that finds the gate
+taken may queue for it (`wait_claim`): the release hands the claim straight to the
+oldest waiter, so turns on one session still run, and commit, one at a time and in
+arrival order, and no new request overtakes a queued one. Prepare and commit run
 under the session's `asyncio.Lock`; readers that serialize on the CPU offload threads hold
 it too, so a concurrent commit never mutates what they read.
 """
@@ -127,6 +130,8 @@ class Session:
         # matches only the attempt it retries, never an older identical one (idempotency.py)
         self.commits = 0
         self.turn: asyncio.Task[Any] | None = None  # the in-flight turn's work; a DELETE cancels it
+        # chats queued for the claim, oldest first (non-empty only while a turn is in flight)
+        self.waiters: collections.deque[asyncio.Future[Claim]] = collections.deque()
         self.control_totals = ControlTotals()
         self.token = secrets.token_urlsafe(32)  # the agent's api_key; checked by auth.py when auth is on
         # set after the episode by POST /sessions/{sid}/reward, carried into every sample (samples_api.py)
@@ -232,18 +237,37 @@ class SessionStore:
         s = self.get(session_id)
         if s.inflight is not None:
             raise SessionBusy(f"a chat is already in flight on session {session_id}")
+        return s, self._take(s)
+
+    def _take(self, s: Session) -> Claim:
         token = next(self._claims)  # only needs to be unique in this process
         s.inflight = token
         s.last_used = self._clock()
-        return s, Claim(session_id, token)
+        return Claim(s.id, token)
+
+    def wait_claim(self, session: Session) -> asyncio.Future[Claim]:
+        """Queue for the gate of a busy session: the future gets the claim when every
+        turn before it is over (`release` hands it over), or `SessionClosed` when the
+        session is deleted first. A waiter that gives up cancels its future; one that
+        got a claim it no longer wants must `release` it."""
+        fut: asyncio.Future[Claim] = asyncio.get_running_loop().create_future()
+        session.waiters.append(fut)
+        return fut
 
     def release(self, session: Session, claim: Claim) -> None:
-        """Release only the claim this request made; finish a pending close."""
+        """Release only the claim this request made: to the oldest live waiter, else
+        free; finish a pending close (its waiters were failed by `close`)."""
         if session.inflight == claim.token:
             session.inflight = None
             session.last_used = self._clock()
             if session.state is SessionState.CLOSING:
                 self._remove(session)
+                return
+            while session.waiters:
+                fut = session.waiters.popleft()
+                if not fut.done():  # else it gave up (timed out, its client left)
+                    fut.set_result(self._take(session))
+                    return
 
     def ensure_can_commit(self, session: Session, claim: Claim) -> None:
         """At commit time: the session must still be active and the claim ours."""
@@ -263,6 +287,11 @@ class SessionStore:
             s.transition(SessionState.CLOSING)
             if s.turn is not None:
                 s.turn.cancel()
+            while s.waiters:
+                fut = s.waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(SessionClosed(
+                        f"session {session_id} was deleted while this chat waited for the turn in flight"))
         return s
 
     def _remove(self, s: Session) -> None:

@@ -46,6 +46,15 @@ class Settings(BaseSettings):
     loop_lag_probe_s: float = Field(
         0.25, ge=0, description="how often the event loop's lag is measured into tito_event_loop_lag_seconds "
         "(a timer's lateness; 0: off)")
+    busy_wait_s: float = Field(
+        300.0, ge=0, description="how long a chat on a session with a turn in flight waits for that turn to end "
+        "before it is answered 409 session_busy (harnesses send side requests, e.g. Claude Code's title, "
+        "beside their main one); waiting requests are served one at a time in arrival order (0: 409 at once)")
+    keepalive_s: float = Field(
+        15.0, gt=0, le=300, description="the longest a streamed turn stays silent: a keep-alive each dialect's "
+        "clients accept (Anthropic `ping`, OpenAI Responses `response.in_progress`, an SSE comment on chat "
+        "completions) goes out after this long without a frame, so client idle watchdogs do not abort "
+        "turns held by a pause or a long constrained sample")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="at shutdown, how long in-flight turns may finish before they are cancelled")
     clamp_logprob_sentinel: bool = Field(

@@ -4,7 +4,7 @@
 typed inputs and outputs (frozen values), each timed under its own name
 (`metrics.PHASES`):
 
-    claim      run (here)                    the session, for this request only
+    claim      run (here)                    the session, for this request only (queued while busy)
     parse      the dialect's (offload)       body -> ChatRequest
     prepare    prepare.py (lock, offload)    -> Prepared: append / rollback / fork
     render     prepare.py (offload)          -> Rendered: prompt ids (+ a template fork)
@@ -33,7 +33,7 @@ from .commit import Checked, Committed, commit, validate
 from .context import ServerContext
 from .dispatch import Generated, generate
 from .engine_request import EngineCall, engine_request
-from .errors import ClientGone, SessionClosed
+from .errors import ClientGone, SessionBusy, SessionClosed
 from .live import LiveTurn
 from .prepare import Prepared, check_branch_cap, prepare, render
 from .sessions import Claim, Session
@@ -98,14 +98,19 @@ class TurnRunner:
         nothing (commit has no await inside), so the claim is free at once for a retry."""
         ctx = self.ctx
         timer = _Timer(ctx)
-        session, claim = ctx.store.claim(session_id)
+        watcher: asyncio.Task[None] | None = None
+        if client_gone is not None:
+            watcher = asyncio.create_task(client_gone())
+        try:
+            session, claim = await self._claim(session_id, watcher)
+        except BaseException:
+            if watcher is not None:
+                watcher.cancel()
+            raise
         timer.lap("claim")
         ctx.metrics.turns_in_flight.inc()
         work = asyncio.create_task(self._turn(session, claim, body, parse, timer, live), name=f"tito-turn-{session_id}")
         session.turn = work
-        watcher: asyncio.Task[None] | None = None
-        if client_gone is not None:
-            watcher = asyncio.create_task(client_gone())
         try:
             await asyncio.wait([t for t in (work, watcher) if t is not None], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client went away first
@@ -128,6 +133,43 @@ class TurnRunner:
                 session.turn = None
             ctx.metrics.turns_in_flight.dec()
             ctx.store.release(session, claim)
+
+    async def _claim(self, session_id: str, watcher: asyncio.Task[None] | None) -> tuple[Session, Claim]:
+        """The session's claim: at once when it is free, else after the turns queued
+        before this one (`SessionStore.wait_claim`), waiting at most `busy_wait_s`.
+
+        Why wait rather than 409: harnesses send side requests beside their main one
+        (Claude Code's title request arrives with its first turn); a 409 only makes
+        them retry with backoff. Queued, the side request is served next, on its own
+        branch (prepare attaches it after the turn before it committed), and turns on
+        a session still run and commit one at a time, in arrival order.
+        The client leaving while queued is `ClientGone`; past the bound, 409."""
+        store = self.ctx.store
+        try:
+            return store.claim(session_id)
+        except SessionBusy:
+            wait_s = self.ctx.settings.busy_wait_s
+            if wait_s <= 0:
+                raise
+        session = store.get(session_id)
+        fut = store.wait_claim(session)
+        taken = False
+        try:
+            await asyncio.wait([t for t in (fut, watcher) if t is not None], timeout=wait_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if fut.done():
+                claim = fut.result()  # SessionClosed when deleted meanwhile
+                taken = True
+                return session, claim
+            if watcher is not None and watcher.done():
+                raise ClientGone(f"client disconnected while waiting for the turn in flight on session {session_id}")
+            raise SessionBusy(f"a chat was still in flight on session {session_id} after {wait_s:g}s of waiting")
+        finally:
+            if not taken:
+                if not fut.done():
+                    fut.cancel()  # release() skips it
+                elif not fut.cancelled() and fut.exception() is None:
+                    store.release(session, fut.result())  # handed over just as this request gave up
 
     @staticmethod
     async def _cancel(work: asyncio.Task[Any], wait_s: float = 1.0) -> None:

@@ -25,8 +25,8 @@ ERROR_DESCRIPTIONS = {
     401: "missing or wrong bearer token (only when the server runs with an admin token)",
     404: "unknown session, engine or route",
     405: "method not allowed on this route",
-    409: "session busy (a turn is in flight; Retry-After: 2) or closed during the turn; a wait pause resumed "
-         "between its drain and its freeze (pause_superseded)",
+    409: "session busy (a turn was still in flight after busy_wait_s of waiting; Retry-After: 2) or closed "
+         "during the turn; a wait pause resumed between its drain and its freeze (pause_superseded)",
     413: "body larger than the configured limit",
     421: "the session id names another instance of the cluster (wrong_instance): the proxy misrouted it; "
          "only on an instance with peers (elsewhere an unknown id is a 404)",

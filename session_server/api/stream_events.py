@@ -112,6 +112,12 @@ class StreamEncoder(Protocol):
         """The frames for `event` (possibly none: e.g. a dialect that sends usage only at the end)."""
         ...
 
+    def keepalive(self) -> bytes:
+        """A frame that says nothing about the turn but that the dialect's clients read
+        as traffic: sent when the stream was silent `keepalive_s` (a pause, a long
+        constrained sample), so idle watchdogs that count events, not bytes, see one."""
+        ...
+
 
 def replay(out: TurnOutput) -> list[StreamEvent]:
     """A committed turn as the events a live stream of it would have sent."""

@@ -474,6 +474,11 @@ class MessagesStreamEncoder:
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return _sse("content_block_delta", {"index": self._index, "delta": delta})
 
+    def keepalive(self) -> bytes:
+        """Anthropic's own keep-alive, `ping` (docs.claude.com streaming: "Event streams
+        may also include any number of ping events"): the SDKs skip it."""
+        return _sse("ping", {})
+
     def _close(self) -> list[bytes]:
         if self._open is None:
             return []

@@ -97,6 +97,11 @@ class ChatStreamEncoder:
             choice.update(extra)
         return b"data: " + orjson.dumps({**self._base, "choices": [choice]}) + b"\n\n"
 
+    def keepalive(self) -> bytes:
+        """An SSE comment: chat chunk parsers (the openai SDK, litellm) skip it, and the
+        bytes reset an HTTP read timeout; a chunk would have to carry a choice."""
+        return b": keep-alive\n\n"
+
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, TurnStarted):
             self._base = {"id": f"chatcmpl-{event.request_id}", **self._base}

@@ -570,6 +570,7 @@ class ResponsesStreamEncoder:
         self._items: list[dict[str, Any]] = []  # streamed items, in output order (text accumulated)
         self._open: int | None = None  # output index of the item whose deltas flow
         self._calls: dict[int, int] = {}  # tool-call index -> output index
+        self._started: dict[str, Any] | None = None  # the in-progress response object, once started
 
     def _event(self, kind: str, /, **data: Any) -> bytes:
         payload = orjson.dumps({"type": kind, "sequence_number": self._seq, **data})
@@ -621,10 +622,19 @@ class ResponsesStreamEncoder:
     def _current(self, kind: str) -> dict[str, Any] | None:
         return self._items[self._open] if self._open is not None and self._items[self._open]["type"] == kind else None
 
+    def keepalive(self) -> bytes:
+        """`response.in_progress` again: an event the Responses clients know and pass
+        over (the openai SDK types it, Codex ignores it), and an event is what Codex's
+        `stream_idle_timeout_ms` waits for (an SSE comment never reaches it)."""
+        if self._started is None:
+            return b": keep-alive\n\n"
+        return self._event("response.in_progress", response=self._started)
+
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, TurnStarted):
             self._rid = event.request_id
             obj = response_object(event.request_id, self._echo, status="in_progress", output=[])
+            self._started = obj
             return [self._event("response.created", response=obj), self._event("response.in_progress", response=obj)]
         rid = self._rid or ""
         if isinstance(event, ReasoningDelta):

@@ -7,6 +7,7 @@ whichever dialect (or mix of dialects) the agent spoke."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -518,3 +519,41 @@ async def test_12_4_head_on_the_session_base_url(qwen3_dir: Path) -> None:
         missing = await st.http.head("/sessions/nope")
     assert (ok.status_code, ok.content) == (200, b"")
     assert missing.status_code == 404
+
+
+async def test_claude_code_shaped_title_and_main_requests_together_are_both_served(qwen3_dir: Path) -> None:
+    """Claude Code sends its title request (non-streamed, structured output, its own
+    system prompt) together with its first main turn (streamed, tools) on one session.
+    The one that finds the session busy waits for the other instead of a 409 (the SDK
+    here never retries: a 409 fails the test); each commits once, the title on a branch
+    of its own, and the main loop's next turn extends the main branch."""
+    title_format = {"type": "json_schema", "schema": {
+        "type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}}
+    async with live_stack(qwen3_dir, "sglang", request_latency_ms=150) as st:
+        sid = await st.session()
+        client = client_for(st.url, sid)
+        main_kw: dict[str, Any] = {"model": "m", "max_tokens": 256, "messages": [USER], "tools": A_TOOLS,
+                                   "system": [{"type": "text", "text": "You are an agent."}]}
+
+        async def main_turn() -> Any:
+            async with client.messages.stream(**main_kw) as stream:
+                return await stream.get_final_message()
+
+        title_req = client.messages.create(
+            model="m", max_tokens=64, system=[{"type": "text", "text": "Generate a title for this session."}],
+            messages=[{"role": "user", "content": "Fix the failing test."}],
+            extra_body={"output_config": {"format": title_format}})
+        first, title = await asyncio.gather(main_turn(), title_req)
+        assert first.stop_reason == "tool_use", first
+        assert "title" in json.loads(title.content[-1].text)
+        messages = [USER, first.to_param(), tool_results(first.content)]
+        second = await client.messages.create(**{**main_kw, "messages": messages})
+        await client.close()
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+    assert second.stop_reason in ("tool_use", "end_turn")
+    assert len([r for r in log if r["status"] == 200]) == 3, "one engine request per turn, no retry"
+    assert sorted(len(b["turns"]) for b in traj["branches"]) == [1, 2]
+    from .test_harnesses import assert_every_branch_matches_engine
+
+    assert_every_branch_matches_engine(traj, log, "claude-code-shaped")

@@ -1,10 +1,14 @@
-"""The in-flight gate under concurrency: busy is a fast 409 that never reaches an
-engine; different sessions run in parallel; a delete beats an in-flight commit."""
+"""The in-flight gate under concurrency: a chat on a busy session waits for the turn
+in flight (bounded; past the bound, or with `busy_wait_s=0`, a 409 that never reaches an
+engine); different sessions run in parallel; a delete beats an in-flight commit."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
+
+from session_server.context import Settings
 
 from .conftest import CHAT, live_stack, metric_value
 
@@ -18,7 +22,9 @@ async def _until_busy(st, sid: str) -> None:  # type: ignore[no-untyped-def]
 
 
 async def test_second_chat_on_busy_session_is_409_and_never_reaches_engine(qwen3_dir: Path) -> None:
-    async with live_stack(qwen3_dir, latency_ms=20) as st:
+    from session_server.context import Settings
+
+    async with live_stack(qwen3_dir, latency_ms=20, settings=Settings(busy_wait_s=0)) as st:
         sid = await st.session()
         first = asyncio.create_task(st.chat(sid))
         await _until_busy(st, sid)
@@ -85,8 +91,9 @@ async def test_unknown_session_oversized_body_and_metrics(qwen3_dir: Path) -> No
 
 async def test_busy_409_carries_retry_after_on_every_dialect(qwen3_dir: Path) -> None:
     """The openai and anthropic SDKs retry a 409 and wait what `Retry-After` says (else
-    0.5 s, 1 s: likely still busy); session_busy says 2 s, in each route's error shape."""
-    async with live_stack(qwen3_dir, latency_ms=20) as st:
+    0.5 s, 1 s: likely still busy); session_busy says 2 s, in each route's error shape
+    (here a server that answers busy at once: `busy_wait_s` 0)."""
+    async with live_stack(qwen3_dir, latency_ms=20, settings=Settings(busy_wait_s=0)) as st:
         sid = await st.session()
         first = asyncio.create_task(st.chat(sid))
         await _until_busy(st, sid)
@@ -98,3 +105,51 @@ async def test_busy_409_carries_retry_after_on_every_dialect(qwen3_dir: Path) ->
         assert busy.json()["error"]["type"] == "session_busy"
         assert anthropic.status_code == 409 and anthropic.headers["retry-after"] == "2", anthropic.headers
         assert anthropic.json()["error"]["type"] == "conflict_error"
+
+
+async def test_chat_on_a_busy_session_waits_and_is_served_after_the_turn_in_flight(qwen3_dir: Path) -> None:
+    """The second request waits for the first turn (no 409), then runs: two engine
+    requests, two commits, in arrival order; the second's messages fork a branch."""
+    async with live_stack(qwen3_dir, latency_ms=20) as st:
+        sid = await st.session()
+        first = asyncio.create_task(st.chat(sid))
+        await _until_busy(st, sid)
+        other = {**CHAT, "messages": [{"role": "user", "content": "Generate a short title."}]}
+        second = asyncio.create_task(st.chat(sid, other))
+        r1, r2 = await first, await second
+        assert (r1.status_code, r2.status_code) == (200, 200), (r1.text, r2.text)
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+    assert len(log) == 2
+    a, b = sorted(log, key=lambda r: r["finished_s"] - r["e2e_s"])
+    assert b["finished_s"] - b["e2e_s"] >= a["finished_s"] - 1e-3, "the queued turn overlapped the first"
+    assert [len(br["turns"]) for br in traj["branches"]] == [1, 1]
+    firsts = [br["messages"][0]["content"] for br in traj["branches"]]
+    assert firsts == ["Fix the failing test.", "Generate a short title."], "commits out of arrival order"
+
+
+async def test_busy_wait_is_bounded_and_a_client_that_leaves_the_queue_takes_nothing(qwen3_dir: Path) -> None:
+    """Past `busy_wait_s` the queued request is a 409; a queued client that hangs up is
+    dropped from the queue; the next queued request still gets the claim."""
+    import httpx
+
+    from session_server.context import Settings
+
+    async with live_stack(qwen3_dir, latency_ms=40, settings=Settings(busy_wait_s=0.2)) as st:
+        sid = await st.session()
+        first = asyncio.create_task(st.chat(sid))
+        await _until_busy(st, sid)
+        busy = await st.chat(sid, {**CHAT, "messages": [{"role": "user", "content": "late"}]})
+        assert busy.status_code == 409 and busy.json()["error"]["type"] == "session_busy", busy.text
+        assert "waiting" in busy.json()["error"]["message"]
+        assert (await first).status_code == 200
+        # a client leaves the queue: its place is skipped, nothing of it reaches the engine
+        slow = asyncio.create_task(st.chat(sid, {**CHAT, "messages": [{"role": "user", "content": "slow one"}]}))
+        await _until_busy(st, sid)
+        with contextlib.suppress(httpx.TimeoutException):
+            await st.chat(sid, {**CHAT, "messages": [{"role": "user", "content": "gone"}]}, timeout=0.05)
+        assert (await slow).status_code == 200
+        assert (await st.chat(sid, {**CHAT, "messages": [{"role": "user", "content": "next"}]})).status_code == 200
+        log = await st.engine_log()
+    prompts = [r["input_ids"] for r in log]
+    assert len(prompts) == 3, "the request whose client left must never reach the engine"

@@ -278,3 +278,87 @@ async def test_12_4_codex_exec_episode_trajectory_equals_engine_io(qwen3_dir: Pa
     assert_trajectory_matches_engine(branch, log, "codex")
     tool_msgs = [m for m in branch["messages"] if m["role"] == "tool"]
     assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
+
+
+async def test_claude_code_with_a_wrong_key_stops_at_once_and_says_why(qwen3_dir: Path, tmp_path: Path) -> None:
+    """With auth on, a wrong `ANTHROPIC_API_KEY` used to keep Claude Code silent for
+    minutes: it retries a 401 (it might refresh its key) unless the answer says
+    `x-should-retry: false`. Now it exits non-zero at once with the server's reason, and
+    the server sees a bounded number of requests."""
+    from session_server.context import Settings
+
+    from .conftest import metric_value
+
+    claude = _tool("TITO_CLAUDE_BIN", "claude")
+    async with live_stack(qwen3_dir, "sglang", settings=Settings(admin_token="admin-secret")) as st:
+        st.http.headers["authorization"] = "Bearer admin-secret"
+        sid = await st.session()
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_API_KEY": "wrong",
+               "ANTHROPIC_BASE_URL": f"{st.url}/sessions/{sid}", "DISABLE_TELEMETRY": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+        rc, out, err = await _run([claude, "-p", "say hi"], cwd=tmp_path, env=env, timeout=45)
+        denied = metric_value((await st.http.get("/metrics")).text, "tito_errors_total", type="unauthorized")
+    assert rc != 0, out
+    # its own words for an authentication_error about the key, or the server's message
+    assert "Invalid API key" in out + err or "invalid credentials" in out + err, (out, err)
+    assert 1 <= denied <= 3, f"the server answered {denied} x 401"
+
+
+# --- keep-alives through a pause (a harness's idle watchdog) ------------------------------
+
+PAUSE_S = 14.0  # longer than each harness's watchdog below
+
+
+async def _paused_episode(st: Stack, argv: list[str], *, cwd: Path, env: dict[str, str], sid: str = "",
+                          after_turns: int = 0) -> tuple[int, str, str]:
+    """Run the harness while the engines are paused for `PAUSE_S` (the control plane's
+    pause and resume, as a weight update does), from the start or once `after_turns`
+    turns of session `sid` committed: the next turn waits that long."""
+    st.http.timeout = httpx.Timeout(60)
+    run = asyncio.create_task(_run(argv, cwd=cwd, env=env, timeout=120))
+    while after_turns:
+        traj = await st.trajectory(sid)
+        if sum(len(b["turns"]) for b in traj["branches"]) >= after_turns:
+            break
+        assert not run.done(), f"the harness ended before the pause: {run.result()}"
+        await asyncio.sleep(0.01)
+    r = await st.http.post("/control/pause", json={"mode": "abort"})
+    assert r.status_code == 200, r.text
+    await asyncio.sleep(PAUSE_S)
+    assert not run.done(), f"the harness ended during the pause: {run.result()}"
+    r = await st.http.post("/control/resume", json={})
+    assert r.status_code == 200, r.text
+    return await run
+
+
+async def test_codex_runs_an_episode_through_a_pause_longer_than_its_idle_watchdog(
+        qwen3_dir: Path, tmp_path: Path) -> None:
+    """Codex aborts a Responses stream with no event for `stream_idle_timeout_ms` (here
+    3 s; 300 s by default): an SSE comment is no event to it, `response.in_progress`
+    every `keepalive_s` is; through a 14 s pause: no abort, one branch equal to the
+    engine I/O."""
+    from session_server.context import Settings
+
+    codex = _tool("TITO_CODEX_BIN", "codex")
+    work, home = tmp_path / "work", tmp_path / "codex-home"
+    work.mkdir()
+    home.mkdir()
+    (work / "notes.txt").write_text("hello from the sandbox\n")
+    last = tmp_path / "last.txt"
+    async with live_stack(qwen3_dir, "vllm", script=CODEX_SCRIPT, settings=Settings(keepalive_s=1.0)) as st:
+        sid = await st.session()
+        config = CODEX_CONFIG.format(base_url=f"{st.url}/sessions/{sid}/v1")
+        (home / "config.toml").write_text(config + "stream_idle_timeout_ms = 3000\nstream_max_retries = 0\n")
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "CODEX_HOME": str(home),
+               "TITO_API_KEY": "x"}
+        rc, out, err = await _paused_episode(st, [codex, "exec", "--skip-git-repo-check", "--ephemeral",
+                                                  "-o", str(last), "Print the notes"], cwd=work, env=env)
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+        view = (await st.http.get(f"/sessions/{sid}")).json()
+    assert rc == 0, f"codex exited {rc}: {out[-2000:]} {err[-2000:]}"
+    assert last.read_text().strip() == "The notes say hello."
+    assert view["turns_discarded"] == 0, "a turn was abandoned (the client aborted and retried)"
+    branch = traj["branches"][0]
+    assert len(traj["branches"]) == 1 and len(branch["turns"]) == 2
+    assert_trajectory_matches_engine(branch, log, "codex-paused")
