@@ -30,18 +30,19 @@ async def _script(st: Any, *turns: dict[str, Any]) -> None:
         assert r.status_code == 200, r.text
 
 
-def _line(traj: dict[str, Any], branch_id: int) -> list[int]:
-    """A branch's whole line: its ancestors' parts up to each fork point, then its own."""
+def _line(traj: dict[str, Any], branch_id: int, key: str = "token_ids") -> list[int]:
+    """A branch's whole line (`key`: token_ids or loss_mask): its ancestors' parts up to
+    each fork point, then its own."""
     by_id = {b["id"]: b for b in traj["branches"]}
     chain = []
     b: dict[str, Any] | None = by_id[branch_id]
     while b is not None:
         chain.append(b)
         b = by_id.get(b["parent_id"]) if b["parent_id"] is not None else None
-    ids: list[int] = []
+    out: list[int] = []
     for b in reversed(chain):
-        ids = ids[: b["fork_index"]] + b["token_ids"]
-    return ids
+        out = out[: b["fork_index"]] + b[key]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,34 +81,26 @@ async def test_qwen3_thinking_off_tool_loop_forks_share_their_prefix(qwen3_real:
         asked = [{**m, "content": m.get("content") or ""} for m in sent[i]]  # the template reads content
         full = tok.apply_chat_template(asked, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kw)
         assert _line(traj, b["id"])[: turn["output_start"]] == tok.encode(full, add_special_tokens=False), i
-        # a fork shares its parent's tokens up to the think block the re-render drops
-        if b["parent_id"] is not None:
-            assert b["fork_index"] > turn["prompt_start"], b["fork_index"]
-    last = traj["branches"][-1]
-    line = _line(traj, last["id"])
-    turn = last["turns"][-1]
-    # every earlier sampled token inside the last branch's context is prompt there (mask 0)
-    by_id = {b["id"]: b for b in traj["branches"]}
-    mask: list[int] = []
-    chain = []
-    b: dict[str, Any] | None = last
-    while b is not None:
-        chain.append(b)
-        b = by_id.get(b["parent_id"]) if b["parent_id"] is not None else None
-    for b in reversed(chain):
-        mask = mask[: b["fork_index"]] + b["loss_mask"]
-    assert sum(mask) == turn["output_end"] - turn["output_start"]
-    # every earlier branch keeps what it sampled (mask 1 where its model sampled)
-    for b in traj["branches"][1:]:
-        assert all(sum(b["loss_mask"][t["output_start"] - b["fork_index"]: t["output_end"] - b["fork_index"]])
-                   == t["output_end"] - t["output_start"] for t in b["turns"])
-    # stored once: linear in the turns, not the sum of every branch's length
-    unique = sum(len(b["token_ids"]) for b in traj["branches"])
-    assert view["stored_tokens"] == unique
-    total = sum(len(_line(traj, b["id"])) for b in traj["branches"])
     # stored once: linear in the turns, not the sum of every branch's length. A fork stores
     # again only what changed: the previous turn's sampled tokens (now prompt, mask 0 on the
     # new branch) and a few tokens of template glue around them
+    last = traj["branches"][-1]
+    line = _line(traj, last["id"])
+    unique = sum(len(b["token_ids"]) for b in traj["branches"])
+    total = sum(len(_line(traj, b["id"])) for b in traj["branches"])
     sampled = sum(t["output_end"] - t["output_start"] for b in traj["branches"] for t in b["turns"])
     assert unique <= len(line) + sampled + PER_TURN * TURNS, (unique, len(line), sampled, total)
     assert total > 2 * unique  # the branches' lines would store the context again and again
+    assert view["stored_tokens"] == unique
+    # a fork shares its parent's tokens up to the think block the re-render drops, inside
+    # its own first turn's prompt
+    for b in traj["branches"][1:]:
+        assert b["fork_checkpoint"] == 0 and b["fork_index"] > b["turns"][0]["prompt_start"], b["fork_index"]
+    # on the last branch every earlier sampled token is prompt (mask 0); every earlier
+    # branch keeps what its model sampled (mask 1)
+    turn = last["turns"][-1]
+    assert sum(_line(traj, last["id"], "loss_mask")) == turn["output_end"] - turn["output_start"]
+    for b in traj["branches"]:
+        mask = _line(traj, b["id"], "loss_mask")
+        assert all(mask[t["output_start"]: t["output_end"]] == [1] * (t["output_end"] - t["output_start"])
+                   for t in b["turns"])
