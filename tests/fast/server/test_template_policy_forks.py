@@ -104,3 +104,39 @@ async def test_qwen3_thinking_off_tool_loop_forks_share_their_prefix(qwen3_real:
         mask = _line(traj, b["id"], "loss_mask")
         assert all(mask[t["output_start"]: t["output_end"]] == [1] * (t["output_end"] - t["output_start"])
                    for t in b["turns"])
+
+
+async def test_a_fork_whose_turn_cannot_be_committed_leaves_no_branch_behind(
+    qwen3_real: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork sharing its parent's next prompt holds that prompt head until its turn is
+    committed; a commit that fails must not leave the head in the tree (an append to the
+    branch would continue after it)."""
+    from trajectory.errors import InvariantError
+    from trajectory.linear import LinearTrajectory
+
+    real = LinearTrajectory.commit_turn
+
+    def refuse_on_head(self: LinearTrajectory, *args: Any, **kwargs: Any) -> Any:
+        if self.prompt_head:
+            raise InvariantError("refused by the test")
+        return real(self, *args, **kwargs)
+
+    calls = [{"content": "", "tool_calls": [{"name": "read_file", "arguments": {"path": f"f{i}.py"}}]}
+             for i in range(3)]
+    async with live_stack(qwen3_real) as st:
+        await _script(st, *calls)
+        sid = await st.session(history_policy="template", chat_template_kwargs={"enable_thinking": False})
+        r = await st.chat(sid, {"model": "m", "messages": [USER], "tools": TOOLS, "max_tokens": 200})
+        reply = r.json()["choices"][0]["message"]
+        msgs = [USER, reply, {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "x"}]
+        monkeypatch.setattr(LinearTrajectory, "commit_turn", refuse_on_head)
+        r = await st.chat(sid, {"model": "m", "messages": msgs, "tools": TOOLS, "max_tokens": 200})
+        assert r.status_code >= 500, r.text
+        failed = (await st.http.get(f"/sessions/{sid}")).json()
+        monkeypatch.setattr(LinearTrajectory, "commit_turn", real)
+        r = await st.chat(sid, {"model": "m", "messages": msgs, "tools": TOOLS, "max_tokens": 200})
+        assert r.status_code == 200, r.text
+        view = (await st.http.get(f"/sessions/{sid}")).json()
+    assert [b["id"] for b in failed["branches"]] == [0] and failed["active_branch"] == 0
+    assert len(view["branches"]) == 2 and view["branches"][1]["fork_index"] > 0
