@@ -151,11 +151,14 @@ def session_view(s: Session) -> dict[str, Any]:
         "turns": len(traj.turns),
         "tokens": len(traj),
         "sampled_tokens": sum(t.output_end - t.output_start for t in traj.turns),
+        # every branch's tokens, each stored once (branches share their prefixes)
+        "stored_tokens": s.tree.unique_tokens(),
         "branches": [
             {
                 "id": b.id,
                 "parent_id": b.parent_id,
                 "fork_checkpoint": b.fork_checkpoint,
+                "fork_index": b.fork_index,
                 "reason": b.reason,
                 "turns": len(b.trajectory.turns),
                 "tokens": len(b.trajectory),

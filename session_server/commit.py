@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from trajectory.errors import ValidationError
-from trajectory.tree import ROLLBACK_REASON
+from trajectory.linear import TurnRecord
+from trajectory.tree import ROLLBACK_REASON, Branch
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
 from .api.models import ChatRequest
@@ -136,6 +137,7 @@ async def commit(
     valid = checked.valid
     async with session.lock:
         ctx.store.ensure_can_commit(session, claim)  # SessionClosed: counted discarded by run()
+        before = session.tree.active_id
         _apply_branch_change(ctx, session, prep)
         branch = session.tree.active
         if prep.kind in ("first", "rollback", "fork"):
@@ -143,8 +145,8 @@ async def commit(
         extra = _turn_extra(call, result, checked, prep)
         if "control" in extra:
             session.control_totals.add(result)
-        record = branch.trajectory.commit_turn(
-            prompt_ids,
+        record = _commit_turn(
+            session, branch, before, prep, prompt_ids,
             valid.ids,
             valid.logprobs,
             finish_reason=checked.finish,
@@ -171,6 +173,20 @@ async def commit(
     return Committed(turn_index=record.index, branch_id=branch.id)
 
 
+def _commit_turn(session: Session, branch: Branch, before: int, prep: Prepared, prompt_ids: list[int],
+                 *args: Any, **kwargs: Any) -> TurnRecord:
+    """`commit_turn` on the branch; when it refuses, a branch this commit started goes
+    again (a fork sharing its parent's next prompt would otherwise keep a prompt head no
+    turn opens, and an append to it would continue after that head)."""
+    try:
+        return branch.trajectory.commit_turn(prompt_ids, *args, **kwargs)
+    except Exception:
+        if prep.kind in ("rollback", "fork") and branch.id != before:
+            session.tree.discard(branch.id, before)
+            session.tools_by_branch.pop(branch.id, None)
+        raise
+
+
 def _apply_branch_change(ctx: ServerContext, session: Session, prep: Prepared) -> None:
     """The attachment decided at prepare, on the branch prepare saw (checked): extend
     that branch (made active), or start a new one from it (rollback, fork)."""
@@ -194,8 +210,11 @@ def _apply_branch_change(ctx: ServerContext, session: Session, prep: Prepared) -
         if prep.fork_reason is not None:
             detail = {"detail": prep.fork_detail} if prep.fork_detail else {}
             session.note("fork", reason=prep.fork_reason, turn=len(branch.trajectory.turns),
-                         from_branch=branch.id, **detail)
-        tree.branch_from(branch.id, 0, prep.fork_reason or "history_rewrite")
+                         from_branch=branch.id, checkpoint=prep.checkpoint,
+                         shared_tokens=prep.fork_shared or branch.trajectory.checkpoints[prep.checkpoint], **detail)
+        # a fork render decided shares the line up to where the template's render first
+        # differs (prepare._fork_point); one decided at prepare starts from checkpoint 0
+        tree.branch_from(branch.id, prep.checkpoint, prep.fork_reason or "history_rewrite", shared=prep.fork_shared)
         ctx.metrics.branches_total.labels(reason="fork").inc()
 
 

@@ -8,6 +8,7 @@ the new messages into prompt tokens (O(new tokens)). Both return frozen values.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -51,6 +52,13 @@ class Prepared:
     tool_call_renames: dict[str, Any] = field(default_factory=dict)  # client id -> ours (10.2)
     prev_output: tuple[int, int, int] | None = None  # (turn index, output_start, output_end) before the node
     history_rewrite: dict[str, Any] | None = None  # set by render: where a re-render would differ
+    # the kept line's fork points, for a fork render decides (O(turns), see `_fork_point`):
+    # per checkpoint up to `checkpoint`, its token position and its message count; per
+    # turn before it, where its sampled tokens start (a fork may share its prompt)
+    line_checkpoints: tuple[int, ...] = (0,)
+    line_message_counts: tuple[int, ...] = (0,)
+    line_output_starts: tuple[int, ...] = ()
+    fork_shared: int | None = None  # a fork's tokens shared with its parent (None: the checkpoint's)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,9 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         fork_detail=fork_detail,
         tool_call_renames=dict(plan.renames) if kind in ("append", "rollback") else {},
         prev_output=_prev_output(traj, checkpoint) if keep else None,
+        line_checkpoints=tuple(traj.checkpoints[: checkpoint + 1]) if keep else (0,),
+        line_message_counts=tuple(counts[: checkpoint + 1]) if keep else (0,),
+        line_output_starts=tuple(traj.turn(i).output_start for i in range(checkpoint)) if keep else (),
     )
 
 
@@ -188,18 +199,19 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: 
     if isinstance(result, BridgeRefusal):
         if (session.config.history_policy is HistoryPolicy.TEMPLATE
                 or result.reason is RefusalReason.ROLE_MISMATCH):
-            # follow the template: a new branch rendered from the whole request. A role
-            # mismatch forks under `append` too: no delta after the sampled role token is
-            # what the template renders, and the sampled token is never rewritten (the
-            # branch holding it stays as it is). Noted at commit, with the turn.
+            # follow the template: a new branch equal to its render of the whole request,
+            # sharing with this one everything before the first token that render changes
+            # (`_fork_point`). A role mismatch forks under `append` too: no delta after the
+            # sampled role token is what the template renders, and the sampled token is
+            # never rewritten (the branch holding it stays as it is). Noted at commit.
             full: list[Message] = [*prep.history, *prep.new_messages]
-            forked = replace(prep, kind="fork", checkpoint=0, new_messages=full,
-                             context_ids=np.zeros(0, dtype=np.int32), tail=[], history=[],
+            ids, k, shared = await ctx.offload.run(_rewrite_fork, codec, prep, full)
+            forked = replace(prep, kind="fork", checkpoint=k, fork_shared=shared,
+                             new_messages=full[prep.line_message_counts[k]:],
+                             context_ids=prep.context_ids[:shared], tail=[int(x) for x in prep.context_ids[:shared][-_TAIL_TOKENS:]],
+                             history=list(prep.history[: prep.line_message_counts[k]]), prev_output=None,
                              fork_reason=result.reason.value, fork_detail=result.detail)
-            ids = await ctx.offload.run(
-                codec.render_first, full, tools=forked.tools, template_kwargs=forked.template_kwargs
-            )
-            return Rendered(list(ids), forked)
+            return Rendered(ids[shared:], forked)
         raise HistoryMismatch(
             f"cannot prove the committed tokens stay a prefix ({result.reason.value}: {result.detail}); "
             "create the session with history_policy='template' to fork instead"
@@ -210,6 +222,35 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: 
                      **rewrite)
         return Rendered(list(result.prompt_ids), replace(prep, history_rewrite=rewrite))
     return Rendered(list(result.prompt_ids), prep)
+
+
+def _rewrite_fork(codec: Any, prep: Prepared, full: list[Message]) -> tuple[list[int], int, int]:
+    """The template's render of the whole request and where the fork leaves the kept line
+    (offloaded: O(context), as the `template` policy's exact check already is)."""
+    ids = list(codec.render_first(full, tools=prep.tools, template_kwargs=prep.template_kwargs))
+    k, shared = _fork_point(prep, ids)
+    return ids, k, shared
+
+
+def _fork_point(prep: Prepared, full: Sequence[int]) -> tuple[int, int]:
+    """(checkpoint k, tokens shared): the deepest checkpoint of the kept line whose tokens
+    all equal the render's, and how far into the next turn's prompt they still do.
+
+    A template that rewrites history on every step (Qwen3 with thinking off drops the
+    last assistant message's prefilled empty think block once a tool result follows)
+    would otherwise make every fork a full copy of the context: memory quadratic in the
+    turns. Sharing stops at the first differing token and before the next turn's first
+    sampled token (sampled on the parent, mask 1; on the new branch it is prompt, mask 0,
+    so it cannot be a shared segment). The new branch still equals the render token for
+    token: the shared tokens are equal ones."""
+    done = prep.context_ids
+    n = min(len(done), len(full))
+    differ = np.flatnonzero(done[:n] != np.asarray(full[:n], dtype=np.int64))
+    same = int(differ[0]) if len(differ) else n
+    cps = prep.line_checkpoints
+    k = bisect_right(cps, same) - 1
+    limit = prep.line_output_starts[k] if k < len(prep.line_output_starts) else cps[k]
+    return k, min(same, limit)
 
 
 def _no_note(kind: str, **fields: Any) -> None:

@@ -385,9 +385,11 @@ class _Importer:
             parent = self.built.get(parent_id)
             if parent is None or parent_id >= bid:
                 raise ExportError(f"{where}: parent {parent_id} does not precede it")
-            forked = parent.trajectory.fork_at(k)
-            if len(forked) != fork_index:
-                raise ExportError(f"{where}: fork_index {fork_index} is not checkpoint {k} of its parent")
+            try:  # the checkpoint's position, or further into the parent's next prompt
+                forked = parent.trajectory.fork_at(k, fork_index)
+            except TrajectoryError as exc:
+                raise ExportError(f"{where}: fork_index {fork_index} does not fit checkpoint {k} of its parent: "
+                                  f"{exc}") from None
             shared, base = list(forked.turns), forked.segments()
         raw_turns = list(meta["turns"])
         if self.version == 1:  # a full copy of the line: check the shared part, keep the rest

@@ -22,7 +22,14 @@ O(new tokens); `rollback` truncates to a checkpoint.
 **Shared prefixes.** `fork_at(k)` gives a new trajectory that continues from
 checkpoint k without copying a token: its first tokens are *segments*
 (buffer, start, end) of the buffers it forked from, pinned there so they never
-change, and only what it adds lives in its own buffer. A session with B
+change, and only what it adds lives in its own buffer. `fork_at(k, shared=n)`
+shares further, into the prompt of the turn after checkpoint k (tokens the
+parent has as prompt, mask 0): those tokens open the new trajectory's next turn
+(its *prompt head*), whose `commit_turn` prompt continues after them. A history
+rewrite re-renders only from where the template's render first differs, so
+the new branch shares everything before that point (a rewrite inside a turn's
+prompt, e.g. Qwen3 dropping the generation prompt's empty think block, no
+longer costs a copy of the context up to the turn). A session with B
 branches therefore stores each token once (O(unique tokens)). Reading the whole
 id array of a forked trajectory concatenates its segments (O(length), which
 is what the engine request and the trainer pay anyway); `tail`, `len` and
@@ -234,6 +241,12 @@ class LinearTrajectory:
         """Leading tokens shared with the trajectory this one forked from (0 when unshared)."""
         return self._base_len
 
+    @property
+    def prompt_head(self) -> int:
+        """Tokens after the last checkpoint: the shared start of the next turn's prompt
+        (`fork_at(k, shared=...)`), until that turn is committed; 0 otherwise."""
+        return len(self) - self._checkpoints[-1]
+
     def segments(self) -> tuple[Segment, ...]:
         """Where every token lives: the shared prefix's segments, then the own buffer."""
         own = ((self._buf, 0, len(self._buf)),) if len(self._buf) else ()
@@ -361,6 +374,9 @@ class LinearTrajectory:
     ) -> TurnRecord:
         """Append one turn atomically and add the checkpoint after it.
 
+        The turn's prompt is the prompt head (`prompt_head`, a fork's shared tokens;
+        usually none) followed by `prompt_ids`.
+
         `routed_experts` (routing replay) are the engine's rows for line positions
         ``[routed_start(), output_end - 1)``, shape ``(rows, layers, topk)``: they
         must continue the earlier turns' rows exactly, with their layers and topk.
@@ -386,8 +402,8 @@ class LinearTrajectory:
         if engine is not None and not isinstance(engine, str):
             raise InvariantError(f"engine must be a str or None, got {engine!r}")
 
-        prompt_start = len(self)
-        output_start = prompt_start + int(prompt.shape[0])
+        prompt_start = self._checkpoints[-1]  # a fork's prompt head (fork_at) opens the prompt
+        output_start = len(self) + int(prompt.shape[0])
         output_end = output_start + n_sampled
         end = output_end + int(repair.shape[0])
         if weight_spans is not None:
@@ -420,9 +436,10 @@ class LinearTrajectory:
 
         ids = np.concatenate((prompt, sampled, repair))
         lps = np.zeros(ids.shape[0], dtype=np.float32)
-        lps[output_start - prompt_start : output_end - prompt_start] = logprobs
+        at = int(prompt.shape[0])
+        lps[at : at + n_sampled] = logprobs
         mask = np.zeros(ids.shape[0], dtype=np.uint8)
-        mask[output_start - prompt_start : output_end - prompt_start] = 1
+        mask[at : at + n_sampled] = 1
         self._buf.append(ids, lps, mask)
 
         self._turns.append(turn)
@@ -479,12 +496,25 @@ class LinearTrajectory:
             left -= take
         return out
 
-    def fork_at(self, checkpoint: int) -> LinearTrajectory:
+    def fork_at(self, checkpoint: int, shared: int | None = None) -> LinearTrajectory:
         """A new trajectory equal to this one rolled back to `checkpoint`, sharing its
         tokens instead of copying them (O(turns + segments), no token copied). The
-        shared tokens are pinned: this trajectory can no longer roll back below them."""
+        shared tokens are pinned: this trajectory can no longer roll back below them.
+
+        `shared` (default: the checkpoint's position) may reach past the checkpoint into
+        the prompt of the next turn, up to its first sampled token: those prompt tokens
+        become the new trajectory's prompt head, the start of its next turn's prompt
+        (`commit_turn` appends the rest of that prompt after them)."""
         self._check_checkpoint(checkpoint)
         n = self._checkpoints[checkpoint]
+        if shared is not None:
+            limit = self._turns[checkpoint].output_start if checkpoint < len(self._turns) else n
+            if isinstance(shared, bool) or not isinstance(shared, int | np.integer) or not n <= shared <= limit:
+                raise CheckpointError(
+                    f"cannot share {shared!r} tokens from checkpoint {checkpoint}: "
+                    f"the prompt after it spans [{n}, {limit}]"
+                )
+            n = int(shared)
         out = LinearTrajectory()
         out._set_base(self._prefix_segments(n))
         if n > self._base_len:
@@ -571,8 +601,10 @@ class LinearTrajectory:
                 raise InvariantError(
                     f"{where} adds {added} messages, counts say {counts[i + 1] - counts[i]}"
                 )
-        if cps[-1] != n:
-            raise InvariantError(f"last checkpoint {cps[-1]} is not the length {n}")
+        if not cps[-1] <= n:
+            raise InvariantError(f"last checkpoint {cps[-1]} is past the length {n}")
+        if mask[cps[-1] :].any():
+            raise InvariantError(f"the prompt head after the last checkpoint {cps[-1]} has mask 1")
         if counts[-1] != len(self._messages):
             raise InvariantError(f"{len(self._messages)} messages, counts say {counts[-1]}")
 

@@ -6,7 +6,9 @@ branch; the old one stays in the tree for the trainer, and a later request can
 go back to it (`activate`). A branch created at a checkpoint of its parent
 *shares* the parent's prefix (`LinearTrajectory.fork_at`): its tokens up to the
 fork point are segments of its ancestors' buffers, never a copy, so the tree
-holds each token once (memory O(unique tokens), `unique_tokens`/`nbytes`). The
+holds each token once. The fork point may lie past the checkpoint, inside the
+parent's next prompt (a history rewrite shares everything before the first token
+the template's re-render changes) (memory O(unique tokens), `unique_tokens`/`nbytes`). The
 turn and message lists of the prefix are shared by reference (O(turns) pointers).
 
 Every turn committed on any branch gets the tree's next sequence number
@@ -38,7 +40,9 @@ class Branch:
     id: int
     parent_id: int | None  # None only for the root
     fork_checkpoint: int  # checkpoint index on the parent
-    fork_index: int  # token position of that checkpoint on the parent
+    # tokens shared with the parent: the checkpoint's position, or further into the prompt
+    # of the parent's next turn (a rewrite forks where the re-render first differs)
+    fork_index: int
     trajectory: LinearTrajectory
     reason: str
 
@@ -119,11 +123,13 @@ class TrajectoryTree:
         self._active = branch.id
         return branch
 
-    def branch_from(self, parent_id: int, checkpoint: int, reason: str) -> Branch:
-        """Start a new active branch sharing the parent's prefix up to `checkpoint`."""
+    def branch_from(self, parent_id: int, checkpoint: int, reason: str, shared: int | None = None) -> Branch:
+        """Start a new active branch sharing the parent's prefix up to `checkpoint`, or up
+        to `shared` tokens: into the prompt of the parent's next turn, the new branch's
+        prompt head (`LinearTrajectory.fork_at`; its next commit opens its first turn)."""
         parent = self.get(parent_id)
         try:
-            traj = parent.trajectory.fork_at(checkpoint)
+            traj = parent.trajectory.fork_at(checkpoint, shared)
         except CheckpointError as exc:
             raise CheckpointError(f"branch {parent_id}: {exc}") from None
         new_id = max(self._branches) + 1
@@ -131,13 +137,25 @@ class TrajectoryTree:
             id=new_id,
             parent_id=parent.id,
             fork_checkpoint=int(checkpoint),
-            fork_index=parent.trajectory.checkpoints[checkpoint],
+            fork_index=len(traj),
             trajectory=traj,
             reason=reason,
         )
         self._branches[new_id] = branch
         self._active = new_id
         return branch
+
+    def discard(self, branch_id: int, activate: int) -> None:
+        """Remove the newest branch while it holds no turn of its own (a commit that failed
+        right after `branch_from`) and make `activate` active again. Its parent keeps the
+        pin of the shared tokens (a pin only promises they never change)."""
+        branch = self.get(branch_id)
+        if branch_id != max(self._branches) or branch.parent_id is None or (
+                branch.trajectory.num_turns != branch.fork_checkpoint):
+            raise BranchError(f"branch {branch_id} is not a newest branch without turns of its own")
+        self.get(activate)
+        del self._branches[branch_id]
+        self._active = activate
 
     def commit_turn(self, *args: Any, **kwargs: Any) -> TurnRecord:
         """`LinearTrajectory.commit_turn` on the active branch (stamped with the next seq)."""
@@ -174,11 +192,17 @@ class TrajectoryTree:
     def _check_prefix(parent: Branch, child: Branch) -> None:
         p, c, k = parent.trajectory, child.trajectory, child.fork_checkpoint
         where = f"branch {child.id} (parent {parent.id}, checkpoint {k})"
-        if not 0 <= k <= p.num_turns or p.checkpoints[k] != child.fork_index:
+        if not 0 <= k <= p.num_turns:
             raise InvariantError(f"{where}: fork point is not a checkpoint of the parent")
-        if k > c.num_turns or c.checkpoints[k] != child.fork_index:
+        n, at = child.fork_index, p.checkpoints[k]
+        # shared past the checkpoint: only the parent's next prompt, and it opens the
+        # branch's own turn k (never a dangling prompt head)
+        limit = p.turn(k).output_start if k < p.num_turns else at
+        if not at <= n <= limit:
+            raise InvariantError(f"{where}: shares {n} tokens, not checkpoint {at} or the prompt after it")
+        if k > c.num_turns or c.checkpoints[k] != at or (n > at and (
+                k == c.num_turns or c.turn(k).output_start < n)):
             raise InvariantError(f"{where}: fork point is not a checkpoint of the branch")
-        n = child.fork_index
         if c.shared_len != n:
             raise InvariantError(f"{where}: shares {c.shared_len} tokens, not the {n} before its fork")
         p_ids, p_lps, p_mask = p.arrays(n)

@@ -70,6 +70,10 @@ async def test_user_after_sampled_observation_forks_without_two_role_tokens(
     forks = [d for d in view["diagnostics"] if d["kind"] == "fork"]
     assert forks and forks[-1]["reason"] == "role_mismatch"
     assert "<|observation|>" in forks[-1]["detail"] and "<|user|>" in forks[-1]["detail"]
+    # the new branch shares the old one's prompt up to its first sampled token (the sampled
+    # tokens are prompt, mask 0, on the new branch: never shared)
+    assert (new["fork_checkpoint"], new["fork_index"]) == (0, turn0["output_start"])
+    assert forks[-1]["shared_tokens"] == turn0["output_start"] and new["token_ids"][0] == prompt[new["fork_index"]]
     # both lines are trained: the sampled role token stays a mask-1 token of a kept sample
     kept = [smp for smp in samples["samples"] if smp["path"][-1] == before["id"]]
     assert len(samples["samples"]) == 2 and len(kept) == 1

@@ -240,3 +240,36 @@ def test_from_npz_rejects() -> None:
     np.savez_compressed(sink, meta=np.frombuffer(orjson.dumps(meta), dtype=np.uint8), **arrays)
     with pytest.raises(ExportError):  # int64/float64 arrays are not the declared dtypes
         from_npz_bytes(sink.getvalue())
+
+
+def _prompt_fork_tree() -> TrajectoryTree:
+    """A fork that shares its parent's next prompt (a rewrite inside a turn's prompt)."""
+    tree = TrajectoryTree()
+    tree.commit_turn([1, 2, 3], [4], [-0.5], finish_reason="stop",
+                     request_messages=[{"role": "user", "content": "a"}], assistant_message={"role": "assistant"})
+    tree.commit_turn([5, 6, 7], [8], [-0.25], finish_reason="stop",
+                     request_messages=[{"role": "tool", "content": "b"}], assistant_message={"role": "assistant"})
+    tree.branch_from(0, 1, "history_rewrite", shared=6)  # [4, 6) of turn 1's prompt shared
+    tree.commit_turn([9], [10], [-1.0], finish_reason="stop",
+                     request_messages=[{"role": "tool", "content": "c"}], assistant_message={"role": "assistant"})
+    return tree
+
+
+def test_a_fork_sharing_its_parents_prompt_round_trips_and_exports_only_its_own_tokens() -> None:
+    tree = _prompt_fork_tree()
+    d = to_dict(tree)
+    child = d["branches"][1]
+    assert (child["fork_checkpoint"], child["fork_index"]) == (1, 6)
+    assert child["token_ids"] == [9, 10] and child["turns"][0]["prompt_start"] == 4
+    assert_same(tree, from_dict(orjson.loads(orjson.dumps(d))))
+    assert_same(tree, from_npz_bytes(to_npz_bytes(tree)))
+    assert branch_line(d, 1)["token_ids"] == [1, 2, 3, 4, 5, 6, 9, 10]
+
+
+@pytest.mark.parametrize("fork_index", [3, 7, 8])
+def test_a_fork_index_outside_the_prompt_after_its_checkpoint_is_refused(fork_index: int) -> None:
+    """Before the checkpoint, or past the parent's next prompt into what it sampled."""
+    d = to_dict(_prompt_fork_tree())
+    d["branches"][1]["fork_index"] = fork_index
+    with pytest.raises(ExportError):
+        from_dict(d)

@@ -156,3 +156,54 @@ def test_10_1_a_tree_is_freed_without_the_cycle_collector() -> None:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+def _prompted_turn(tree: TrajectoryTree, prompt: list[int], sampled: list[int]) -> None:
+    tree.commit_turn(prompt, sampled, [-0.5] * len(sampled), finish_reason="stop",
+                     request_messages=[{"role": "user", "content": str(prompt)}],
+                     assistant_message={"role": "assistant", "content": str(sampled)})
+
+
+def test_a_fork_into_the_next_prompt_shares_it_and_opens_its_turn_with_it() -> None:
+    """A rewrite re-rendered only from its first differing token: the new branch shares
+    the parent's prompt up to there (no copy), its turn's prompt starts at the checkpoint."""
+    tree = TrajectoryTree()
+    _prompted_turn(tree, [1, 2, 3], [10])
+    _prompted_turn(tree, [4, 5, 6, 7], [11, 12])  # turn 1: prompt [4, 8), sampled [8, 10)
+    parent = tree.active
+    b = tree.branch_from(parent.id, 1, "history_rewrite", shared=6)
+    assert (b.fork_checkpoint, b.fork_index) == (1, 6)
+    assert b.trajectory.prompt_head == 2 and b.trajectory.buffer.ids.tolist() == []
+    _prompted_turn(tree, [8, 9], [13])
+    t = b.trajectory.turn(1)
+    assert (t.prompt_start, t.output_start, t.output_end) == (4, 8, 9)
+    assert b.trajectory.ids.tolist() == [1, 2, 3, 10, 4, 5, 8, 9, 13]
+    assert b.trajectory.mask.tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert b.trajectory.buffer.ids.tolist() == [8, 9, 13]  # only what it added
+    assert tree.unique_tokens() == len(parent.trajectory) + 3
+    assert parent.trajectory.ids.tolist() == [1, 2, 3, 10, 4, 5, 6, 7, 11, 12]  # kept as sampled
+    tree.check_invariants()
+
+
+def test_a_fork_never_shares_a_sampled_token_as_prompt() -> None:
+    tree = TrajectoryTree()
+    _prompted_turn(tree, [1, 2], [10, 11])
+    with pytest.raises(CheckpointError, match="prompt after it"):
+        tree.branch_from(0, 0, "history_rewrite", shared=3)  # token 2 was sampled
+    with pytest.raises(CheckpointError, match="prompt after it"):
+        tree.branch_from(0, 1, "history_rewrite", shared=5)  # past the line's end
+    assert len(tree) == 1
+
+
+def test_a_prompt_head_no_turn_opens_is_refused_by_the_tree_and_can_be_discarded() -> None:
+    tree = TrajectoryTree()
+    _prompted_turn(tree, [1, 2, 3], [10])
+    b = tree.branch_from(0, 0, "history_rewrite", shared=2)
+    with pytest.raises(InvariantError, match="not a checkpoint of the branch"):
+        tree.check_invariants()
+    b.trajectory.check_invariants()  # the trajectory itself is valid: a head of prompt tokens
+    tree.discard(b.id, activate=0)
+    assert len(tree) == 1 and tree.active_id == 0
+    tree.check_invariants()
+    with pytest.raises(BranchError):
+        tree.discard(0, activate=0)  # the root
