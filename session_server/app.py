@@ -60,6 +60,7 @@ from .engines.admission_check import parse_engine_spec
 from .errors import (
     BadRequest,
     ClientGone,
+    CommittedUnanswered,
     EngineError,
     NotFound,
     PayloadTooLarge,
@@ -248,6 +249,8 @@ def create_app(config: AppConfig) -> FastAPI:
         resp = _json(body, exc.status)
         if exc.retry_after_s is not None:
             resp.headers["retry-after"] = str(exc.retry_after_s)
+        if exc.should_retry is not None:
+            resp.headers["x-should-retry"] = "true" if exc.should_retry else "false"
         return resp
 
     @app.exception_handler(CodecError)
@@ -329,19 +332,29 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx = ctx_of()
         session = ctx.store.get(sid)  # 404 before reading a body for an unknown session
         body = await _read_body(request, ctx.settings.max_body_bytes)
-        # where the session stands as the request arrives: a retry replays only its own attempt
-        ident = await identify(ctx.offload, sid, dialect.name, request.headers, body, position=session.commits)
+        # a retry replays only its own attempt: never a turn the client has since built on
+        ident = await identify(ctx.offload, sid, dialect.name, request.headers, body, built_on=session.built_on)
 
         live = LiveTurn(ctx, dialect)
 
         async def produce(hold: Hold) -> Rendered:
             req, out = await state["runner"].run(sid, body, parse=parse or dialect.parse,
                                                  client_gone=hold(_client_gone(request)), live=live)
-            if committed is not None:
-                committed(req, out)
-            if live.active:  # streamed as sampled: the frames sent are the response
-                return live.finish(out)
-            return await render(ctx, dialect, req, out)
+            # committed: from here on nothing may turn into a retry that samples the turn again
+            try:
+                if committed is not None:
+                    committed(req, out)
+                if live.active:  # streamed as sampled: the frames sent are the response
+                    rendered = live.finish(out)
+                else:
+                    rendered = await render(ctx, dialect, req, out)
+                return dataclasses.replace(rendered, turn=(out.branch_id, out.turn_index))
+            except Exception as exc:
+                log.exception("session %s: turn %d committed, its response failed", sid, out.turn_index)
+                raise CommittedUnanswered(
+                    f"turn {out.turn_index} of session {sid} was committed, but its response could not be built "
+                    f"({type(exc).__name__}); the turn is in GET /sessions/{sid}/trajectory, and a retry of this "
+                    "request gets this same error, never a second turn") from exc
 
         # a streamed turn answers once it starts (issue 12.2); anything before that
         # (and a turn that is not streamed) answers as one response, errors as HTTP errors

@@ -160,7 +160,6 @@ async def commit(
             extra=extra,
             routed_experts=checked.routed,
         )
-        session.commits += 1
         if "stale_bound" in extra:
             session.note("stale_bound", turn=record.index, **extra["stale_bound"])
         if "undecodable_ids" in extra:

@@ -19,6 +19,7 @@
     ├── BranchLimit                      429 branch_limit    Retry-After: 60 (names the cap)
     ├── ClientGone                       499 client_gone (client disconnected mid-turn; logged, never sent)
     ├── InternalInvariant                500 internal_error (logged at ERROR)
+    │   └── CommittedUnanswered          500 response_failed  x-should-retry: false (committed; the response failed)
     ├── EngineError                      502 upstream_error (engine side; adapters raise these)
     │   ├── UpstreamInvalid              502 upstream_invalid (bad engine output)
     │   ├── UpstreamHTTPError            502 upstream_error (engine 4xx/5xx; `.http_status`)
@@ -63,6 +64,7 @@ class ServiceError(Exception):
     status: int = 500
     type: str = "internal_error"
     retry_after_s: int | None = None  # sent as the Retry-After header when set
+    should_retry: bool | None = None  # sent as x-should-retry when set (the SDKs and Claude Code obey it)
     details: dict[str, object] | None = None  # extra top-level body fields (a failed pause's report)
 
     def __init__(self, message: str = "") -> None:
@@ -177,6 +179,16 @@ class ClientGone(ServiceError):
 
 class InternalInvariant(ServiceError):
     status, type = 500, "internal_error"
+
+
+class CommittedUnanswered(InternalInvariant):
+    """The turn was committed, then its response could not be built (a bug: the message
+    every dialect renders is checked before the commit). Retrying cannot help and must not
+    sample the turn again: `x-should-retry: false`, and a replay gets this same error
+    (idempotency.py) while the turn stays in the trajectory."""
+
+    type = "response_failed"
+    should_retry = False
 
 
 class EngineError(ServiceError):

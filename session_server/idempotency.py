@@ -10,13 +10,13 @@ the same session and route (dialect) when
   `idempotency_key_reused` (IETF draft-ietf-httpapi-idempotency-key-header), or
 - it carries `x-stainless-retry-count` > 0, its body's digest (SHA-256 of the raw
   bytes) equals an earlier request's, and that request is the attempt it retries: an
-  original in flight (it holds the session: nothing else runs), or a committed one
-  with nothing committed on the session after it (`Session.commits`, the turns
-  committed so far, read as each request arrives: at most one more than at the
-  original's arrival, its own commit). An identical request sent later, after the trajectory moved on (an agent resending
-  the same prompt to sample again), is a new turn even when its own first attempt
-  never reached the server and only its retry (count 1) did: the count says "a retry",
-  not "of which request", and an older identical body is another request.
+  original in flight, or a committed one whose turn no later turn extends
+  (`Session.built_on`). A client that built on a response had it, so its later
+  identical request (an agent resending an earlier prompt to sample again, whose own
+  first attempt never reached the server and only its retry did) is a new turn: the
+  count says "a retry", not "of which request". Turns committed meanwhile on other
+  branches (a harness's concurrent side request) do not count: the original's client
+  still has no answer.
 
 A replay of a request still in flight waits for it (no 409) and gets its response
 (a streamed original that has begun streaming is followed instead: `on_follow` gets
@@ -24,8 +24,11 @@ its live stream, every frame from the first, then the rest as they come); of a
 committed one, the stored response (the same bytes: a JSON body, or the same SSE
 frames). If the original fails (any error, or its client left and the turn was
 discarded), nothing is stored and the replay runs as a fresh attempt: it is the
-client's retry. A request that carries neither header is not recorded and is never a
-replay: resending it is a deliberate retry (`trajectory` rolls back to a new branch).
+client's retry. The one exception is an original whose turn committed and whose
+response then failed (`CommittedUnanswered`): its replays get that same error, never a
+second commit of the turn. A request that carries neither header is not recorded and
+is never a replay: resending it is a deliberate retry (`trajectory` rolls back to a
+new branch).
 
 A recorded request whose client disconnects mid-turn keeps its turn for
 `replay_grace_s`: an SDK that timed out comes back within its backoff, and its replay
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api.dialects import Rendered
-from .errors import BadRequest, IdempotencyKeyReused
+from .errors import BadRequest, CommittedUnanswered, IdempotencyKeyReused
 from .metrics import Metrics
 from .offload import CpuOffload
 
@@ -74,7 +77,7 @@ class Ident:
     digest: bytes
     key: str | None  # Idempotency-Key
     retry_count: int | None  # x-stainless-retry-count (None: absent or not an integer)
-    position: int | None = None  # the session's commits as the request arrived (None: not tracked)
+    built_on: Callable[[tuple[int, int]], bool] | None = None  # Session.built_on (None: not tracked)
 
     @property
     def recorded(self) -> bool:
@@ -104,24 +107,25 @@ def _sha256(body: bytes) -> bytes:
 
 
 async def identify(offload: CpuOffload, session_id: str, route: str, headers: Mapping[str, str], body: bytes,
-                   *, position: int | None = None) -> Ident:
+                   *, built_on: Callable[[tuple[int, int]], bool] | None = None) -> Ident:
     """The request's `Ident`; the digest is O(body), so a large body hashes off the loop."""
     key, count = _key(headers), _retry_count(headers)
     digest = await offload.run_sized(len(body), _sha256, body) if key or count is not None else b""
-    return Ident(session_id, route, digest, key, count, position)
+    return Ident(session_id, route, digest, key, count, built_on)
 
 
 class _Entry:
     """One recorded request: in flight until `done`, then stored (`rendered`) or gone."""
 
-    __slots__ = ("adopted", "digest", "done", "key", "live", "position", "rendered", "route")
+    __slots__ = ("adopted", "digest", "done", "failure", "key", "live", "rendered", "route", "turn")
 
     def __init__(self, ident: Ident, live: Any = None) -> None:
         self.route, self.digest, self.key = ident.route, ident.digest, ident.key
-        self.position = ident.position
+        self.turn: tuple[int, int] | None = None  # (branch id, turn index) once committed
         self.done = asyncio.Event()
         self.adopted = asyncio.Event()  # a replay waits for this turn
         self.rendered: Rendered | None = None
+        self.failure: CommittedUnanswered | None = None  # committed, its response failed: replays get this
         self.live = live  # the request's live stream (live.LiveTurn), followed by replays once active
 
 
@@ -158,6 +162,9 @@ class ReplayLog:
                 if on_follow is not None and followed:
                     on_follow(entry.live)
                 await entry.done.wait()
+                if entry.failure is not None:  # its turn is committed: never run it again
+                    self._served("failed")
+                    raise CommittedUnanswered(entry.failure.message)
                 if entry.rendered is None and followed:  # the follower was sent its error event: no fresh attempt
                     return Rendered("text/event-stream", frames=tuple(entry.live.frames))
                 if entry.rendered is None:
@@ -172,6 +179,10 @@ class ReplayLog:
         self._sessions.setdefault(ident.session_id, []).append(entry)
         try:
             rendered = await produce(lambda gone: self._held(entry, gone))
+        except CommittedUnanswered as exc:
+            entry.failure = exc
+            entry.done.set()  # kept (no bytes), so a retry gets the same error, not a new turn
+            raise
         except BaseException:
             self._drop(ident.session_id, entry)
             entry.done.set()
@@ -210,11 +221,12 @@ class ReplayLog:
     @staticmethod
     def _retries(entry: _Entry, ident: Ident) -> bool:
         """Whether `ident` (a retry by its count) retries `entry`'s attempt: `entry` is in
-        flight, or committed and the session moved no further than that commit when
-        `ident` arrived (it may have arrived while `entry` ran: `<=`, not `==`)."""
-        if entry.rendered is None or entry.position is None or ident.position is None:
-            return True  # in flight, or positions not tracked (a log used without sessions)
-        return ident.position <= entry.position + 1
+        flight, or committed and no later turn extends its turn (see the module doc)."""
+        if entry.rendered is None and entry.failure is None:
+            return True  # in flight
+        if entry.turn is None or ident.built_on is None:
+            return True  # not tracked (a log used without sessions)
+        return not ident.built_on(entry.turn)
 
     def _held(self, entry: _Entry, gone: ClientGone) -> ClientGone:
         """`gone`, unless a replay adopts the turn: after the client hangs up, wait up to
@@ -232,7 +244,7 @@ class ReplayLog:
         return held
 
     def _store(self, session_id: str, entry: _Entry, rendered: Rendered) -> None:
-        entry.rendered = rendered
+        entry.rendered, entry.turn = rendered, rendered.turn
         entry.done.set()
         if session_id not in self._sessions:  # the session was removed meanwhile
             return

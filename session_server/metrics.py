@@ -27,7 +27,8 @@ class Metrics:
         self.sessions_expired_total = Counter("tito_sessions_expired_total", "Sessions removed by TTL", registry=r)
         self.replays_total = Counter(
             "tito_replays_total", "Replayed requests (SDK retries) answered without a new turn, by where the "
-            "response came from: in_flight (waited for the original) or stored", ["source"], registry=r,
+            "response came from: in_flight (waited for the original), stored, or failed (the original committed, "
+            "then its response failed: the same error again)", ["source"], registry=r,
         )
         self.replay_store_bytes = Gauge("tito_replay_store_bytes", "Bytes of stored responses kept for replays",
                                         registry=r)

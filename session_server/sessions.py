@@ -126,9 +126,6 @@ class Session:
         self.diagnostics: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_DIAGNOSTICS)
         self.diagnostics_dropped = 0
         self.turns_discarded = 0  # turns ended without a commit: client gone, deleted mid-turn
-        # turns committed on any branch: where the session stands, so a replayed request
-        # matches only the attempt it retries, never an older identical one (idempotency.py)
-        self.commits = 0
         self.turn: asyncio.Task[Any] | None = None  # the in-flight turn's work; a DELETE cancels it
         # chats queued for the claim, oldest first (non-empty only while a turn is in flight)
         self.waiters: collections.deque[asyncio.Future[Claim]] = collections.deque()
@@ -140,6 +137,19 @@ class Session:
         self.reward_metadata: dict[str, Any] = {}  # merged over config.metadata
         # Responses API: response id -> its turn's place in the tree (api/dialects/openai_responses.py)
         self.responses: dict[str, Any] = {}
+
+    def built_on(self, turn: tuple[int, int]) -> bool:
+        """Whether a committed turn extends `turn` (branch id, turn index): its client must
+        have had that turn's response (idempotency.py: a retry is never of such a turn).
+        Forks share their prefix's turn records by reference, so one identity test per
+        branch finds extensions on any branch. O(branches); run for retries only."""
+        branch_id, index = turn
+        try:
+            record = self.tree.get(branch_id).trajectory.turns[index]
+        except (LookupError, IndexError):
+            return False
+        return any(len(ts) > index + 1 and ts[index] is record
+                   for ts in (b.trajectory.turns for b in self.tree.branches()))
 
     def transition(self, new: SessionState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -71,6 +71,7 @@ class Rendered:
     media_type: str
     body: bytes = b""
     frames: tuple[bytes, ...] | None = None  # set for a stream
+    turn: tuple[int, int] | None = None  # the committed turn it answers (branch id, turn index)
 
     @property
     def size(self) -> int:

@@ -105,6 +105,24 @@ async def test_an_identical_request_after_the_trajectory_moved_on_is_a_new_turn_
     assert _turns(traj) == 3 and len(log) == 3  # first, moved, resent (a rollback): no fourth
 
 
+async def test_a_retry_after_a_side_request_committed_is_still_a_replay(qwen3_dir: Path) -> None:
+    """A harness's side request (another history: its own branch) may commit between an
+    original and the original's retry (they no longer 409 each other). The original's
+    client still has no answer and its turn is not built on: the retry is its replay,
+    not a second turn."""
+    async with live_stack(qwen3_dir) as st_:
+        sid = await st_.session()
+        first = await st_.chat(sid, CHAT, headers={RETRY: "0"})
+        side = {**CHAT, "messages": [{"role": "user", "content": "Generate a short title."}]}
+        titled = await st_.chat(sid, side, headers={RETRY: "0"})
+        retried = await st_.chat(sid, CHAT, headers={RETRY: "1"})
+        traj = await st_.trajectory(sid)
+        log = await st_.engine_log()
+    assert first.status_code == titled.status_code == retried.status_code == 200
+    assert retried.content == first.content
+    assert _turns(traj) == 2 and len(log) == 2
+
+
 async def test_12_3_replay_in_flight_waits_for_the_original(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, request_latency_ms=400) as st_:
         sid = await st_.session()
@@ -403,3 +421,61 @@ async def test_12_3_responses_replay_is_the_stored_response(qwen3_dir: Path) -> 
     assert first.status_code == again.status_code == stored.status_code == 200, again.text
     assert again.content == first.content and first.json()["object"] == "response"
     assert len(traj["branches"]) == 1 and _turns(traj) == 1 and len(log) == 1
+
+
+@pytest.mark.parametrize("dialect", ["chat", "messages"])
+async def test_a_response_that_fails_after_the_commit_is_never_retried_into_a_second_turn(
+        qwen3_dir: Path, dialect: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever fails once the turn is committed (here the respond phase itself) is a 500
+    `response_failed` with `x-should-retry: false`, so the SDKs stop; a retry sent anyway
+    gets the same error from the replay log, and the session keeps its one turn and its
+    one engine request."""
+    from session_server import app as app_module
+
+    async def broken(*_a: Any, **_k: Any) -> Rendered:
+        raise RuntimeError("respond phase broke")
+
+    monkeypatch.setattr(app_module, "render", broken)
+    async with live_stack(qwen3_dir) as st_:
+        sid = await st_.session()
+        if dialect == "chat":
+            url, body = f"/sessions/{sid}/v1/chat/completions", CHAT
+        else:
+            url, body = f"/sessions/{sid}/v1/messages", {"max_tokens": 8, "messages": CHAT["messages"]}
+        first = await st_.http.post(url, json=body, headers={RETRY: "0"})
+        again = await st_.http.post(url, json=body, headers={RETRY: "1"})
+        traj = await st_.trajectory(sid)
+        log = await st_.engine_log()
+        metrics = await _metrics(st_)
+    for r in (first, again):
+        assert r.status_code == 500 and r.headers["x-should-retry"] == "false", (r.status_code, r.headers, r.text)
+        err = r.json()["error"]
+        assert "committed" in err["message"] and "trajectory" in err["message"], err
+    err = first.json()["error"]
+    assert (err["type"] if dialect == "chat" else err["code"]) == "response_failed", err
+    assert _turns(traj) == 1 and len(log) == 1 and len(traj["branches"]) == 1
+    assert metric_value(metrics, "tito_replays_total", source="failed") == 1
+
+
+async def test_the_anthropic_sdk_stops_at_a_response_that_failed_after_the_commit(
+        qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK's own retry policy (2 retries here) honours `x-should-retry: false`: one
+    request, one turn."""
+    import anthropic
+
+    from session_server import app as app_module
+
+    async def broken(*_a: Any, **_k: Any) -> Rendered:
+        raise RuntimeError("respond phase broke")
+
+    monkeypatch.setattr(app_module, "render", broken)
+    async with live_stack(qwen3_dir) as st_:
+        sid = await st_.session()
+        client = anthropic.AsyncAnthropic(base_url=f"{st_.url}/sessions/{sid}", api_key="x", max_retries=2)
+        with pytest.raises(anthropic.InternalServerError) as exc:
+            await client.messages.create(model="m", max_tokens=8, messages=CHAT["messages"])
+        await client.close()
+        traj = await st_.trajectory(sid)
+        log = await st_.engine_log()
+    assert "committed" in str(exc.value)
+    assert _turns(traj) == 1 and len(log) == 1
