@@ -356,8 +356,10 @@ def create_app(config: AppConfig) -> FastAPI:
                     f"({type(exc).__name__}); the turn is in GET /sessions/{sid}/trajectory, and a retry of this "
                     "request gets this same error, never a second turn") from exc
 
-        # a streamed turn answers once it starts (issue 12.2); anything before that
-        # (and a turn that is not streamed) answers as one response, errors as HTTP errors
+        # a streamed turn answers once it starts (issue 12.2), or once it has waited
+        # keepalive_s without starting (queued for the session: live.py), then sends
+        # keep-alives; anything before that (and a turn that is not streamed) answers as
+        # one response, errors as HTTP errors
         followed: asyncio.Future[LiveTurn] = asyncio.get_running_loop().create_future()
 
         def follow(original: LiveTurn) -> None:
@@ -366,18 +368,18 @@ def create_app(config: AppConfig) -> FastAPI:
 
         task = asyncio.ensure_future(state["replays"].serve(ident, produce, live=live, on_follow=follow))
         task.add_done_callback(live.on_done)
-        started = asyncio.ensure_future(live.started.wait())
+        opened = asyncio.ensure_future(live.opened.wait())
         try:
-            await asyncio.wait([task, started, followed], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([task, opened, followed], return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             task.cancel()
             raise
         finally:
-            started.cancel()
+            opened.cancel()
         if followed.done() and not task.done():  # a replay of a turn streaming now: follow it live
             return StreamingResponse(followed.result().follow(task), media_type="text/event-stream")
         followed.cancel()
-        if not live.active:
+        if not live.opened.is_set():
             return as_response(await task)
         return StreamingResponse(live.stream(task, held=ident.recorded), media_type="text/event-stream")
 

@@ -40,14 +40,16 @@ class EngineCall:
 
 
 def engine_request(
-    ctx: ServerContext, session: Session, req: ChatRequest, prep: Prepared, prompt_ids: list[int]
+    ctx: ServerContext, session: Session, req: ChatRequest, prep: Prepared, prompt_ids: list[int],
+    *, request_id: str | None = None,
 ) -> EngineCall:
-    """The engine request of this turn (context + prompt) and what its output must satisfy."""
+    """The engine request of this turn (context + prompt) and what its output must satisfy;
+    `request_id` when one was minted earlier (a stream that began before its turn)."""
     input_ids = np.concatenate([prep.context_ids, np.asarray(prompt_ids, dtype=np.int32)])
     routed_start, routed_shape = _replay_start(session, prep) if session.config.routing_replay else (0, None)
     budget = _budget(ctx, session, req, len(input_ids))
     greq = GenerateRequest(
-        request_id=new_request_id(),
+        request_id=request_id or new_request_id(),
         input_ids=input_ids,
         max_tokens=budget,
         sampling=_sampling(ctx, session, req, prep.constraint),

@@ -19,8 +19,10 @@ the same session and route (dialect) when
   still has no answer.
 
 A replay of a request still in flight waits for it (no 409) and gets its response
-(a streamed original that has begun streaming is followed instead: `on_follow` gets
-its live stream, every frame from the first, then the rest as they come); of a
+(a streamed original whose response has begun, or begins while the replay waits, is
+followed instead: `on_follow` gets its live stream, every frame from the first, then the
+rest as they come; a response begins when its turn streams, or early when the request
+has waited `keepalive_s` for its session: live.py); of a
 committed one, the stored response (the same bytes: a JSON body, or the same SSE
 frames). If the original fails (any error, or its client left and the turn was
 discarded), nothing is stored and the replay runs as a fresh attempt: it is the
@@ -129,6 +131,22 @@ class _Entry:
         self.live = live  # the request's live stream (live.LiveTurn), followed by replays once active
 
 
+async def _opens(entry: _Entry) -> bool:
+    """Whether the in-flight original's response begins (`LiveTurn.opened`: its turn
+    streams, or it waited long enough to begin without it) before it ends: a replay
+    then follows it from its first frame, instead of waiting silently for its end."""
+    if entry.live.opened.is_set():
+        return True
+    opened = asyncio.ensure_future(entry.live.opened.wait())
+    done = asyncio.ensure_future(entry.done.wait())
+    try:
+        await asyncio.wait([opened, done], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        opened.cancel()
+        done.cancel()
+    return bool(entry.live.opened.is_set() and not entry.done.is_set())
+
+
 async def _forever() -> None:
     await asyncio.Event().wait()
 
@@ -158,7 +176,7 @@ class ReplayLog:
         while (entry := self._find(ident)) is not None:
             if entry.rendered is None:
                 entry.adopted.set()
-                followed = on_follow is not None and entry.live is not None and entry.live.active
+                followed = on_follow is not None and entry.live is not None and await _opens(entry)
                 if on_follow is not None and followed:
                     on_follow(entry.live)
                 await entry.done.wait()

@@ -15,6 +15,16 @@ tool calls, `TurnCommitted`). A turn
 that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also kept
 (`frames`) so that a replayed request gets exactly these bytes (idempotency.py).
 
+A streamed request may wait before its turn starts: in the session's claim queue behind
+the turn in flight (which may itself wait out a weight-update pause), or for anything
+else before `begin`. Silent, it is killed by its client's idle watchdog, so the
+response begins without the turn (`parsed` arms it): once the request has waited
+`keepalive_s`, `opened` is set, the app answers 200 with the SSE headers, and the
+dialect's keep-alives flow (after the encoder's `opening` frames: Responses sends its
+`response.created` then, since Codex's idle timer counts events and the openai SDK
+wants that event first) until the turn's own frames do. From then on a failure is the
+dialect's error event (`on_done`), as after `begin`; before it, an HTTP status.
+
 The client's frames wait in a bounded outbox (`stream_buffer_bytes`): a client that
 stops reading without disconnecting would otherwise hold every frame of its turn, for
 as long as its connection lives. Past the bound its waiting frames are dropped and its
@@ -47,6 +57,7 @@ from .api.stream_events import (
     TurnFailed,
     TurnStarted,
 )
+from .control import new_request_id
 from .engines.base import TokenDelta
 from .errors import BadRequest, ServiceError, StreamOverflow, UpstreamInvalid, from_library
 from .incremental import (
@@ -200,12 +211,16 @@ class _Outbox:
 
 
 async def _with_keepalives(get: Callable[[], Awaitable[bytes | None]], keepalive: Callable[[], bytes],
-                           every: float) -> AsyncIterator[bytes]:
+                           every: float, *, lead: bool = False) -> AsyncIterator[bytes]:
     """The frames `get` gives until its end (None), and the dialect's keep-alive whenever
-    none came for `every` seconds. Why: a turn held by a weight-update pause or a long
-    constrained sample sends nothing for minutes, and clients abort a stream that is
-    silent too long (Claude Code, Codex's `stream_idle_timeout_ms`). Keep-alives are not
-    part of the turn: never kept in `frames`, so a replay does not carry them."""
+    none came for `every` seconds (`lead`: one first, for a response that begins with
+    nothing of its turn to send: the client has waited already). Why: a turn held by a
+    weight-update pause or a long constrained sample sends nothing for minutes, and
+    clients abort a stream that is silent too long (Claude Code, Codex's
+    `stream_idle_timeout_ms`). Keep-alives are not part of the turn: never kept in
+    `frames`, so a replay does not carry them."""
+    if lead:
+        yield keepalive()
     while True:
         try:
             frame = await asyncio.wait_for(get(), every)
@@ -218,7 +233,7 @@ async def _with_keepalives(get: Callable[[], Awaitable[bytes | None]], keepalive
 
 
 async def _drain(outbox: _Outbox, task: asyncio.Future[Any], held: bool, keepalive: Callable[[], bytes],
-                 every: float) -> AsyncIterator[bytes]:
+                 every: float, lead: bool) -> AsyncIterator[bytes]:
     """The client's frames as they come (`LiveTurn.stream`), keep-alives in the silences.
     It holds the outbox, the encoder's keep-alive and, only while the turn runs, its task
     (to cancel it if the client leaves): never the LiveTurn, whose `frames` a stalled
@@ -228,7 +243,7 @@ async def _drain(outbox: _Outbox, task: asyncio.Future[Any], held: bool, keepali
     del task
     ended = False
     try:
-        async for frame in _with_keepalives(outbox.get, keepalive, every):
+        async for frame in _with_keepalives(outbox.get, keepalive, every, lead=lead):
             yield frame
         ended = True
     finally:
@@ -241,7 +256,11 @@ class LiveTurn:
 
     def __init__(self, ctx: ServerContext, dialect: Dialect) -> None:
         self.ctx, self.dialect = ctx, dialect
-        self.started = asyncio.Event()
+        self.started = asyncio.Event()  # the turn streams (`begin`)
+        self.opened = asyncio.Event()  # the response began: at `begin`, or early (`parsed`)
+        self.request_id: str | None = None  # minted at `parsed` for a stream: its turn's engine request id
+        self._arrived = asyncio.get_running_loop().time()
+        self._early: asyncio.TimerHandle | None = None
         self.frames: list[bytes] = []
         self._outbox = _Outbox(ctx.settings.stream_buffer_bytes)
         self._req: ChatRequest | None = None
@@ -262,13 +281,40 @@ class LiveTurn:
     def active(self) -> bool:
         return self.started.is_set()
 
+    def parsed(self, req: ChatRequest) -> None:
+        """The request is parsed (before its claim): for a stream, make its encoder and
+        mint its turn's request id (the early `response.created` names it), and open the
+        response `keepalive_s` after the request arrived unless its turn began by then."""
+        if not req.stream or self._encoder is not None:
+            return
+        self._req = req
+        self._encoder = self.dialect.encoder(req, self.ctx.tokenizer)
+        self.request_id = new_request_id()
+        loop = asyncio.get_running_loop()
+        self._early = loop.call_at(self._arrived + self.ctx.settings.keepalive_s, self._open_early)
+
+    def _open_early(self) -> None:
+        """The request waited `keepalive_s` without its turn starting: begin the response
+        (the dialect's opening frames, if any, are part of the turn: kept in `frames`)."""
+        self._early = None
+        if self.opened.is_set() or self._ended:
+            return
+        assert self.request_id is not None
+        for frame in self._encoder.opening(self.request_id):
+            self._push(frame)
+        self.opened.set()
+
     def begin(self, req: ChatRequest, call: EngineCall, prep: Prepared) -> Callable[[TokenDelta], None] | None:
         """Start the stream when the request asks for one; the engine delta callback."""
         if not req.stream:
             return None
         ctx = self.ctx
-        self._req = req
-        self._encoder = self.dialect.encoder(req, ctx.tokenizer)
+        if self._early is not None:
+            self._early.cancel()
+            self._early = None
+        if self._encoder is None:  # not `parsed` (a caller of the pipeline without it)
+            self._req = req
+            self._encoder = self.dialect.encoder(req, ctx.tokenizer)
         tools = None if req.tool_choice == "none" else prep.tools
         kwargs = prep.template_kwargs
 
@@ -285,6 +331,7 @@ class LiveTurn:
             self._inc = IncrementalText(IncrementalDecoder(tok, stops), FieldSplitter(grammar), calls)
         self._emit(TurnStarted(call.greq.request_id, len(call.greq.input_ids)))
         self.started.set()
+        self.opened.set()
         return self.on_delta
 
     def on_delta(self, delta: TokenDelta) -> None:
@@ -407,9 +454,13 @@ class LiveTurn:
         return Rendered("text/event-stream", frames=tuple(self.frames))
 
     def on_done(self, task: asyncio.Future[Any]) -> None:
-        """The request's task ended: a failure after `begin` ends the stream with `TurnFailed`."""
+        """The request's task ended: a failure once the response began (at `begin` or
+        early) ends the stream with `TurnFailed`; before, the app answers it as an HTTP error."""
+        if self._early is not None:
+            self._early.cancel()
+            self._early = None
         exc = task.exception() if not task.cancelled() else asyncio.CancelledError()
-        if self.active and not self._ended and exc is not None:
+        if self.opened.is_set() and not self._ended and exc is not None:
             self._emit(_failure(exc))
             self._end()
 
@@ -418,7 +469,8 @@ class LiveTurn:
         unless `held`: a request that may be retried (idempotency.py) keeps its turn for the
         replay grace, and the retry gets every frame from the start and the one commit."""
         # not a generator of this object: see `_drain`
-        return _drain(self._outbox, task, held, self._encoder.keepalive, self.ctx.settings.keepalive_s)
+        return _drain(self._outbox, task, held, self._encoder.keepalive, self.ctx.settings.keepalive_s,
+                      not self.frames)
 
     async def follow(self, waiter: asyncio.Future[Any]) -> AsyncIterator[bytes]:
         """For a replay that adopted this turn while it streams: every frame from the first,
@@ -434,7 +486,8 @@ class LiveTurn:
             self._followers.append(queue)
         ended = False
         try:
-            async for frame in _with_keepalives(queue.get, self._encoder.keepalive, self.ctx.settings.keepalive_s):
+            async for frame in _with_keepalives(queue.get, self._encoder.keepalive, self.ctx.settings.keepalive_s,
+                                                lead=queue.empty()):
                 yield frame
             ended = True  # the waiter ends by itself now (the turn is over)
         finally:
@@ -445,13 +498,17 @@ class LiveTurn:
 
     def _emit(self, event: StreamEvent) -> None:
         for frame in self._encoder.encode(event):
-            self.frames.append(frame)
-            if not self._outbox.put(frame):
-                self._cut()
-            # followers are replays of a recorded request, whose frames are kept for the
-            # replay log anyway (`frames`): their queues reference them, they add no bytes
-            for follower in self._followers:
-                follower.put_nowait(frame)
+            self._push(frame)
+
+    def _push(self, frame: bytes) -> None:
+        """One frame of the turn: kept for replays, sent to the client and to followers."""
+        self.frames.append(frame)
+        if not self._outbox.put(frame):
+            self._cut()
+        # followers are replays of a recorded request, whose frames are kept for the
+        # replay log anyway (`frames`): their queues reference them, they add no bytes
+        for follower in self._followers:
+            follower.put_nowait(frame)
 
     def _cut(self) -> None:
         """The client stopped reading: drop its waiting frames and end its stream with a

@@ -4,8 +4,8 @@
 typed inputs and outputs (frozen values), each timed under its own name
 (`metrics.PHASES`):
 
+    parse      the dialect's (offload, lock)  body -> ChatRequest (before the claim: see `run`)
     claim      run (here)                    the session, for this request only (queued while busy)
-    parse      the dialect's (offload)       body -> ChatRequest
     prepare    prepare.py (lock, offload)    -> Prepared: append / rollback / fork
     render     prepare.py (offload)          -> Rendered: prompt ids (+ a template fork)
     route      engine_request.py, dispatch.py  -> EngineCall; a target chosen
@@ -94,6 +94,14 @@ class TurnRunner:
         `live` streams the turn as it is sampled when the request asks for a stream
         (`live.py`; the events still to send after commit are in `live.pending`).
 
+        The body is parsed before the claim: a malformed request is a 400 at once rather
+        than after the turns queued before it, and `live` learns from the parsed request
+        whether it is a stream, so a stream that waits in the claim queue (or anywhere
+        before its first frame) can begin its response and send keep-alives meanwhile
+        (`LiveTurn.parsed`). The parse runs under the session lock: a Responses body's
+        `previous_response_id` reads the session's tree, which a commit of the turn in
+        flight would otherwise change under it.
+
         Cancelling the work aborts its engine request (`generate_resilient`) and commits
         nothing (commit has no await inside), so the claim is free at once for a retry."""
         ctx = self.ctx
@@ -102,6 +110,10 @@ class TurnRunner:
         if client_gone is not None:
             watcher = asyncio.create_task(client_gone())
         try:
+            req = await self._parse(session_id, body, parse)
+            timer.lap("parse")
+            if live is not None:
+                live.parsed(req)
             session, claim = await self._claim(session_id, watcher)
         except BaseException:
             if watcher is not None:
@@ -109,7 +121,8 @@ class TurnRunner:
             raise
         timer.lap("claim")
         ctx.metrics.turns_in_flight.inc()
-        work = asyncio.create_task(self._turn(session, claim, body, parse, timer, live), name=f"tito-turn-{session_id}")
+        work = asyncio.create_task(self._turn(session, claim, req, len(body), timer, live),
+                                   name=f"tito-turn-{session_id}")
         session.turn = work
         try:
             await asyncio.wait([t for t in (work, watcher) if t is not None], return_when=asyncio.FIRST_COMPLETED)
@@ -133,6 +146,13 @@ class TurnRunner:
                 session.turn = None
             ctx.metrics.turns_in_flight.dec()
             ctx.store.release(session, claim)
+
+    async def _parse(self, session_id: str, body: bytes, parse: Callable[[bytes], ChatRequest]) -> ChatRequest:
+        """The dialect's parse, off the loop when the body is large, under the session lock."""
+        session = self.ctx.store.get(session_id)
+        async with session.lock:
+            req: ChatRequest = await self.ctx.offload.run_sized(len(body), parse, body)
+        return req
 
     async def _claim(self, session_id: str, watcher: asyncio.Task[None] | None) -> tuple[Session, Claim]:
         """The session's claim: at once when it is free, else after the turns queued
@@ -184,20 +204,20 @@ class TurnRunner:
         self.ctx.metrics.turns_total.labels(outcome="discarded").inc()
 
     async def _turn(
-        self, session: Session, claim: Claim, body: bytes, parse: Callable[[bytes], ChatRequest], timer: _Timer,
+        self, session: Session, claim: Claim, req: ChatRequest, body_len: int, timer: _Timer,
         live: LiveTurn | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
-        """The phases in order, each lapped under its own name (claim was lapped by `run`;
-        `route` is lapped inside generate, when the first target is chosen)."""
+        """The phases in order, each lapped under its own name (parse and claim were lapped
+        by `run`; `route` is lapped inside generate, when the first target is chosen)."""
         ctx = self.ctx
-        req: ChatRequest = await ctx.offload.run_sized(len(body), parse, body)
-        timer.lap("parse")
-        prep = await self._prepare(session, req, len(body))
+        prep = await self._prepare(session, req, body_len)
         timer.lap("prepare")
         rendered = await render(ctx, session, prep)
         timer.lap("render")
         check_branch_cap(ctx, session, rendered.prep)
-        call = engine_request(ctx, session, req, rendered.prep, rendered.prompt_ids)
+        # a stream that began before its turn has announced this id (Responses' response.created)
+        call = engine_request(ctx, session, req, rendered.prep, rendered.prompt_ids,
+                              request_id=live.request_id if live is not None else None)
         on_delta = live.begin(req, call, rendered.prep) if live is not None else None
         gen = await generate(ctx, session, req, call, on_routed=lambda: timer.lap("route"), on_delta=on_delta)
         timer.lap("generate")

@@ -118,6 +118,13 @@ class StreamEncoder(Protocol):
         constrained sample), so idle watchdogs that count events, not bytes, see one."""
         ...
 
+    def opening(self, request_id: str) -> list[bytes]:
+        """The frames of a response that begins before its turn starts (a request queued
+        for its session, see `live.py`): what the dialect's clients need first for its
+        keep-alives to count (Responses: `response.created`, as `TurnStarted` would send
+        it, which then sends nothing); none where a keep-alive may come first."""
+        ...
+
 
 def replay(out: TurnOutput) -> list[StreamEvent]:
     """A committed turn as the events a live stream of it would have sent."""

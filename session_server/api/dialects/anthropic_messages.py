@@ -479,6 +479,12 @@ class MessagesStreamEncoder:
         may also include any number of ping events"): the SDKs skip it."""
         return _sse("ping", {})
 
+    def opening(self, request_id: str) -> list[bytes]:
+        """Nothing: a `ping` may come before `message_start` (the anthropic SDKs drop every
+        `ping` before parsing events: `anthropic/_streaming.py`), and `message_start`
+        must carry the prompt's token count, unknown until the turn is rendered."""
+        return []
+
     def _close(self) -> list[bytes]:
         if self._open is None:
             return []

@@ -102,6 +102,10 @@ class ChatStreamEncoder:
         bytes reset an HTTP read timeout; a chunk would have to carry a choice."""
         return b": keep-alive\n\n"
 
+    def opening(self, request_id: str) -> list[bytes]:
+        """Nothing: an SSE comment is valid anywhere in the stream (chunk parsers skip it)."""
+        return []
+
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, TurnStarted):
             self._base = {"id": f"chatcmpl-{event.request_id}", **self._base}

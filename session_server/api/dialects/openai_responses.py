@@ -630,8 +630,18 @@ class ResponsesStreamEncoder:
             return b": keep-alive\n\n"
         return self._event("response.in_progress", response=self._started)
 
+    def opening(self, request_id: str) -> list[bytes]:
+        """`response.created` and `response.in_progress` now, for the turn to come
+        (`request_id` is its id): the keep-alives after them are events Codex counts, and
+        no client sees an event before `response.created` (the openai SDK's stream
+        helper raises on one: `Expected to have received response.created`). The turn's
+        `TurnStarted` then adds nothing."""
+        return self.encode(TurnStarted(request_id, 0))
+
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, TurnStarted):
+            if self._rid == event.request_id:  # opened already (`opening`)
+                return []
             self._rid = event.request_id
             obj = response_object(event.request_id, self._echo, status="in_progress", output=[])
             self._started = obj

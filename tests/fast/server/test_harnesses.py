@@ -310,24 +310,48 @@ PAUSE_S = 14.0  # longer than each harness's watchdog below
 
 
 async def _paused_episode(st: Stack, argv: list[str], *, cwd: Path, env: dict[str, str], sid: str = "",
-                          after_turns: int = 0) -> tuple[int, str, str]:
-    """Run the harness while the engines are paused for `PAUSE_S` (the control plane's
+                          after_turns: int = 0, ahead: dict[str, Any] | None = None,
+                          pause_s: float = PAUSE_S) -> tuple[int, str, str]:
+    """Run the harness while the engines are paused for `pause_s` (the control plane's
     pause and resume, as a weight update does), from the start or once `after_turns`
-    turns of session `sid` committed: the next turn waits that long."""
+    turns of session `sid` committed: the next turn waits that long. From the start with
+    `sid`, the pause is counted from the harness's first turn taking the session (its
+    start-up is not part of the wait). With `ahead` (a chat body), that chat is sent on
+    session `sid` once the engines paused and before the harness starts: it holds the
+    session at the pause gate, so the harness's first request waits in the session's
+    queue (as Claude Code's main request does behind its title side-request)."""
     st.http.timeout = httpx.Timeout(60)
+    side: asyncio.Task[httpx.Response] | None = None
+
+    async def busy() -> bool:
+        return bool((await st.http.get(f"/sessions/{sid}")).json()["busy"])
+
+    if not after_turns:
+        r = await st.http.post("/control/pause", json={"mode": "abort"})
+        assert r.status_code == 200, r.text
+    if ahead is not None:
+        side = asyncio.create_task(st.chat(sid, ahead))
+        while not await busy():
+            assert not side.done(), side.result().text
+            await asyncio.sleep(0.01)
     run = asyncio.create_task(_run(argv, cwd=cwd, env=env, timeout=120))
     while after_turns:
         traj = await st.trajectory(sid)
         if sum(len(b["turns"]) for b in traj["branches"]) >= after_turns:
+            r = await st.http.post("/control/pause", json={"mode": "abort"})
+            assert r.status_code == 200, r.text
             break
         assert not run.done(), f"the harness ended before the pause: {run.result()}"
         await asyncio.sleep(0.01)
-    r = await st.http.post("/control/pause", json={"mode": "abort"})
-    assert r.status_code == 200, r.text
-    await asyncio.sleep(PAUSE_S)
+    while sid and not after_turns and side is None and not await busy():
+        assert not run.done(), f"the harness ended before its first turn: {run.result()}"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(pause_s)
     assert not run.done(), f"the harness ended during the pause: {run.result()}"
     r = await st.http.post("/control/resume", json={})
     assert r.status_code == 200, r.text
+    if side is not None:
+        assert (await side).status_code == 200
     return await run
 
 
@@ -362,3 +386,73 @@ async def test_codex_runs_an_episode_through_a_pause_longer_than_its_idle_watchd
     branch = traj["branches"][0]
     assert len(traj["branches"]) == 1 and len(branch["turns"]) == 2
     assert_trajectory_matches_engine(branch, log, "codex-paused")
+
+
+# Claude Code's idle watchdogs (2.1.197, read in its bundle): its byte watchdog
+# (`CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS`, 180 s, floor 10 s) wraps a streamed response's body
+# once its headers came, and only for api.anthropic.com (forced on here); elsewhere Bun's
+# own socket idle timeout (`BUN_CONFIG_HTTP_IDLE_TIMEOUT`, 300 s) counts every byte, headers
+# or not, so it is what a request still waiting for its headers meets on a custom base URL.
+CLAUDE_WATCHDOGS = {
+    # its stream began, then waits at the pause gate: pings must reach the byte watchdog
+    "byte_watchdog_on_its_stream": {"_CLAUDE_CODE_ASSUME_FIRST_PARTY_BASE_URL": "1",
+                                    "CLAUDE_ENABLE_BYTE_WATCHDOG": "1",
+                                    "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "10000"},
+    # queued for the session behind a turn at the pause gate, before any byte of its response
+    "socket_idle_while_queued": {"BUN_CONFIG_HTTP_IDLE_TIMEOUT": "10"},
+}
+
+
+QUEUED_PAUSE_S = 22.0  # from before Claude Code starts: its first request (0.3-6 s in) waits well over 10 s
+
+
+@pytest.mark.parametrize("watchdog", list(CLAUDE_WATCHDOGS))
+async def test_claude_code_runs_an_episode_through_a_pause_longer_than_its_idle_watchdog(
+        qwen3_dir: Path, tmp_path: Path, watchdog: str) -> None:
+    """Claude Code abandons a request silent for its idle watchdog (10 s here; 180 s or
+    300 s by default, see CLAUDE_WATCHDOGS) and sends it again (or falls back to a
+    non-streamed request): a duplicate turn. Through a pause longer than the watchdog,
+    with `keepalive_s` 1 s: no abort, every branch equal to the engine I/O, the
+    episode's answer right; both where its stream waits at the pause gate for 14 s
+    (pings after `message_start`) and where its request waits in the session's queue
+    behind a turn held there (the response begins after `keepalive_s`: headers, then
+    pings before `message_start`). With TITO_TEST_KEEPALIVE_S=300 both fail."""
+    from session_server.context import Settings
+
+    from .conftest import metric_value
+
+    claude = _tool("TITO_CLAUDE_BIN", "claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("hello from the sandbox\n")
+    keepalive_s = float(os.environ.get("TITO_TEST_KEEPALIVE_S", "1"))  # 300: shows the watchdog fires
+    queued = watchdog == "socket_idle_while_queued"
+    ahead = {"model": "m", "max_tokens": 32, "messages": [{"role": "user", "content": "A side question."}],
+             "tools": [{"type": "function", "function": {"name": "Bash", "parameters": {"type": "object"}}}]}
+    async with live_stack(qwen3_dir, "sglang", script=CLAUDE_SCRIPT, settings=Settings(keepalive_s=keepalive_s)) as st:
+        sid = await st.session()
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_API_KEY": "x",
+               "ANTHROPIC_BASE_URL": f"{st.url}/sessions/{sid}", "DISABLE_TELEMETRY": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+               **CLAUDE_WATCHDOGS[watchdog]}
+        rc, out, err = await _paused_episode(st, [claude, "-p", "Print the notes", "--output-format", "json",
+                                                  "--allowedTools", "Bash"], cwd=work, env=env, sid=sid,
+                                             ahead=ahead if queued else None,
+                                             pause_s=QUEUED_PAUSE_S if queued else PAUSE_S)
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+        view = (await st.http.get(f"/sessions/{sid}")).json()
+        metrics = (await st.http.get("/metrics")).text
+    assert rc == 0, f"claude exited {rc}: {out[-2000:]} {err[-2000:]}"
+    result = json.loads(out)
+    assert result["is_error"] is False and result["result"] == "The notes say hello.", result
+    # an abandoned request comes back as a new one (Claude Code retries a timed-out request
+    # itself, or falls back to a non-streamed one): the same turn once more on a new branch
+    turns = sum(len(b["turns"]) for b in traj["branches"])
+    assert turns == 2 + queued, f"Claude Code abandoned a request and sent it again ({turns} turns)"
+    assert view["turns_discarded"] == 0, "a turn was abandoned (the client aborted)"
+    retries = sum(metric_value(metrics, "tito_replays_total", source=s) for s in ("in_flight", "stored"))
+    assert retries == 0, f"Claude Code's SDK retried a request ({retries:g} retries)"
+    # first-party mode makes Claude Code resend its first answer slightly changed (a history
+    # rewrite: a branch of its own), so its turns are not always on one branch
+    assert_every_branch_matches_engine(traj, log, f"claude-code-paused-{watchdog}")
