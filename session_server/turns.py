@@ -124,28 +124,38 @@ class TurnRunner:
         work = asyncio.create_task(self._turn(session, claim, req, len(body), timer, live),
                                    name=f"tito-turn-{session_id}")
         session.turn = work
+        discarded = False
+
+        def discard() -> None:  # once per turn, whichever way it ended without a commit
+            nonlocal discarded
+            if not discarded:
+                discarded = True
+                self._discarded(session)
+
         try:
             await asyncio.wait([t for t in (work, watcher) if t is not None], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client went away first
+                discard()  # before the await: a cancellation of this request may land in it
                 await self._cancel(work)
-                self._discarded(session)
                 raise ClientGone(f"client disconnected mid-turn on session {session.id}; nothing committed")
             if work.cancelled():  # only a DELETE cancels the work itself
-                self._discarded(session)
+                discard()
                 raise SessionClosed(f"session {session.id} was deleted during the turn; nothing committed")
             if isinstance(work.exception(), SessionClosed):
-                self._discarded(session)
+                discard()
             return work.result()
         finally:
             if watcher is not None:
                 watcher.cancel()
-            if not work.done():  # this request itself was cancelled (e.g. shutdown)
-                await self._cancel(work)
-                self._discarded(session)
-            if session.turn is work:
-                session.turn = None
-            ctx.metrics.turns_in_flight.dec()
-            ctx.store.release(session, claim)
+            try:
+                if not work.done():  # this request itself was cancelled (e.g. shutdown, the client left)
+                    discard()
+                    await self._cancel(work)
+            finally:  # the claim goes back even when a second cancellation lands in `_cancel`
+                if session.turn is work:
+                    session.turn = None
+                ctx.metrics.turns_in_flight.dec()
+                ctx.store.release(session, claim)
 
     async def _parse(self, session_id: str, body: bytes, parse: Callable[[bytes], ChatRequest]) -> ChatRequest:
         """The dialect's parse, off the loop when the body is large, under the session lock."""

@@ -76,11 +76,13 @@ class EngineRegistry:
                 except EngineError as exc:
                     log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
                     healthy = False
-        already = self.find(spec)  # added meanwhile (a relayed add racing a peer sync): one engine per URL
+        shape = await learn_routed_shape(adapter) if healthy else None
+        # added meanwhile (a relayed add racing a peer sync): one engine per URL. Checked
+        # after the last await, so nothing can attach the same URL between check and attach
+        already = self.find(spec)
         if already is not None:
             await adapter.aclose()
             return already
-        shape = await learn_routed_shape(adapter) if healthy else None
         eng = self.attach(f"e{self.pool.next_engine_number()}", adapter, dp_size)
         eng.healthy = healthy
         if shape is not None:

@@ -291,3 +291,27 @@ async def test_16_10_openapi_declares_retry_after(qwen3_dir: Path) -> None:
         chat = doc["paths"]["/sessions/{sid}/v1/chat/completions"]["post"]["responses"]
         assert "Retry-After" in chat["429"]["headers"] and "Retry-After" in chat["503"]["headers"]
         assert "headers" not in chat["400"]
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_a_streamed_client_that_hangs_up_mid_turn_is_counted_discarded(qwen3_dir: Path, protocol: str) -> None:
+    """The stream's end and the disconnect watcher both cancel the turn: whichever lands
+    first, and a second cancellation landing while the first unwinds, the turn is counted
+    discarded exactly once and the claim goes back."""
+    body = {**SLOW, "stream": True}
+    async with live_stack(qwen3_dir, protocol, latency_ms=10) as st:
+        sid = await st.session()
+        async with st.http.stream("POST", f"/sessions/{sid}/v1/chat/completions", json=body) as r:
+            chunks = r.aiter_bytes()
+            for _ in range(12):  # tokens are flowing
+                await anext(chunks)
+
+        async def counted() -> bool:
+            view = (await st.http.get(f"/sessions/{sid}")).json()
+            return bool(view["turns_discarded"] == 1 and not view["busy"])
+
+        assert await _until(counted, timeout_s=5.0), (await st.http.get(f"/sessions/{sid}")).json()
+        view = (await st.http.get(f"/sessions/{sid}")).json()
+        metrics = (await st.http.get("/metrics")).text
+    assert view["turns"] == 0 and view["turns_discarded"] == 1
+    assert metric_value(metrics, "tito_turns_total", outcome="discarded") == 1
