@@ -351,10 +351,12 @@ def create_app(config: AppConfig) -> FastAPI:
                 return dataclasses.replace(rendered, turn=(out.branch_id, out.turn_index))
             except Exception as exc:
                 log.exception("session %s: turn %d committed, its response failed", sid, out.turn_index)
-                raise CommittedUnanswered(
+                failed = CommittedUnanswered(
                     f"turn {out.turn_index} of session {sid} was committed, but its response could not be built "
                     f"({type(exc).__name__}); the turn is in GET /sessions/{sid}/trajectory, and a retry of this "
-                    "request gets this same error, never a second turn") from exc
+                    "request gets this same error, never a second turn")
+                failed.turn = (out.branch_id, out.turn_index)
+                raise failed from exc
 
         # a streamed turn answers once it starts (issue 12.2), or once it has waited
         # keepalive_s without starting (queued for the session: live.py), then sends

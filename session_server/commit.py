@@ -160,6 +160,8 @@ async def commit(
             extra=extra,
             routed_experts=checked.routed,
         )
+        if prep.answered is not None:
+            session.answered_seqs.add(prep.answered)
         if "stale_bound" in extra:
             session.note("stale_bound", turn=record.index, **extra["stale_bound"])
         if "undecodable_ids" in extra:

@@ -189,6 +189,7 @@ class CommittedUnanswered(InternalInvariant):
 
     type = "response_failed"
     should_retry = False
+    turn: tuple[int, int] | None = None  # (branch id, turn index) of the committed turn
 
 
 class EngineError(ServiceError):

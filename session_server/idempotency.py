@@ -174,6 +174,9 @@ class ReplayLog:
         replay of a turn that is streaming now (the caller may follow it; this still
         waits for the original, as any replay)."""
         while (entry := self._find(ident)) is not None:
+            if entry.failure is not None:  # its turn is committed: never run it again
+                self._served("failed")
+                raise CommittedUnanswered(entry.failure.message)
             if entry.rendered is None:
                 entry.adopted.set()
                 followed = on_follow is not None and entry.live is not None and await _opens(entry)
@@ -198,8 +201,7 @@ class ReplayLog:
         try:
             rendered = await produce(lambda gone: self._held(entry, gone))
         except CommittedUnanswered as exc:
-            entry.failure = exc
-            entry.done.set()  # kept (no bytes), so a retry gets the same error, not a new turn
+            self._store(ident.session_id, entry, None, failure=exc)  # a retry gets the same error, not a new turn
             raise
         except BaseException:
             self._drop(ident.session_id, entry)
@@ -261,13 +263,17 @@ class ReplayLog:
 
         return held
 
-    def _store(self, session_id: str, entry: _Entry, rendered: Rendered) -> None:
-        entry.rendered, entry.turn = rendered, rendered.turn
+    def _store(self, session_id: str, entry: _Entry, rendered: Rendered | None, *,
+               failure: CommittedUnanswered | None = None) -> None:
+        """Keep a committed original's response (or, `failure`, the error its response
+        became: no bytes), bounded with the rest per session and in bytes."""
+        entry.rendered, entry.failure = rendered, failure
+        entry.turn = rendered.turn if rendered is not None else (failure.turn if failure is not None else None)
         entry.done.set()
         if session_id not in self._sessions:  # the session was removed meanwhile
             return
         self._stored[entry] = session_id
-        self._bytes += rendered.size
+        self._bytes += rendered.size if rendered is not None else 0
         stored = [e for e in self._sessions[session_id] if e in self._stored]
         for old in stored[: max(0, len(stored) - self.per_session)]:
             self._evict(old)

@@ -40,8 +40,8 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trajectory.codec.parsing import new_call_id, tool_names
 from trajectory.errors import CodecError
@@ -185,8 +185,9 @@ class _Outbox:
         """Queue `frame`; False when it would pass the bound (nothing queued: cut it)."""
         if self.cut:
             return True  # the client's stream has ended; the turn's frames still go to `frames`
-        if self.waiting + len(frame) > self.limit:
-            return False
+        if self.waiting > self.limit:
+            return False  # the backlog is past the bound: the client stopped reading (a frame
+            # larger than the bound still goes to a client that keeps up)
         self.waiting += len(frame)
         self.queue.put_nowait(frame)
         return True
@@ -204,15 +205,29 @@ class _Outbox:
             self.queue.put_nowait(None)
 
     async def get(self) -> bytes | None:
-        frame = await self.queue.get()
+        return self._taken(await self.queue.get())
+
+    def get_nowait(self) -> bytes | None:
+        """A waiting frame (asyncio.QueueEmpty when none): the streaming fast path."""
+        return self._taken(self.queue.get_nowait())
+
+    def _taken(self, frame: bytes | None) -> bytes | None:
         if frame is not None and not self.cut:
             self.waiting -= len(frame)
         return frame
 
 
-async def _with_keepalives(get: Callable[[], Awaitable[bytes | None]], keepalive: Callable[[], bytes],
+class _Frames(Protocol):
+    """Where a stream's frames wait: the outbox, or a follower's queue."""
+
+    async def get(self) -> bytes | None: ...
+
+    def get_nowait(self) -> bytes | None: ...
+
+
+async def _with_keepalives(source: _Frames, keepalive: Callable[[], bytes],
                            every: float, *, lead: bool = False) -> AsyncIterator[bytes]:
-    """The frames `get` gives until its end (None), and the dialect's keep-alive whenever
+    """The frames `source` gives until its end (None), and the dialect's keep-alive whenever
     none came for `every` seconds (`lead`: one first, for a response that begins with
     nothing of its turn to send: the client has waited already). Why: a turn held by a
     weight-update pause or a long constrained sample sends nothing for minutes, and
@@ -222,11 +237,14 @@ async def _with_keepalives(get: Callable[[], Awaitable[bytes | None]], keepalive
     if lead:
         yield keepalive()
     while True:
-        try:
-            frame = await asyncio.wait_for(get(), every)
-        except TimeoutError:
-            yield keepalive()
-            continue
+        try:  # a frame already waiting needs no timer (wait_for costs a task per frame)
+            frame = source.get_nowait()
+        except asyncio.QueueEmpty:
+            try:
+                frame = await asyncio.wait_for(source.get(), every)
+            except TimeoutError:
+                yield keepalive()
+                continue
         if frame is None:
             return
         yield frame
@@ -243,7 +261,7 @@ async def _drain(outbox: _Outbox, task: asyncio.Future[Any], held: bool, keepali
     del task
     ended = False
     try:
-        async for frame in _with_keepalives(outbox.get, keepalive, every, lead=lead):
+        async for frame in _with_keepalives(outbox, keepalive, every, lead=lead):
             yield frame
         ended = True
     finally:
@@ -486,7 +504,7 @@ class LiveTurn:
             self._followers.append(queue)
         ended = False
         try:
-            async for frame in _with_keepalives(queue.get, self._encoder.keepalive, self.ctx.settings.keepalive_s,
+            async for frame in _with_keepalives(queue, self._encoder.keepalive, self.ctx.settings.keepalive_s,
                                                 lead=queue.empty()):
                 yield frame
             ended = True  # the waiter ends by itself now (the turn is over)

@@ -59,6 +59,10 @@ class Prepared:
     line_message_counts: tuple[int, ...] = (0,)
     line_output_starts: tuple[int, ...] = ()
     fork_shared: int | None = None  # a fork's tokens shared with its parent (None: the checkpoint's)
+    # the commit order (`TurnRecord.seq`) of the last committed turn whose answer the
+    # request's history holds, as attached before any fork: the client had that answer
+    # (idempotency.py never replays it to a later identical request; `Session.built_on`)
+    answered: int | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
     traj = branch.trajectory
     counts = traj.message_counts_view()
     kind, checkpoint, new = plan.kind, plan.checkpoint, list(plan.new_messages)
+    matched = traj.num_turns if kind == "append" else (checkpoint if kind == "rollback" else 0)
+    answered = traj.turn(matched - 1).seq if matched >= 1 else None
     tools = req.tools or None
     kwargs = {**session.config.chat_template_kwargs, **(req.chat_template_kwargs or {})}
     fork_reason: str | None = None
@@ -134,6 +140,7 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         line_checkpoints=tuple(traj.checkpoints[: checkpoint + 1]) if keep else (0,),
         line_message_counts=tuple(counts[: checkpoint + 1]) if keep else (0,),
         line_output_starts=tuple(traj.turn(i).output_start for i in range(checkpoint)) if keep else (),
+        answered=answered,
     )
 
 

@@ -126,6 +126,9 @@ class Session:
         self.diagnostics: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_DIAGNOSTICS)
         self.diagnostics_dropped = 0
         self.turns_discarded = 0  # turns ended without a commit: client gone, deleted mid-turn
+        # commit order (TurnRecord.seq) of turns whose answers a later committed request's
+        # history held (prepare.Prepared.answered): `built_on` for replays; one int per turn
+        self.answered_seqs: set[int] = set()
         self.turn: asyncio.Task[Any] | None = None  # the in-flight turn's work; a DELETE cancels it
         # chats queued for the claim, oldest first (non-empty only while a turn is in flight)
         self.waiters: collections.deque[asyncio.Future[Claim]] = collections.deque()
@@ -141,15 +144,19 @@ class Session:
     def built_on(self, turn: tuple[int, int]) -> bool:
         """Whether a committed turn extends `turn` (branch id, turn index): its client must
         have had that turn's response (idempotency.py: a retry is never of such a turn).
-        Forks share their prefix's turn records by reference, so one identity test per
-        branch finds extensions on any branch. O(branches); run for retries only."""
+        A request that held its answer is recorded at its commit (`answered_seqs`, also
+        when it forked away from the turn's record); forks share their prefix's turn
+        records by reference, so one identity test per branch finds the turns that
+        extend it. O(branches); run for retries only."""
         branch_id, index = turn
         try:
-            record = self.tree.get(branch_id).trajectory.turns[index]
+            record = self.tree.get(branch_id).trajectory.turn(index)
         except (LookupError, IndexError):
             return False
-        return any(len(ts) > index + 1 and ts[index] is record
-                   for ts in (b.trajectory.turns for b in self.tree.branches()))
+        if record.seq in self.answered_seqs:  # a later request's history held its answer
+            return True  # (also when that request forked: its branch may not hold the record)
+        return any(t.num_turns > index + 1 and t.turn(index) is record
+                   for t in (b.trajectory for b in self.tree.branches()))
 
     def transition(self, new: SessionState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -34,8 +34,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="largest request body accepted (413 above)")
     stream_buffer_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024, description="SSE bytes one streamed response may have waiting for a client that "
-        "does not read; past it the client's stream is cut with a stream_overflow error event (the turn still "
+        8 * 1024 * 1024, ge=1024, description="SSE bytes one streamed response may have waiting for a client "
+        "that does not read (checked as each frame arrives: the backlog may pass it by one frame); past it the "
+        "client's stream is cut with a stream_overflow error event (the turn still "
         "commits: a retry with x-stainless-retry-count or Idempotency-Key gets it whole)")
     max_sessions: int = Field(100_000, ge=1, description="live sessions at most (429 over_capacity above)")
     default_ttl_s: float = Field(

@@ -36,7 +36,7 @@ from .engine_request import EngineCall, engine_request
 from .errors import ClientGone, SessionBusy, SessionClosed
 from .live import LiveTurn
 from .prepare import Prepared, check_branch_cap, prepare, render
-from .sessions import Claim, Session
+from .sessions import Claim, Session, SessionState
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,12 @@ class TurnRunner:
             if fut.done():
                 claim = fut.result()  # SessionClosed when deleted meanwhile
                 taken = True
+                if session.state is not SessionState.ACTIVE:
+                    # deleted between the hand-over and this task waking: no turn object
+                    # existed for the DELETE to cancel, so the session's removal waits on us
+                    store.release(session, claim)
+                    raise SessionClosed(f"session {session_id} was deleted while this chat waited for the turn "
+                                        "in flight")
                 return session, claim
             if watcher is not None and watcher.done():
                 raise ClientGone(f"client disconnected while waiting for the turn in flight on session {session_id}")

@@ -538,8 +538,9 @@ class LinearTrajectory:
 
     # -- invariants ------------------------------------------------------
 
-    def check_invariants(self) -> None:
-        """Raise `InvariantError` unless tokens, turns, checkpoints and messages agree.
+    def check_invariants(self, *, allow_head: bool = False) -> None:
+        """Raise `InvariantError` unless tokens, turns, checkpoints and messages agree
+        (`allow_head`: a fresh fork's shared prompt head, before its first turn, is valid).
 
         O(tokens) vectorised plus O(turns); meant for tests, import and debugging,
         not the per-turn path.
@@ -605,6 +606,11 @@ class LinearTrajectory:
             raise InvariantError(f"last checkpoint {cps[-1]} is past the length {n}")
         if mask[cps[-1] :].any():
             raise InvariantError(f"the prompt head after the last checkpoint {cps[-1]} has mask 1")
+        if cps[-1] != n and not allow_head:
+            # a prompt head exists only between a fork and its first commit (under the
+            # session's lock); anywhere else (an import, a tree at rest) it is tokens no
+            # turn holds, which the next commit would take into its prompt
+            raise InvariantError(f"{n - cps[-1]} tokens after the last checkpoint {cps[-1]} belong to no turn")
         if counts[-1] != len(self._messages):
             raise InvariantError(f"{len(self._messages)} messages, counts say {counts[-1]}")
 

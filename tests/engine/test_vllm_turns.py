@@ -270,6 +270,11 @@ async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> No
                     continue  # the engine ended the turn by itself before the hang-up
             await wait_until(lambda: _idle(stack), 15, "vLLM's running count to drop")
             after = await engine_finished(stack.engine.url)
+
+            async def discarded(s: str = sid) -> bool:  # the server counts it as its cancellation unwinds
+                return bool((await http.get(f"/sessions/{s}")).json()["turns_discarded"] == 1)
+
+            await wait_until(discarded, 15, "the server to discard the turn")
             view = (await http.get(f"/sessions/{sid}")).json()
             break
         else:

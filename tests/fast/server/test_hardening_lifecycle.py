@@ -315,3 +315,35 @@ async def test_a_streamed_client_that_hangs_up_mid_turn_is_counted_discarded(qwe
         metrics = (await st.http.get("/metrics")).text
     assert view["turns"] == 0 and view["turns_discarded"] == 1
     assert metric_value(metrics, "tito_turns_total", outcome="discarded") == 1
+
+
+async def test_a_delete_landing_as_a_queued_chat_is_handed_the_session_ends_that_chat_at_once(qwen3_dir: Path) -> None:
+    """The claim passes to the queued chat before its task wakes; a DELETE in between finds
+    no turn to cancel. The chat must see the session closing as it wakes: a 409
+    session_closed at once, no engine request, and the session removed."""
+    async with live_stack(qwen3_dir, latency_ms=20) as st:
+        sid = await st.session()
+        store = _ctx(st).store
+        first = asyncio.create_task(st.chat(sid, SLOW))
+        await _until(lambda: _busy(st, sid))
+        queued = asyncio.create_task(st.chat(sid, {**CHAT, "messages": [{"role": "user", "content": "queued"}]}))
+        await _until(lambda: _has_waiter(store, sid))
+        release = store.release
+
+        def release_then_delete(session: Any, claim: Any) -> None:
+            release(session, claim)
+            if session.id == sid and session.inflight is not None:  # handed to the queued chat
+                store.close(sid)  # the DELETE lands before the queued chat's task runs
+
+        store.release = release_then_delete  # type: ignore[method-assign]
+        r1, r2 = await first, await asyncio.wait_for(queued, 5)
+        log = await st.engine_log()
+        gone = await st.http.get(f"/sessions/{sid}")
+    assert r1.status_code == 200 and r2.status_code == 409, (r1.text, r2.text)
+    assert r2.json()["error"]["type"] == "session_closed"
+    assert len(log) == 1, "the chat of a deleted session reached the engine"
+    assert gone.status_code == 404
+
+
+async def _has_waiter(store: Any, sid: str) -> bool:
+    return bool(store.get(sid).waiters)

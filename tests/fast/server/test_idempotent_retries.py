@@ -123,6 +123,30 @@ async def test_a_retry_after_a_side_request_committed_is_still_a_replay(qwen3_di
     assert _turns(traj) == 2 and len(log) == 2
 
 
+async def test_an_answer_built_on_through_a_fork_is_never_replayed_to_a_later_identical_request(
+    qwen3_dir: Path,
+) -> None:
+    """The agent continues from an answer but its request forks (here: other tools, which
+    render into the system prompt), so no branch holds the answered turn's record with a
+    turn after it. The client evidently had that answer: a later identical request whose
+    first attempt was lost (count 1) is a new turn, not the old response."""
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}
+    async with live_stack(qwen3_dir) as st_:
+        sid = await st_.session()
+        first = await st_.chat(sid, CHAT, headers={RETRY: "0"})
+        reply = first.json()["choices"][0]["message"]
+        follow_up = {**CHAT, "tools": [tool],
+                     "messages": [*CHAT["messages"], {"role": "assistant", "content": reply["content"]},
+                                  {"role": "user", "content": "And now the docs."}]}
+        forked = await st_.chat(sid, follow_up, headers={RETRY: "0"})
+        resent = await st_.chat(sid, CHAT, headers={RETRY: "1"})
+        traj = await st_.trajectory(sid)
+    assert first.status_code == forked.status_code == resent.status_code == 200
+    assert any(b["reason"] == "tools_changed" for b in traj["branches"]), [b["reason"] for b in traj["branches"]]
+    assert resent.json()["id"] != first.json()["id"]
+    assert _turns(traj) == 3
+
+
 async def test_12_3_replay_in_flight_waits_for_the_original(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, request_latency_ms=400) as st_:
         sid = await st_.session()

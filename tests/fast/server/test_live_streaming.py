@@ -251,3 +251,23 @@ async def test_a_client_that_stops_reading_is_cut_at_the_stream_bound_and_the_tu
         assert b'"type":"stream_overflow"' in received and received.endswith(b"data: [DONE]\n\n")
     else:  # Anthropic's error event, last
         assert received.rsplit(b"event: ", 1)[1].startswith(b"error\n")
+
+
+async def test_one_frame_larger_than_the_stream_bound_reaches_a_client_that_reads(qwen3_dir: Path) -> None:
+    """The bound is on a backlog, not on one frame: Responses' closing frames repeat the
+    whole output and the echoed request (tools, instructions), tens of KB, and a client
+    that keeps reading must still get them, not a `stream_overflow`."""
+    from session_server.context import Settings
+
+    from .conftest import metric_value
+
+    async with live_stack(qwen3_dir, settings=Settings(stream_buffer_bytes=64 * 1024)) as st:
+        sid = await st.session()
+        body = {"model": "m", "input": "Fix the failing test.", "max_output_tokens": 64, "stream": True,
+                "instructions": "Be brief. " * 4000}  # ~40 KB in each of the opening frames
+        async with st.http.stream("POST", f"/sessions/{sid}/v1/responses", json=body) as r:
+            assert r.status_code == 200
+            received = b"".join([part async for part in r.aiter_bytes()])
+        overflows = metric_value((await st.http.get("/metrics")).text, "tito_stream_overflows_total")
+    assert b"too slowly" not in received and overflows == 0
+    assert b"event: response.completed" in received

@@ -273,3 +273,19 @@ def test_a_fork_index_outside_the_prompt_after_its_checkpoint_is_refused(fork_in
     d["branches"][1]["fork_index"] = fork_index
     with pytest.raises(ExportError):
         from_dict(d)
+
+
+def test_an_export_with_tokens_after_the_last_turn_is_refused() -> None:
+    """Edited arrays with ids past the last turn (mask 0) would become the next turn's
+    prompt after import: refused, as before forks could share a prompt head."""
+    from trajectory.tree import TrajectoryTree
+
+    tree = TrajectoryTree()
+    tree.active.trajectory.commit_turn([1, 2, 3], [10], [-0.5], finish_reason="stop")
+    data = to_dict(tree)
+    (branch,) = [b for b in data["branches"] if b["turns"]]
+    grown = {k: list(v) + [0, 0, 0] for k, v in branch.items()
+             if isinstance(v, list) and len(v) == len(branch["token_ids"])}
+    branch.update(grown)
+    with pytest.raises(ExportError, match="no turn"):
+        from_dict(data)

@@ -199,9 +199,11 @@ def test_a_prompt_head_no_turn_opens_is_refused_by_the_tree_and_can_be_discarded
     tree = TrajectoryTree()
     _prompted_turn(tree, [1, 2, 3], [10])
     b = tree.branch_from(0, 0, "history_rewrite", shared=2)
-    with pytest.raises(InvariantError, match="not a checkpoint of the branch"):
+    with pytest.raises(InvariantError, match="belong to no turn"):
         tree.check_invariants()
-    b.trajectory.check_invariants()  # the trajectory itself is valid: a head of prompt tokens
+    b.trajectory.check_invariants(allow_head=True)  # a fresh fork: a head of prompt tokens
+    with pytest.raises(InvariantError, match="belong to no turn"):
+        b.trajectory.check_invariants()  # at rest (an import), a head is tokens no turn holds
     tree.discard(b.id, activate=0)
     assert len(tree) == 1 and tree.active_id == 0
     tree.check_invariants()
