@@ -473,9 +473,11 @@ def create_app(config: AppConfig) -> FastAPI:
         body = await _read_body(request, ctx.settings.max_body_bytes)
         spec: SamplesBatch = await ctx.offload.run_sized(len(body), parse_json_model, body, SamplesBatch)
         relay: PeerRelay = state["relay"]
-        if not relay.wanted(request.headers):
-            return _json(samples_api.check_batch(ctx, spec)) if check else await samples_api.batch_response(ctx, spec)
-        return await samples_api.batch_response(ctx, spec, relay, request.headers.get("authorization"))
+        gather = relay if relay.wanted(request.headers) else None  # a client's batch, not a peer's part of one
+        authorization = request.headers.get("authorization")
+        if check:
+            return _json(await samples_api.check_batch(ctx, spec, gather, authorization))
+        return await samples_api.batch_response(ctx, spec, gather, authorization)
 
     @app.delete(
         "/sessions/{sid}",

@@ -150,10 +150,15 @@ async def _stream(ctx: ServerContext, sessions: list[Session], spec: SamplesBatc
         writer.close()
 
 
-def check_batch(ctx: ServerContext, spec: SamplesBatch) -> dict[str, Any]:
-    """A peer's `POST /samples?check=1`: this instance's part of a batch validated as a
-    batch here would be; nothing read or closed (samples_cluster.py)."""
-    return {"ok": True, "sessions": len(_validated(ctx, spec))}
+async def check_batch(ctx: ServerContext, spec: SamplesBatch, relay: PeerRelay | None = None,
+                      authorization: str | None = None) -> dict[str, Any]:
+    """`POST /samples?check=1`: the batch validated as it would be for reading, nothing
+    read or closed. A peer's relayed check (samples_cluster.py) covers this instance's
+    part; a client's (with `relay`) the whole batch, on every owner, as one instance
+    answers it for a batch it holds whole."""
+    peers = await samples_cluster.plan(ctx, spec, relay, authorization) if relay is not None else None
+    return {"ok": True, "sessions": len(_validated(ctx, spec, peers.owners if peers is not None else ())) +
+            (len(peers.owners) if peers is not None else 0)}
 
 
 async def batch_response(

@@ -49,3 +49,27 @@ async def test_14_3_an_owner_failing_mid_batch_cuts_the_stream_never_a_partial_2
                 async for _ in resp.aiter_raw():
                     pass
         assert calls == 2
+
+
+async def test_a_client_check_of_a_batch_spanning_instances_validates_it_everywhere_and_reads_nothing(
+    qwen3_dir: Path,
+) -> None:
+    """`?check=1` from a client means what it means on one instance: the whole batch is
+    validated (here and on its owners), nothing is streamed or closed, an unknown id on
+    another instance is its 404."""
+    async with live_cluster(qwen3_dir, 2) as cl:
+        a, b = cl.clients
+        sids = []
+        for http in (a, b):
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            r = await http.post(f"/sessions/{sid}/v1/chat/completions",
+                                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            sids.append(sid)
+        checked = await a.post("/samples?check=1", json={"session_ids": sids, "close": True})
+        assert checked.status_code == 200 and checked.json() == {"ok": True, "sessions": 2}, checked.text
+        for http, sid in zip((a, b), sids, strict=True):  # nothing was closed
+            assert (await http.get(f"/sessions/{sid}")).status_code == 200
+        prefix = sids[1].rsplit(".", 1)[0]
+        unknown = await a.post("/samples?check=1", json={"session_ids": [sids[0], f"{prefix}.{'0' * 32}"]})
+        assert unknown.status_code == 404, unknown.text
