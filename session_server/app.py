@@ -513,8 +513,18 @@ def create_app(config: AppConfig) -> FastAPI:
             return _json(report, 200 if report["ok"] else 207)
         return _json(*merge_instances(report, instances))
 
-    async def _lora_wait(local: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
-        return cluster_pause.phase_response(await local)  # not drained: 504 (peers are still asked)
+    async def lora_wait(request: Request, body: bytes, local: Coroutine[Any, Any, dict[str, Any]]) -> Response:
+        """A per-adapter wait pause here and on every peer: 504 when any instance's drain
+        timed out (peers are asked either way), else as `cluster_wide`."""
+        peers = relay_to_peers(request, body)
+        try:
+            report = await local
+        finally:
+            instances = await peers if peers is not None else None
+        report = cluster_pause.lora_wait_response(report, instances)
+        if instances is None:
+            return _json(report, 200 if report["ok"] else 207)
+        return _json(*merge_instances(report, instances))
 
     @app.post("/control/pause", **route_doc(PauseRequest, 400, 409, 413, 504, required=False, ok=PARTIAL))
     async def pause(request: Request) -> Response:
@@ -524,7 +534,7 @@ def create_app(config: AppConfig) -> FastAPI:
         if spec.mode != "wait":
             return await cluster_wide(request, body, ctx.control.pause(spec.mode, spec.lora))
         if spec.lora is not None:  # each instance drains its own requests of that adapter; no engine pauses
-            return await cluster_wide(request, body, _lora_wait(ctx.control.pause("wait", spec.lora)))
+            return await lora_wait(request, body, ctx.control.pause("wait", spec.lora))
         if request.headers.get(RELAYED_HEADER) is None:  # the whole wait pause, here and on every peer
             report, status = await cluster_pause.wait_pause(
                 ctx.control, state["relay"], body, authorization=request.headers.get("authorization"))

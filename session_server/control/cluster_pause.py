@@ -45,10 +45,23 @@ def phase_response(report: dict[str, Any]) -> dict[str, Any]:
     if report.get("drained") is False:
         raise _drain_timeout(report, report.get("in_flight", 0), {})
     if report.get("superseded"):
+        paused = ("this instance paused the engines, but an instance's gate was resumed or repaused in "
+                  "between: resume, or pause again, to bring every instance to one state"
+                  if report.get("engines_paused") else "no engine was paused by this pause")
         err = PauseSuperseded("the gate was resumed or repaused in another mode between the wait pause's drain "
-                              "and its freeze: no engine was paused by this pause")
+                              f"and its freeze: {paused}")
         err.details = report
         raise err
+    return report
+
+
+def lora_wait_response(report: dict[str, Any], instances: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """A per-adapter `wait` here and on every peer (each drains its own requests of that
+    adapter; no engine pauses): a drain that timed out anywhere is the 504 it is here."""
+    late = {peer: _in_flight(out) for peer, out in (instances or {}).items() if out.get("status") == 504}
+    if report.get("drained") is False or late:
+        merged = merge_instances(report, instances)[0] if instances else report
+        raise _drain_timeout(merged, report.get("in_flight", 0) if report.get("drained") is False else 0, late)
     return report
 
 

@@ -235,3 +235,19 @@ async def test_14_3_engines_removed_by_url_whatever_their_id_on_each_instance(qw
         assert (await a.delete("/engines", params={"url": third})).status_code == 204  # b still had it
         assert third not in ids((await b.get("/engines")).json())
         assert (await a.delete("/engines", params={"url": "nope=http://x"})).status_code == 400
+
+
+async def test_a_lora_wait_pause_that_cannot_drain_on_a_peer_is_a_504(qwen3_dir: Path) -> None:
+    """A per-adapter wait pause whose drain times out on another instance is the 504 it is
+    on the instance asked (it used to merge into a 207 with the peer's failure inside)."""
+    from session_server.harness import live_apps
+
+    async with live_cluster(qwen3_dir, 2, pause_drain_timeout_s=0.2) as cl:
+        a, _ = cl.clients
+        peer = live_apps[cl.urls[1]].state.ctx.control
+        with peer.track_flight("r-lora", engine=cl.engines[0], lora="adapter-a"):  # a turn that does not end
+            r = await a.post("/control/pause", json={"mode": "wait", "lora": "adapter-a"})
+        assert r.status_code == 504, r.text
+        body = r.json()
+        assert body["error"]["type"] == "drain_timeout" and cl.urls[1] in body["error"]["message"], body
+        assert (await a.post("/control/resume", json={"lora": "adapter-a"})).status_code == 200
