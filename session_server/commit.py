@@ -137,14 +137,14 @@ async def commit(
     valid = checked.valid
     async with session.lock:
         ctx.store.ensure_can_commit(session, claim)  # SessionClosed: counted discarded by run()
+        # everything that can fail before the branch change: between a new branch and its
+        # first turn only `_commit_turn` runs, which takes the branch back when it refuses
+        extra = _turn_extra(call, result, checked, prep)
         before = session.tree.active_id
         _apply_branch_change(ctx, session, prep)
         branch = session.tree.active
         if prep.kind in ("first", "rollback", "fork"):
             session.tools_by_branch[branch.id] = prep.tools
-        extra = _turn_extra(call, result, checked, prep)
-        if "control" in extra:
-            session.control_totals.add(result)
         record = _commit_turn(
             session, branch, before, prep, prompt_ids,
             valid.ids,
@@ -160,6 +160,8 @@ async def commit(
             extra=extra,
             routed_experts=checked.routed,
         )
+        if "control" in extra:
+            session.control_totals.add(result)
         if prep.answered is not None:
             session.answered_seqs.add(prep.answered)
         if "stale_bound" in extra:
