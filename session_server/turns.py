@@ -128,15 +128,18 @@ class TurnRunner:
 
         def discard() -> None:  # once per turn, whichever way it ended without a commit
             nonlocal discarded
-            if not discarded:
+            committed = work.done() and not work.cancelled() and work.exception() is None
+            if not discarded and not committed:
                 discarded = True
                 self._discarded(session)
 
         try:
             await asyncio.wait([t for t in (work, watcher) if t is not None], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client went away first
-                discard()  # before the await: a cancellation of this request may land in it
-                await self._cancel(work)
+                try:
+                    await self._cancel(work)
+                finally:  # also when a cancellation of this request lands in the await
+                    discard()
                 raise ClientGone(f"client disconnected mid-turn on session {session.id}; nothing committed")
             if work.cancelled():  # only a DELETE cancels the work itself
                 discard()
@@ -149,8 +152,10 @@ class TurnRunner:
                 watcher.cancel()
             try:
                 if not work.done():  # this request itself was cancelled (e.g. shutdown, the client left)
-                    discard()
-                    await self._cancel(work)
+                    try:
+                        await self._cancel(work)
+                    finally:
+                        discard()
             finally:  # the claim goes back even when a second cancellation lands in `_cancel`
                 if session.turn is work:
                     session.turn = None
