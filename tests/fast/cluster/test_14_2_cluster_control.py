@@ -241,7 +241,7 @@ async def test_14_2_a_restarted_worker_joins_the_paused_cluster_at_its_version_a
 
 
 @needs_haproxy
-async def test_14_2_a_wait_pause_lets_every_instances_turn_finish_under_the_old_version(
+async def test_a_wait_pause_lets_every_instances_turn_finish_under_the_old_version(
     tokenizer_dirs: dict[str, Path], tmp_path: Path,
 ) -> None:
     """Three instances share one SGLang engine, each with a turn in flight (of different

@@ -60,7 +60,7 @@ async def _batch(http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[httpx.R
 
 
 @needs_haproxy
-async def test_14_2_a_batch_of_every_instances_sessions_through_the_proxy_is_what_each_owner_returns(
+async def test_a_batch_of_every_instances_sessions_through_the_proxy_is_what_each_owner_returns(
     tokenizer_dirs: dict[str, Path], tmp_path: Path,
 ) -> None:
     qwen3 = tokenizer_dirs["qwen3"]

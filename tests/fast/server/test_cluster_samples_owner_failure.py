@@ -17,7 +17,7 @@ from session_server.errors import InstanceUnavailable
 from .test_14_3_cluster_control import live_cluster
 
 
-async def test_14_3_an_owner_failing_mid_batch_cuts_the_stream_never_a_partial_200(
+async def test_an_owner_failing_mid_batch_cuts_the_stream_never_a_partial_200(
     qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with live_cluster(qwen3_dir, 2) as cl:
