@@ -358,7 +358,7 @@ def create_app(config: AppConfig) -> FastAPI:
                 failed.turn = (out.branch_id, out.turn_index)
                 raise failed from exc
 
-        # a streamed turn answers once it starts (issue 12.2), or once it has waited
+        # a streamed turn answers once it starts, or once it has waited
         # keepalive_s without starting (queued for the session: live.py), then sends
         # keep-alives; anything before that (and a turn that is not streamed) answers as
         # one response, errors as HTTP errors
