@@ -159,8 +159,23 @@ async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 1200, 
             r = await chat
             assert r.status_code == 200, r.text
             line, _, lps, turns = own_turns(await trajectory(http, sid))
+            if _missed(mode, turn_exchanges(stack.rec, line, turns[-1])[0], old):
+                continue  # the engine finished it while the pause was on its way: tried again
             return turns[-1], line, lps, old, new, pause
     raise AssertionError("the turn never was at the engine when the pause went out")
+
+
+def _missed(mode: str, first: Exchange, old: int) -> bool:
+    """Whether the pause reached the engine only after the turn's first request ended by
+    itself (the engine can be faster than the test's look at it): an `abort` pause that
+    aborted nothing, a `keep` pause whose update the request never saw."""
+    reply = first.reply()["choices"][0]
+    if mode == "abort":
+        return reply.get("finish_reason") != "abort"
+    if mode == "keep":
+        seen = {str(s["version"]) for s in reply.get("weight_versions") or []}
+        return reply.get("finish_reason") in ("stop", "length") and seen <= {str(old)}
+    return False
 
 
 async def _streamed_bytes(stack: Stack, before: int, n: int) -> bool:
