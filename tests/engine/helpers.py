@@ -12,7 +12,7 @@ import numpy as np
 
 from .recorder import Exchange, Recorder
 
-__all__ = ["engine_finished", "engine_running", "new_session", "next_version", "own_turns", "relative_spans", "trajectory",
+__all__ = ["engine_generated", "engine_queued", "engine_running", "new_session", "next_version", "own_turns", "relative_spans", "trajectory",
            "turn_exchanges", "wait_until"]
 
 
@@ -59,6 +59,8 @@ async def next_version(http: httpx.AsyncClient) -> int:
 
 
 _RUNNING = re.compile(r'^vllm:num_requests_running\{[^}]*\}\s+([0-9.e+]+)', re.M)
+_WAITING = re.compile(r'^vllm:num_requests_waiting\{[^}]*\}\s+([0-9.e+]+)', re.M)
+_GENERATED = re.compile(r'^vllm:generation_tokens_total\{[^}]*\}\s+([0-9.e+]+)', re.M)
 
 
 async def engine_running(engine_url: str) -> float:
@@ -68,18 +70,18 @@ async def engine_running(engine_url: str) -> float:
     return sum(float(v) for v in _RUNNING.findall(text))
 
 
-_FINISHED = re.compile(r'^vllm:request_success_total\{[^}]*finished_reason="(\w+)"[^}]*\}\s+([0-9.e+]+)', re.M)
-
-
-async def engine_finished(engine_url: str) -> dict[str, float]:
-    """vLLM's own counts of finished requests by reason (stop, length, abort, ...). A
-    request whose client hung up is dropped without being counted."""
+async def engine_queued(engine_url: str) -> float:
+    """vLLM's running plus waiting requests: 0 when nothing of an earlier test is left."""
     async with httpx.AsyncClient(timeout=10) as http:
         text = (await http.get(engine_url + "/metrics")).text
-    out: dict[str, float] = {}
-    for reason, value in _FINISHED.findall(text):
-        out[reason] = out.get(reason, 0.0) + float(value)
-    return out
+    return sum(float(v) for v in [*_RUNNING.findall(text), *_WAITING.findall(text)])
+
+
+async def engine_generated(engine_url: str) -> float:
+    """vLLM's own count of tokens sampled since it started (all requests)."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(engine_url + "/metrics")).text
+    return sum(float(v) for v in _GENERATED.findall(text))
 
 
 async def wait_until(pred: Any, timeout_s: float, what: str, every_s: float = 0.1) -> None:

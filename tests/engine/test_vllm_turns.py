@@ -15,7 +15,8 @@ import pytest
 
 from .conftest import Stack
 from .helpers import (
-    engine_finished,
+    engine_generated,
+    engine_queued,
     engine_running,
     new_session,
     next_version,
@@ -260,15 +261,16 @@ async def test_an_engine_reporting_its_unset_version_never_overrides_the_trainer
 
 
 async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:
-    """A streaming client hangs up mid-turn: vLLM's running count drops to 0 long before
-    its 3,000 tokens could be sampled, it never finishes the request (no stop or length
-    counted), and nothing is committed. Random weights can sample an end of turn early: a
-    request the engine ended by itself before the hang-up is not the case under test and
-    is tried again."""
+    """A streaming client hangs up mid-turn: vLLM's running count drops to 0 and it has
+    sampled far fewer than the request's 3,000 tokens (its own token counter, which a
+    request of an earlier test finishing late cannot push near that), the engine's reply
+    was cut, not read to its end, and nothing is committed. Random weights can sample an
+    end of turn early: a request the engine ended by itself before the hang-up is not the
+    case under test and is tried again."""
     async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
         for _ in range(3):
-            await wait_until(lambda: _idle(stack), 60, "an idle engine")
-            finished = await engine_finished(stack.engine.url)
+            await wait_until(lambda: _drained(stack), 60, "an engine with nothing running or waiting")
+            generated = await engine_generated(stack.engine.url)
             sid = await new_session(http)
             body = {"model": "m", "messages": [{"role": "user", "content": f"Stream forever ({sid})."}],
                     "max_tokens": 3000, "stream": True, "chat_template_kwargs": {"enable_thinking": False}}
@@ -284,7 +286,7 @@ async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> No
                 if ex.finished():
                     continue  # the engine ended the turn by itself before the hang-up
             await wait_until(lambda: _idle(stack), 15, "vLLM's running count to drop")
-            after = await engine_finished(stack.engine.url)
+            sampled = await engine_generated(stack.engine.url) - generated
 
             async def discarded(s: str = sid) -> bool:  # the server counts it as its cancellation unwinds
                 return bool((await http.get(f"/sessions/{s}")).json()["turns_discarded"] == 1)
@@ -295,7 +297,7 @@ async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> No
         else:
             raise AssertionError("every try ended at the engine before the client hung up")
     assert not ex.done and not ex.finished(), "the engine's stream was cut, not read to its end"
-    assert {k: after.get(k, 0.0) for k in ("stop", "length")} == {k: finished.get(k, 0.0) for k in ("stop", "length")}
+    assert sampled < 1500, f"vLLM sampled {sampled} tokens: the request ran on after the hang-up"
     assert view["turns"] == 0 and view["turns_discarded"] == 1
     assert len(stack.rec.generations()[sent:]) == 1
 
@@ -310,6 +312,10 @@ async def _busy(stack: Stack) -> bool:
 
 async def _idle(stack: Stack) -> bool:
     return await engine_running(stack.engine.url) == 0
+
+
+async def _drained(stack: Stack) -> bool:
+    return await engine_queued(stack.engine.url) == 0
 
 
 async def test_tool_choice_and_response_format_through_the_engine_grammar(stack: Stack) -> None:
