@@ -93,6 +93,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's session_server
     if len(sys.argv) > 1 and sys.argv[1] == "serve" and os.environ.get("LOOPWATCH_FILE"):
         _install(os.environ["LOOPWATCH_FILE"])
-    from session_server.cli import main
+    from session_server.ops.cli import main
 
     sys.exit(main())

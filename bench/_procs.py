@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 
-from session_server.harness import free_port
+from session_server.ops.harness import free_port
 
-CLI = [sys.executable, "-m", "session_server.cli"]
+CLI = [sys.executable, "-m", "session_server.ops.cli"]
 TICKS = os.sysconf("SC_CLK_TCK")
 PIDS: dict[str, int] = {}  # url -> pid of the process serving it (peak RSS from /proc)
 

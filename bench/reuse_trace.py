@@ -27,7 +27,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._procs import server, sim_engine  # noqa: E402
 from bench.load_test import CHAT, cpu_hogs  # noqa: E402
-from session_server.serving import KEEP_ALIVE_S  # noqa: E402
+from session_server.ops.serving import KEEP_ALIVE_S  # noqa: E402
 from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._procs import TICKS, process, server, sim_engine  # noqa: E402
 from bench._procs import children as _children  # noqa: E402
 from bench._procs import process_cpu_s as _cpu_s  # noqa: E402
-from session_server.harness import free_port  # noqa: E402
+from session_server.ops.harness import free_port  # noqa: E402
 from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
 
 

@@ -26,7 +26,7 @@ from trajectory import export
 from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
-from . import samples_api
+from .api import samples as samples_api
 from .api.dialects import (
     ANTHROPIC_MESSAGES,
     OPENAI_CHAT,
@@ -69,11 +69,11 @@ from .errors import (
     from_library,
     shown,
 )
-from .idempotency import Hold, ReplayLog, identify
 from .lifecycle import AppConfig, build_context, shutdown, start_background
-from .live import LiveTurn
 from .sessions import Session, SessionConfig
-from .turns import TurnOutput, TurnRunner
+from .turn.live import LiveTurn
+from .turn.pipeline import TurnOutput, TurnRunner
+from .turn.replay import Hold, ReplayLog, identify
 
 __all__ = ["AppConfig", "create_app", "session_view"]
 

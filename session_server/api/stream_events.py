@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # turns imports the dialects package, which imports this module
-    from ..turns import TurnOutput
+    from ..turn.pipeline import TurnOutput
 
 
 @dataclass(frozen=True)

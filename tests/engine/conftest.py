@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from session_server.harness import free_port
+from session_server.ops.harness import free_port
 
 from .recorder import Recorder, recording_proxy
 from .vllm_engine import ENGINE_FLAGS, VLLMServer, build_tiny_qwen3, vllm_python, vllm_server
@@ -81,7 +81,7 @@ class Stack:
 
 def _server_cmd() -> list[str]:
     script = Path(sys.executable).with_name("session-server")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "session_server.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "session_server.ops.cli"]
 
 
 @contextlib.asynccontextmanager

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from session_server.harness import free_port
+from session_server.ops.harness import free_port
 
 __all__ = ["Exchange", "Recorder", "recording_proxy"]
 

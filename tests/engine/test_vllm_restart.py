@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from session_server.harness import free_port
+from session_server.ops.harness import free_port
 
 from .conftest import serve_process
 from .helpers import new_session, own_turns, trajectory, wait_until

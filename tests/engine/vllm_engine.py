@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from session_server.harness import free_port
+from session_server.ops.harness import free_port
 
 __all__ = [
     "ENGINE_FLAGS",

@@ -9,7 +9,7 @@ from typing import Any
 import huggingface_hub.constants
 import pytest
 
-from session_server import cli
+from session_server.ops import cli
 from session_server.settings import ADMIN_TOKEN_ENV, Settings
 from session_server.sim import FAULT_KINDS
 from session_server.sim.tokenizers import FAMILIES

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from session_server import cli
+from session_server.ops import cli
 
 
 def _save_broken_qwen3(tokenizer_dirs: dict[str, Path], out: Path) -> Path:

@@ -147,7 +147,7 @@ ENGINE_ADAPTERS = (
     "session_server.engines.http",
 )
 # the entry points that may start simulated engines (the `sim-engine` and `demo` commands)
-SIM_USERS = ("session_server.cli", "session_server.demo")
+SIM_USERS = ("session_server.ops.cli", "session_server.ops.demo")
 
 
 def test_9_graph_sees_the_project() -> None:
@@ -155,7 +155,7 @@ def test_9_graph_sees_the_project() -> None:
     assert "session_server.sim.server" in _modules() and "trajectory.linear" in _modules()
     assert "session_server.sim.engine" in direct_imports("session_server.sim.server")
     assert "session_server.routing.policy" in direct_imports("session_server.routing.round_robin")
-    assert "session_server.sim" in reachable("session_server.cli")  # a lazy import, in a function
+    assert "session_server.sim" in reachable("session_server.ops.cli")  # a lazy import, in a function
     assert "trajectory.codec" in direct_imports("session_server.sim.tokenizers", strings=True)  # resources.files(...)
     assert {"session_server.routing.sticky_cost", "session_server.routing.cache_aware",
             "session_server.routing.round_robin"} <= routing_policies()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from session_server.cluster import free_ports
+from session_server.ops.cluster import free_ports
 from session_server.parent_death import die_with_parent_argv
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads processes from /proc (Linux)")
@@ -86,7 +86,7 @@ def started(argv: list[str], log: Path) -> Iterator[tuple[subprocess.Popen[bytes
 
 
 def serve_argv(port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "session_server.cli", "serve", "--engine", "sglang=http://127.0.0.1:9",
+    return [sys.executable, "-m", "session_server.ops.cli", "serve", "--engine", "sglang=http://127.0.0.1:9",
             "--tokenizer", "qwen3", "--host", "127.0.0.1", "--port", str(port), "--cpu-workers", "1",
             "--log-level", "warning", *extra]
 
@@ -120,7 +120,7 @@ def test_kill_9_of_serve_takes_its_forkserver_worker_and_resource_tracker_with_i
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed (apt-get install haproxy)")
 def test_kill_9_of_cluster_takes_haproxy_every_worker_and_their_children_with_it(tmp_path: Path) -> None:
     log = tmp_path / "cluster.log"
-    argv = [sys.executable, "-m", "session_server.cli", "cluster", "--workers", "2", "--port", str(free_ports(1)[0]),
+    argv = [sys.executable, "-m", "session_server.ops.cli", "cluster", "--workers", "2", "--port", str(free_ports(1)[0]),
             "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "qwen3", "--cpu-workers", "1",
             "--decode-processes", "1", "--log-level", "info", "--drain-timeout-s", "2"]
     with started(argv, log) as (proc, seen):
@@ -129,7 +129,7 @@ def test_kill_9_of_cluster_takes_haproxy_every_worker_and_their_children_with_it
             if "cluster ready" not in log.read_text(errors="replace"):
                 return False
             seen.update(descendants(proc.pid))
-            workers = [p for p, c in seen.items() if "session_server.cli serve" in c]
+            workers = [p for p, c in seen.items() if "session_server.ops.cli serve" in c]
             return (any("haproxy" in c for c in seen.values()) and len(workers) == 2
                     and all(_has_pool(descendants(w)) for w in workers))
 

@@ -1,5 +1,5 @@
 """Issue 11.4: `verify-template --engine URL` drives an engine through our server and
-checks every turn is token-exact with the wire (session_server/verify_engine.py), here
+checks every turn is token-exact with the wire (session_server/ops/verify_engine.py), here
 against the simulated engines on both protocols, and fails on a token dropped between
 the engine and the session."""
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from session_server import cli
 from session_server.engines.sglang import SGLangAdapter
+from session_server.ops import cli
 from session_server.sim import running_sim
 from session_server.sim.tokenizers import cached_tokenizer_dir
 

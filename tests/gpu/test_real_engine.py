@@ -37,7 +37,7 @@ TOOLS = [{"type": "function", "function": {
 async def _stack() -> Any:
     from session_server.app import AppConfig
     from session_server.context import Settings
-    from session_server.harness import running_server
+    from session_server.ops.harness import running_server
 
     assert ENGINE and TOKENIZER
     return running_server(AppConfig(tokenizer=TOKENIZER, engines=[ENGINE], settings=Settings()))

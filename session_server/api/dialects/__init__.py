@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from ...context import ServerContext
-from ...turns import TurnOutput
+from ...turn.pipeline import TurnOutput
 from ..models import ChatRequest
 from ..stream_events import StreamEncoder
 from .anthropic_messages import ANTHROPIC_MESSAGES, AnthropicMessages

@@ -53,7 +53,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from ...errors import BadRequest, InternalInvariant, ServiceError
-from ...turns import TurnOutput
+from ...turn.pipeline import TurnOutput
 from ..models import (
     MAX_STOPS,
     ChatRequest,

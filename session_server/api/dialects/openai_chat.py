@@ -17,7 +17,7 @@ import orjson
 
 from trajectory.codec.probe import decode_text
 
-from ...turns import TurnOutput
+from ...turn.pipeline import TurnOutput
 from ..models import ChatRequest, parse_json_model
 from ..stream_events import (
     ContentDelta,

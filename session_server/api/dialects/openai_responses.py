@@ -43,7 +43,7 @@ from trajectory.codec.probe import decode_text
 from trajectory.errors import BranchError
 
 from ...errors import BadRequest, NotFound, shown
-from ...turns import TurnOutput
+from ...turn.pipeline import TurnOutput
 from ..models import (
     ChatRequest,
     SamplingFields,

@@ -11,9 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from session_server import cli
 from session_server.app import AppConfig, create_app
 from session_server.context import Settings
+from session_server.ops import cli
 from session_server.sessions import SessionConfig, SessionStore, instance_of
 
 

@@ -26,8 +26,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from session_server import cli
-from session_server.cluster import WorkerSpec, free_ports, haproxy_config
+from session_server.ops import cli
+from session_server.ops.cluster import WorkerSpec, free_ports, haproxy_config
 from session_server.sim import running_sim
 
 from ..server.test_e2e import assert_trajectory_matches_engine
@@ -88,7 +88,7 @@ async def running_cluster(
     log = tmp_path / "cluster.log"
     with log.open("wb") as out:  # a file, not a pipe: nobody has to drain it
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "session_server.cli", "cluster", "--workers", str(workers), "--port", str(port),
+            sys.executable, "-m", "session_server.ops.cli", "cluster", "--workers", str(workers), "--port", str(port),
             "--engine", f"sglang={engine}", "--tokenizer", str(tokenizer_dir), "--cpu-workers", "1",
             "--decode-processes", "0", "--log-level", "warning", "--drain-timeout-s", "2", *extra,
             stdin=subprocess.DEVNULL, stdout=out, stderr=out)

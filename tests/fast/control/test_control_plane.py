@@ -7,7 +7,7 @@ import pytest
 from session_server.control import ControlPlane
 from session_server.engines import SGLangAdapter, VLLMAdapter
 from session_server.errors import BadRequest
-from session_server.harness import free_port
+from session_server.ops.harness import free_port
 from session_server.sim import SimModel, running_sim
 
 

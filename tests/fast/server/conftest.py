@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from session_server.app import AppConfig
 from session_server.context import Settings
-from session_server.harness import running_server
+from session_server.ops.harness import running_server
 from session_server.sim import running_sim
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Fix the failing test."}], "max_tokens": 64}

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from session_server.incremental import (
+from session_server.turn.incremental import (
     CallArgs,
     CallStart,
     FieldSplitter,
@@ -22,7 +22,7 @@ from session_server.incremental import (
     calls_for,
     grammar_for,
 )
-from session_server.incremental_glm import GlmCalls
+from session_server.turn.incremental_glm import GlmCalls
 from trajectory.codec import load_codec
 from trajectory.codec.parsing import parse_glm, tool_names
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from session_server.incremental import (
+from session_server.turn.incremental import (
     FieldSplitter,
     IncrementalDecoder,
     IncrementalText,

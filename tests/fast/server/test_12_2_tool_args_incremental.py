@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from session_server.incremental import (
+from session_server.turn.incremental import (
     CallArgs,
     CallStart,
     FieldSplitter,

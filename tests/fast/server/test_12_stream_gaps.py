@@ -108,7 +108,7 @@ async def test_12_2_streamed_text_the_final_parse_does_not_extend_fails_the_turn
     streamed (a parser disagreement: simulated by changing the validated message)."""
     import dataclasses
 
-    from session_server import turns
+    from session_server.turn import pipeline as turns
 
     real = turns.validate
 
@@ -156,7 +156,7 @@ async def test_12_2_the_fallback_parse_streams_text_before_the_engine_finishes(t
 
     from openai import AsyncOpenAI
 
-    from session_server.incremental import grammar_for
+    from session_server.turn.incremental import grammar_for
     from trajectory.codec import load_codec
 
     llama = tokenizer_dirs["llama3.1"]
@@ -186,7 +186,7 @@ def test_12_2_think_close_ids_are_encoded_once_per_tokenizer(qwen3_dir: Path) ->
     per tokenizer, not one per turn; the ids are the tokenizer's own."""
     from transformers import AutoTokenizer
 
-    from session_server.live import _think_close_ids
+    from session_server.turn.live import _think_close_ids
 
     tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
     want = tok.encode("</think>", add_special_tokens=False)

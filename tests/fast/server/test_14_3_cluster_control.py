@@ -20,7 +20,7 @@ import httpx
 from session_server.app import AppConfig
 from session_server.context import Settings
 from session_server.control.relay import RELAYED_HEADER
-from session_server.harness import free_port, running_server
+from session_server.ops.harness import free_port, running_server
 from session_server.sim import running_sim
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
@@ -240,7 +240,7 @@ async def test_14_3_engines_removed_by_url_whatever_their_id_on_each_instance(qw
 async def test_a_lora_wait_pause_that_cannot_drain_on_a_peer_is_a_504(qwen3_dir: Path) -> None:
     """A per-adapter wait pause whose drain times out on another instance is the 504 it is
     on the instance asked (it used to merge into a 207 with the peer's failure inside)."""
-    from session_server.harness import live_apps
+    from session_server.ops.harness import live_apps
 
     async with live_cluster(qwen3_dir, 2, pause_drain_timeout_s=0.2) as cl:
         a, _ = cl.clients

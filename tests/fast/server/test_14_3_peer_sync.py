@@ -16,7 +16,7 @@ import httpx
 
 from session_server.app import AppConfig
 from session_server.context import Settings
-from session_server.harness import free_port, running_server
+from session_server.ops.harness import free_port, running_server
 from session_server.sim import running_sim
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]

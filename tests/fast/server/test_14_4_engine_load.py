@@ -20,7 +20,7 @@ from session_server.app import AppConfig
 from session_server.context import Settings
 from session_server.engines import make_adapter
 from session_server.engines.load import sglang_load, vllm_load
-from session_server.harness import running_server
+from session_server.ops.harness import running_server
 from session_server.routing import (
     EnginePool,
     RoutingSignals,

@@ -16,8 +16,8 @@ import httpx
 
 from session_server.app import AppConfig
 from session_server.context import Settings
-from session_server.demo import TOOLS, run_tool
-from session_server.harness import running_server
+from session_server.ops.demo import TOOLS, run_tool
+from session_server.ops.harness import running_server
 from session_server.sim import running_sim
 
 from .test_e2e import assert_trajectory_matches_engine

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from session_server import samples_cluster
+from session_server.api import samples_cluster
 from session_server.errors import InstanceUnavailable
 
 from .test_14_3_cluster_control import live_cluster

@@ -154,7 +154,7 @@ async def test_pause_storm_under_load_loses_nothing(qwen3_dir: Path) -> None:
 
 
 async def test_partial_pause_failure_is_207_and_names_the_engine(qwen3_dir: Path) -> None:
-    from session_server.harness import free_port
+    from session_server.ops.harness import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     async with live_stack(qwen3_dir, extra_engines=[f"sglang={dead}"]) as st:
@@ -175,7 +175,7 @@ async def test_a_wait_pause_whose_drain_times_out_answers_504_and_pauses_no_engi
     what is left, never 200 ok; the engine was not frozen (the turn finishes, one span,
     the old weights), the gate stays closed until a later wait pause (now drained: 200)
     and a resume."""
-    from session_server.harness import live_apps
+    from session_server.ops.harness import live_apps
 
     async with live_stack(qwen3_dir, latency_ms=15) as st:
         live_apps[st.url].state.ctx.control.drain_timeout_s = 0.3

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from session_server.demo import run_agent
+from session_server.ops.demo import run_agent
 from tests.fast.real_tokenizers import real_tokenizer_dir
 from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import DeepSeekCodec, load_codec

@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
-from session_server.demo import TOOLS, run_agent
+from session_server.ops.demo import TOOLS, run_agent
 from trajectory.codec import decode_text
 from trajectory.export import branch_line
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from session_server.context import Settings
-from session_server.harness import free_port
+from session_server.ops.harness import free_port
 
 from .conftest import CHAT, Stack, live_stack
 
@@ -84,7 +84,7 @@ async def test_transport_error_to_dead_engine_is_502_and_not_busy(qwen3_dir: Pat
     import httpx
 
     from session_server.app import AppConfig
-    from session_server.harness import running_server
+    from session_server.ops.harness import running_server
 
     config = AppConfig(tokenizer=str(qwen3_dir), engines=[dead], settings=Settings())
     async with running_server(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -174,7 +174,7 @@ async def test_real_client_disconnect_releases_the_claim(qwen3_dir: Path) -> Non
 
 
 def _runner_of(st: Stack) -> Any:
-    from session_server.harness import live_apps
+    from session_server.ops.harness import live_apps
 
     return live_apps[st.url].state.runner
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from session_server.demo import run_agent
+from session_server.ops.demo import run_agent
 from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import Gemma4Codec, load_codec
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from session_server.demo import TOOLS
+from session_server.ops.demo import TOOLS
 
 from .conftest import live_stack
 

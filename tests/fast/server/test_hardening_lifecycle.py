@@ -19,7 +19,7 @@ from session_server.errors import (
     PausedTooLong,
     ServiceError,
 )
-from session_server.harness import live_apps
+from session_server.ops.harness import live_apps
 from session_server.sessions import SessionConfig, SessionStore
 from tests.fast.server.conftest import CHAT, Stack, live_stack, metric_value
 
@@ -222,7 +222,7 @@ async def test_8_branch_cap_refuses_retry_past_max_branches(qwen3_dir: Path) -> 
 
 
 def test_8_max_branches_cli_flag() -> None:
-    from session_server.cli import build_parser, settings_from_args
+    from session_server.ops.cli import build_parser, settings_from_args
 
     parser = build_parser()
     base = ["serve", "--tokenizer", "qwen3", "--engine", "sglang=http://127.0.0.1:1"]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from session_server.demo import TOOLS
+from session_server.ops.demo import TOOLS
 from trajectory.codec import decode_text
 
 from ..trajectory.test_hardening_codec import EXACT, cleanup_tokenizer_dir

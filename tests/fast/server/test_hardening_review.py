@@ -122,7 +122,7 @@ async def test_review_4_constraint_is_derived_off_the_event_loop(
     """A large request's constraint (work proportional to its schemas) is built on the offload threads."""
     import asyncio
 
-    import session_server.prepare as prepare
+    import session_server.turn.prepare as prepare
 
     on_loop: list[bool] = []
     real = prepare.request_constraint
@@ -229,7 +229,7 @@ async def test_review_8_rehome_keeps_the_turn_deadline(qwen3_dir: Path, monkeypa
     """A turn re-homed after its engine died keeps the deadline it started with."""
     import asyncio
 
-    import session_server.dispatch as dispatch
+    import session_server.turn.dispatch as dispatch
     from session_server.errors import UpstreamTransportError
 
     deadlines: list[float | None] = []

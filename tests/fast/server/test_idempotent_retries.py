@@ -27,8 +27,8 @@ from transformers import AutoTokenizer
 
 from session_server.api.dialects import Rendered
 from session_server.context import Settings
-from session_server.idempotency import Hold, Ident, ReplayLog
 from session_server.metrics import Metrics
+from session_server.turn.replay import Hold, Ident, ReplayLog
 from trajectory.export import branch_line
 
 from .conftest import CHAT, Stack, live_stack, metric_value

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from session_server.demo import TOOLS, run_agent
+from session_server.ops.demo import TOOLS, run_agent
 from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import KimiCodec, load_codec
 

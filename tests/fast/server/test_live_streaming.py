@@ -221,7 +221,7 @@ async def test_a_client_that_stops_reading_is_cut_at_the_stream_bound_and_the_tu
     as long as the connection lives); when it reads again its stream ends with a
     `stream_overflow` error event; the turn committed meanwhile."""
     from session_server.context import Settings
-    from session_server.harness import live_apps
+    from session_server.ops.harness import live_apps
 
     from .conftest import metric_value
 

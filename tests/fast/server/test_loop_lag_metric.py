@@ -15,7 +15,7 @@ import httpx
 
 from session_server.app import AppConfig
 from session_server.context import Settings
-from session_server.harness import running_server
+from session_server.ops.harness import running_server
 from session_server.sim import running_sim
 
 

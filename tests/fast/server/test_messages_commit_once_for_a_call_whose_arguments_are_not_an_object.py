@@ -99,8 +99,8 @@ def test_a_call_no_dialect_can_carry_is_refused_before_commit(arguments: str) ->
 
     import numpy as np
 
-    from session_server.commit import _shaped
     from session_server.errors import UpstreamInvalid
+    from session_server.turn.commit import _shaped
     from trajectory.codec import ParsedAssistant, ParsedToolCall
 
     parsed = ParsedAssistant(content="", reasoning_content=None,

@@ -21,8 +21,8 @@ from session_server.api.dialects.openai_responses import (
     parse_responses,
 )
 from session_server.api.stream_events import TurnFailed, TurnStarted
-from session_server.demo import TOOLS, run_tool
 from session_server.errors import BadRequest, NotFound
+from session_server.ops.demo import TOOLS, run_tool
 
 from .conftest import Stack, live_stack
 from .test_e2e import assert_trajectory_matches_engine

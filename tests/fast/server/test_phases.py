@@ -23,11 +23,11 @@ def test_9_phase_values_are_frozen() -> None:
     """Each phase hands the next a frozen value: no phase mutates what an earlier one decided."""
     import dataclasses
 
-    from session_server.commit import Checked, Committed
-    from session_server.dispatch import Generated
-    from session_server.engine_request import EngineCall
-    from session_server.prepare import Prepared, Rendered
-    from session_server.turns import TurnOutput
+    from session_server.turn.commit import Checked, Committed
+    from session_server.turn.dispatch import Generated
+    from session_server.turn.engine_request import EngineCall
+    from session_server.turn.pipeline import TurnOutput
+    from session_server.turn.prepare import Prepared, Rendered
 
     for cls in (Prepared, Rendered, EngineCall, Generated, Checked, Committed, TurnOutput):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls.__name__  # type: ignore[attr-defined]
@@ -41,7 +41,7 @@ def test_9_dialect_parses_and_responds_with_pure_functions() -> None:
 
     from session_server.api.dialects import OPENAI_CHAT, Dialect
     from session_server.errors import BadRequest
-    from session_server.turns import TurnOutput
+    from session_server.turn.pipeline import TurnOutput
 
     dialect: Dialect = OPENAI_CHAT
     req = dialect.parse(orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "m"}))

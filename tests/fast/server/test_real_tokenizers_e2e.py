@@ -10,7 +10,7 @@ import pytest
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
-from session_server.demo import TOOLS, run_agent
+from session_server.ops.demo import TOOLS, run_agent
 from tests.fast.real_tokenizers import real_tokenizer_dir
 
 from .conftest import live_stack

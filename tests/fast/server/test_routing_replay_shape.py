@@ -18,8 +18,8 @@ import pytest
 from session_server.app import AppConfig
 from session_server.client import AsyncSessionClient
 from session_server.context import Settings
-from session_server.harness import running_server
 from session_server.model_config import read_config_routed_shape
+from session_server.ops.harness import running_server
 from session_server.sim import running_sim
 from session_server.sim.routed import RoutedSpec, line_rows
 

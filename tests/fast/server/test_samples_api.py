@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from session_server.api.models import SAMPLE_METADATA_RESERVED, SampleFormat
+from session_server.api.samples import session_samples
 from session_server.errors import BadRequest, from_library
-from session_server.harness import live_apps
-from session_server.samples_api import session_samples
+from session_server.ops.harness import live_apps
 from session_server.sessions import Session, SessionConfig
 from trajectory.errors import SampleError
 from trajectory.sample_formats import (

@@ -10,7 +10,7 @@ import numpy as np
 from openai import AsyncOpenAI
 
 from session_server.client import AsyncSessionClient
-from session_server.demo import TOOLS
+from session_server.ops.demo import TOOLS
 
 from .conftest import live_stack
 

@@ -12,11 +12,11 @@ import httpx
 import pytest
 import uvicorn
 
-from session_server import cli, harness
 from session_server.app import AppConfig
 from session_server.context import Settings
-from session_server.harness import free_port, running_server
-from session_server.serving import KEEP_ALIVE_S, LISTEN_BACKLOG, uvicorn_options
+from session_server.ops import cli, harness
+from session_server.ops.harness import free_port, running_server
+from session_server.ops.serving import KEEP_ALIVE_S, LISTEN_BACKLOG, uvicorn_options
 
 
 def _opts(**kw: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from session_server.api.stream_events import (
     TurnStarted,
     replay,
 )
-from session_server.turns import TurnOutput
+from session_server.turn.pipeline import TurnOutput
 
 MESSAGE = {
     "role": "assistant",

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from session_server.demo import TOOLS
+from session_server.ops.demo import TOOLS
 from tests.fast.real_tokenizers import real_tokenizer_dir
 
 from .conftest import live_stack

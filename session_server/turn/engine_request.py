@@ -17,14 +17,14 @@ import numpy as np
 from trajectory.routed import coverage_end
 from trajectory.validate import Expectations
 
-from .api.models import ChatRequest, SessionSampling
-from .context import ServerContext
-from .control import new_request_id
-from .engines.base import GenerateRequest, SamplingParams
-from .errors import BadRequest
+from ..api.models import ChatRequest, SessionSampling
+from ..context import ServerContext
+from ..control import new_request_id
+from ..engines.base import GenerateRequest, SamplingParams
+from ..errors import BadRequest
+from ..sessions import Session
+from ..structured import Constraint
 from .prepare import Prepared
-from .sessions import Session
-from .structured import Constraint
 
 __all__ = ["EngineCall", "engine_request"]
 

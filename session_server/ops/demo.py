@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-from .app import AppConfig
-from .context import Settings
+from ..app import AppConfig
+from ..context import Settings
+from ..sim import running_sim
+from ..sim.tokenizers import cached_tokenizer_dir
 from .harness import running_server
-from .sim import running_sim
-from .sim.tokenizers import cached_tokenizer_dir
 
 
 def _tool(name: str, description: str, arg: str) -> dict[str, Any]:

@@ -30,11 +30,11 @@ import orjson
 from trajectory.sample_formats import load_samples_safetensors
 from trajectory.samples import Sample
 
-from .api.models import SamplesBatch
-from .context import ServerContext
-from .control.relay import PeerRelay
-from .errors import InstanceUnavailable, SessionNotFound, from_peer
-from .sessions import instance_of
+from ..context import ServerContext
+from ..control.relay import PeerRelay
+from ..errors import InstanceUnavailable, SessionNotFound, from_peer
+from ..sessions import instance_of
+from .models import SamplesBatch
 
 __all__ = ["CHECK_PATH", "Peers", "plan"]
 

@@ -32,13 +32,13 @@ from trajectory.errors import SampleError
 from trajectory.sample_formats import BATCH_WRITERS, MEDIA_TYPES, SERIALIZERS, SampleBatchWriter
 from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample, build_samples, tree_lines
 
+from ..context import ServerContext
+from ..control.relay import PeerRelay
+from ..errors import BadRequest, SessionBusy, from_library
+from ..sessions import Session, SessionState
 from . import samples_cluster
-from .api.models import RewardRequest, SamplesBatch
-from .context import ServerContext
-from .control.relay import PeerRelay
-from .errors import BadRequest, SessionBusy, from_library
+from .models import RewardRequest, SamplesBatch
 from .samples_cluster import Peers
-from .sessions import Session, SessionState
 
 __all__ = ["DEFAULT_PICKER", "batch_response", "check_batch", "reward_view", "session_response", "set_reward"]
 

@@ -53,10 +53,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .api.dialects import Rendered
-from .errors import BadRequest, CommittedUnanswered, IdempotencyKeyReused
-from .metrics import Metrics
-from .offload import CpuOffload
+from ..api.dialects import Rendered
+from ..errors import BadRequest, CommittedUnanswered, IdempotencyKeyReused
+from ..metrics import Metrics
+from ..offload import CpuOffload
 
 __all__ = ["IDEMPOTENCY_KEY", "RETRY_COUNT", "Hold", "Ident", "ReplayLog", "identify"]
 

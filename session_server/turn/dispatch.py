@@ -21,16 +21,16 @@ from typing import Any
 from trajectory.codec.probe import decode_text
 from trajectory.validate import Expectations, is_int
 
-from .api.models import ChatRequest
-from .context import ServerContext, log
-from .control import ResilientResult, generate_resilient
+from ..api.models import ChatRequest
+from ..context import ServerContext, log
+from ..control import ResilientResult, generate_resilient
+from ..engines.base import GenerateRequest, TokenDelta
+from ..errors import UpstreamHTTPError, UpstreamTransportError
+from ..routing import prefix_block_hashes, record_failure
+from ..routing.pool import TargetStats
+from ..sessions import Session
+from ..structured import engine_refusal
 from .engine_request import EngineCall
-from .engines.base import GenerateRequest, TokenDelta
-from .errors import UpstreamHTTPError, UpstreamTransportError
-from .routing import prefix_block_hashes, record_failure
-from .routing.pool import TargetStats
-from .sessions import Session
-from .structured import engine_refusal
 
 __all__ = ["Generated", "dispatch", "generate"]
 

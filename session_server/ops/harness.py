@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
-from .app import AppConfig, create_app
+from ..app import AppConfig, create_app
 from .serving import uvicorn_options
 
 live_apps: dict[str, FastAPI] = {}

@@ -19,16 +19,16 @@ from trajectory.linear import TurnRecord
 from trajectory.tree import ROLLBACK_REASON, Branch
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
-from .api.models import ChatRequest
-from .context import ServerContext, log
-from .control import ResilientResult
+from ..api.models import ChatRequest
+from ..context import ServerContext, log
+from ..control import ResilientResult
+from ..engines.base import GenerateResult
+from ..errors import InternalInvariant, UpstreamInvalid
+from ..routed import join, wire_size
+from ..sessions import Claim, Session
+from ..structured import apply_output_policy
 from .engine_request import EngineCall
-from .engines.base import GenerateResult
-from .errors import InternalInvariant, UpstreamInvalid
 from .prepare import Prepared
-from .routed import join, wire_size
-from .sessions import Claim, Session
-from .structured import apply_output_policy
 
 __all__ = ["Checked", "Committed", "commit", "validate"]
 

@@ -28,15 +28,15 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api.models import ChatRequest
+from ..api.models import ChatRequest
+from ..context import ServerContext
+from ..errors import ClientGone, SessionBusy, SessionClosed
+from ..sessions import Claim, Session, SessionState
 from .commit import Checked, Committed, commit, validate
-from .context import ServerContext
 from .dispatch import Generated, generate
 from .engine_request import EngineCall, engine_request
-from .errors import ClientGone, SessionBusy, SessionClosed
 from .live import LiveTurn
 from .prepare import Prepared, check_branch_cap, prepare, render
-from .sessions import Claim, Session, SessionState
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .routing.factory import POLICY_NAMES
-from .settings import ENV_PREFIX, Settings
+from ..routing.factory import POLICY_NAMES
+from ..settings import ENV_PREFIX, Settings
 
 HUB_PROBE_TIMEOUT_S = 3.0
 # older flag names kept working beside the ones built from the Settings fields
@@ -34,7 +34,7 @@ class TokenizerUnavailable(Exception):
 
 
 def _builtin_names() -> tuple[str, ...]:
-    from .sim.tokenizers import FAMILIES
+    from ..sim.tokenizers import FAMILIES
 
     return FAMILIES
 
@@ -64,7 +64,7 @@ def load_tokenizer(spec: str) -> Any:
     it fetched online, so an offline machine fails in seconds with one clear line."""
     from transformers import AutoTokenizer
 
-    from .sim.tokenizers import cached_tokenizer_dir
+    from ..sim.tokenizers import cached_tokenizer_dir
 
     builtin = _builtin_names()
     instead = f"pass a local tokenizer directory or a built-in offline name ({', '.join(builtin)})"
@@ -103,8 +103,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .app import AppConfig, create_app
-    from .engines.http import raise_nofile_limit
+    from ..app import AppConfig, create_app
+    from ..engines.http import raise_nofile_limit
     from .serving import uvicorn_options
 
     settings = _settings_or_report(args, "serve")
@@ -161,7 +161,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
 
 def _sim_engine(args: argparse.Namespace) -> int:
-    from .sim import run_sim_engine
+    from ..sim import run_sim_engine
 
     run_sim_engine(
         args.protocol,
@@ -183,7 +183,7 @@ def _sim_engine(args: argparse.Namespace) -> int:
 def _sim_routed(args: argparse.Namespace) -> Any:
     """The simulated MoE: the flags given (the rest from the default), else the served
     model's config.json, else the default (`sim.routed.model_spec`)."""
-    from .sim.routed import DEFAULT_ROUTED, RoutedSpec
+    from ..sim.routed import DEFAULT_ROUTED, RoutedSpec
 
     given = {"layers": args.routed_layers, "topk": args.routed_topk, "num_experts": args.routed_experts}
     if all(v is None for v in given.values()):
@@ -231,7 +231,7 @@ def _verify_template(args: argparse.Namespace) -> int:
 
 
 def _sim_epilog() -> str:
-    from .sim import FAULT_KINDS
+    from ..sim import FAULT_KINDS
 
     kinds = "\n".join(f"  {', '.join(FAULT_KINDS[i:i + 4])}" for i in range(0, len(FAULT_KINDS), 4))
     return (
@@ -314,7 +314,7 @@ def _one_line(exc: Exception) -> str:
 
 def _engine_spec(spec: str) -> str:
     """`--engine`: the address shape POST /engines checks, refused before anything starts."""
-    from .engines.admission_check import check_engine_spec
+    from ..engines.admission_check import check_engine_spec
 
     try:
         return check_engine_spec(spec)

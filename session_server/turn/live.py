@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trajectory.codec.parsing import new_call_id, tool_names
 from trajectory.errors import CodecError
 
-from .api.stream_events import (
+from ..api.stream_events import (
     ContentDelta,
     ReasoningDelta,
     StreamEvent,
@@ -57,9 +57,9 @@ from .api.stream_events import (
     TurnFailed,
     TurnStarted,
 )
-from .control import new_request_id
-from .engines.base import TokenDelta
-from .errors import BadRequest, ServiceError, StreamOverflow, UpstreamInvalid, from_library
+from ..control import new_request_id
+from ..engines.base import TokenDelta
+from ..errors import BadRequest, ServiceError, StreamOverflow, UpstreamInvalid, from_library
 from .incremental import (
     CallArgs,
     CallStart,
@@ -71,13 +71,13 @@ from .incremental import (
 )
 
 if TYPE_CHECKING:
-    from .api.dialects import Dialect, Rendered
-    from .api.models import ChatRequest
+    from ..api.dialects import Dialect, Rendered
+    from ..api.models import ChatRequest
+    from ..context import ServerContext
     from .commit import Checked
-    from .context import ServerContext
     from .engine_request import EngineCall
+    from .pipeline import TurnOutput
     from .prepare import Prepared
-    from .turns import TurnOutput
 
 __all__ = ["LiveTurn", "TextStreamer"]
 
@@ -462,7 +462,7 @@ class LiveTurn:
 
     def finish(self, out: TurnOutput) -> Rendered:
         """After commit: the rest of the turn and `TurnCommitted`; every frame, for replays."""
-        from .api.dialects import Rendered
+        from ..api.dialects import Rendered
 
         t0 = time.perf_counter()
         for event in [*self.pending, TurnCommitted(out)]:

@@ -35,7 +35,7 @@ from trajectory.codec.probe import encode, render_text
 from trajectory.codec.verify import TOOLS as TEMPLATE_TOOLS
 from trajectory.codec.verify import thinking_plan
 
-from .loopback import serving_aiohttp
+from ..loopback import serving_aiohttp
 
 # the template probes' tools (get_weather, search) plus the coding-agent ones the
 # simulator's scripted agent calls (a real model may call any of them)
@@ -67,8 +67,8 @@ class Exchange:
 
     def output_ids(self) -> list[int]:
         """The sampled ids as the engine sent them (the protocol's own parser)."""
-        from .engines.sglang import parse_sglang_generate
-        from .engines.vllm import parse_vllm_completions, parse_vllm_generate
+        from ..engines.sglang import parse_sglang_generate
+        from ..engines.vllm import parse_vllm_completions, parse_vllm_generate
 
         parse = {"sglang": parse_sglang_generate, "vllm-generate": parse_vllm_generate,
                  "vllm-completions": parse_vllm_completions}[self.kind]
@@ -328,9 +328,9 @@ async def verify_engine(tokenizer: Any, engine: str, *, family: str | None = Non
 
     from trajectory.codec import load_codec
 
-    from .app import AppConfig
+    from ..app import AppConfig
+    from ..settings import Settings
     from .harness import running_server
-    from .settings import Settings
 
     protocol, sep, url = engine.partition("=")
     if not sep or protocol not in ("sglang", "vllm"):

@@ -38,14 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from .control.relay import RELAYED_HEADER
-from .engines.http import raise_nofile_limit
-from .parent_death import die_with_parent_argv
-from .sessions import ID_SEPARATOR
+from ..control.relay import RELAYED_HEADER
+from ..engines.http import raise_nofile_limit
+from ..parent_death import die_with_parent_argv
+from ..sessions import ID_SEPARATOR
 
 __all__ = ["ClusterError", "HaproxyMissing", "WorkerSpec", "haproxy_config", "find_haproxy", "run_cluster"]
 
-_log = logging.getLogger("session_server.cluster")
+_log = logging.getLogger("session_server.ops.cluster")
 
 HAPROXY_PACKAGE = "haproxy"
 POLL_S = 0.2
@@ -210,7 +210,7 @@ def _names(workers: Sequence[WorkerSpec]) -> str:
 
 def worker_argv(w: WorkerSpec, peers: Sequence[WorkerSpec], serve_args: Sequence[str]) -> list[str]:
     """The `serve` command line of one worker: the user's serve options plus its identity."""
-    argv = [sys.executable, "-m", "session_server.cli", "serve", *serve_args,
+    argv = [sys.executable, "-m", "session_server.ops.cli", "serve", *serve_args,
             "--host", w.host, "--port", str(w.port), "--instance-id", w.instance]
     for p in peers:
         if p.instance != w.instance:
