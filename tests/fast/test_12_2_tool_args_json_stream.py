@@ -78,7 +78,7 @@ def _chunks(text: str, cuts: list[int]) -> list[str]:
 @settings(max_examples=400, deadline=None)
 @given(obj=_OBJECTS, seed=st.integers(0, 2**32), cuts=st.lists(st.integers(0, 10**6), max_size=40),
        indent=st.sampled_from([None, None, 2, "\t"]))
-def test_12_2_tool_args_canonical_stream_equals_json_dumps(obj: dict[str, Any], seed: int, cuts: list[int],
+def test_tool_args_canonical_stream_equals_json_dumps(obj: dict[str, Any], seed: int, cuts: list[int],
                                                           indent: Any) -> None:
     rng = random.Random(seed)
     text = rng.choice([
@@ -98,7 +98,7 @@ def test_12_2_tool_args_canonical_stream_equals_json_dumps(obj: dict[str, Any], 
 @pytest.mark.parametrize("text", [
     '{"a": 1, "a": 2}', '{"k": {"x": [1], "x": 3}}', '{"\\u0061": 1, "a": 2}',
 ])
-def test_12_2_tool_args_duplicate_key_stops_the_stream(text: str) -> None:
+def test_tool_args_duplicate_key_stops_the_stream(text: str) -> None:
     cj = CanonicalJson()
     with pytest.raises(JsonStreamError):
         for ch in text:
@@ -107,7 +107,7 @@ def test_12_2_tool_args_duplicate_key_stops_the_stream(text: str) -> None:
 
 @pytest.mark.parametrize("text", ['{"a": 01}', '{"a": 1.}', '{"a": tru }', '{"a": "\x01"}', '{"a": "\\x"}',
                                   '{"a": 1,}', "{,}", '{"a" 1}', '{"a": [1 2]}', '{"a": "\\u12G4"}'])
-def test_12_2_tool_args_invalid_json_raises(text: str) -> None:
+def test_tool_args_invalid_json_raises(text: str) -> None:
     with pytest.raises(ValueError):
         json.loads(text)
     cj = CanonicalJson()
@@ -120,7 +120,7 @@ def test_12_2_tool_args_invalid_json_raises(text: str) -> None:
      '{"n": 0, "f": 100000.0, "g": 0.01, "h": -Infinity, "i": NaN, "j": Infinity}'),
     ('{"s": "\\ud83d\\ude00 \\ud800 \\ud800\\u0041 \\udc00"}', None),
 ])
-def test_12_2_tool_args_numbers_and_surrogates(text: str, want: str | None) -> None:
+def test_tool_args_numbers_and_surrogates(text: str, want: str | None) -> None:
     want = want or json.dumps(json.loads(text), ensure_ascii=False)
     cj = CanonicalJson()
     assert "".join(cj.feed(c) for c in text) == want and cj.done

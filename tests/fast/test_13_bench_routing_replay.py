@@ -18,7 +18,7 @@ RSS_KEYS = {"routing_replay", "sessions", "turns", "errors", "sampled_tokens", "
             "rss_mib", "peak_rss_mib"}
 
 
-def test_13_8_bench_routing_replay_quick_writes_its_json(tmp_path: Path) -> None:
+def test_bench_routing_replay_quick_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "r3.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "routing_replay.py"), "--quick", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=280)

@@ -152,7 +152,7 @@ def _settings(argv: list[str]) -> Settings:
     return cli.settings_from_args(args)
 
 
-def test_9_every_setting_is_a_serve_flag_with_the_models_default() -> None:
+def test_every_setting_is_a_serve_flag_with_the_models_default() -> None:
     """One typed model: each field has a flag; the flag's help shows the model's default
     (the parser holds none of its own: an unset flag is None)."""
     serve = _serve_parser()
@@ -170,7 +170,7 @@ _UNKNOWN_FAMILY = ("--template-family / TITO_TEMPLATE_FAMILY: unknown template f
                    "known: qwen3, llama3, llama3.1, glm4moe, gemma4, deepseek, prime-qwen3")
 
 
-def test_9_environment_fills_settings_and_a_flag_beats_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_fills_settings_and_a_flag_beats_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TITO_MAX_SESSIONS", "77")
     monkeypatch.setenv("TITO_CLAMP_LOGPROB_SENTINEL", "true")
     s = _settings([])
@@ -187,7 +187,7 @@ def test_9_environment_fills_settings_and_a_flag_beats_it(monkeypatch: pytest.Mo
     (["--template-family", "qwen-9000"], {}, _UNKNOWN_FAMILY),  # issue 11.2
     ([], {"TITO_TEMPLATE_FAMILY": "qwen-9000"}, _UNKNOWN_FAMILY),
 ])
-def test_9_bad_setting_is_one_line_and_exit_2(
+def test_bad_setting_is_one_line_and_exit_2(
     argv: list[str], env: dict[str, str], needle: str, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str], no_uvicorn: dict[str, Any],
 ) -> None:
@@ -199,7 +199,7 @@ def test_9_bad_setting_is_one_line_and_exit_2(
     assert "app" not in no_uvicorn
 
 
-def test_11_2_template_family_flag_alias_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_template_family_flag_alias_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--template-family`, its alias `--family` and TITO_TEMPLATE_FAMILY fill one setting."""
     assert _settings([]).template_family is None
     assert _settings(["--template-family", "qwen3.5"]).template_family == "qwen3.5"
@@ -215,7 +215,7 @@ def test_11_2_template_family_flag_alias_and_env(monkeypatch: pytest.MonkeyPatch
     ([], "chat-template family: qwen3 (digest: "),
     (["--family", "generic"], "chat-template family: generic (forced: "),
 ])
-def test_11_2_serve_logs_the_family_and_why(
+def test_serve_logs_the_family_and_why(
     no_uvicorn: dict[str, Any], monkeypatch: pytest.MonkeyPatch, builtin_cache: Path,
     caplog: pytest.LogCaptureFixture, argv: list[str], line: str,
 ) -> None:
@@ -231,7 +231,7 @@ def test_11_2_serve_logs_the_family_and_why(
     assert len(lines) == 1 and lines[0].startswith(line), lines
 
 
-def test_13_6_sim_engine_routed_experts_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sim_engine_routed_experts_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """`sim-engine --routed-layers/--routed-topk/--routed-experts` shape the simulated MoE
     (the R3 bench runs 60 x top-8); `--enable-return-routed-experts` is vLLM's server flag."""
     import session_server.sim as sim

@@ -21,7 +21,7 @@ def _save_broken_qwen3(tokenizer_dirs: dict[str, Path], out: Path) -> Path:
     return out
 
 
-def test_11_4_cli_passes_with_text_report(tokenizer_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_passes_with_text_report(tokenizer_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["verify-template", "--tokenizer", str(tokenizer_dirs["llama3.1"])])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -29,7 +29,7 @@ def test_11_4_cli_passes_with_text_report(tokenizer_dirs: dict[str, Path], capsy
     assert "engine" not in out  # --engine runs the live check: tests/fast/test_verify_engine.py
 
 
-def test_11_4_cli_json_with_forced_family(tokenizer_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json_with_forced_family(tokenizer_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["verify-template", "--tokenizer", str(tokenizer_dirs["glm4moe"]),
                    "--family", "glm4moe", "--thinking", "off", "--json"])
     report = json.loads(capsys.readouterr().out)
@@ -40,7 +40,7 @@ def test_11_4_cli_json_with_forced_family(tokenizer_dirs: dict[str, Path], capsy
     assert report["engine"]["status"] == "not requested"
 
 
-def test_11_4_cli_broken_template_exits_1_saying_where(
+def test_cli_broken_template_exits_1_saying_where(
     tokenizer_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = _save_broken_qwen3(tokenizer_dirs, tmp_path / "broken")
@@ -51,6 +51,6 @@ def test_11_4_cli_broken_template_exits_1_saying_where(
     assert "tool_response n=" in out
 
 
-def test_11_4_cli_missing_tokenizer_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_missing_tokenizer_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["verify-template", "--tokenizer", str(tmp_path / "nope")])
     assert rc == 2 and "verify-template: error" in capsys.readouterr().err

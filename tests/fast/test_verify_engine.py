@@ -26,7 +26,7 @@ async def _run(protocol: str, *extra: str) -> int:
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_11_4_engine_turns_token_exact_on_sim(protocol: str, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_engine_turns_token_exact_on_sim(protocol: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc = await _run(protocol, "--json")
     report = json.loads(capsys.readouterr().out)
     engine = report["engine"]
@@ -39,7 +39,7 @@ async def test_11_4_engine_turns_token_exact_on_sim(protocol: str, capsys: pytes
     assert all(s["sampled"] > 5 for s in steps)  # the scripted agent answers (reasoning, calls)
 
 
-async def test_11_4_engine_dropped_token_is_a_hard_mismatch(
+async def test_engine_dropped_token_is_a_hard_mismatch(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The engine sampled N ids; the session commits N-1 (its first token lost on our side): the
@@ -63,7 +63,7 @@ async def test_11_4_engine_dropped_token_is_a_hard_mismatch(
     assert "engine's sampled ids != stored sampled ids" in out and out.rstrip().endswith("engine: FAILED")
 
 
-async def test_11_4_engine_unreachable_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+async def test_engine_unreachable_fails_clearly(capsys: pytest.CaptureFixture[str]) -> None:
     tok = str(cached_tokenizer_dir("qwen3"))
     rc = await asyncio.to_thread(cli.main, ["verify-template", "--tokenizer", tok, "--engine",
                                             "sglang=http://127.0.0.1:9", "--thinking", "off"])

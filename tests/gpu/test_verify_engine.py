@@ -23,7 +23,7 @@ pytestmark = [
 ]
 
 
-async def test_11_4_verify_template_engine_is_token_exact(capsys: pytest.CaptureFixture[str]) -> None:
+async def test_verify_template_engine_is_token_exact(capsys: pytest.CaptureFixture[str]) -> None:
     """Every probe turn: prompt sent == template render (turn 0) == stored prompt, the
     next prompt extends prompt + sampled, sampled ids == stored, the message parses back."""
     from session_server.ops import cli

@@ -22,7 +22,7 @@ def _app(tokenizer_dirs: dict[str, Path], **kw: Any) -> Any:
                                 settings=Settings(cpu_workers=1, decode_processes=0, **kw)))
 
 
-def test_14_1_session_ids_carry_the_instance_and_128_random_bits(tokenizer_dirs: dict[str, Path]) -> None:
+def test_session_ids_carry_the_instance_and_128_random_bits(tokenizer_dirs: dict[str, Path]) -> None:
     with TestClient(_app(tokenizer_dirs, instance_id="w3")) as c, TestClient(_app(tokenizer_dirs)) as d:
         made = {c.post("/sessions", json={}).json()["session_id"] for _ in range(20)}
         assert all(re.fullmatch(r"w3\.[0-9a-f]{32}", sid) for sid in made) and len(made) == 20
@@ -33,7 +33,7 @@ def test_14_1_session_ids_carry_the_instance_and_128_random_bits(tokenizer_dirs:
         assert d.get(f"/sessions/{sid}").status_code == 200
 
 
-def test_14_1_another_instances_session_is_421_naming_it_and_nothing_is_touched(
+def test_another_instances_session_is_421_naming_it_and_nothing_is_touched(
     tokenizer_dirs: dict[str, Path],
 ) -> None:
     # a cluster member: it has a peer (down here: port 9 refuses), so other instances exist
@@ -59,13 +59,13 @@ def test_14_1_another_instances_session_is_421_naming_it_and_nothing_is_touched(
             assert r.status_code == 404 and r.json()["error"]["type"] == "session_not_found", r.text
 
 
-def test_14_1_store_without_instance_keeps_bare_ids() -> None:
+def test_store_without_instance_keeps_bare_ids() -> None:
     store = SessionStore()
     s = store.create(SessionConfig(ttl_s=60))
     assert re.fullmatch(r"[0-9a-f]{32}", s.id) and store.get(s.id) is s
 
 
-def test_14_1_base_url_is_built_from_the_request_host(tokenizer_dirs: dict[str, Path]) -> None:
+def test_base_url_is_built_from_the_request_host(tokenizer_dirs: dict[str, Path]) -> None:
     """Behind a proxy the Host header is the proxy's: the agent's base_url points there."""
     with TestClient(_app(tokenizer_dirs, instance_id="w0")) as c:
         body = c.post("/sessions", json={}, headers={"Host": "proxy.example:8000"}).json()
@@ -73,17 +73,17 @@ def test_14_1_base_url_is_built_from_the_request_host(tokenizer_dirs: dict[str, 
 
 
 @pytest.mark.parametrize("bad", ["W0", "w0.x", "-w0", "w0-", "a" * 33, "", "w 0", "w_0"])
-def test_14_1_instance_id_is_validated(bad: str) -> None:
+def test_instance_id_is_validated(bad: str) -> None:
     with pytest.raises(ValidationError, match="instance id"):
         Settings(instance_id=bad)
 
 
 @pytest.mark.parametrize("good", ["w0", "pod-7", "tito-3", "a" * 32, "0"])
-def test_14_1_instance_id_accepts_dns_label_names(good: str) -> None:
+def test_instance_id_accepts_dns_label_names(good: str) -> None:
     assert Settings(instance_id=good).instance_id == good
 
 
-def test_14_2_peers_setting_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_peers_setting_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     base = ["serve", "--engine", "http://x:1", "--tokenizer", "t"]
     args = cli.build_parser().parse_args([*base, "--peers", "http://127.0.0.1:1", "--peers", "http://127.0.0.1:2"])
     assert cli.settings_from_args(args).peers == ["http://127.0.0.1:1", "http://127.0.0.1:2"]

@@ -37,7 +37,7 @@ needs_haproxy = pytest.mark.skipif(not HAVE_HAPROXY, reason="haproxy is not inst
 READY_S = 240.0
 
 
-def test_14_2_missing_haproxy_names_the_debian_package(
+def test_missing_haproxy_names_the_debian_package(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("PATH", "")
@@ -47,7 +47,7 @@ def test_14_2_missing_haproxy_names_the_debian_package(
     assert rc == 2 and "apt-get install haproxy" in err and "'haproxy'" in err
 
 
-def test_14_2_cluster_sets_the_worker_identity_itself(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cluster_sets_the_worker_identity_itself(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["cluster", "--engine", "http://x:1", "--tokenizer", "t", "--instance-id", "a"])
     assert rc == 2 and "--instance-id" in capsys.readouterr().err
     rc = cli.main(["cluster", "--workers", "0", "--engine", "http://x:1", "--tokenizer", "t"])
@@ -57,7 +57,7 @@ def test_14_2_cluster_sets_the_worker_identity_itself(capsys: pytest.CaptureFixt
 
 
 @needs_haproxy
-def test_14_2_generated_config_is_valid_for_64_workers(tmp_path: Path) -> None:
+def test_generated_config_is_valid_for_64_workers(tmp_path: Path) -> None:
     workers = [WorkerSpec(f"w{i}", 20000 + i) for i in range(64)]
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(haproxy_config(workers, bind_host="127.0.0.1", port=19999, directory=tmp_path))
@@ -143,7 +143,7 @@ async def _check_token_exact(http: httpx.AsyncClient, engine: str, sid: str, tur
 
 
 @needs_haproxy
-async def test_14_2_cluster_routes_by_instance_and_a_dead_worker_fails_only_its_sessions(
+async def test_cluster_routes_by_instance_and_a_dead_worker_fails_only_its_sessions(
     tokenizer_dirs: dict[str, Path], tmp_path: Path,
 ) -> None:
     qwen3 = tokenizer_dirs["qwen3"]
@@ -209,7 +209,7 @@ async def test_14_2_cluster_routes_by_instance_and_a_dead_worker_fails_only_its_
 
 
 @needs_haproxy
-async def test_14_2_errors_the_proxy_answers_itself_are_in_our_envelope(tmp_path: Path) -> None:
+async def test_errors_the_proxy_answers_itself_are_in_our_envelope(tmp_path: Path) -> None:
     """A worker that passes its health check but drops a request mid-way: the proxy's own
     502 is our JSON envelope on every route (a control request through the pool, a
     session's request naming its instance), never HAProxy's HTML page."""

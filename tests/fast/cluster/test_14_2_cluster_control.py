@@ -59,7 +59,7 @@ async def _states(direct: httpx.AsyncClient, urls: list[str]) -> list[dict[str, 
 
 
 @needs_haproxy
-async def test_14_2_pause_through_the_proxy_aborts_and_resumes_turns_on_every_instance(
+async def test_pause_through_the_proxy_aborts_and_resumes_turns_on_every_instance(
     tokenizer_dirs: dict[str, Path], tmp_path: Path,
 ) -> None:
     qwen3 = tokenizer_dirs["qwen3"]
@@ -129,7 +129,7 @@ async def test_14_2_pause_through_the_proxy_aborts_and_resumes_turns_on_every_in
 
 
 @needs_haproxy
-async def test_14_2_a_worker_killed_mid_turn_answers_that_turn_with_502_naming_it(
+async def test_a_worker_killed_mid_turn_answers_that_turn_with_502_naming_it(
     tokenizer_dirs: dict[str, Path], tmp_path: Path,
 ) -> None:
     qwen3 = tokenizer_dirs["qwen3"]
@@ -164,7 +164,7 @@ async def test_14_2_a_worker_killed_mid_turn_answers_that_turn_with_502_naming_i
 
 
 @needs_haproxy
-async def test_14_2_a_restarted_worker_joins_the_paused_cluster_at_its_version_and_engines(
+async def test_a_restarted_worker_joins_the_paused_cluster_at_its_version_and_engines(
     tokenizer_dirs: dict[str, Path], tmp_path: Path,
 ) -> None:
     """The supervisor restarts a dead worker (same instance id and port). Meanwhile the

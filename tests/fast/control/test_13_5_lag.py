@@ -49,7 +49,7 @@ def _versions(got: ResilientResult) -> list[str]:
 # --- keep: a frozen request is cut at the update, before the engine resumes ---------------------
 
 
-async def test_13_5_keep_pause_cuts_the_frozen_request_before_resume(
+async def test_keep_pause_cuts_the_frozen_request_before_resume(
     qwen3_model: SimModel, make_prompt: Callable[[str], list[int]]
 ) -> None:
     prompt = make_prompt("update the function and run the tests")
@@ -80,7 +80,7 @@ async def test_13_5_keep_pause_cuts_the_frozen_request_before_resume(
     assert control.metrics.registry.get_sample_value("tito_turns_ended_stale_total") == 1
 
 
-async def test_13_5_keep_pause_within_the_bound_runs_on(
+async def test_keep_pause_within_the_bound_runs_on(
     qwen3_model: SimModel, make_prompt: Callable[[str], list[int]]
 ) -> None:
     prompt = make_prompt("update the function and run the tests")
@@ -113,7 +113,7 @@ async def test_13_5_keep_pause_within_the_bound_runs_on(
     ),
     topic=st.integers(0, 50),
 )
-def test_13_5_turn_never_spans_more_than_k_versions(
+def test_turn_never_spans_more_than_k_versions(
     qwen3_model: SimModel, make_prompt: Callable[[str], list[int]], protocol: str, bound: int | None,
     updates: list[tuple[float, str, bool]], topic: int,
 ) -> None:
@@ -165,7 +165,7 @@ def test_13_5_turn_never_spans_more_than_k_versions(
     asyncio.run(scenario())
 
 
-def test_13_5_flag_lists_versions_in_first_use_order() -> None:
+def test_flag_lists_versions_in_first_use_order() -> None:
     from session_server.control.lag import LagBound
 
     lag = LagBound(2)

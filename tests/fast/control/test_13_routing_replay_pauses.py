@@ -47,7 +47,7 @@ def _engine_rows(prompt: list[int], got: ResilientResult, start: int) -> np.ndar
     start_at=st.sampled_from([0.0, 0.5, 1.0]),
     topic=st.integers(0, 50),
 )
-def test_13_1_routed_rows_equal_the_engines_across_any_aborts(
+def test_routed_rows_equal_the_engines_across_any_aborts(
     qwen3_model: SimModel, make_prompt: Callable[[str], list[int]], protocol: str, plan: list[int],
     mode: str, pauses: list[tuple[float, float]], max_tokens: int, start_at: float, topic: int,
 ) -> None:
@@ -88,7 +88,7 @@ def test_13_1_routed_rows_equal_the_engines_across_any_aborts(
     asyncio.run(scenario())
 
 
-async def test_13_1_in_place_pause_keeps_one_segment_with_the_engines_rows(
+async def test_in_place_pause_keeps_one_segment_with_the_engines_rows(
     qwen3_model: SimModel, make_prompt: Callable[[str], list[int]]
 ) -> None:
     prompt = make_prompt("read the config and fix the error")

@@ -57,7 +57,7 @@ def no_engines(*peers: str) -> dict[str, Any]:
     return {p: {"engines": []} for p in peers}
 
 
-def test_14_view_takes_the_highest_version_any_pause_and_skips_unsynced_or_silent_peers() -> None:
+def test_view_takes_the_highest_version_any_pause_and_skips_unsynced_or_silent_peers() -> None:
     view = cluster_view(
         {A: state(7), B: state(9, paused="keep", lora={"x": "abort"}), C: state(12, synced=False), "http://d:1": None},
         {A: {"engines": [{"protocol": "sglang", "base_url": "http://e0/"}]},
@@ -69,7 +69,7 @@ def test_14_view_takes_the_highest_version_any_pause_and_skips_unsynced_or_silen
     assert cluster_view({A: state(3)}, {A: None}).peers == []
 
 
-async def test_14_sync_adopts_the_cluster_state_and_opens_the_gate() -> None:
+async def test_sync_adopts_the_cluster_state_and_opens_the_gate() -> None:
     control = plane(version=2)
     assert control.blocked() and not control.synced
     relay = ScriptedRelay({"/control/state": {A: state(5, paused="abort"), B: state(5, paused="abort")},
@@ -84,7 +84,7 @@ async def test_14_sync_adopts_the_cluster_state_and_opens_the_gate() -> None:
     assert not control.blocked()
 
 
-async def test_14_sync_can_take_a_version_lower_than_the_flag() -> None:
+async def test_sync_can_take_a_version_lower_than_the_flag() -> None:
     """After a forced reset the cluster may be below this worker's start-up flag."""
     control = plane(version=40)
     relay = ScriptedRelay({"/control/state": {A: state(3)}, "/engines": no_engines(A)})
@@ -92,14 +92,14 @@ async def test_14_sync_can_take_a_version_lower_than_the_flag() -> None:
     assert control.weight_version == 3 and not control.blocked()
 
 
-async def test_14_no_peer_answers_serves_with_its_own_state() -> None:
+async def test_no_peer_answers_serves_with_its_own_state() -> None:
     control = plane(version=4)
     relay = ScriptedRelay({"/control/state": {A: None, B: state(9, synced=False)}, "/engines": no_engines(A, B)})
     out = await sync_from_peers(relay, control, EngineRegistry(EnginePool()))  # type: ignore[arg-type]
     assert out.adopted_from == [] and control.synced and not control.blocked() and control.weight_version == 4
 
 
-async def test_14_a_resume_relayed_during_the_read_wins_over_a_peer_still_paused() -> None:
+async def test_a_resume_relayed_during_the_read_wins_over_a_peer_still_paused() -> None:
     """The trainer resumed while the joining instance read its peers; A (the sender) and
     B were still in their resume fan-out, so both still answered "paused". The resume
     applied here is newer than that read and is kept; the gate stays closed until the
@@ -121,7 +121,7 @@ async def test_14_a_resume_relayed_during_the_read_wins_over_a_peer_still_paused
     assert control.weight_version == 7  # the reset, not the peers' older 9
 
 
-async def test_14_the_gate_stays_closed_until_the_sync_ends_whatever_is_relayed() -> None:
+async def test_the_gate_stays_closed_until_the_sync_ends_whatever_is_relayed() -> None:
     control = plane()
     await control.pause("abort")
     await control.resume()
@@ -130,7 +130,7 @@ async def test_14_the_gate_stays_closed_until_the_sync_ends_whatever_is_relayed(
     assert not control.blocked()
 
 
-async def test_14_lora_pauses_relayed_during_the_read_are_kept_the_others_adopted() -> None:
+async def test_lora_pauses_relayed_during_the_read_are_kept_the_others_adopted() -> None:
     control = plane()
     await control.pause("keep", lora="mine")
     relay = ScriptedRelay({"/control/state": {A: state(2, lora={"theirs": "abort"})}, "/engines": no_engines(A)})
@@ -139,7 +139,7 @@ async def test_14_lora_pauses_relayed_during_the_read_are_kept_the_others_adopte
     assert control.state()["lora_pauses"]["mine"]["mode"] == "keep"
 
 
-async def test_14_a_relayed_pause_during_an_unanswered_sync_stays() -> None:
+async def test_a_relayed_pause_during_an_unanswered_sync_stays() -> None:
     control = plane()
     await control.pause("abort")  # relayed here while the peers did not answer
     relay = ScriptedRelay({"/control/state": {A: None}, "/engines": no_engines(A)})
@@ -163,7 +163,7 @@ def registry_with(*urls: str) -> EngineRegistry:
     return reg
 
 
-async def test_14_engines_peers_have_are_added_and_those_none_has_removed() -> None:
+async def test_engines_peers_have_are_added_and_those_none_has_removed() -> None:
     reg = registry_with("http://old", "http://both")
     added: list[str] = []
 
@@ -182,7 +182,7 @@ async def test_14_engines_peers_have_are_added_and_those_none_has_removed() -> N
     assert reg.pool.engines["n1"].dp_size == 2
 
 
-async def test_14_an_engine_removed_by_the_cluster_while_it_was_being_added_is_not_kept() -> None:
+async def test_an_engine_removed_by_the_cluster_while_it_was_being_added_is_not_kept() -> None:
     """The relayed DELETE lands while the sync's add awaits the engine: it found nothing
     (404, acknowledged) and must still win over the sync's older read."""
     reg = registry_with()
@@ -198,7 +198,7 @@ async def test_14_an_engine_removed_by_the_cluster_while_it_was_being_added_is_n
     assert reg.adapters() == [] and out.added == []
 
 
-async def test_14_engines_asked_for_during_the_sync_are_left_as_asked() -> None:
+async def test_engines_asked_for_during_the_sync_are_left_as_asked() -> None:
     reg = registry_with("http://kept")
     relay = ScriptedRelay({"/control/state": {A: state()}, "/engines": {A: {"engines": [
         {"protocol": "sglang", "base_url": "http://dropped"}]}}},
@@ -207,7 +207,7 @@ async def test_14_engines_asked_for_during_the_sync_are_left_as_asked() -> None:
     assert [a.base_url for a in reg.adapters()] == ["http://kept"] and out.added == out.removed == []
 
 
-async def test_14_one_engine_that_fails_to_add_does_not_stop_the_join() -> None:
+async def test_one_engine_that_fails_to_add_does_not_stop_the_join() -> None:
     reg = registry_with()
 
     async def broken(spec: str, *, dp_size: int | None = None) -> Any:
@@ -221,7 +221,7 @@ async def test_14_one_engine_that_fails_to_add_does_not_stop_the_join() -> None:
     assert control.weight_version == 6 and control.state()["paused"]  # the rest was adopted
 
 
-async def test_14_a_failed_sync_never_leaves_the_gate_closed() -> None:
+async def test_a_failed_sync_never_leaves_the_gate_closed() -> None:
     control = plane()
 
     class Fails(ScriptedRelay):

@@ -33,7 +33,7 @@ async def _both(adapter: Any, salt: str) -> tuple[GenerateResult, list[TokenDelt
 
 
 @pytest.mark.parametrize(("protocol", "endpoint"), [("sglang", None), ("vllm", "generate"), ("vllm", "completions")])
-async def test_12_2_streamed_result_equals_non_streamed(protocol: str, endpoint: str | None) -> None:
+async def test_streamed_result_equals_non_streamed(protocol: str, endpoint: str | None) -> None:
     async with running_sim(protocol, "toy", seed=3, latency_ms=1) as url:
         a = SGLangAdapter(url) if protocol == "sglang" else VLLMAdapter(url, endpoint=endpoint or "auto")
         try:
@@ -46,7 +46,7 @@ async def test_12_2_streamed_result_equals_non_streamed(protocol: str, endpoint:
     assert [lp for d in deltas for lp in d.logprobs] == list(final.logprobs)
 
 
-def test_12_2_sglang_incremental_frames_join_to_the_cumulative_result() -> None:
+def test_sglang_incremental_frames_join_to_the_cumulative_result() -> None:
     """The server's incremental streaming option: each frame carries only its new tokens."""
     meta = '"id":"r","prompt_tokens":3,"completion_tokens":%d,"cached_tokens":0'
     frames = [

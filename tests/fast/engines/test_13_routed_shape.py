@@ -28,7 +28,7 @@ def _piece(raw: bytes, start: int, prompt: int = 8, output: int = 4) -> Piece:
     return Piece(raw, prompt, output, start)
 
 
-def test_13_4_an_engine_ignoring_the_start_is_cut_when_the_width_is_known() -> None:
+def test_an_engine_ignoring_the_start_is_cut_when_the_width_is_known() -> None:
     # an older SGLang answers every position from 0 although the turn asked from 9;
     # the session's earlier rows say 4 x 2: 11 rows, cut at 9 (the old guess read 2 rows of 16)
     rows = line_rows(IDS, SPEC)
@@ -36,7 +36,7 @@ def test_13_4_an_engine_ignoring_the_start_is_cut_when_the_width_is_known() -> N
     np.testing.assert_array_equal(got, rows[9:])
 
 
-def test_13_4_the_settings_give_the_width_of_a_first_segment() -> None:
+def test_the_settings_give_the_width_of_a_first_segment() -> None:
     rows = line_rows(IDS, SPEC)
     got = join([_piece(_flat(rows), 0)], start=0, end=11, shape=RoutedShape(layers=4, topk=2))
     assert got.shape == (11, 4, 2) and got.dtype == np.uint8
@@ -46,7 +46,7 @@ def test_13_4_the_settings_give_the_width_of_a_first_segment() -> None:
         join([_piece(_flat(extra), 0)], start=0, end=11, shape=RoutedShape(layers=4, topk=2))
 
 
-def test_13_4_an_unknown_width_is_inferred_only_when_it_divides_else_a_502_naming_the_settings() -> None:
+def test_an_unknown_width_is_inferred_only_when_it_divides_else_a_502_naming_the_settings() -> None:
     rows = line_rows(IDS, SPEC)
     got = join([_piece(_flat(rows), 0)], start=0, end=11, shape=RoutedShape(topk=2))
     assert got.shape == (11, 4, 2)  # 88 ids / 11 positions = 8 per row, split by topk 2
@@ -56,7 +56,7 @@ def test_13_4_an_unknown_width_is_inferred_only_when_it_divides_else_a_502_namin
         join([_piece(_flat(rows), 0)], start=0, end=11, shape=RoutedShape())  # neither setting
 
 
-def test_13_4_rows_must_have_the_settings_layers_and_topk() -> None:
+def test_rows_must_have_the_settings_layers_and_topk() -> None:
     # vLLM's .npy carries its own shape: it must still be the model's
     raw = b'"' + vllm_payload(IDS, SPEC).encode() + b'"'
     assert join([_piece(raw, 3)], start=3, end=11, shape=RoutedShape(layers=4, topk=2)).shape == (8, 4, 2)

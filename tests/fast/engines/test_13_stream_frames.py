@@ -21,7 +21,7 @@ async def _aiter(items: list[bytes]) -> AsyncIterator[bytes]:
         yield x
 
 
-async def test_13_7_sse_lines_split_any_chunking_and_bound_a_line() -> None:
+async def test_sse_lines_split_any_chunking_and_bound_a_line() -> None:
     data = b"data: a\n\ndata: " + b"x" * 1000 + b"\ndata: [DONE]\n"
     want = data.split(b"\n")[:-1]
     for size in (1, 3, 7, 64, len(data)):
@@ -31,7 +31,7 @@ async def test_13_7_sse_lines_split_any_chunking_and_bound_a_line() -> None:
         _ = [line async for line in sse_lines(_aiter([b"y" * 5000]), 100)]
 
 
-async def test_13_7_a_stream_frame_over_aiohttps_line_limit_arrives_whole() -> None:
+async def test_a_stream_frame_over_aiohttps_line_limit_arrives_whole() -> None:
     big = b"data: " + b"A" * (12 * 1024 * 1024) + b"\n\n"
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -71,7 +71,7 @@ class _Fold:
         return "result"
 
 
-async def test_13_7_large_frames_and_the_result_after_them_are_folded_on_the_offload() -> None:
+async def test_large_frames_and_the_result_after_them_are_folded_on_the_offload() -> None:
     offloaded: list[str] = []
 
     async def offload(fn: Any, /, *args: Any) -> Any:

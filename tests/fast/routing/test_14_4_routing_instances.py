@@ -13,7 +13,7 @@ def _small() -> SimConfig:
     return replace(quick(SCENARIOS["storm"]), sessions=32, final_tokens=(20_000, 30_000))
 
 
-def test_14_4_n_instances_keep_hit_rate_and_lose_nothing() -> None:
+def test_n_instances_keep_hit_rate_and_lose_nothing() -> None:
     result = compare(_small(), "sticky_cost", 4, 2.0)
     runs = list(result["runs"].values())
     assert [r["instances"] for r in runs] == [1, 4, 4] and [r["poll_s"] for r in runs] == [None, None, 2.0]
@@ -24,7 +24,7 @@ def test_14_4_n_instances_keep_hit_rate_and_lose_nothing() -> None:
         assert r["completed_turns"] == one["completed_turns"]
 
 
-def test_14_4_each_instance_sees_only_its_own_work_plus_the_polled_rest() -> None:
+def test_each_instance_sees_only_its_own_work_plus_the_polled_rest() -> None:
     cfg = _small()
     scripts = make_sessions(cfg)
     cl = InstancesCluster(cfg, [make_policy("sticky_least_loaded") for _ in range(2)], scripts, poll_s=0.0)

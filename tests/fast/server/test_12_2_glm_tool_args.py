@@ -91,7 +91,7 @@ def _render(codec: Any, content: str, calls: list[tuple[str, dict[str, Any]]]) -
                                                                    HealthCheck.too_slow])
 @given(calls=_CALLS, content=st.sampled_from(["", "Writing it.", "x <b> y"]),
        cuts=st.lists(st.integers(0, 10**4), max_size=80))
-def test_12_2_glm_tool_args_streamed_calls_equal_parse_glm(load_tokenizer: Any, calls: list[tuple[str, dict[str, Any]]],
+def test_glm_tool_args_streamed_calls_equal_parse_glm(load_tokenizer: Any, calls: list[tuple[str, dict[str, Any]]],
                                                          content: str, cuts: list[int]) -> None:
     codec = load_codec(load_tokenizer("glm4moe"))
     ids = _render(codec, content, calls)
@@ -102,7 +102,7 @@ def test_12_2_glm_tool_args_streamed_calls_equal_parse_glm(load_tokenizer: Any, 
     assert [(n, a) for n, a in (streamed[i] for i in range(len(streamed)))] == final
 
 
-def test_12_2_glm_tool_args_a_raw_string_streams_in_pieces(load_tokenizer: Any) -> None:
+def test_glm_tool_args_a_raw_string_streams_in_pieces(load_tokenizer: Any) -> None:
     codec = load_codec(load_tokenizer("glm4moe"))
     args = {"path": "src/app.py", "text": "print('hello')\n" * 40 + "done", "n": 3, "flag": "true"}
     ids = _render(codec, "Writing it.", [("write_file", args)])
@@ -134,7 +134,7 @@ def _call(name: str, *pairs: tuple[str, str]) -> str:
     "<tool_call>read\nmore\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",  # a newline in the name
     "<tool_call>re<ad<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",  # `<` in the name
 ])
-def test_12_2_glm_tool_args_rejected_names_do_not_start(text: str) -> None:
+def test_glm_tool_args_rejected_names_do_not_start(text: str) -> None:
     reader, calls = _read(text)
     assert not calls and reader.stopped
     assert parse_glm(text, None, frozenset(NAMES)).tool_calls == []
@@ -149,7 +149,7 @@ def test_12_2_glm_tool_args_rejected_names_do_not_start(text: str) -> None:
     (_call("read", ("a", "x <tool_call> y")), False),
     ("<tool_call>read\n<arg_key>a</arg_key> junk <arg_value>1</arg_value></tool_call>", False),
 ])
-def test_12_2_glm_tool_args_divergent_shapes_stop_the_stream(text: str, committed: bool) -> None:
+def test_glm_tool_args_divergent_shapes_stop_the_stream(text: str, committed: bool) -> None:
     reader, calls = _read(text)
     parsed = parse_glm(text, None, frozenset(NAMES))
     assert reader.stopped and bool(parsed.tool_calls) == committed
@@ -157,7 +157,7 @@ def test_12_2_glm_tool_args_divergent_shapes_stop_the_stream(text: str, committe
         assert calls[0][1] == '{"a": "x", "b": 2' and parsed.tool_calls[0].arguments == '{"a": "y", "b": 2}'
 
 
-def test_12_2_glm_tool_args_calls_after_content_and_without_arguments() -> None:
+def test_glm_tool_args_calls_after_content_and_without_arguments() -> None:
     text = "\nI will read it.\n" + _call("read", ("path", "a.py"), ("n", " 5 ")) + "\n<tool_call>edit\n</tool_call>\n"
     reader, calls = _read(text)
     parsed = parse_glm(text, None, frozenset(NAMES))

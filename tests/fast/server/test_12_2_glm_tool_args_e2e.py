@@ -14,7 +14,7 @@ from .conftest import live_stack
 from .test_12_2_tool_args_e2e import ASCII_ARGS, TOOLS, USER, _script, _stored
 
 
-async def test_12_2_glm_tool_args_chat_completions_stream_incrementally(tokenizer_dirs: dict[str, Path]) -> None:
+async def test_glm_tool_args_chat_completions_stream_incrementally(tokenizer_dirs: dict[str, Path]) -> None:
     from openai import AsyncOpenAI
 
     args = {**ASCII_ARGS, "lines": 40}  # a raw string streams live, the number waits for its end
@@ -45,7 +45,7 @@ async def test_12_2_glm_tool_args_chat_completions_stream_incrementally(tokenize
     assert content == message["content"] == "Writing it."  # GLM content (stripped) comes at the end
 
 
-async def test_12_2_glm_tool_args_anthropic_text_after_streamed_tool_use(tokenizer_dirs: dict[str, Path]) -> None:
+async def test_glm_tool_args_anthropic_text_after_streamed_tool_use(tokenizer_dirs: dict[str, Path]) -> None:
     """The Messages stream of a GLM call after content: the `tool_use` block streams its
     `input_json_delta`s live, the content (held to the end) follows it as a text block,
     and the SDK's final message has both, matching the stored turn."""

@@ -64,7 +64,7 @@ def _stream(codec: Any, ids: list[int], cuts: list[int], tools: Any, kw: Any) ->
 @pytest.mark.parametrize("kw", [None, {"enable_thinking": False}])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_12_2_incremental_deltas_are_a_prefix_of_the_parsed_fields(
+def test_incremental_deltas_are_a_prefix_of_the_parsed_fields(
     load_tokenizer: Any, family: str, tools: Any, kw: Any, data: st.DataObject
 ) -> None:
     codec = load_codec(load_tokenizer(family))
@@ -78,7 +78,7 @@ def test_12_2_incremental_deltas_are_a_prefix_of_the_parsed_fields(
 
 
 @pytest.mark.parametrize("family", ["qwen3", "glm4moe"])
-def test_12_2_incremental_one_token_at_a_time_streams_most_text(load_tokenizer: Any, family: str) -> None:
+def test_incremental_one_token_at_a_time_streams_most_text(load_tokenizer: Any, family: str) -> None:
     codec = load_codec(load_tokenizer(family))
     ids = codec.tokenizer.encode(TEXTS[0], add_special_tokens=False)
     sent, final = _stream(codec, ids, list(range(1, len(ids))), None, None)
@@ -86,7 +86,7 @@ def test_12_2_incremental_one_token_at_a_time_streams_most_text(load_tokenizer: 
     assert final["content"].startswith(sent["content"]) and "Answer 🙂 <b>ok</b>" in sent["content"]
 
 
-def test_12_2_incremental_decodes_a_bounded_window_per_chunk(load_tokenizer: Any) -> None:
+def test_incremental_decodes_a_bounded_window_per_chunk(load_tokenizer: Any) -> None:
     """Per-chunk work follows the new tokens: ids decoded per chunk stay bounded."""
     codec = load_codec(load_tokenizer("qwen3"))
     tok = Counting(codec.tokenizer)
@@ -102,7 +102,7 @@ def test_12_2_incremental_decodes_a_bounded_window_per_chunk(load_tokenizer: Any
     assert tok.decoded <= 12 * len(ids)
 
 
-def test_12_2_generic_template_without_markers_streams_everything(load_tokenizer: Any) -> None:
+def test_generic_template_without_markers_streams_everything(load_tokenizer: Any) -> None:
     from trajectory.codec.template import TemplateCodec
 
     codec = load_codec(load_tokenizer("qwen3"))

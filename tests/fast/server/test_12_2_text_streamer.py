@@ -30,7 +30,7 @@ def _run(text: str, names: frozenset[str]) -> tuple[list[tuple[int, Any]], dict[
     return events, _parser(names)(ids), s
 
 
-def test_12_2_reasoning_then_content_stream_and_a_tool_call_is_held() -> None:
+def test_reasoning_then_content_stream_and_a_tool_call_is_held() -> None:
     call = '<tool_call>\n{"name": "read", "arguments": {"path": "a"}}\n</tool_call>'
     text = f"<think>\nlook first\n</think>\n\nReading it.\n{call}"
     events, final, s = _run(text, frozenset({"read"}))
@@ -44,7 +44,7 @@ def test_12_2_reasoning_then_content_stream_and_a_tool_call_is_held() -> None:
     assert "".join(r for _, r in reasoning) == final["reasoning_content"]
 
 
-def test_12_2_without_tools_tags_in_content_stream_but_a_partial_one_waits() -> None:
+def test_without_tools_tags_in_content_stream_but_a_partial_one_waits() -> None:
     text = "<think>x</think>use <b> here and a <par"
     events, final, s = _run(text, frozenset())
     content = "".join(e.text for _, e in events if isinstance(e, ContentDelta))
@@ -53,7 +53,7 @@ def test_12_2_without_tools_tags_in_content_stream_but_a_partial_one_waits() -> 
     assert content + rest == final["content"]
 
 
-def test_12_2_content_waits_while_a_reasoning_block_may_still_close() -> None:
+def test_content_waits_while_a_reasoning_block_may_still_close() -> None:
     """Thinking on, no `<think>`: text before a later `</think>` is reasoning."""
     events, final, s = _run("plan it</think>done", frozenset())
     first_content = next(i for i, e in events if isinstance(e, ContentDelta))

@@ -48,7 +48,7 @@ async def _stored(st: Stack, sid: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return turn["assistant_message"], turn
 
 
-async def test_12_2_tool_args_chat_completions_stream_incrementally(qwen3_dir: Path) -> None:
+async def test_tool_args_chat_completions_stream_incrementally(qwen3_dir: Path) -> None:
     from openai import AsyncOpenAI
 
     async with live_stack(qwen3_dir, "vllm", latency_ms=2) as st:
@@ -87,7 +87,7 @@ async def test_12_2_tool_args_chat_completions_stream_incrementally(qwen3_dir: P
     assert "tool_call_id_renames" not in traj["branches"][0]["turns"][1]["extra"]  # the stored id is the streamed one
 
 
-async def test_12_2_tool_args_anthropic_input_json_deltas(qwen3_dir: Path) -> None:
+async def test_tool_args_anthropic_input_json_deltas(qwen3_dir: Path) -> None:
     from anthropic import AsyncAnthropic
 
     async with live_stack(qwen3_dir, "vllm", latency_ms=2) as st:
@@ -113,7 +113,7 @@ async def test_12_2_tool_args_anthropic_input_json_deltas(qwen3_dir: Path) -> No
     assert final.stop_reason == "tool_use"
 
 
-async def test_12_2_tool_args_responses_function_call_arguments_deltas(qwen3_dir: Path) -> None:
+async def test_tool_args_responses_function_call_arguments_deltas(qwen3_dir: Path) -> None:
     from openai import AsyncOpenAI
 
     async with live_stack(qwen3_dir, "sglang", latency_ms=2) as st:
@@ -140,7 +140,7 @@ async def test_12_2_tool_args_responses_function_call_arguments_deltas(qwen3_dir
     assert deltas == calls[0].arguments == stored["function"]["arguments"] and json.loads(deltas) == ARGS
 
 
-async def test_12_2_tool_args_truncated_mid_call_commits_and_counts_divergence(qwen3_dir: Path) -> None:
+async def test_tool_args_truncated_mid_call_commits_and_counts_divergence(qwen3_dir: Path) -> None:
     """max_tokens cuts the call mid-arguments: the streamed call cannot parse, the turn is
     still committed (the tokens are the truth), the stream sends the content as parsed
     (the raw markup) and the divergence is recorded and counted."""
@@ -179,7 +179,7 @@ async def test_12_2_tool_args_truncated_mid_call_commits_and_counts_divergence(q
                                                            "parameters": {"type": "object"}}]},
      "response.incomplete"),
 ])
-async def test_12_2_tool_args_truncated_mid_call_other_dialects_end_cleanly(qwen3_dir: Path, path: str,
+async def test_tool_args_truncated_mid_call_other_dialects_end_cleanly(qwen3_dir: Path, path: str,
                                                                            body: dict[str, Any], last: str) -> None:
     """The divergence path in the Anthropic and Responses encoders: a started tool block
     whose turn commits without the call still ends with the dialect's terminal event."""

@@ -78,7 +78,7 @@ def _run(codec: Any, text: str, cuts: list[int], kw: Any = None) -> tuple[dict[s
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_12_2_tool_args_streamed_calls_equal_the_parsed_calls(load_tokenizer: Any, data: st.DataObject) -> None:
+def test_tool_args_streamed_calls_equal_the_parsed_calls(load_tokenizer: Any, data: st.DataObject) -> None:
     codec = load_codec(load_tokenizer("qwen3"))
     text = data.draw(st.sampled_from(GOOD))
     cuts = data.draw(st.lists(st.integers(0, 10**4), max_size=60))
@@ -91,7 +91,7 @@ def test_12_2_tool_args_streamed_calls_equal_the_parsed_calls(load_tokenizer: An
 
 
 @pytest.mark.parametrize("text", HELD + BROKEN)
-def test_12_2_tool_args_unvouched_shapes_are_held_back(load_tokenizer: Any, text: str) -> None:
+def test_tool_args_unvouched_shapes_are_held_back(load_tokenizer: Any, text: str) -> None:
     codec = load_codec(load_tokenizer("qwen3"))
     _, calls, final = _run(codec, text, list(range(1, 400)), _kw(text))
     committed = final.get("tool_calls") or []
@@ -105,7 +105,7 @@ def test_12_2_tool_args_unvouched_shapes_are_held_back(load_tokenizer: Any, text
         assert not calls
 
 
-def test_12_2_tool_args_arrive_in_several_pieces(load_tokenizer: Any) -> None:
+def test_tool_args_arrive_in_several_pieces(load_tokenizer: Any) -> None:
     codec = load_codec(load_tokenizer("qwen3"))
     long = json.dumps({"content": "word " * 200, "path": "src/app.py"})
     _, calls, final = _run(codec, _call("edit", long), list(range(1, 2000)), _kw(long))

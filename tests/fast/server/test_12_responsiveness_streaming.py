@@ -24,12 +24,12 @@ class _Resp:
         return it()
 
 
-async def test_12_responsiveness_reads_every_frame() -> None:
+async def test_responsiveness_reads_every_frame() -> None:
     lines = [b'data: {"a": 1}\n', b"\n", b'data: {"a": 2}\n', b"\n", b"data: [DONE]\n", b"\n"]
     resp: Any = _Resp(lines)
     assert await _read_sse(resp) == 3
 
 
-async def test_12_responsiveness_stream_without_done_is_an_error() -> None:
+async def test_responsiveness_stream_without_done_is_an_error() -> None:
     resp: Any = _Resp([b'data: {"a": 1}\n', b"\n"])
     assert await _read_sse(resp) == -1

@@ -89,7 +89,7 @@ DIALECTS = ["chat", "anthropic", "responses"]
 
 @pytest.mark.parametrize(("fault", "what"), [("stream_diverges", "tokens"), ("stream_logprob_diverges", "logprobs")])
 @pytest.mark.parametrize("dialect", DIALECTS)
-async def test_12_2_streamed_values_that_disagree_with_the_final_answer_fail_the_turn(
+async def test_streamed_values_that_disagree_with_the_final_answer_fail_the_turn(
         qwen3_dir: Path, dialect: str, fault: str, what: str) -> None:
     """SGLang frames are cumulative: its final frame can contradict what the stream showed
     (vLLM's final answer is its chunks joined, so it cannot)."""
@@ -102,7 +102,7 @@ async def test_12_2_streamed_values_that_disagree_with_the_final_answer_fail_the
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
-async def test_12_2_streamed_text_the_final_parse_does_not_extend_fails_the_turn(
+async def test_streamed_text_the_final_parse_does_not_extend_fails_the_turn(
         qwen3_dir: Path, dialect: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`TextStreamer.tail` refuses a final message whose fields do not start with what was
     streamed (a parser disagreement: simulated by changing the validated message)."""
@@ -134,7 +134,7 @@ async def test_12_2_streamed_text_the_final_parse_does_not_extend_fails_the_turn
     ("sglang", "stream_negative_id"), ("vllm", "stream_nan_logprob"), ("vllm", "stream_oov_id"),
 ])
 @pytest.mark.parametrize("dialect", DIALECTS)
-async def test_12_2_a_chunk_with_a_bad_id_or_logprob_fails_the_turn_unshown(
+async def test_a_chunk_with_a_bad_id_or_logprob_fails_the_turn_unshown(
         qwen3_dir: Path, protocol: str, fault: str, dialect: str) -> None:
     """The bad chunk is refused as it arrives: never shown to the agent (no logprob frame
     carries it), the stream ends with the error event, nothing is committed."""
@@ -149,7 +149,7 @@ async def test_12_2_a_chunk_with_a_bad_id_or_logprob_fails_the_turn_unshown(
     assert all(c["logprob"] is not None and c["logprob"] <= 0 for c in shown)
 
 
-async def test_12_2_the_fallback_parse_streams_text_before_the_engine_finishes(tokenizer_dirs: dict[str, Path]) -> None:
+async def test_the_fallback_parse_streams_text_before_the_engine_finishes(tokenizer_dirs: dict[str, Path]) -> None:
     """Llama 3.x has no incremental grammar (`grammar_for` is None): its text deltas come
     from the whole-parse fallback, still while the engine samples."""
     import time
@@ -181,7 +181,7 @@ async def test_12_2_the_fallback_parse_streams_text_before_the_engine_finishes(t
     assert "".join(x for _, x in stamps) == message["content"]
 
 
-def test_12_2_think_close_ids_are_encoded_once_per_tokenizer(qwen3_dir: Path) -> None:
+def test_think_close_ids_are_encoded_once_per_tokenizer(qwen3_dir: Path) -> None:
     """Every streamed turn needs `</think>` as ids (`TextStreamer`'s what-if): one encode
     per tokenizer, not one per turn; the ids are the tokenizer's own."""
     from transformers import AutoTokenizer
@@ -221,7 +221,7 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_12_2_a_streamed_turn_survives_a_refused_connection_before_any_token(
+async def test_a_streamed_turn_survives_a_refused_connection_before_any_token(
         qwen3_dir: Path, protocol: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's first streamed `/generate` connection is refused (nothing sent, nothing
     shown): it is retried as a non-streamed request is, the stream goes on and commits once;
@@ -286,7 +286,7 @@ async def _turns_when_idle(st: Stack, sid: str) -> int:
 
 
 @pytest.mark.parametrize("marker", ["x-stainless-retry-count", "idempotency-key"])
-async def test_12_3_a_streamed_turn_whose_client_leaves_is_kept_for_the_retry(qwen3_dir: Path, marker: str) -> None:
+async def test_a_streamed_turn_whose_client_leaves_is_kept_for_the_retry(qwen3_dir: Path, marker: str) -> None:
     """With a retry marker, a client that hangs up mid-stream leaves its turn running for
     the replay grace; its retry (same body) follows the stream live: every frame from the
     first (byte for byte what the first attempt was sent), then the rest as sampled; the
@@ -320,7 +320,7 @@ async def test_12_3_a_streamed_turn_whose_client_leaves_is_kept_for_the_retry(qw
     assert content == (traj[0]["turns"][0]["assistant_message"].get("content") or "")
 
 
-async def test_12_3_a_streamed_turn_whose_client_leaves_without_a_retry_is_cancelled_after_the_grace(
+async def test_a_streamed_turn_whose_client_leaves_without_a_retry_is_cancelled_after_the_grace(
         qwen3_dir: Path) -> None:
     """A marker but no retry within the grace: the turn is cancelled then (nothing committed);
     without a marker it is cancelled at once (test_live_streaming.py)."""
@@ -339,7 +339,7 @@ async def test_12_3_a_streamed_turn_whose_client_leaves_without_a_retry_is_cance
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_12_1_responses_output_text_logprobs(qwen3_dir: Path, stream: bool) -> None:
+async def test_responses_output_text_logprobs(qwen3_dir: Path, stream: bool) -> None:
     """`include: ["message.output_text.logprobs"]` (+ `top_logprobs`): the output_text's
     tokens with their exact logprobs (the trajectory's), as the openai SDK types read them;
     streamed, in `output_text.done` and `response.completed`. Not asked: `[]`."""
@@ -383,7 +383,7 @@ async def test_12_1_responses_output_text_logprobs(qwen3_dir: Path, stream: bool
     assert plain_text.logprobs == []
 
 
-async def test_12_3_a_retry_following_a_stream_that_fails_gets_its_error_event_and_no_second_turn(
+async def test_a_retry_following_a_stream_that_fails_gets_its_error_event_and_no_second_turn(
         qwen3_dir: Path) -> None:
     """The followed turn fails validation at its end: the retry's stream ends with the
     error event, like the original's would have; no fresh attempt runs behind it."""
@@ -407,7 +407,7 @@ async def test_12_3_a_retry_following_a_stream_that_fails_gets_its_error_event_a
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_12_1_anthropic_disable_parallel_tool_use_is_a_hint_never_a_silent_drop(
+async def test_anthropic_disable_parallel_tool_use_is_a_hint_never_a_silent_drop(
         qwen3_dir: Path, stream: bool) -> None:
     """`tool_choice.disable_parallel_tool_use` cannot be enforced on sampled tokens: a model
     that calls two tools anyway gets both `tool_use` blocks, as the trajectory has them."""

@@ -61,7 +61,7 @@ def _versions(turn: dict[str, Any]) -> list[str]:
     return [str(v) for _, _, v in turn["weight_spans"]]
 
 
-async def test_13_5_k1_ends_the_turn_at_the_first_update(qwen3_dir: Path) -> None:
+async def test_k1_ends_the_turn_at_the_first_update(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
         sid = await st.session(max_weight_lag=1)
@@ -98,7 +98,7 @@ async def test_13_5_k1_ends_the_turn_at_the_first_update(qwen3_dir: Path) -> Non
         assert _versions(await _turn(st, sid)) == ["2"]
 
 
-async def test_13_5_k2_resubmits_once_then_ends_at_the_second_update(qwen3_dir: Path) -> None:
+async def test_k2_resubmits_once_then_ends_at_the_second_update(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
         sid = await st.session(max_weight_lag=2)
@@ -113,7 +113,7 @@ async def test_13_5_k2_resubmits_once_then_ends_at_the_second_update(qwen3_dir: 
         assert out == log[0]["output_ids"] + log[1]["output_ids"]
 
 
-async def test_13_5_unbounded_resubmits_through_every_update(qwen3_dir: Path) -> None:
+async def test_unbounded_resubmits_through_every_update(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
         ref = await _reference(st)
@@ -127,7 +127,7 @@ async def test_13_5_unbounded_resubmits_through_every_update(qwen3_dir: Path) ->
         assert metric_value(metrics, "tito_turns_ended_stale_total") == 0
 
 
-async def test_13_5_an_update_before_the_first_token_resubmits(qwen3_dir: Path) -> None:
+async def test_an_update_before_the_first_token_resubmits(qwen3_dir: Path) -> None:
     # a slow prefill: the pause aborts the request before it sampled anything
     async with live_stack(qwen3_dir, latency_ms=4, request_latency_ms=300) as st:
         await _set_version(st, 1)
@@ -141,7 +141,7 @@ async def test_13_5_an_update_before_the_first_token_resubmits(qwen3_dir: Path) 
         assert "stale_bound" not in turn["extra"]
 
 
-async def test_13_5_the_request_overrides_the_session(qwen3_dir: Path) -> None:
+async def test_the_request_overrides_the_session(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
         loose = await st.session(max_weight_lag=1)
@@ -154,7 +154,7 @@ async def test_13_5_the_request_overrides_the_session(qwen3_dir: Path) -> None:
         assert _versions(await _turn(st, strict)) == ["2"]
 
 
-async def test_13_5_invalid_bounds_are_400_in_the_envelope(qwen3_dir: Path) -> None:
+async def test_invalid_bounds_are_400_in_the_envelope(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         for bad in (0, -1, 1.5, "2", True):
             r = await st.http.post("/sessions", json={"max_weight_lag": bad})
@@ -176,7 +176,7 @@ async def test_13_5_invalid_bounds_are_400_in_the_envelope(qwen3_dir: Path) -> N
         assert r.status_code == 200, r.text
 
 
-async def test_13_5_anthropic_and_responses_report_the_cut_turn_as_incomplete(qwen3_dir: Path) -> None:
+async def test_anthropic_and_responses_report_the_cut_turn_as_incomplete(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
         sid = await st.session(max_weight_lag=1)

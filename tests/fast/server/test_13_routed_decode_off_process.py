@@ -34,7 +34,7 @@ def _body(routed: str) -> bytes:
     return orjson.dumps({"text": "x", "output_ids": OUTPUT, "meta_info": meta})
 
 
-async def test_13_r3_a_large_reply_comes_back_with_its_routed_experts_decoded_and_narrowed() -> None:
+async def test_a_large_reply_comes_back_with_its_routed_experts_decoded_and_narrowed() -> None:
     threads = CpuOffload(1)
     decoder = ReplyDecoder(threads, processes=1, large_reply_bytes=1024)
     try:
@@ -71,7 +71,7 @@ class _Fold:
                               cached_tokens=0, routed_experts=self.raw)
 
 
-async def test_13_r3_a_streamed_results_large_payload_is_decoded_in_the_worker_too() -> None:
+async def test_a_streamed_results_large_payload_is_decoded_in_the_worker_too() -> None:
     threads = CpuOffload(1)
     decoder = ReplyDecoder(threads, processes=1, large_reply_bytes=1024)
     try:
@@ -110,7 +110,7 @@ def _same(raws: list[bytes], starts: list[tuple[int, int, int]], **kw: Any) -> A
     return plain
 
 
-def test_13_r3_join_checks_decoded_payloads_as_it_checks_raw_ones() -> None:
+def test_join_checks_decoded_payloads_as_it_checks_raw_ones() -> None:
     rows = line_rows(LINE, SPEC)
     end = len(LINE) - 1
     # two segments (abort -> resubmit) of the 99 positions: [0, 50) (a prompt of 41 + 10
@@ -141,7 +141,7 @@ def test_13_r3_join_checks_decoded_payloads_as_it_checks_raw_ones() -> None:
     assert predecode(None) is None and wire_size(None) is None
 
 
-def test_13_r3_vllm_npy_and_nested_lists() -> None:
+def test_vllm_routed_experts_decode_from_npy_and_from_nested_lists() -> None:
     end = len(LINE) - 1
     npy = b'"' + vllm_payload(LINE, SPEC).encode() + b'"'
     decoded = predecode(npy)
@@ -153,7 +153,7 @@ def test_13_r3_vllm_npy_and_nested_lists() -> None:
 
 
 @pytest.mark.parametrize("experts", [200, 3000])
-def test_13_r3_predecode_narrows_to_the_smallest_dtype(experts: int) -> None:
+def test_predecode_narrows_to_the_smallest_dtype(experts: int) -> None:
     spec = RoutedSpec(layers=2, topk=2, num_experts=experts)
     decoded = predecode(b'"' + sglang_payload(LINE, spec, 0).encode() + b'"')
     assert isinstance(decoded, Decoded)

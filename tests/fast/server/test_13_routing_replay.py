@@ -35,7 +35,7 @@ async def _two_turns(st: Any, sid: str) -> None:
     assert r.status_code == 200 and "routed_experts" not in r.text
 
 
-async def test_13_1_multi_turn_sample_rows_equal_the_engines_rows_for_the_whole_line(qwen3_dir: Path) -> None:
+async def test_multi_turn_sample_rows_equal_the_engines_rows_for_the_whole_line(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=R3) as st:
         sid = await st.session(routing_replay=True)
         await _two_turns(st, sid)
@@ -64,7 +64,7 @@ async def test_13_1_multi_turn_sample_rows_equal_the_engines_rows_for_the_whole_
         assert turns[1].routed_experts.start == turns[0].output_end - 1  # no gap, no overlap
 
 
-async def test_13_1_off_by_default_asks_nothing(qwen3_dir: Path) -> None:
+async def test_routing_replay_is_off_by_default_and_asks_the_engine_for_nothing(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=R3) as st:
         sid = await st.session()
         r = await st.chat(sid)

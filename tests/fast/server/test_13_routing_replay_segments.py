@@ -55,7 +55,7 @@ def _check_line(s: Any) -> None:
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_13_1_rows_across_aborts_and_resubmits_equal_the_engines(qwen3_dir: Path, protocol: str) -> None:
+async def test_rows_across_aborts_and_resubmits_equal_the_engines(qwen3_dir: Path, protocol: str) -> None:
     # turn 1: three segments (cut after 2 and 3 tokens); turn 2: whole; turn 3: two segments
     plan = [2, 3, NEVER, NEVER, 1]
     async with live_stack(qwen3_dir, protocol, settings=STRICT, abort_plan=plan, **_sim(protocol)) as st:
@@ -92,7 +92,7 @@ async def _committed(st: Stack, sid: str) -> tuple[int, int, list[int]]:
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 @pytest.mark.parametrize("fault", sorted(ROUTED_FAULTS))
 @pytest.mark.parametrize("segment", [0, 1])
-async def test_13_2_bad_rows_in_any_segment_are_a_502_with_nothing_committed(
+async def test_bad_rows_in_any_segment_are_a_502_with_nothing_committed(
     qwen3_dir: Path, protocol: str, fault: str, segment: int
 ) -> None:
     # turn 1 whole; turn 2 cut after 2 tokens (two segments), the fault on `segment`
@@ -126,7 +126,7 @@ async def test_13_2_bad_rows_in_any_segment_are_a_502_with_nothing_committed(
     _check_line(s2)
 
 
-async def test_13_2_a_turn_that_changes_the_sessions_shape_is_a_502(qwen3_dir: Path) -> None:
+async def test_a_turn_that_changes_the_sessions_shape_is_a_502(qwen3_dir: Path) -> None:
     # only topk set: the width is inferred on the first turn, then held to it
     async with live_stack(qwen3_dir, settings=Settings(routed_experts_topk=SPEC.topk)) as st:
         sid = await st.session(routing_replay=True)
@@ -140,7 +140,7 @@ async def test_13_2_a_turn_that_changes_the_sessions_shape_is_a_502(qwen3_dir: P
         assert await _committed(st, sid) == before
 
 
-async def test_13_2_unsplittable_rows_are_a_502_with_nothing_committed(qwen3_dir: Path) -> None:
+async def test_unsplittable_rows_are_a_502_with_nothing_committed(qwen3_dir: Path) -> None:
     # topk 3 does not divide the simulated 4 x 2 ids per row: a shape mismatch
     async with live_stack(qwen3_dir, settings=Settings(routed_experts_topk=3)) as st:
         sid = await st.session(routing_replay=True)
@@ -152,7 +152,7 @@ async def test_13_2_unsplittable_rows_are_a_502_with_nothing_committed(qwen3_dir
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_13_7_a_streamed_turn_commits_the_engines_rows(qwen3_dir: Path, protocol: str) -> None:
+async def test_a_streamed_turn_commits_the_engines_rows(qwen3_dir: Path, protocol: str) -> None:
     # 200 layers x top-16 of 128: the last frame (~90 positions x 3,200 ids, base64 of
     # int32 on SGLang, of uint8 .npy on vLLM) is past OFFLOAD_FRAME_BYTES, so it is
     # decoded on the offload pool

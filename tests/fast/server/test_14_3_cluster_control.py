@@ -79,7 +79,7 @@ async def _episode(http: httpx.AsyncClient) -> dict[str, Any]:
     return _branch(r.json())
 
 
-async def test_14_3_pause_through_one_instance_pauses_all_and_loses_no_token(qwen3_dir: Path) -> None:
+async def test_pause_through_one_instance_pauses_all_and_loses_no_token(qwen3_dir: Path) -> None:
     """The pause-storm check across 3 instances: every pause sent to instance A returns
     only once all instances paused; turns on every instance commit exactly the tokens of
     an uninterrupted run."""
@@ -127,7 +127,7 @@ async def test_14_3_pause_through_one_instance_pauses_all_and_loses_no_token(qwe
         assert (await a.post("/control/weight_version", json={"version": 3})).status_code == 400
 
 
-async def test_14_3_a_peer_down_is_207_naming_it(qwen3_dir: Path) -> None:
+async def test_a_peer_down_is_207_naming_it(qwen3_dir: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     async with live_cluster(qwen3_dir, 2, extra_peers=[dead]) as cl:
         a = cl.clients[0]
@@ -147,7 +147,7 @@ async def test_14_3_a_peer_down_is_207_naming_it(qwen3_dir: Path) -> None:
         assert (await cl.state(1))["weight_version"] == 2
 
 
-async def test_14_3_relayed_requests_are_not_relayed_again(qwen3_dir: Path) -> None:
+async def test_relayed_requests_are_not_relayed_again(qwen3_dir: Path) -> None:
     async with live_cluster(qwen3_dir, 2) as cl:
         b = cl.clients[1]
         r = await b.post("/control/pause", json={"mode": "keep"}, headers={RELAYED_HEADER: "1"})
@@ -157,7 +157,7 @@ async def test_14_3_relayed_requests_are_not_relayed_again(qwen3_dir: Path) -> N
         assert (await cl.state(0))["counters"]["pauses"] == 0
 
 
-async def test_14_3_auth_is_enforced_on_relayed_requests(qwen3_dir: Path) -> None:
+async def test_auth_is_enforced_on_relayed_requests(qwen3_dir: Path) -> None:
     async with live_cluster(qwen3_dir, 2, tokens=["token-a", "token-b"]) as cl:
         a, b = cl.clients
         # the marker grants nothing: a relayed request without the admin token is refused
@@ -178,7 +178,7 @@ async def test_14_3_auth_is_enforced_on_relayed_requests(qwen3_dir: Path) -> Non
         assert (await cl.clients[0].post("/control/resume", json={})).status_code == 200
 
 
-async def test_14_3_engines_added_and_removed_on_every_instance(qwen3_dir: Path) -> None:
+async def test_engines_added_and_removed_on_every_instance(qwen3_dir: Path) -> None:
     async with live_cluster(qwen3_dir, 2) as cl, running_sim("vllm", str(qwen3_dir), seed=5) as second:
         a, b = cl.clients
 
@@ -208,7 +208,7 @@ async def test_14_3_engines_added_and_removed_on_every_instance(qwen3_dir: Path)
         assert await urls(a) == await urls(b) == [cl.engines[0]]
 
 
-async def test_14_3_engines_removed_by_url_whatever_their_id_on_each_instance(qwen3_dir: Path) -> None:
+async def test_engines_removed_by_url_whatever_their_id_on_each_instance(qwen3_dir: Path) -> None:
     """Behind a proxy the trainer cannot pick the instance that reads an engine id, and
     ids differ between instances (each numbers its own). `DELETE /engines?url=` names
     the engine the same way everywhere."""

@@ -34,7 +34,7 @@ async def _until_healthy(http: httpx.AsyncClient, within_s: float = 20.0) -> lis
     return seen
 
 
-async def test_14_3_a_starting_instance_adopts_pause_version_and_engines_from_its_peer(qwen3_dir: Path) -> None:
+async def test_a_starting_instance_adopts_pause_version_and_engines_from_its_peer(qwen3_dir: Path) -> None:
     async with contextlib.AsyncExitStack() as stack:
         e0 = await stack.enter_async_context(running_sim("sglang", str(qwen3_dir), seed=3))
         e1 = await stack.enter_async_context(running_sim("vllm", str(qwen3_dir), seed=4))
@@ -76,7 +76,7 @@ async def test_14_3_a_starting_instance_adopts_pause_version_and_engines_from_it
             (await b.get("/engines")).json()["engines"][0]["id"]
 
 
-async def test_14_3_while_it_reads_its_peers_health_is_503_and_turns_wait_at_the_gate(qwen3_dir: Path) -> None:
+async def test_while_it_reads_its_peers_health_is_503_and_turns_wait_at_the_gate(qwen3_dir: Path) -> None:
     """A peer that accepts connections but never answers holds the read until the read
     timeout: meanwhile /health is 503 "syncing" and a turn waits; then the instance
     serves with its own state and the turn runs."""

@@ -34,7 +34,7 @@ MSGS = [{"role": "user", "content": "Refactor the config loader and run the test
 HOLD = {"sglang": "in_place", "vllm": "keep"}  # a pause that holds new requests waiting
 
 
-def test_14_4_sglang_get_load_shapes() -> None:
+def test_sglang_get_load_shapes() -> None:
     # the scheduler's num_reqs is running + waiting already (num_waiting_reqs is part of it)
     legacy = [{"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 2, "num_tokens": 900},
               {"dp_rank": 1, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
@@ -44,7 +44,7 @@ def test_14_4_sglang_get_load_shapes() -> None:
     assert sglang_load({"error": "x"}) == {} and sglang_load([None, {"num_reqs": True}]) == {1: 0}
 
 
-def test_14_4_vllm_metrics_gauges() -> None:
+def test_vllm_metrics_gauges() -> None:
     text = (
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
         "# TYPE vllm:num_requests_running gauge\n"
@@ -61,7 +61,7 @@ def test_14_4_vllm_metrics_gauges() -> None:
 
 
 @pytest.mark.parametrize("policy", [StickyCost(), StickyLeastLoaded()])
-def test_14_4_placement_adds_engine_reported_load_and_keeps_homes(policy: Any) -> None:
+def test_placement_adds_engine_reported_load_and_keeps_homes(policy: Any) -> None:
     pool = EnginePool(policy)
     pool.add("e0")
     pool.add("e1")
@@ -83,7 +83,7 @@ def test_14_4_placement_adds_engine_reported_load_and_keeps_homes(policy: Any) -
     assert t0.external_load == 0
 
 
-def test_14_4_an_engine_known_as_one_target_counts_every_rank_it_reports() -> None:
+def test_an_engine_known_as_one_target_counts_every_rank_it_reports() -> None:
     """vLLM does not report its DP size: added without `dp_size` it is one target, and
     its own balancer spreads our requests over its ranks, so all of them count."""
     pool = EnginePool(StickyLeastLoaded())
@@ -97,7 +97,7 @@ def test_14_4_an_engine_known_as_one_target_counts_every_rank_it_reports() -> No
 
 
 @pytest.mark.parametrize("name", ["sticky_cost", "sticky_least_loaded", "bounded_load", "cache_aware"])
-def test_14_4_every_load_aware_policy_counts_other_instances_work(name: str) -> None:
+def test_every_load_aware_policy_counts_other_instances_work(name: str) -> None:
     """Each policy that weighs load weighs the engine-reported part too. 100 requests
     beyond ours on e0 passes even `cache_aware`'s imbalance threshold (SGLang's 64)."""
     pool = EnginePool(make_policy(name))
@@ -117,7 +117,7 @@ def test_14_4_every_load_aware_policy_counts_other_instances_work(name: str) -> 
 
 
 @pytest.mark.parametrize("name", ["round_robin", "consistent_hash"])
-def test_14_4_load_blind_policies_stay_blind(name: str) -> None:
+def test_load_blind_policies_stay_blind(name: str) -> None:
     """By design these two never weigh load; engine reports do not change their picks."""
     def picks(reported: int) -> list[str | None]:
         pool = EnginePool(make_policy(name))
@@ -129,7 +129,7 @@ def test_14_4_load_blind_policies_stay_blind(name: str) -> None:
     assert picks(100) == picks(0) and set(picks(100)) == {"e0/0", "e1/0"}
 
 
-def test_14_4_sticky_cost_migrates_on_its_own_turns_not_on_polled_reports() -> None:
+def test_sticky_cost_migrates_on_its_own_turns_not_on_polled_reports() -> None:
     """Every instance sees the same polled report: migrating on it would move all of
     their sessions off one engine at once (and back at the next poll). A home that
     others load stays home; one this instance loads still sheds a small context."""
@@ -148,7 +148,7 @@ def test_14_4_sticky_cost_migrates_on_its_own_turns_not_on_polled_reports() -> N
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_14_4_sims_report_waiting_and_running_wire_faithfully(qwen3_dir: Path, protocol: str) -> None:
+async def test_sims_report_waiting_and_running_wire_faithfully(qwen3_dir: Path, protocol: str) -> None:
     async with running_sim(protocol, str(qwen3_dir), seed=3, dp=2, latency_ms=5) as url:
         adapter = await make_adapter(f"{protocol}={url}")
         try:
@@ -223,12 +223,12 @@ async def _busy_elsewhere_then_place(qwen3_dir: Path, protocol: str, poll_s: flo
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_14_4_new_sessions_avoid_an_engine_other_instances_loaded(qwen3_dir: Path, protocol: str) -> None:
+async def test_new_sessions_avoid_an_engine_other_instances_loaded(qwen3_dir: Path, protocol: str) -> None:
     homes = await _busy_elsewhere_then_place(qwen3_dir, protocol, poll_s=0.02)
     assert homes == ["e1/0"] * 3, homes
 
 
-async def test_14_4_without_load_learning_instances_pile_onto_the_busy_engine(qwen3_dir: Path) -> None:
+async def test_without_load_learning_instances_pile_onto_the_busy_engine(qwen3_dir: Path) -> None:
     """The control: with polling off, B cannot see A's turns and puts some of its new
     sessions on the engine A keeps busy."""
     homes = await _busy_elsewhere_then_place(qwen3_dir, "sglang", poll_s=0)

@@ -81,7 +81,7 @@ async def non_streaming_loop(client: AsyncAnthropic, max_turns: int = 6, **kw: A
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_12_1_tool_loop_non_streaming_trajectory_equals_engine_io(qwen3_dir: Path, protocol: str) -> None:
+async def test_tool_loop_non_streaming_trajectory_equals_engine_io(qwen3_dir: Path, protocol: str) -> None:
     async with live_stack(qwen3_dir, protocol) as st:
         sid = await st.session()
         client = client_for(st.url, sid)
@@ -120,7 +120,7 @@ def _as_events(frames: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_12_1_tool_loop_streaming_both_sdk_ways(qwen3_dir: Path, protocol: str) -> None:
+async def test_tool_loop_streaming_both_sdk_ways(qwen3_dir: Path, protocol: str) -> None:
     """`messages.stream()` (the SDK accumulates the events) and `create(stream=True)` (raw
     events) alternate in one tool loop; both give what a body gives, and the loop stays
     one branch equal to the engine's I/O."""
@@ -158,7 +158,7 @@ async def test_12_1_tool_loop_streaming_both_sdk_ways(qwen3_dir: Path, protocol:
     assert_trajectory_matches_engine(traj["branches"][0], log, f"anthropic-stream/{protocol}")
 
 
-async def test_12_1_stream_event_sequence_and_signature_match_the_body(qwen3_dir: Path) -> None:
+async def test_stream_event_sequence_and_signature_match_the_body(qwen3_dir: Path) -> None:
     """The raw SSE frames: message_start, ping, each block's start/deltas/stop (thinking
     closes with its signature_delta, tool input as input_json_delta), message_delta with
     the stop reason and usage, message_stop; the same turn as a body (a retry of the stored
@@ -202,7 +202,7 @@ async def test_12_1_stream_event_sequence_and_signature_match_the_body(qwen3_dir
             assert isinstance(json.loads(b["partial"]), dict)
 
 
-async def test_12_1_thinking_enabled_and_disabled_render_the_qwen3_switch(qwen3_dir: Path) -> None:
+async def test_thinking_enabled_and_disabled_render_the_qwen3_switch(qwen3_dir: Path) -> None:
     """`thinking` -> the template's `enable_thinking`: disabled renders Qwen3's empty think
     block into the prompt; enabled returns a thinking block whose signature the SDK sends
     back unchanged, and the next turn attaches (one branch)."""
@@ -225,7 +225,7 @@ async def test_12_1_thinking_enabled_and_disabled_render_the_qwen3_switch(qwen3_
     assert len(traj["branches"]) == 1 and len(traj["branches"][0]["turns"]) == len(turns) >= 2
 
 
-async def test_12_1_count_tokens_is_the_next_turns_committed_prompt_length(qwen3_dir: Path) -> None:
+async def test_count_tokens_is_the_next_turns_committed_prompt_length(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         client = client_for(st.url, sid)
@@ -245,7 +245,7 @@ async def test_12_1_count_tokens_is_the_next_turns_committed_prompt_length(qwen3
     assert counts == starts == [len(r["input_ids"]) for r in log]
 
 
-async def test_12_1_max_tokens_and_stop_sequences(qwen3_dir: Path) -> None:
+async def test_max_tokens_and_stop_sequences(qwen3_dir: Path) -> None:
     """A length cut is `max_tokens`; `stop_sequences` reach the engine as its stop strings;
     a matched stop string is reported as `stop_sequence` (the engine's `matched`)."""
     async with live_stack(qwen3_dir) as st:
@@ -263,7 +263,7 @@ async def test_12_1_max_tokens_and_stop_sequences(qwen3_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_12_1_a_session_mixes_chat_completions_and_messages(qwen3_dir: Path, protocol: str) -> None:
+async def test_a_session_mixes_chat_completions_and_messages(qwen3_dir: Path, protocol: str) -> None:
     """Turn 1 through chat completions, turn 2 through messages (the assistant turn carried
     over as thinking + tool_use blocks), turn 3 through chat completions again: one
     trajectory, one branch, equal to the engine's I/O."""
@@ -311,7 +311,7 @@ async def test_12_1_a_session_mixes_chat_completions_and_messages(qwen3_dir: Pat
     assert_trajectory_matches_engine(traj["branches"][0], log, f"mixed/{protocol}")
 
 
-async def test_12_1_errors_in_anthropic_shape(qwen3_dir: Path) -> None:
+async def test_errors_come_back_in_anthropic_shape(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         client = client_for(st.url, sid)
@@ -353,7 +353,7 @@ async def test_12_1_errors_in_anthropic_shape(qwen3_dir: Path) -> None:
     assert view["turns"] == 0  # nothing refused was committed
 
 
-async def test_12_1_session_token_as_x_api_key_when_auth_is_on(qwen3_dir: Path) -> None:
+async def test_session_token_as_x_api_key_when_auth_is_on(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=Settings(admin_token="admin-secret")) as st:
         r = await st.http.post("/sessions", json={}, headers={"Authorization": "Bearer admin-secret"})
         created = r.json()
@@ -401,7 +401,7 @@ def _accumulate(frames: list[bytes]) -> Any:
     return snapshot
 
 
-def test_12_1_replayed_stream_accumulates_to_the_body() -> None:
+def test_replayed_stream_accumulates_to_the_body() -> None:
     out = _out(MESSAGE, "tool_calls")
     frames = ANTHROPIC_MESSAGES.stream(out, ANTHROPIC_MESSAGES.parse(b'{"max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}'), None)
     streamed = _accumulate(frames)
@@ -419,7 +419,7 @@ def test_12_1_replayed_stream_accumulates_to_the_body() -> None:
         ("call_a", {"path": "a.py"}), ("call_b", {"path": "b.py"})]
 
 
-def test_12_1_live_events_interleaved_open_new_blocks_and_errors_end_the_stream() -> None:
+def test_live_events_interleaved_open_new_blocks_and_errors_end_the_stream() -> None:
     """Live deltas in small pieces, reasoning split by content: each change of kind opens a
     block; the accumulated thinking joins back to the reasoning; a failure is an `error`
     event in Anthropic's shape."""
@@ -440,7 +440,7 @@ def test_12_1_live_events_interleaved_open_new_blocks_and_errors_end_the_stream(
     assert name == "error" and data == {"type": "error", "error": {"type": "api_error", "message": "bad chunk"}}
 
 
-def test_12_1_replay_of_a_text_only_turn() -> None:
+def test_replay_of_a_text_only_turn() -> None:
     frames = ANTHROPIC_MESSAGES.stream(_out({"role": "assistant", "content": "Done."}, "stop"),
                                        ANTHROPIC_MESSAGES.parse(b'{"max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}'), None)
     names = [n for n, _ in _as_events(frames)]
@@ -448,14 +448,14 @@ def test_12_1_replay_of_a_text_only_turn() -> None:
                      "message_delta", "message_stop"]
 
 
-def test_12_1_count_tokens_body_needs_no_max_tokens() -> None:
+def test_count_tokens_body_needs_no_max_tokens() -> None:
     req = ANTHROPIC_MESSAGES.parse_count(b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}')
     assert req.max_tokens is None and req.messages == [{"role": "user", "content": "x"}]
     with pytest.raises(Exception, match="max_tokens"):
         ANTHROPIC_MESSAGES.parse(b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}')
 
 
-def test_12_1_request_mapping() -> None:
+def test_a_messages_request_maps_to_chat_messages_and_sampling() -> None:
     body = {
         "model": "m", "max_tokens": 50, "system": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}],
         "messages": [
@@ -487,7 +487,7 @@ def test_12_1_request_mapping() -> None:
         assert ANTHROPIC_MESSAGES.parse(json.dumps({**body, "tool_choice": {"type": choice}}).encode()).tool_choice == want
 
 
-async def test_12_1_openapi_declares_the_routes(qwen3_dir: Path) -> None:
+async def test_openapi_declares_the_routes(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         async with httpx.AsyncClient(base_url=st.url) as c:
             doc = (await c.get("/openapi.json")).json()
@@ -495,7 +495,7 @@ async def test_12_1_openapi_declares_the_routes(qwen3_dir: Path) -> None:
     assert "MessagesRequest" in doc["components"]["schemas"]
 
 
-async def test_12_4_server_tools_are_left_out_with_a_warning(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+async def test_server_tools_are_left_out_with_a_warning(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     """Like the Responses dialect's hosted tools: a harness that always sends a server
     tool (web search) still runs with its client tools; the model never sees it."""
     from session_server.api.dialects.anthropic_messages import _tools
@@ -510,7 +510,7 @@ async def test_12_4_server_tools_are_left_out_with_a_warning(tmp_path: Any, capl
     assert _tools([{"type": "web_search_20250305", "name": "web_search"}]) is None
 
 
-async def test_12_4_head_on_the_session_base_url(qwen3_dir: Path) -> None:
+async def test_head_on_the_session_base_url(qwen3_dir: Path) -> None:
     """Claude Code probes its base URL with HEAD before its first request: 200 for a
     live session, 404 for an unknown one (it used to be a 405)."""
     async with live_stack(qwen3_dir) as st:

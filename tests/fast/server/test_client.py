@@ -83,12 +83,12 @@ def _sync_flow(url: str) -> None:
         assert (info.value.status, info.value.type) == (404, "session_not_found")
 
 
-async def test_10_6_sync_client_create_chat_trajectory_close(qwen3_dir: Path) -> None:
+async def test_sync_client_create_chat_trajectory_close(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         await asyncio.to_thread(_sync_flow, st.url)
 
 
-async def test_10_6_async_client_create_chat_trajectory_close(qwen3_dir: Path) -> None:
+async def test_async_client_create_chat_trajectory_close(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st, AsyncSessionClient(st.url) as client:
         sid = await client.create_session(metadata={"task": "t-2"})
         first = await client.chat(sid, MSGS, max_tokens=24)
@@ -112,7 +112,7 @@ def _sync_control(url: str) -> None:
         assert client.control_state()["weight_version"] == 3
 
 
-async def test_10_6_pause_resume_weight_version_sync_and_async(qwen3_dir: Path) -> None:
+async def test_pause_resume_weight_version_sync_and_async(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         await asyncio.to_thread(_sync_control, st.url)
         async with AsyncSessionClient(st.url) as client:
@@ -130,7 +130,7 @@ async def test_10_6_pause_resume_weight_version_sync_and_async(qwen3_dir: Path) 
 # -- errors ----------------------------------------------------------------------
 
 
-async def test_10_6_errors_are_typed_from_the_envelope(qwen3_dir: Path) -> None:
+async def test_errors_are_typed_from_the_envelope(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st, AsyncSessionClient(st.url) as client:
         with pytest.raises(SessionServerError) as bad:
             await client.create_session(ttl_s=-1)
@@ -151,7 +151,7 @@ async def test_10_6_errors_are_typed_from_the_envelope(qwen3_dir: Path) -> None:
             await client.samples(sid, format="csv")  # type: ignore[arg-type]
 
 
-def test_10_6_non_envelope_error_is_http_error() -> None:
+def test_non_envelope_error_is_http_error() -> None:
     """A reply that is not our envelope (a proxy's page) still raises the typed error."""
     resp = httpx.Response(502, text="<html>Bad gateway</html>", headers={"retry-after": "3"})
     err = error_from_response(resp)
@@ -161,7 +161,7 @@ def test_10_6_non_envelope_error_is_http_error() -> None:
     assert (enveloped.status, enveloped.type, enveloped.message) == (409, "session_busy", "m")
 
 
-def test_10_6_sync_and_async_clients_send_the_same_requests() -> None:
+def test_sync_and_async_clients_send_the_same_requests() -> None:
     """One request builder: both clients put the same method, path, query and body on the wire."""
     seen: dict[str, list[tuple[str, str, bytes, str | None]]] = {"sync": [], "async": []}
 
@@ -194,7 +194,7 @@ def test_10_6_sync_and_async_clients_send_the_same_requests() -> None:
     assert [auth for *_, auth in seen["sync"]] == [None, "Bearer tok", None, None]
 
 
-def test_10_6_samples_decode_every_format_and_batch_body() -> None:
+def test_samples_decode_every_format_and_batch_body() -> None:
     """The client's half of the samples contract, without a server: query and body as
     specified, and each format's payload loaded back into equal `Sample`s."""
     samples = build_samples(_small_tree(), picker="all")
@@ -234,7 +234,7 @@ def _small_tree() -> TrajectoryTree:
 # -- auth --------------------------------------------------------------------------
 
 
-async def test_10_6_admin_token_and_session_token(qwen3_dir: Path) -> None:
+async def test_admin_token_and_session_token(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=Settings(admin_token=ADMIN)) as st:
         async with AsyncSessionClient(st.url) as anon:
             with pytest.raises(SessionServerError) as denied:
@@ -272,7 +272,7 @@ async def _two_turns(client: AsyncSessionClient, **options: Any) -> str:
 
 
 @needs_samples_routes
-async def test_10_6_samples_in_every_format_and_reward(qwen3_dir: Path) -> None:
+async def test_samples_in_every_format_and_reward(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st, AsyncSessionClient(st.url) as client:
         sid = await _two_turns(client, metadata={"task": "t-3"})
         traj = await client.trajectory(sid)
@@ -316,7 +316,7 @@ def _sync_batch(url: str) -> None:
 
 
 @needs_samples_routes
-async def test_10_6_batch_samples_sync_and_async(qwen3_dir: Path) -> None:
+async def test_batch_samples_sync_and_async(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         await asyncio.to_thread(_sync_batch, st.url)
         async with AsyncSessionClient(st.url) as client:

@@ -36,7 +36,7 @@ def _dir(dirs: dict[str, Path], name: str) -> Path:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("name", NAMES)
-async def test_11_e2e_deepseek_v32_tool_episode(ds_dirs: dict[str, Path], name: str, protocol: str) -> None:
+async def test_e2e_deepseek_v32_tool_episode(ds_dirs: dict[str, Path], name: str, protocol: str) -> None:
     tag = f"{name}/{protocol}"
     path = _dir(ds_dirs, name)
     assert isinstance(load_codec(str(path)), DeepSeekCodec), tag  # detected, not named

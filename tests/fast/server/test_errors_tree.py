@@ -29,7 +29,7 @@ def _classes() -> list[type[errors.ServiceError]]:
             if isinstance(c, type) and issubclass(c, errors.ServiceError)]
 
 
-def test_9_error_tree_docstring_is_the_classes() -> None:
+def test_error_tree_docstring_is_the_classes() -> None:
     drawn = _drawn()
     classes = _classes()
     assert set(drawn) == {c.__name__ for c in classes}

@@ -26,7 +26,7 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("name", FAMILIES)
-async def test_11_e2e_renderers_family_tool_episode(family_dirs: dict[str, Path], name: str, protocol: str) -> None:
+async def test_e2e_renderers_family_tool_episode(family_dirs: dict[str, Path], name: str, protocol: str) -> None:
     tag = f"{name}/{protocol}"
     codec = load_codec(str(family_dirs[name]))  # what the server loads: detected, not named
     assert isinstance(codec, RenderersCodec) and codec.family == BY_NAME[name].renderer, tag
@@ -57,7 +57,7 @@ def gpt_oss_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("name", ["gpt-oss", "gpt-oss-real"])
-async def test_11_e2e_gpt_oss_tool_episode(gpt_oss_dirs: dict[str, Path], name: str, protocol: str) -> None:
+async def test_a_gpt_oss_tool_episode_is_token_exact_over_http(gpt_oss_dirs: dict[str, Path], name: str, protocol: str) -> None:
     """gpt-oss through real HTTP and the `openai` client: reasoning on the analysis channel,
     a tool call ending in <|call|>, a final answer ending in <|return|>; every turn
     token-exact against the engine's I/O, calls parsed, reasoning returned."""

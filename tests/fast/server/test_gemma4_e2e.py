@@ -36,7 +36,7 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("mode", sorted(MODES))
-async def test_11_e2e_gemma4_tool_episode(gemma_dir: Path, protocol: str, mode: str) -> None:
+async def test_a_gemma4_tool_episode_is_token_exact_over_http(gemma_dir: Path, protocol: str, mode: str) -> None:
     tag = f"gemma-4/{mode}/{protocol}"
     options, rewrites = MODES[mode]
     assert isinstance(load_codec(str(gemma_dir)), Gemma4Codec), tag  # detected, not named

@@ -64,7 +64,7 @@ def _assert_no_routing_state(ctx: Any, sid: str) -> None:
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_8_client_disconnect_aborts_commits_nothing_and_retry_gets_200(qwen3_dir: Path, protocol: str) -> None:
+async def test_client_disconnect_aborts_commits_nothing_and_retry_gets_200(qwen3_dir: Path, protocol: str) -> None:
     async with live_stack(qwen3_dir, protocol, latency_ms=50) as st:
         sid = await st.session()
         writer = await st.raw_chat(sid, SLOW)
@@ -91,7 +91,7 @@ async def test_8_client_disconnect_aborts_commits_nothing_and_retry_gets_200(qwe
         assert metric_value(metrics, "tito_turns_total", outcome="committed") == 1
 
 
-async def test_8_disconnect_watch_does_not_disturb_normal_turns(qwen3_dir: Path) -> None:
+async def test_disconnect_watch_does_not_disturb_normal_turns(qwen3_dir: Path) -> None:
     """The watcher returns nothing while the client waits: keep-alive turns commit."""
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
@@ -109,7 +109,7 @@ async def test_8_disconnect_watch_does_not_disturb_normal_turns(qwen3_dir: Path)
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_8_16_11_delete_during_turn_aborts_and_answers_409(qwen3_dir: Path, protocol: str) -> None:
+async def test_delete_during_turn_aborts_and_answers_409(qwen3_dir: Path, protocol: str) -> None:
     async with live_stack(qwen3_dir, protocol, latency_ms=50) as st:
         sid = await st.session()
         turn = asyncio.create_task(st.chat(sid, SLOW))
@@ -132,7 +132,7 @@ async def test_8_16_11_delete_during_turn_aborts_and_answers_409(qwen3_dir: Path
 # -- issue 8: state that leaks -------------------------------------------------------------
 
 
-async def test_8_ttl_expiry_forgets_routing_state(qwen3_dir: Path) -> None:
+async def test_ttl_expiry_forgets_routing_state(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=Settings(sweep_interval_s=0.05)) as st:
         r = await st.http.post("/sessions", json={"ttl_s": 0.2})
         sid = r.json()["session_id"]
@@ -147,7 +147,7 @@ async def test_8_ttl_expiry_forgets_routing_state(qwen3_dir: Path) -> None:
         _assert_no_routing_state(ctx, sid)
 
 
-async def test_8_churn_10k_sessions_leaves_every_per_session_table_empty(qwen3_dir: Path) -> None:
+async def test_churn_10k_sessions_leaves_every_per_session_table_empty(qwen3_dir: Path) -> None:
     """10K sessions: created, used, then expired (short TTL + sweep) or deleted; every
     table keyed by session id ends empty. A subset runs real turns over HTTP; the rest
     are used cheaply (a view read, and the routing bookkeeping a turn does)."""
@@ -201,7 +201,7 @@ async def test_8_churn_10k_sessions_leaves_every_per_session_table_empty(qwen3_d
 # -- issue 8: branch cap -------------------------------------------------------------------
 
 
-async def test_8_branch_cap_refuses_retry_past_max_branches(qwen3_dir: Path) -> None:
+async def test_branch_cap_refuses_retry_past_max_branches(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=Settings(max_branches=3)) as st:
         sid = await st.session()
         for _ in range(3):  # turn 0, then two retries of it: branches 0, 1, 2
@@ -221,7 +221,7 @@ async def test_8_branch_cap_refuses_retry_past_max_branches(qwen3_dir: Path) -> 
         assert (await st.chat(sid, follow)).status_code == 200  # appending needs no branch
 
 
-def test_8_max_branches_cli_flag() -> None:
+def test_max_branches_is_a_cli_flag_defaulting_to_64() -> None:
     from session_server.ops.cli import build_parser, settings_from_args
 
     parser = build_parser()
@@ -233,7 +233,7 @@ def test_8_max_branches_cli_flag() -> None:
 # -- issue 16.10: TTL refreshed by reads; Retry-After ---------------------------------------
 
 
-def test_16_10_touch_keeps_a_read_session_alive() -> None:
+def test_touch_keeps_a_read_session_alive() -> None:
     now = [0.0]
     store = SessionStore(clock=lambda: now[0])
     removed: list[str] = []
@@ -248,7 +248,7 @@ def test_16_10_touch_keeps_a_read_session_alive() -> None:
     assert store.expire() == [read.id]
 
 
-async def test_16_10_view_and_trajectory_reads_refresh_ttl(qwen3_dir: Path) -> None:
+async def test_view_and_trajectory_reads_refresh_ttl(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         s = _ctx(st).store.all()[sid]
@@ -259,7 +259,7 @@ async def test_16_10_view_and_trajectory_reads_refresh_ttl(qwen3_dir: Path) -> N
             assert s.last_used >= stale + 100.0, path
 
 
-async def test_16_10_retry_after_on_429_and_503(qwen3_dir: Path) -> None:
+async def test_overload_and_unavailable_answers_carry_retry_after(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=Settings(max_sessions=1)) as st:
         sid = await st.session()
         r = await st.http.post("/sessions", json={})
@@ -281,11 +281,11 @@ async def test_16_10_retry_after_on_429_and_503(qwen3_dir: Path) -> None:
 
 @pytest.mark.parametrize(("cls", "seconds"), [(OverCapacity, 5), (BranchLimit, 60), (NoHealthyEngine, 5),
                                               (PausedTooLong, 10), (EngineAborted, 1), (ServiceError, None)])
-def test_16_10_retry_after_values(cls: type[ServiceError], seconds: int | None) -> None:
+def test_each_retryable_error_names_its_retry_after_seconds(cls: type[ServiceError], seconds: int | None) -> None:
     assert cls.retry_after_s == seconds
 
 
-async def test_16_10_openapi_declares_retry_after(qwen3_dir: Path) -> None:
+async def test_openapi_declares_retry_after(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         doc = (await st.http.get("/openapi.json")).json()
         chat = doc["paths"]["/sessions/{sid}/v1/chat/completions"]["post"]["responses"]

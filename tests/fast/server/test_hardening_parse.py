@@ -38,7 +38,7 @@ async def _last_prompt(st: Any) -> list[int]:
 # -- 8.3 ------------------------------------------------------------------------------
 
 
-async def test_8_3_turn_content_and_logprob_text_round_trip_exactly(tmp_path: Path) -> None:
+async def test_turn_content_and_logprob_text_round_trip_exactly(tmp_path: Path) -> None:
     """A tokenizer configured to clean up spaces: the returned content, each logprob
     token's text and the streamed content are exactly what the ids say."""
     d = cleanup_tokenizer_dir(tmp_path)
@@ -59,7 +59,7 @@ async def test_8_3_turn_content_and_logprob_text_round_trip_exactly(tmp_path: Pa
 # -- 8.2 ------------------------------------------------------------------------------
 
 
-async def test_8_2_llama31_turn0_with_a_client_assistant_tool_call(tokenizer_dirs: dict[str, Path]) -> None:
+async def test_llama31_turn0_with_a_client_assistant_tool_call(tokenizer_dirs: dict[str, Path]) -> None:
     """Turn 0 carrying the client's own assistant tool call: rendered as sent (a 500 when
     the normal form, which has no `function` key, reached the template)."""
     msgs = [USER, _assistant('{"path": "setup.cfg"}'), _tool_result()]
@@ -71,7 +71,7 @@ async def test_8_2_llama31_turn0_with_a_client_assistant_tool_call(tokenizer_dir
     assert traj["branches"][0]["messages"][: len(msgs)] == msgs  # stored as the client sent them
 
 
-async def test_8_2_text_parts_rendered_joined_and_stored_as_sent(qwen3_dir: Path) -> None:
+async def test_text_parts_rendered_joined_and_stored_as_sent(qwen3_dir: Path) -> None:
     parts = {"role": "user", "content": [{"type": "text", "text": "Fix the "}, {"type": "text", "text": "failing test."}]}
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
@@ -84,7 +84,7 @@ async def test_8_2_text_parts_rendered_joined_and_stored_as_sent(qwen3_dir: Path
 
 
 @pytest.mark.parametrize("kind", ["image_url", "input_audio"])
-async def test_8_2_non_text_content_part_is_400_naming_its_type(qwen3_dir: Path, kind: str) -> None:
+async def test_non_text_content_part_is_400_naming_its_type(qwen3_dir: Path, kind: str) -> None:
     msg = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": kind, kind: {"url": "x"}}]}
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
@@ -95,7 +95,7 @@ async def test_8_2_non_text_content_part_is_400_naming_its_type(qwen3_dir: Path,
 
 @pytest.mark.parametrize("family", ["qwen3", "glm4moe"])
 @pytest.mark.parametrize("args", ["not json", "[1, 2]", "3", '"a string"'])
-async def test_8_2_tool_call_arguments_not_a_json_object_is_400(
+async def test_tool_call_arguments_not_a_json_object_is_400(
     tokenizer_dirs: dict[str, Path], family: str, args: str
 ) -> None:
     async with live_stack(tokenizer_dirs[family]) as st:
@@ -104,7 +104,7 @@ async def test_8_2_tool_call_arguments_not_a_json_object_is_400(
         assert "arguments" in r.json()["error"]["message"]
 
 
-async def test_8_2_glm_gets_arguments_as_a_mapping(tokenizer_dirs: dict[str, Path]) -> None:
+async def test_glm_gets_arguments_as_a_mapping(tokenizer_dirs: dict[str, Path]) -> None:
     """GLM iterates arguments as a mapping: a JSON string is handed over parsed."""
     async with live_stack(tokenizer_dirs["glm4moe"]) as st:
         msgs = [USER, _assistant('{"path": "README.md"}'), _tool_result()]
@@ -118,7 +118,7 @@ async def test_8_2_glm_gets_arguments_as_a_mapping(tokenizer_dirs: dict[str, Pat
 # -- 8.8 ------------------------------------------------------------------------------
 
 
-async def test_8_8_developer_is_system_on_turn_0_and_later(qwen3_dir: Path) -> None:
+async def test_developer_is_system_on_turn_0_and_later(qwen3_dir: Path) -> None:
     dev = {"role": "developer", "content": "Answer in French."}
     sysm = {"role": "system", "content": "Answer in French."}
     async with live_stack(qwen3_dir) as st:
@@ -149,7 +149,7 @@ async def _two_turns(st: Any, sid: str, tools_0: Any, tools_1: Any) -> None:
     assert r2.status_code == 200, r2.text
 
 
-async def test_16_1_a_change_of_tools_forks_with_a_diagnostic(qwen3_dir: Path) -> None:
+async def test_a_change_of_tools_forks_with_a_diagnostic(qwen3_dir: Path) -> None:
     extra = {"type": "function", "function": {"name": "lint", "parameters": {"type": "object"}}}
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
@@ -161,7 +161,7 @@ async def test_16_1_a_change_of_tools_forks_with_a_diagnostic(qwen3_dir: Path) -
     assert view["active_branch"] == view["branches"][-1]["id"] and view["turns"] == 1
 
 
-async def test_16_1_tools_the_template_renders_identically_are_no_change(tokenizer_dirs: dict[str, Path]) -> None:
+async def test_tools_the_template_renders_identically_are_no_change(tokenizer_dirs: dict[str, Path]) -> None:
     """Plain Llama 3 renders no tools: sending other tools changes nothing it sees."""
     swapped = [{"function": {**t["function"]}, "type": "function"} for t in reversed(TOOLS)]
     async with live_stack(tokenizer_dirs["llama3"]) as st:
@@ -171,7 +171,7 @@ async def test_16_1_tools_the_template_renders_identically_are_no_change(tokeniz
     assert len(view["branches"]) == 1 and view["turns"] == 2 and view["diagnostics"] == []
 
 
-async def test_16_1_same_tools_resent_is_no_change(qwen3_dir: Path) -> None:
+async def test_same_tools_resent_is_no_change(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         await _two_turns(st, sid, TOOLS, [dict(t) for t in TOOLS])
@@ -182,7 +182,7 @@ async def test_16_1_same_tools_resent_is_no_change(qwen3_dir: Path) -> None:
 # -- 16.2 -----------------------------------------------------------------------------
 
 
-async def test_16_2_no_tools_sent_means_tool_markup_is_content(qwen3_dir: Path) -> None:
+async def test_no_tools_sent_means_tool_markup_is_content(qwen3_dir: Path) -> None:
     """The simulated agent calls tools on its first turn; without `tools` in the request
     the text is content and the turn finishes `stop`."""
     async with live_stack(qwen3_dir) as st:
@@ -197,7 +197,7 @@ async def test_16_2_no_tools_sent_means_tool_markup_is_content(qwen3_dir: Path) 
 # -- 16.6 -----------------------------------------------------------------------------
 
 
-async def test_16_6_streamed_tool_only_turn_carries_its_logprobs(qwen3_dir: Path) -> None:
+async def test_streamed_tool_only_turn_carries_its_logprobs(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         r = await st.chat(sid, {"messages": [USER], "tools": TOOLS, "max_tokens": 128, "logprobs": True, "stream": True})
@@ -212,7 +212,7 @@ async def test_16_6_streamed_tool_only_turn_carries_its_logprobs(qwen3_dir: Path
 
 
 @pytest.mark.parametrize("role", [["user"], {"r": 1}, 3, None])
-def test_8_2_a_role_that_is_not_a_string_is_400_not_500(role: Any) -> None:
+def test_a_role_that_is_not_a_string_is_400_not_500(role: Any) -> None:
     """Found by the fuzz test: a list role was a TypeError (unhashable) inside validation."""
     from session_server.api.models import ChatRequest, parse_json_model
     from session_server.errors import BadRequest

@@ -44,7 +44,7 @@ def brute_force_due(store: SessionStore, now: float) -> set[str]:
 # -- TTL sweep -------------------------------------------------------------------
 
 
-def test_8_stalls_heap_sweep_removes_exactly_the_due_sessions() -> None:
+def test_heap_sweep_removes_exactly_the_due_sessions() -> None:
     store, clock = store_with_clock()
     made = {}
     for i in range(50):
@@ -60,7 +60,7 @@ def test_8_stalls_heap_sweep_removes_exactly_the_due_sessions() -> None:
     assert store.expire() == []  # nothing due twice
 
 
-def test_8_stalls_touched_session_is_not_expired() -> None:
+def test_touched_session_is_not_expired() -> None:
     store, clock = store_with_clock()
     used = store.create(SessionConfig(ttl_s=10.0))
     read = store.create(SessionConfig(ttl_s=10.0))
@@ -77,7 +77,7 @@ def test_8_stalls_touched_session_is_not_expired() -> None:
     assert len(store) == 0 and store._expiry == []
 
 
-def test_8_stalls_session_with_a_chat_in_flight_outlives_its_ttl_then_expires() -> None:
+def test_session_with_a_chat_in_flight_outlives_its_ttl_then_expires() -> None:
     store, clock = store_with_clock()
     s = store.create(SessionConfig(ttl_s=5.0))
     _, claim = store.claim(s.id)
@@ -92,7 +92,7 @@ def test_8_stalls_session_with_a_chat_in_flight_outlives_its_ttl_then_expires() 
     assert s.state is SessionState.CLOSED
 
 
-def test_8_stalls_removal_via_delete_leaves_no_heap_leak_after_compaction() -> None:
+def test_removal_via_delete_leaves_no_heap_leak_after_compaction() -> None:
     store, clock = store_with_clock()
     ids = [store.create(SessionConfig(ttl_s=60.0)).id for _ in range(1000)]
     keep = ids[0]
@@ -109,7 +109,7 @@ def test_8_stalls_removal_via_delete_leaves_no_heap_leak_after_compaction() -> N
     assert store.expire() == []
 
 
-def test_8_stalls_limited_sweep_takes_batches_until_none_is_due() -> None:
+def test_limited_sweep_takes_batches_until_none_is_due() -> None:
     store, clock = store_with_clock()
     for _ in range(100):
         store.create(SessionConfig(ttl_s=1.0))
@@ -144,7 +144,7 @@ def store_ops(draw: st.DrawFn) -> list[tuple[str, Any]]:
 
 @settings(max_examples=300, deadline=None)
 @given(store_ops())
-def test_8_stalls_heap_sweep_equals_brute_force_scan(ops: list[tuple[str, Any]]) -> None:
+def test_heap_sweep_equals_brute_force_scan(ops: list[tuple[str, Any]]) -> None:
     store, clock = store_with_clock()
     claims: dict[str, Any] = {}
     for kind, arg in ops:
@@ -206,7 +206,7 @@ def big_tree(tokens: int) -> TrajectoryTree:
     return tree
 
 
-def test_8_stalls_chunked_export_is_byte_identical_to_one_orjson_call() -> None:
+def test_chunked_export_is_byte_identical_to_one_orjson_call() -> None:
     meta = {"session_id": "s", "metadata": {"task": "t", "n": [1, 2.5, None]}, "history_policy": "append"}
     for tree in (TrajectoryTree(), sample_tree(), big_tree(20_000)):
         want = old_json(tree, meta)
@@ -216,7 +216,7 @@ def test_8_stalls_chunked_export_is_byte_identical_to_one_orjson_call() -> None:
             assert b"".join(iter_json(tree, metadata=meta, chunk=chunk)) == want
 
 
-def test_8_stalls_chunked_export_comes_in_bounded_pieces() -> None:
+def test_chunked_export_comes_in_bounded_pieces() -> None:
     tree = big_tree(100_000)
     pieces = list(iter_json(tree, chunk=8192))
     n = len(tree.active.trajectory)
@@ -227,7 +227,7 @@ def test_8_stalls_chunked_export_comes_in_bounded_pieces() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(turn_inputs(), max_size=5), st.integers(1, 5), st.booleans())
-def test_8_stalls_chunked_export_equals_old_bytes_on_random_trees(
+def test_chunked_export_equals_old_bytes_on_random_trees(
     turns: list[dict[str, Any]], chunk: int, fork: bool
 ) -> None:
     tree = TrajectoryTree()
@@ -238,7 +238,7 @@ def test_8_stalls_chunked_export_equals_old_bytes_on_random_trees(
     assert b"".join(iter_json(tree, chunk=chunk)) == old_json(tree)
 
 
-async def test_8_stalls_trajectory_route_serves_the_chunked_export(qwen3_dir: Path) -> None:
+async def test_trajectory_route_serves_the_chunked_export(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session(metadata={"task": "t"})
         for _ in range(2):

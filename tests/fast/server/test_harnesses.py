@@ -118,7 +118,7 @@ def _mini_episode(base_url: str, cwd: Path) -> tuple[dict[str, Any], list[dict[s
     return info, agent.messages
 
 
-async def test_12_4_mini_swe_agent_episode_trajectory_equals_engine_io(
+async def test_mini_swe_agent_episode_trajectory_equals_engine_io(
         qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetch at import
     monkeypatch.setenv("MSWEA_SILENT_STARTUP", "1")
@@ -139,7 +139,7 @@ async def test_12_4_mini_swe_agent_episode_trajectory_equals_engine_io(
     assert any("hello from the sandbox" in str(m.get("content")) for m in branch["messages"] if m["role"] == "tool")
 
 
-async def test_12_4_sim_script_route_sets_and_validates(qwen3_dir: Path) -> None:
+async def test_sim_script_route_sets_and_validates(qwen3_dir: Path) -> None:
     """The scripting hook the harness tests use: a scripted turn is what the model says."""
     async with live_stack(qwen3_dir, "vllm") as st:
         async with httpx.AsyncClient() as c:
@@ -155,7 +155,7 @@ async def test_12_4_sim_script_route_sets_and_validates(qwen3_dir: Path) -> None
 # --- Claude Code (Anthropic Messages, streamed) -------------------------------------------
 
 
-def test_12_4_messages_accepts_what_claude_code_sends() -> None:
+def test_messages_accepts_what_claude_code_sends() -> None:
     """Claude Code's requests: a `system` message inside `messages` (beta
     `mid-conversation-system-2026-04-07`) and `output_config.format` (its title
     side-request's structured output) used to be a 400 and ignored."""
@@ -188,7 +188,7 @@ CLAUDE_SCRIPT = [
 ]
 
 
-async def test_12_4_claude_code_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
+async def test_claude_code_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
     """`claude -p ... --output-format json` with ANTHROPIC_BASE_URL = the session root: its
     streamed Messages requests (system blocks with cache_control, 25 built-in tools,
     adaptive thinking, mid-conversation system messages, betas) run a Bash tool call and
@@ -225,7 +225,7 @@ CODEX_SCRIPT = [
 ]
 
 
-def test_12_4_responses_leaves_tools_it_cannot_call_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_responses_leaves_tools_it_cannot_call_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     """Codex always sends a `namespace` group and the hosted `web_search` (and, for some
     models, the freeform `custom` apply_patch): they were a 400, which stopped Codex."""
     from session_server.api.dialects.openai_responses import chat_tools
@@ -251,7 +251,7 @@ wire_api = "responses"
 """
 
 
-async def test_12_4_codex_exec_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
+async def test_codex_exec_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
     """`codex exec` with a custom Responses provider whose base_url is the session's /v1:
     its streamed requests (`store: false`, `include: [reasoning.encrypted_content]`, a
     `namespace` tool group and the hosted `web_search`, which are left out of the prompt)

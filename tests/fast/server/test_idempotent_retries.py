@@ -63,7 +63,7 @@ async def _until_idle(st_: Stack, sid: str) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_12_3_replay_after_commit_gets_the_stored_response(qwen3_dir: Path, stream: bool) -> None:
+async def test_replay_after_commit_gets_the_stored_response(qwen3_dir: Path, stream: bool) -> None:
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         body = {**CHAT, "stream": stream, "logprobs": True}
@@ -147,7 +147,7 @@ async def test_an_answer_built_on_through_a_fork_is_never_replayed_to_a_later_id
     assert _turns(traj) == 3
 
 
-async def test_12_3_replay_in_flight_waits_for_the_original(qwen3_dir: Path) -> None:
+async def test_replay_in_flight_waits_for_the_original(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, request_latency_ms=400) as st_:
         sid = await st_.session()
         original = asyncio.create_task(st_.chat(sid, CHAT, headers={RETRY: "0"}))
@@ -163,7 +163,7 @@ async def test_12_3_replay_in_flight_waits_for_the_original(qwen3_dir: Path) -> 
     assert metric_value(metrics, "tito_replays_total", source="in_flight") == 1
 
 
-async def test_12_3_idempotency_key_names_one_request(qwen3_dir: Path) -> None:
+async def test_idempotency_key_names_one_request(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         key = {"Idempotency-Key": "req-1"}
@@ -181,7 +181,7 @@ async def test_12_3_idempotency_key_names_one_request(qwen3_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("headers", [{}, {RETRY: "0"}, {RETRY: "soon"}])
-async def test_12_3_without_a_retry_claim_a_resend_is_a_deliberate_retry(qwen3_dir: Path, headers: dict[str, str]) -> None:
+async def test_without_a_retry_claim_a_resend_is_a_deliberate_retry(qwen3_dir: Path, headers: dict[str, str]) -> None:
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         assert (await st_.chat(sid, CHAT, headers=headers)).status_code == 200
@@ -190,7 +190,7 @@ async def test_12_3_without_a_retry_claim_a_resend_is_a_deliberate_retry(qwen3_d
     assert len(traj["branches"]) == 2 and _turns(traj) == 2  # today's behaviour: a new turn on a new branch
 
 
-async def test_12_3_a_retry_of_a_request_never_seen_runs_it(qwen3_dir: Path) -> None:
+async def test_a_retry_of_a_request_never_seen_runs_it(qwen3_dir: Path) -> None:
     """Evicted, or never recorded: a replay with nothing to replay is a new request."""
     async with live_stack(qwen3_dir, settings=Settings(replay_per_session=0)) as st_:
         sid = await st_.session()
@@ -203,7 +203,7 @@ async def test_12_3_a_retry_of_a_request_never_seen_runs_it(qwen3_dir: Path) -> 
     assert metric_value(metrics, "tito_replays_evicted_total") >= 1
 
 
-async def test_12_3_a_failed_original_is_retried_fresh(qwen3_dir: Path) -> None:
+async def test_a_failed_original_is_retried_fresh(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         await st_.fault("http_400")
@@ -215,7 +215,7 @@ async def test_12_3_a_failed_original_is_retried_fresh(qwen3_dir: Path) -> None:
     assert _turns(traj) == 1
 
 
-async def test_12_3_an_abandoned_turn_is_cancelled_after_the_grace(qwen3_dir: Path) -> None:
+async def test_an_abandoned_turn_is_cancelled_after_the_grace(qwen3_dir: Path) -> None:
     """The client of a recorded request hangs up and no retry comes: the turn is cancelled
     once `replay_grace_s` has passed; nothing is committed."""
     async with live_stack(qwen3_dir, settings=Settings(replay_grace_s=0.2)) as st_:
@@ -229,7 +229,7 @@ async def test_12_3_an_abandoned_turn_is_cancelled_after_the_grace(qwen3_dir: Pa
     assert view["turns"] == 0 and view["turns_discarded"] == 1
 
 
-async def test_12_3_openai_sdk_timeouts_and_retries_commit_one_turn(qwen3_dir: Path) -> None:
+async def test_openai_sdk_timeouts_and_retries_commit_one_turn(qwen3_dir: Path) -> None:
     """The real SDK times out (0.4 s) on a turn that takes longer (1.2 s) and retries
     (`x-stainless-retry-count` 1, 2): its retries adopt the first turn; the SDK gets it."""
     async with live_stack(qwen3_dir, request_latency_ms=1200) as st_:
@@ -249,7 +249,7 @@ async def test_12_3_openai_sdk_timeouts_and_retries_commit_one_turn(qwen3_dir: P
     assert replays >= 1
 
 
-async def test_12_3_stored_responses_are_bounded_per_session_and_in_bytes() -> None:
+async def test_stored_responses_are_bounded_per_session_and_in_bytes() -> None:
     """The memory rule: the last `per_session` responses of a session, `max_bytes` over all
     sessions (oldest first); a removed session's records go with it."""
     log = ReplayLog(Metrics(), per_session=2, max_bytes=250, grace_s=0.0)
@@ -384,7 +384,7 @@ def _committed(traj: dict[str, Any], tok: Any) -> list[int]:
     return ks
 
 
-def test_12_3_hypothesis_interleaved_duplicates_never_commit_twice(background: _Loop, qwen3_dir: Path) -> None:
+def test_hypothesis_interleaved_duplicates_never_commit_twice(background: _Loop, qwen3_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
     stack = background.stack
     assert stack is not None
@@ -417,7 +417,7 @@ async def _raw_chat(st_: Stack, sid: str, body: dict[str, Any], headers: dict[st
     return writer
 
 
-async def test_12_3_anthropic_messages_replay_is_the_stored_response(qwen3_dir: Path) -> None:
+async def test_anthropic_messages_replay_is_the_stored_response(qwen3_dir: Path) -> None:
     """Every dialect's route goes through the same replay store (`dialect_turn`)."""
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
@@ -432,7 +432,7 @@ async def test_12_3_anthropic_messages_replay_is_the_stored_response(qwen3_dir: 
     assert len(traj["branches"]) == 1 and _turns(traj) == 1 and len(log) == 1
 
 
-async def test_12_3_responses_replay_is_the_stored_response(qwen3_dir: Path) -> None:
+async def test_responses_replay_is_the_stored_response(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         body = {"model": "m", "max_output_tokens": 64, "input": "Hello there."}

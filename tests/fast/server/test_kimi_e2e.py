@@ -39,7 +39,7 @@ async def _follow_up(base_url: str, messages: list[dict[str, Any]]) -> Any:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("name", NAMES)
-async def test_11_5_e2e_kimi_tool_episode_with_reasoning(kimi_dirs: dict[str, Path], name: str, protocol: str) -> None:
+async def test_e2e_kimi_tool_episode_with_reasoning(kimi_dirs: dict[str, Path], name: str, protocol: str) -> None:
     tag = f"{name}/{protocol}"
     assert isinstance(load_codec(str(kimi_dirs[name])), KimiCodec), tag  # detected, not named
     thinking = "thinking" in name
@@ -66,7 +66,7 @@ async def test_11_5_e2e_kimi_tool_episode_with_reasoning(kimi_dirs: dict[str, Pa
     assert rewrites == ([len(answers)] if thinking else []), (tag, rewrites)
 
 
-async def test_11_5_e2e_kimi_thinking_template_policy_forks(kimi_dirs: dict[str, Path]) -> None:
+async def test_e2e_kimi_thinking_template_policy_forks(kimi_dirs: dict[str, Path]) -> None:
     """Under the template policy the same follow-up forks a branch from the re-render."""
     async with live_stack(kimi_dirs["kimi-k2-thinking-ids"], "sglang") as st:
         sid = await st.session(history_policy="template")

@@ -35,7 +35,7 @@ async def _stream_chat(url: str, sid: str, **kw: Any) -> tuple[list[tuple[float,
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_12_2_first_delta_arrives_before_the_engine_finishes(qwen3_dir: Path, protocol: str) -> None:
+async def test_first_delta_arrives_before_the_engine_finishes(qwen3_dir: Path, protocol: str) -> None:
     async with live_stack(qwen3_dir, protocol, latency_ms=3) as st:
         sid = await st.session()
         chunks, _ = await _stream_chat(st.url, sid, logprobs=True)
@@ -69,7 +69,7 @@ def _sampled(traj: dict[str, Any]) -> tuple[list[int], list[float]]:
             branch["logprobs"][t["output_start"]:t["output_end"]])
 
 
-async def test_12_2_a_turn_failing_validation_ends_with_an_error_event_and_commits_nothing(qwen3_dir: Path) -> None:
+async def test_a_turn_failing_validation_ends_with_an_error_event_and_commits_nothing(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, "sglang", latency_ms=2) as st:
         sid = await st.session()
         await st.fault("nan_logprob")
@@ -83,7 +83,7 @@ async def test_12_2_a_turn_failing_validation_ends_with_an_error_event_and_commi
     assert traj["branches"][0]["turns"] == []
 
 
-async def test_12_2_replay_of_a_streamed_turn_returns_identical_bytes(qwen3_dir: Path) -> None:
+async def test_replay_of_a_streamed_turn_returns_identical_bytes(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, "vllm", latency_ms=1) as st:
         sid = await st.session()
         req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "stream": True}
@@ -96,7 +96,7 @@ async def test_12_2_replay_of_a_streamed_turn_returns_identical_bytes(qwen3_dir:
     assert len(traj["branches"][0]["turns"]) == 1
 
 
-async def test_12_2_errors_before_the_stream_starts_are_http_errors(qwen3_dir: Path) -> None:
+async def test_errors_before_the_stream_starts_are_http_errors(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, "sglang") as st:
         r = await st.http.post("/sessions/nope/v1/chat/completions",
                                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
@@ -108,7 +108,7 @@ async def test_12_2_errors_before_the_stream_starts_are_http_errors(qwen3_dir: P
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_12_2_a_pause_mid_stream_is_invisible(qwen3_dir: Path, protocol: str) -> None:
+async def test_a_pause_mid_stream_is_invisible(qwen3_dir: Path, protocol: str) -> None:
     """abort -> accumulate -> resubmit while the client reads: the stream just goes on,
     and its deltas are still exactly the committed turn, equal to an uninterrupted one."""
     msgs = [{"role": "user", "content": "Fix the failing test."}]
@@ -143,7 +143,7 @@ async def test_12_2_a_pause_mid_stream_is_invisible(qwen3_dir: Path, protocol: s
     assert "".join(t.split("\x00")[1] for t in texts) == (message.get("content") or "")
 
 
-async def test_12_2_anthropic_sdk_stream_arrives_before_the_engine_finishes(qwen3_dir: Path) -> None:
+async def test_anthropic_sdk_stream_arrives_before_the_engine_finishes(qwen3_dir: Path) -> None:
     from anthropic import AsyncAnthropic
 
     async with live_stack(qwen3_dir, "sglang", latency_ms=3) as st:
@@ -164,7 +164,7 @@ async def test_12_2_anthropic_sdk_stream_arrives_before_the_engine_finishes(qwen
     assert text == (got.get("content") or "") and thinking == (got.get("reasoning_content") or "")
 
 
-async def test_12_2_client_leaving_mid_stream_cancels_the_turn(qwen3_dir: Path) -> None:
+async def test_client_leaving_mid_stream_cancels_the_turn(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, "sglang", latency_ms=5) as st:
         sid = await st.session()
         writer = await st.raw_chat(sid, {"model": "m", "messages": [{"role": "user", "content": "hi"}],

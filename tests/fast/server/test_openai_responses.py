@@ -78,7 +78,7 @@ async def _episode(client: AsyncOpenAI, *, chain: bool, max_turns: int = 8) -> l
 
 @pytest.mark.parametrize("chain", [False, True], ids=["full_input", "previous_response_id"])
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_12_1_function_call_loop_trajectory_equals_engine_io(qwen3_dir: Path, protocol: str, chain: bool) -> None:
+async def test_function_call_loop_trajectory_equals_engine_io(qwen3_dir: Path, protocol: str, chain: bool) -> None:
     tag = f"{protocol}/{'chain' if chain else 'replay'}"
     async with live_stack(qwen3_dir, protocol) as st:
         sid = await st.session()
@@ -107,7 +107,7 @@ async def test_12_1_function_call_loop_trajectory_equals_engine_io(qwen3_dir: Pa
     assert episode[1].previous_response_id == (episode[0].id if chain else None), tag
 
 
-async def test_12_1_previous_response_id_of_an_earlier_response_attaches_at_its_checkpoint(qwen3_dir: Path) -> None:
+async def test_previous_response_id_of_an_earlier_response_attaches_at_its_checkpoint(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         client = _client(st, sid)
@@ -128,7 +128,7 @@ async def test_12_1_previous_response_id_of_an_earlier_response_attaches_at_its_
     assert turn["request_messages"][0]["content"] == "error: no such file"
 
 
-async def test_12_1_streaming_accumulates_to_the_same_response(qwen3_dir: Path) -> None:
+async def test_streaming_accumulates_to_the_same_response(qwen3_dir: Path) -> None:
     """Reasoning (the qwen3 thinking template), function-call argument deltas, then text:
     the SDK's accumulated final response equals the stored one, deltas concatenate to
     the items, and `sequence_number` counts every event."""
@@ -177,7 +177,7 @@ async def test_12_1_streaming_accumulates_to_the_same_response(qwen3_dir: Path) 
     assert_trajectory_matches_engine(branch, log, "streamed")
 
 
-async def test_12_1_max_output_tokens_is_incomplete(qwen3_dir: Path) -> None:
+async def test_max_output_tokens_is_incomplete(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, "vllm") as st:
         sid = await st.session()
         client = _client(st, sid)
@@ -192,7 +192,7 @@ async def test_12_1_max_output_tokens_is_incomplete(qwen3_dir: Path) -> None:
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
 
 
-async def test_12_1_mixed_dialects_extend_one_trajectory(qwen3_dir: Path) -> None:
+async def test_mixed_dialects_extend_one_trajectory(qwen3_dir: Path) -> None:
     """A chat-completions turn, then a Responses turn replaying it as items, then chat
     again: one line, every turn appended, exact engine I/O."""
     async with live_stack(qwen3_dir) as st:
@@ -239,7 +239,7 @@ async def test_12_1_mixed_dialects_extend_one_trajectory(qwen3_dir: Path) -> Non
     assert_trajectory_matches_engine(branch, log, "mixed")
 
 
-async def test_12_1_bad_input_is_400_and_unknown_previous_response_404(qwen3_dir: Path) -> None:
+async def test_bad_input_is_400_and_unknown_previous_response_404(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid, other = await st.session(), await st.session()
         client = _client(st, sid)
@@ -265,7 +265,7 @@ async def test_12_1_bad_input_is_400_and_unknown_previous_response_404(qwen3_dir
     assert r.status_code == 400 and set(r.json()["error"]) == {"type", "message"}
 
 
-async def test_12_1_reasoning_effort_switches_the_thinking_template(qwen3_dir: Path) -> None:
+async def test_reasoning_effort_switches_the_thinking_template(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         client = _client(st, sid)
@@ -278,7 +278,7 @@ async def test_12_1_reasoning_effort_switches_the_thinking_template(qwen3_dir: P
     assert prompt.endswith("<think>\n\n</think>\n\n")  # enable_thinking=False, as the template renders it
 
 
-def test_12_1_items_group_into_one_assistant_message() -> None:
+def test_items_group_into_one_assistant_message() -> None:
     msgs = input_messages([
         {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
@@ -302,7 +302,7 @@ def test_12_1_items_group_into_one_assistant_message() -> None:
         parse_responses(orjson.dumps({"input": "hi", "previous_response_id": "resp_1"}))
 
 
-def test_12_1_failed_stream_is_an_error_then_response_failed() -> None:
+def test_failed_stream_is_an_error_then_response_failed() -> None:
     enc = ResponsesStreamEncoder(Echo(created_at=0, model="m"), tokenizer=None)
     frames = enc.encode(TurnStarted("r1", 3)) + enc.encode(TurnFailed("upstream_invalid", "bad chunk", 502))
     events = [(f.split(b"\n")[0], orjson.loads(f.split(b"\n")[1].removeprefix(b"data: "))) for f in frames]
@@ -314,7 +314,7 @@ def test_12_1_failed_stream_is_an_error_then_response_failed() -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "streamed"])
-async def test_12_1_openai_agents_responses_model_episode(qwen3_dir: Path, stream: bool) -> None:
+async def test_openai_agents_responses_model_episode(qwen3_dir: Path, stream: bool) -> None:
     """openai-agents' `OpenAIResponsesModel` (its default model for OpenAI): the agent
     replays its own items each turn; every turn appends to one line."""
     agents = pytest.importorskip("agents")
@@ -370,6 +370,6 @@ async def test_12_1_openai_agents_responses_model_episode(qwen3_dir: Path, strea
     {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "not json"}]},
     {"input": "x", "reasoning": {"effort": "extreme"}},
 ])
-def test_12_1_malformed_fields_are_400_not_500(body: dict[str, Any]) -> None:
+def test_malformed_fields_are_400_not_500(body: dict[str, Any]) -> None:
     with pytest.raises(BadRequest):
         parse_responses(orjson.dumps(body))

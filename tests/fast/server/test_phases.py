@@ -9,7 +9,7 @@ from session_server.metrics import PHASES
 from .conftest import CHAT, live_stack, metric_value
 
 
-async def test_9_each_phase_is_observed_once_per_turn(qwen3_dir: Path) -> None:
+async def test_each_phase_is_observed_once_per_turn(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         for stream in (False, True):  # a JSON and an SSE response
             r = await st.chat(await st.session(), {**CHAT, "stream": stream})
@@ -19,7 +19,7 @@ async def test_9_each_phase_is_observed_once_per_turn(qwen3_dir: Path) -> None:
             assert metric_value(text, "tito_turn_phase_seconds_count", phase=phase) == 2, phase
 
 
-def test_9_phase_values_are_frozen() -> None:
+def test_phase_values_are_frozen() -> None:
     """Each phase hands the next a frozen value: no phase mutates what an earlier one decided."""
     import dataclasses
 
@@ -33,7 +33,7 @@ def test_9_phase_values_are_frozen() -> None:
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls.__name__  # type: ignore[attr-defined]
 
 
-def test_9_dialect_parses_and_responds_with_pure_functions() -> None:
+def test_dialect_parses_and_responds_with_pure_functions() -> None:
     """The OpenAI dialect is the `Dialect` interface: body -> ChatRequest (bad input a 400),
     TurnOutput -> one JSON body or SSE frames ending in [DONE]."""
     import orjson

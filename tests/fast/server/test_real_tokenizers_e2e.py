@@ -31,7 +31,7 @@ def _dir(real_dirs: dict[str, Path], name: str) -> Path:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_11_5_real_qwen3_tool_episode_is_token_exact(real_dirs: dict[str, Path], protocol: str) -> None:
+async def test_real_qwen3_tool_episode_is_token_exact(real_dirs: dict[str, Path], protocol: str) -> None:
     path = _dir(real_dirs, "qwen3-real")
     tok = AutoTokenizer.from_pretrained(str(path))
     async with live_stack(path, protocol) as st:
@@ -53,7 +53,7 @@ async def test_11_5_real_qwen3_tool_episode_is_token_exact(real_dirs: dict[str, 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("name", ["deepseek-v3.1-real", "deepseek-v4-real"])
-async def test_11_5_real_deepseek_multi_turn_is_token_exact(
+async def test_real_deepseek_multi_turn_is_token_exact(
     real_dirs: dict[str, Path], name: str, protocol: str
 ) -> None:
     """Served by our `DeepSeekCodec`, detected from the template (user turns)."""

@@ -61,11 +61,11 @@ def assert_error(r: httpx.Response, status: int, kind: str) -> None:
     assert r.json()["error"]["type"] == kind, r.text
 
 
-def test_10_3_the_api_offers_the_formats_the_library_writes() -> None:
+def test_the_api_offers_the_formats_the_library_writes() -> None:
     assert get_args(SampleFormat) == FORMATS
 
 
-def test_10_3_a_library_sample_error_is_a_400_in_the_error_map() -> None:
+def test_a_library_sample_error_is_a_400_in_the_error_map() -> None:
     assert isinstance(from_library(SampleError("bad picker")), BadRequest)
     s = Session("s", SessionConfig(ttl_s=60.0), now=0.0)
     with pytest.raises(BadRequest, match="picker"):
@@ -73,7 +73,7 @@ def test_10_3_a_library_sample_error_is_a_400_in_the_error_map() -> None:
     assert session_samples(s, "latest", None) == []
 
 
-async def test_10_3_session_samples_equal_the_library_on_the_session_tree(qwen3_dir: Path) -> None:
+async def test_session_samples_equal_the_library_on_the_session_tree(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session(metadata={"task": "t1"})
         await episode(st, sid, turns=3, retry=True)
@@ -96,7 +96,7 @@ async def test_10_3_session_samples_equal_the_library_on_the_session_tree(qwen3_
         assert len(cut[0]) == first_end and cut[0].status == "truncated" and len(cut[0].turn_boundaries) == 1
 
 
-async def test_10_3_bad_queries_are_400_and_unknown_sessions_404(qwen3_dir: Path) -> None:
+async def test_bad_queries_are_400_and_unknown_sessions_404(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         await episode(st, sid, turns=1)
@@ -108,7 +108,7 @@ async def test_10_3_bad_queries_are_400_and_unknown_sessions_404(qwen3_dir: Path
         assert await samples(st, empty) == []  # no turn, no leaf, no sample
 
 
-async def test_10_4_reward_broadcast_and_per_leaf_override(qwen3_dir: Path) -> None:
+async def test_reward_broadcast_and_per_leaf_override(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session(metadata={"task": "t", "split": "train"})
         await episode(st, sid, turns=2, retry=True)
@@ -150,7 +150,7 @@ async def test_10_4_reward_broadcast_and_per_leaf_override(qwen3_dir: Path) -> N
         assert await rewards() == {0: None, 1: None}  # nothing a refused request carried was kept
 
 
-async def test_10_4_server_owned_metadata_keys_are_refused(qwen3_dir: Path) -> None:
+async def test_server_owned_metadata_keys_are_refused(qwen3_dir: Path) -> None:
     assert {"session_id", "token_ids", "loss_mask", "reward", "metadata", "path"} <= SAMPLE_METADATA_RESERVED
     async with live_stack(qwen3_dir) as st:
         sid = await st.session(metadata={"task": "t"})
@@ -168,7 +168,7 @@ async def batch(st: Stack, **body: Any) -> httpx.Response:
     return await st.http.post("/samples", json=body)
 
 
-async def test_10_5_batch_of_three_sessions_in_every_format(qwen3_dir: Path) -> None:
+async def test_batch_of_three_sessions_in_every_format(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sids = [await st.session(metadata={"i": i}) for i in range(3)]
         await episode(st, sids[0], turns=2, retry=True)
@@ -192,7 +192,7 @@ async def test_10_5_batch_of_three_sessions_in_every_format(qwen3_dir: Path) -> 
             assert (await st.http.get(f"/sessions/{sid}")).status_code == 200
 
 
-async def test_10_5_close_true_removes_the_sessions_after_reading(qwen3_dir: Path) -> None:
+async def test_close_true_removes_the_sessions_after_reading(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sids = [await st.session() for _ in range(3)]
         for sid in sids:
@@ -206,7 +206,7 @@ async def test_10_5_close_true_removes_the_sessions_after_reading(qwen3_dir: Pat
         assert live_apps[st.url].state.ctx.store.all() == {}
 
 
-async def test_10_5_batch_is_validated_whole_before_streaming(qwen3_dir: Path) -> None:
+async def test_batch_is_validated_whole_before_streaming(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         sids = [await st.session() for _ in range(2)]
         await episode(st, sids[0], turns=1)
@@ -231,7 +231,7 @@ async def test_10_5_batch_is_validated_whole_before_streaming(qwen3_dir: Path) -
         assert_error(await batch(st, session_ids=too_many), 400, "invalid_request")
 
 
-async def test_10_5_other_requests_are_served_while_a_batch_streams(qwen3_dir: Path) -> None:
+async def test_other_requests_are_served_while_a_batch_streams(qwen3_dir: Path) -> None:
     """The stream goes one session at a time through the event loop: a client that has
     read only the start of a batch does not keep the server from answering others."""
     async with live_stack(qwen3_dir) as st:
@@ -251,7 +251,7 @@ async def test_10_5_other_requests_are_served_while_a_batch_streams(qwen3_dir: P
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-async def test_10_5_an_empty_batch_of_sessions_without_turns_loads(qwen3_dir: Path, fmt: str) -> None:
+async def test_an_empty_batch_of_sessions_without_turns_loads(qwen3_dir: Path, fmt: str) -> None:
     async with live_stack(qwen3_dir) as st:
         sid = await st.session()
         r = await batch(st, session_ids=[sid], format=fmt)

@@ -25,7 +25,7 @@ def _results(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "tool", "tool_call_id": tc["id"], "content": "done"} for tc in message["tool_calls"]]
 
 
-async def test_10_e2e_rename_sub_agent_and_retry_give_the_expected_samples(qwen3_dir: Path) -> None:
+async def test_e2e_rename_sub_agent_and_retry_give_the_expected_samples(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir) as st:
         client = AsyncSessionClient(st.url)
         sid = await client.create_session(metadata={"task": "fix-bug-17"})

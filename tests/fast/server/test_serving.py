@@ -23,7 +23,7 @@ def _opts(**kw: Any) -> dict[str, Any]:
     return uvicorn_options(host="127.0.0.1", port=1, log_level="warning", timeout_graceful_shutdown=5, **kw)
 
 
-async def test_15_1_keep_alive_outlasts_client_pools_and_backlog_takes_10k_agents() -> None:
+async def test_keep_alive_outlasts_client_pools_and_backlog_takes_10k_agents() -> None:
     opts = _opts()
     assert opts["timeout_keep_alive"] == KEEP_ALIVE_S == 75
     assert opts["backlog"] == LISTEN_BACKLOG == 4096
@@ -35,7 +35,7 @@ async def test_15_1_keep_alive_outlasts_client_pools_and_backlog_takes_10k_agent
     uvicorn.Config(app=None, **opts)  # every key is one uvicorn accepts
 
 
-def test_15_1_serve_runs_uvicorn_with_the_shared_options(monkeypatch: pytest.MonkeyPatch, qwen3_dir: Path) -> None:
+def test_serve_runs_uvicorn_with_the_shared_options(monkeypatch: pytest.MonkeyPatch, qwen3_dir: Path) -> None:
     seen: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
     monkeypatch.setattr(cli.sys, "setswitchinterval", lambda _s: None)
@@ -58,7 +58,7 @@ async def _get_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     return head.split(b"\r\n", 1)[0]
 
 
-async def test_15_1_harness_server_keeps_an_idle_connection_past_uvicorns_5s_default(
+async def test_harness_server_keeps_an_idle_connection_past_uvicorns_5s_default(
     monkeypatch: pytest.MonkeyPatch, qwen3_dir: Path
 ) -> None:
     configs: list[dict[str, Any]] = []

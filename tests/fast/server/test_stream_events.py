@@ -44,7 +44,7 @@ def chunks(frames: list[bytes]) -> list[dict[str, Any]]:
     return [json.loads(f[6:]) for f in frames[:-1]]
 
 
-def test_12_replay_ends_with_the_commit_and_concatenates_to_the_message() -> None:
+def test_replay_ends_with_the_commit_and_concatenates_to_the_message() -> None:
     events = replay(output())
     assert isinstance(events[0], TurnStarted) and isinstance(events[-1], TurnCommitted)
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == MESSAGE["content"]
@@ -54,7 +54,7 @@ def test_12_replay_ends_with_the_commit_and_concatenates_to_the_message() -> Non
     assert args == {0: '{"path": "a.py"}', 1: '{"path": "b.py"}'}
 
 
-def test_12_openai_sdk_accumulates_the_chunks_into_the_committed_message() -> None:
+def test_openai_sdk_accumulates_the_chunks_into_the_committed_message() -> None:
     enc = ChatStreamEncoder(model="m", logprobs=False, top_k=0, tokenizer=None)
     frames = [f for ev in replay(output()) for f in enc.encode(ev)]
     state = ChatCompletionStreamState()
@@ -69,7 +69,7 @@ def test_12_openai_sdk_accumulates_the_chunks_into_the_committed_message() -> No
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
 
 
-def test_12_a_failed_turn_ends_the_stream_with_an_error_chunk() -> None:
+def test_a_failed_turn_ends_the_stream_with_an_error_chunk() -> None:
     enc = ChatStreamEncoder(model="m", logprobs=False, top_k=0, tokenizer=None)
     frames = enc.encode(TurnStarted("r1", 10)) + enc.encode(TurnFailed("upstream_invalid", "bad chunk", 502))
     body = chunks(frames)

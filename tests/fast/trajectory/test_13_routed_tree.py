@@ -66,7 +66,7 @@ def _tree_with_branches() -> TrajectoryTree:
     return tree
 
 
-def test_13_3_a_rollback_branch_shares_the_parents_rows_and_asks_from_the_fork_point() -> None:
+def test_a_rollback_branch_shares_the_parents_rows_and_asks_from_the_fork_point() -> None:
     tree = TrajectoryTree()
     for i in range(3):
         _turn(tree.active.trajectory, i)
@@ -89,7 +89,7 @@ def test_13_3_a_rollback_branch_shares_the_parents_rows_and_asks_from_the_fork_p
     tree.check_invariants()
 
 
-def test_13_3_a_fork_rewrite_asks_from_zero_and_a_turn_without_rows_restarts_the_chain() -> None:
+def test_a_fork_rewrite_asks_from_zero_and_a_turn_without_rows_restarts_the_chain() -> None:
     tree = TrajectoryTree()
     _turn(tree.active.trajectory, 0)
     _turn(tree.active.trajectory, 1)
@@ -112,7 +112,7 @@ def test_13_3_a_fork_rewrite_asks_from_zero_and_a_turn_without_rows_restarts_the
 
 
 @pytest.mark.parametrize("skew", [1, -1])
-def test_13_3_commit_turn_refuses_rows_that_do_not_continue_the_branch(skew: int) -> None:
+def test_commit_turn_refuses_rows_that_do_not_continue_the_branch(skew: int) -> None:
     tree = TrajectoryTree()
     _turn(tree.active.trajectory, 0)
     _turn(tree.active.trajectory, 1)
@@ -137,7 +137,7 @@ def test_13_3_commit_turn_refuses_rows_that_do_not_continue_the_branch(skew: int
 
 
 @pytest.mark.parametrize("fmt", ["dict", "json", "npz"])
-def test_13_3_export_import_round_trip_keeps_every_branchs_rows(fmt: str) -> None:
+def test_export_import_round_trip_keeps_every_branchs_rows(fmt: str) -> None:
     tree = _tree_with_branches()
     if fmt == "dict":
         back = from_dict(to_dict(tree))
