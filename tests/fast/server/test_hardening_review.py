@@ -21,7 +21,7 @@ RF = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-async def test_review_1_constrained_turn_aborted_midway_commits_the_uninterrupted_instance(
+async def test_constrained_turn_aborted_midway_commits_the_uninterrupted_instance(
     qwen3_dir: Path, protocol: str
 ) -> None:
     """An engine restarts the grammar at the first output token: resubmitting `prompt +
@@ -74,7 +74,7 @@ def _tool(params: Any, name: str = "run") -> dict[str, Any]:
     {"type": "object", "properties": {"a": False}},
     {"type": "object", "properties": {"a": "string"}},
 ])
-async def test_review_2_malformed_tool_parameters_under_forced_tool_choice_are_400(
+async def test_malformed_tool_parameters_under_forced_tool_choice_are_400(
     qwen3_dir: Path, params: dict[str, Any]
 ) -> None:
     """Malformed parameter schemas (non-list required/enum, empty enum/anyOf, non-object
@@ -95,7 +95,7 @@ def _deep(n: int) -> dict[str, Any]:
     return node
 
 
-async def test_review_3_deep_schemas_and_long_ref_chains_are_400_not_500(qwen3_dir: Path) -> None:
+async def test_deep_schemas_and_long_ref_chains_are_400_not_500(qwen3_dir: Path) -> None:
     """Deep response_format schemas and $ref chains longer than the bound answer 400."""
     async with live_stack(qwen3_dir, "sglang") as stack:
         sid = await stack.session()
@@ -116,7 +116,7 @@ async def test_review_3_deep_schemas_and_long_ref_chains_are_400_not_500(qwen3_d
         assert await stack.engine_log() == []
 
 
-async def test_review_4_constraint_is_derived_off_the_event_loop(
+async def test_constraint_is_derived_off_the_event_loop(
     qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A large request's constraint (work proportional to its schemas) is built on the offload threads."""
@@ -146,7 +146,7 @@ async def test_review_4_constraint_is_derived_off_the_event_loop(
     assert on_loop == [False]
 
 
-def test_review_5_defs_of_two_tools_do_not_collide_and_nested_refs_resolve() -> None:
+def test_defs_of_two_tools_do_not_collide_and_nested_refs_resolve() -> None:
     from session_server.sim.constrained import ebnf_shortest
     from session_server.structured import hermes_tool_call_ebnf
 
@@ -167,7 +167,7 @@ def test_review_5_defs_of_two_tools_do_not_collide_and_nested_refs_resolve() -> 
     assert '"1"' in grammar and '"\\"two\\""' in grammar
 
 
-def test_review_6_all_optional_objects_allow_any_subset_and_strings_follow_json() -> None:
+def test_all_optional_objects_allow_any_subset_and_strings_follow_json() -> None:
     """Any ordered subset of optional keys (not only those after the first); strings
     refuse raw control characters and accept \\uXXXX escapes."""
     from session_server.structured import schema_to_ebnf
@@ -198,7 +198,7 @@ def _gbnf_to_lark(grammar: str) -> str:
     return "\n".join(out)
 
 
-async def test_review_7_force_reset_weight_version_keeps_existing_sessions_working(qwen3_dir: Path) -> None:
+async def test_force_reset_weight_version_keeps_existing_sessions_working(qwen3_dir: Path) -> None:
     """After `force` resets the version backwards, a session committed at the old, higher
     version still gets 200 (its old version is no longer the floor)."""
     import httpx
@@ -225,7 +225,7 @@ async def test_review_7_force_reset_weight_version_keeps_existing_sessions_worki
         assert [str(v) for v in versions] == ["5", "1"]
 
 
-async def test_review_8_rehome_keeps_the_turn_deadline(qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_rehome_keeps_the_turn_deadline(qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A turn re-homed after its engine died keeps the deadline it started with."""
     import asyncio
 
@@ -251,7 +251,7 @@ async def test_review_8_rehome_keeps_the_turn_deadline(qwen3_dir: Path, monkeypa
     assert len(deadlines) == 2 and deadlines[0] is not None and deadlines[0] == deadlines[1]
 
 
-def test_review_engine_refusal_blames_the_constraint_only_for_grammar_errors() -> None:
+def test_engine_refusal_blames_the_constraint_only_for_grammar_errors() -> None:
     from session_server.errors import UpstreamHTTPError
     from session_server.structured import Constraint, engine_refusal
 
@@ -267,7 +267,7 @@ def test_review_engine_refusal_blames_the_constraint_only_for_grammar_errors() -
     assert engine_refusal(grammar, None, Req()) is None
 
 
-async def test_review_1_constrained_turn_aborted_over_and_over_without_a_pause_is_503(qwen3_dir: Path) -> None:
+async def test_constrained_turn_aborted_over_and_over_without_a_pause_is_503(qwen3_dir: Path) -> None:
     """A dropped constrained partial leaves the budget whole, so aborts that no pause
     explains are bounded like empty ones: 503 engine_aborted, nothing committed."""
     async with live_stack(qwen3_dir, "sglang") as stack:
