@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .conftest import live_stack
+from ..stack import live_stack
 from .test_12_2_tool_args_e2e import ASCII_ARGS, TOOLS, USER, _script, _stored
 
 

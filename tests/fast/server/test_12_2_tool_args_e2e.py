@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from .conftest import Stack, live_stack
+from ..stack import Stack, live_stack
 
 TOOLS = [{"type": "function", "function": {"name": "write_file", "description": "Write a file.",
                                            "parameters": {"type": "object", "properties": {

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.fast.server.conftest import Stack, live_stack
+from ..stack import Stack, live_stack
 
 USER = [{"role": "user", "content": "Fix the failing test."}]
 

@@ -16,7 +16,7 @@ import httpx
 
 from trajectory.sample_formats import load_samples_json
 
-from .conftest import Stack, live_stack, metric_value, until_in_flight
+from ..stack import Stack, live_stack, metric_value, until_in_flight
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
 BODY = {"messages": MSGS, "max_tokens": 200}

@@ -16,7 +16,7 @@ from session_server.context import Settings
 from session_server.sim.routed import DEFAULT_ROUTED, line_rows
 from trajectory import from_dict, from_npz_bytes
 
-from .conftest import CHAT, live_stack
+from ..stack import CHAT, live_stack
 
 R3 = Settings(routed_experts_topk=DEFAULT_ROUTED.topk, routed_experts_num_experts=DEFAULT_ROUTED.num_experts)
 

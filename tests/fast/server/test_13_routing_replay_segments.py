@@ -19,7 +19,7 @@ from session_server.client import AsyncSessionClient
 from session_server.context import Settings
 from session_server.sim.routed import DEFAULT_ROUTED, ROUTED_FAULTS, RoutedSpec, line_rows
 
-from .conftest import CHAT, Stack, live_stack
+from ..stack import CHAT, Stack, live_stack
 
 SPEC = DEFAULT_ROUTED
 # both settings: the row width is known exactly from the first segment on

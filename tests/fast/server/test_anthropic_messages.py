@@ -41,7 +41,7 @@ from session_server.context import Settings  # noqa: E402
 from session_server.ops.demo import TOOLS, run_tool  # noqa: E402
 from session_server.turn.pipeline import TurnOutput  # noqa: E402
 
-from .conftest import live_stack  # noqa: E402
+from ..stack import live_stack  # noqa: E402
 from .test_e2e import assert_trajectory_matches_engine  # noqa: E402
 
 PROTOCOLS = ["sglang", "vllm"]

@@ -17,7 +17,7 @@ from session_server.app import AppConfig, create_app
 from session_server.auth import Access, classify, presented_tokens
 from session_server.context import Settings
 
-from .conftest import CHAT, live_stack
+from ..stack import CHAT, live_stack
 
 ADMIN = "admin-secret-token"
 

@@ -29,7 +29,7 @@ from trajectory.sample_formats import samples_to_json, samples_to_npz, samples_t
 from trajectory.samples import Sample, build_samples
 from trajectory.tree import TrajectoryTree
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 ADMIN = "client-admin-token"
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from .conftest import live_stack
+from ..stack import live_stack
 from .test_e2e import assert_trajectory_matches_engine
 
 pytestmark = pytest.mark.asyncio

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from session_server.context import Settings
 
-from .conftest import CHAT, live_stack, metric_value
+from ..stack import CHAT, live_stack, metric_value
 
 
 async def _until_busy(st, sid: str) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import live_stack, metric_value, until_in_flight
+from ..stack import live_stack, metric_value, until_in_flight
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
 

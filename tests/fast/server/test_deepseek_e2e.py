@@ -15,7 +15,7 @@ from tests.fast.real_tokenizers import real_tokenizer_dir
 from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import DeepSeekCodec, load_codec
 
-from .conftest import live_stack
+from ..stack import live_stack
 from .test_e2e import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]

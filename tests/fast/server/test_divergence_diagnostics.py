@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 USER = {"role": "user", "content": "Fix the failing test."}
 MORE = {"role": "user", "content": "And the other one?"}

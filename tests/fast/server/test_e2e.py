@@ -19,7 +19,7 @@ from session_server.ops.demo import TOOLS, run_agent
 from trajectory.codec import decode_text
 from trajectory.export import branch_line
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 FAMILIES = ["qwen3", "glm4moe"]
 PROTOCOLS = ["sglang", "vllm"]

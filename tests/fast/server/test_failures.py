@@ -15,7 +15,7 @@ import pytest
 from session_server.context import Settings
 from session_server.ops.harness import free_port
 
-from .conftest import CHAT, Stack, live_stack
+from ..stack import CHAT, Stack, live_stack
 
 
 async def snapshot(st: Stack, sid: str) -> tuple[int, int, int]:

@@ -11,7 +11,7 @@ from session_server.ops.demo import run_agent
 from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import RenderersCodec, load_codec
 
-from .conftest import live_stack
+from ..stack import live_stack
 from .test_e2e import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]

@@ -39,7 +39,7 @@ from schemathesis.specs.openapi.checks import content_type_conformance, status_c
 from session_server.app import AppConfig, create_app
 from session_server.sim.tokenizers import build_tokenizer
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 EXAMPLES = int(os.environ.get("TITO_FUZZ_EXAMPLES", "25"))
 TIMEOUT_S = 30.0  # a request that takes longer is a hang

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from session_server.ops.demo import TOOLS
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 SYSTEM = {"role": "system", "content": "You are a careful engineer."}
 USER = {"role": "user", "content": "Fix the failing test."}

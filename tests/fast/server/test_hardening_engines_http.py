@@ -14,7 +14,8 @@ import pytest
 from session_server.control import ControlPlane, generate_resilient
 from session_server.engines import GenerateRequest, SGLangAdapter, VLLMAdapter
 from session_server.sim import running_sim
-from tests.fast.server.conftest import CHAT, live_stack, sim_aborted_rids
+
+from ..stack import CHAT, live_stack, sim_aborted_rids
 
 
 async def _until(pred: Any, timeout_s: float = 5.0) -> None:

@@ -21,7 +21,8 @@ from session_server.errors import (
 )
 from session_server.ops.harness import live_apps
 from session_server.sessions import SessionConfig, SessionStore
-from tests.fast.server.conftest import CHAT, Stack, live_stack, metric_value
+
+from ..stack import CHAT, Stack, live_stack, metric_value
 
 SLOW = {**CHAT, "max_tokens": 400}  # 400 tokens at 50 ms each: still generating when cut
 

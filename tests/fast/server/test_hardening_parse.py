@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 from session_server.ops.demo import TOOLS
 from trajectory.codec import decode_text
 
+from ..stack import live_stack
 from ..trajectory.test_hardening_codec import EXACT, cleanup_tokenizer_dir
-from .conftest import live_stack
 
 USER = {"role": "user", "content": "Fix the failing test."}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 MSG = [{"role": "user", "content": "Fix the failing test."}]
 SCHEMA: dict[str, Any] = {

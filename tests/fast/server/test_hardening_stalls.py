@@ -20,7 +20,7 @@ from tests.fast.trajectory.test_linear import commit, turn_inputs
 from trajectory.export import from_dict, iter_json, to_dict, to_json_bytes
 from trajectory.tree import TrajectoryTree
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 
 class Clock:

@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
-from .conftest import Stack, live_stack
+from ..stack import Stack, live_stack
 from .test_e2e import assert_trajectory_matches_engine
 
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -287,7 +287,7 @@ async def test_claude_code_with_a_wrong_key_stops_at_once_and_says_why(qwen3_dir
     the server sees a bounded number of requests."""
     from session_server.context import Settings
 
-    from .conftest import metric_value
+    from ..stack import metric_value
 
     claude = _tool("TITO_CLAUDE_BIN", "claude")
     async with live_stack(qwen3_dir, "sglang", settings=Settings(admin_token="admin-secret")) as st:
@@ -419,7 +419,7 @@ async def test_claude_code_runs_an_episode_through_a_pause_longer_than_its_idle_
     pings before `message_start`). With TITO_TEST_KEEPALIVE_S=300 both fail."""
     from session_server.context import Settings
 
-    from .conftest import metric_value
+    from ..stack import metric_value
 
     claude = _tool("TITO_CLAUDE_BIN", "claude")
     work = tmp_path / "work"

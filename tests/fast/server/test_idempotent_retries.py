@@ -31,7 +31,7 @@ from session_server.metrics import Metrics
 from session_server.turn.replay import Hold, Ident, ReplayLog
 from trajectory.export import branch_line
 
-from .conftest import CHAT, Stack, live_stack, metric_value
+from ..stack import CHAT, Stack, live_stack, metric_value
 
 RETRY = "x-stainless-retry-count"
 EXAMPLES = int(os.environ.get("TITO_RETRY_EXAMPLES", "12"))

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import Stack, live_stack, until_in_flight
+from ..stack import Stack, live_stack, until_in_flight
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
 

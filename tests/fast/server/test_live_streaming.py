@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from tests.fast.server.conftest import live_stack
+from ..stack import live_stack
 
 
 async def _stream_chat(url: str, sid: str, **kw: Any) -> tuple[list[tuple[float, Any]], Any]:
@@ -223,7 +223,7 @@ async def test_a_client_that_stops_reading_is_cut_at_the_stream_bound_and_the_tu
     from session_server.context import Settings
     from session_server.ops.harness import live_apps
 
-    from .conftest import metric_value
+    from ..stack import metric_value
 
     limit = 4096
     async with live_stack(qwen3_dir, settings=Settings(stream_buffer_bytes=limit)) as st:
@@ -259,7 +259,7 @@ async def test_one_frame_larger_than_the_stream_bound_reaches_a_client_that_read
     that keeps reading must still get them, not a `stream_overflow`."""
     from session_server.context import Settings
 
-    from .conftest import metric_value
+    from ..stack import metric_value
 
     async with live_stack(qwen3_dir, settings=Settings(stream_buffer_bytes=64 * 1024)) as st:
         sid = await st.session()

@@ -21,7 +21,7 @@ import pytest
 from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import RenderersCodec, load_codec
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 anthropic = pytest.importorskip("anthropic")
 

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from session_server.model_config import model_vocab_size, read_config_vocab_size
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from session_server.api.stream_events import TurnFailed, TurnStarted
 from session_server.errors import BadRequest, NotFound
 from session_server.ops.demo import TOOLS, run_tool
 
-from .conftest import Stack, live_stack
+from ..stack import Stack, live_stack
 from .test_e2e import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from session_server.metrics import PHASES
 
-from .conftest import CHAT, live_stack, metric_value
+from ..stack import CHAT, live_stack, metric_value
 
 
 async def test_each_phase_is_observed_once_per_turn(qwen3_dir: Path) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from session_server.context import Settings
 
-from .conftest import CHAT, Stack, live_stack
+from ..stack import CHAT, Stack, live_stack
 
 KEEPALIVE_S = 0.4
 HOLD_S = 2.4  # the pause the turn ahead waits out: several keepalive_s

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from session_server.ops.demo import TOOLS, run_agent
 from tests.fast.real_tokenizers import real_tokenizer_dir
 
-from .conftest import live_stack
+from ..stack import live_stack
 from .test_e2e import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]

@@ -23,7 +23,7 @@ from session_server.ops.harness import running_server
 from session_server.sim import running_sim
 from session_server.sim.routed import RoutedSpec, line_rows
 
-from .conftest import CHAT, Stack, live_stack
+from ..stack import CHAT, Stack, live_stack
 
 MOE = RoutedSpec(layers=3, topk=2, num_experts=8)  # not the simulator's default (4, 2, 16)
 

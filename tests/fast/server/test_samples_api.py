@@ -25,8 +25,8 @@ from trajectory.sample_formats import (
 )
 from trajectory.samples import Sample, build_samples, tree_lines
 
+from ..stack import CHAT, Stack, live_stack
 from ..trajectory.test_samples import assert_same_samples
-from .conftest import CHAT, Stack, live_stack
 
 LOADERS = {"json": load_samples_json, "npz": load_samples_npz, "safetensors": load_samples_safetensors}
 

@@ -12,7 +12,7 @@ from openai import AsyncOpenAI
 from session_server.client import AsyncSessionClient
 from session_server.ops.demo import TOOLS
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 
 def _renamed(message: dict[str, Any], prefix: str) -> dict[str, Any]:

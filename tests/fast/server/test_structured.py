@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from session_server.sim.constrained import ebnf_shortest
 from session_server.structured import hermes_tool_call_ebnf, schema_to_ebnf
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 pytestmark = pytest.mark.asyncio
 

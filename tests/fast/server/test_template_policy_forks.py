@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from session_server.ops.demo import TOOLS
 from tests.fast.real_tokenizers import real_tokenizer_dir
 
-from .conftest import live_stack
+from ..stack import live_stack
 
 USER = {"role": "user", "content": "Read every file and fix the failing test."}
 TURNS = 8

@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import orjson
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from session_server.app import AppConfig
@@ -132,8 +131,3 @@ async def live_stack(
         url = await stack.enter_async_context(running_server(config))
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=60))
         yield Stack(url, urls, http)
-
-
-@pytest.fixture
-def qwen3_dir(tokenizer_dirs: dict[str, Path]) -> Path:
-    return tokenizer_dirs["qwen3"]
