@@ -30,7 +30,7 @@ from session_server.ops import cli
 from session_server.ops.cluster import WorkerSpec, free_ports, haproxy_config
 from session_server.sim import running_sim
 
-from ..server.test_e2e import assert_trajectory_matches_engine
+from ..e2e.test_openai_client_episodes import assert_trajectory_matches_engine
 
 HAVE_HAPROXY = shutil.which("haproxy") is not None
 needs_haproxy = pytest.mark.skipif(not HAVE_HAPROXY, reason="haproxy is not installed (apt-get install haproxy)")

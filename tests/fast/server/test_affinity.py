@@ -20,7 +20,7 @@ from session_server.ops.demo import TOOLS, run_tool
 from session_server.ops.harness import running_server
 from session_server.sim import running_sim
 
-from .test_e2e import assert_trajectory_matches_engine
+from ..e2e.test_openai_client_episodes import assert_trajectory_matches_engine
 
 
 async def _turn(http: httpx.AsyncClient, sid: str, msgs: list[dict[str, Any]]) -> dict[str, Any]:

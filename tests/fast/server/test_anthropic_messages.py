@@ -41,8 +41,8 @@ from session_server.context import Settings  # noqa: E402
 from session_server.ops.demo import TOOLS, run_tool  # noqa: E402
 from session_server.turn.pipeline import TurnOutput  # noqa: E402
 
+from ..e2e.test_openai_client_episodes import assert_trajectory_matches_engine  # noqa: E402
 from ..stack import live_stack  # noqa: E402
-from .test_e2e import assert_trajectory_matches_engine  # noqa: E402
 
 PROTOCOLS = ["sglang", "vllm"]
 # the demo's tools (the ones the simulated agent's script calls) in Anthropic's form
@@ -554,6 +554,6 @@ async def test_claude_code_shaped_title_and_main_requests_together_are_both_serv
     assert second.stop_reason in ("tool_use", "end_turn")
     assert len([r for r in log if r["status"] == 200]) == 3, "one engine request per turn, no retry"
     assert sorted(len(b["turns"]) for b in traj["branches"]) == [1, 2]
-    from .test_harnesses import assert_every_branch_matches_engine
+    from ..e2e.test_harnesses import assert_every_branch_matches_engine
 
     assert_every_branch_matches_engine(traj, log, "claude-code-shaped")

@@ -24,8 +24,8 @@ from session_server.api.stream_events import TurnFailed, TurnStarted
 from session_server.errors import BadRequest, NotFound
 from session_server.ops.demo import TOOLS, run_tool
 
+from ..e2e.test_openai_client_episodes import assert_trajectory_matches_engine
 from ..stack import Stack, live_stack
-from .test_e2e import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]
 # the demo's tools as Responses function tools (`openai/types/responses/function_tool.py`)

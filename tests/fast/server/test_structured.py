@@ -170,7 +170,7 @@ def test_forced_tool_call_missing_is_502_unless_cut_short() -> None:
 
 
 def _tool_call_parser(single: bool) -> Any:
-    from tests.fast.server.test_hardening_review import _gbnf_to_lark
+    from tests.fast.e2e.test_review_findings import _gbnf_to_lark
 
     lark = pytest.importorskip("lark")  # a general CFG parser stands in for the engines' backends
     params = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}}, "required": ["city"]}

@@ -14,7 +14,7 @@ from session_server.ops.demo import TOOLS, run_agent
 from tests.fast.real_tokenizers import real_tokenizer_dir
 
 from ..stack import live_stack
-from .test_e2e import assert_trajectory_matches_engine
+from .test_openai_client_episodes import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]
 

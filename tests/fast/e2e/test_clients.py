@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 from ..stack import live_stack
-from .test_e2e import assert_trajectory_matches_engine
+from .test_openai_client_episodes import assert_trajectory_matches_engine
 
 pytestmark = pytest.mark.asyncio
 

@@ -15,7 +15,7 @@ from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import KimiCodec, load_codec
 
 from ..stack import live_stack
-from .test_e2e import assert_trajectory_matches_engine
+from .test_openai_client_episodes import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]
 NAMES = ["kimi-k2-thinking-ids", "kimi-k2"]

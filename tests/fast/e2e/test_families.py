@@ -12,7 +12,7 @@ from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import RenderersCodec, load_codec
 
 from ..stack import live_stack
-from .test_e2e import assert_trajectory_matches_engine
+from .test_openai_client_episodes import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]
 FAMILIES = ["qwen3.5", "glm-4.7", "nemotron-3-nano", "minimax-m2"]

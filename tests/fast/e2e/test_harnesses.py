@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from ..stack import Stack, live_stack
-from .test_e2e import assert_trajectory_matches_engine
+from .test_openai_client_episodes import assert_trajectory_matches_engine
 
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 

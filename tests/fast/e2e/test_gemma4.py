@@ -17,7 +17,7 @@ from tests.fast.trajectory.renderer_families import BY_NAME, build
 from trajectory.codec import Gemma4Codec, load_codec
 
 from ..stack import live_stack
-from .test_e2e import assert_trajectory_matches_engine
+from .test_openai_client_episodes import assert_trajectory_matches_engine
 
 PROTOCOLS = ["sglang", "vllm"]
 # (session options, whether a rewrite is recorded): thinking off (the template's default)
