@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..stack import live_stack
-from .test_12_2_tool_args_e2e import ASCII_ARGS, TOOLS, USER, _script, _stored
+from .test_tool_args_stream_in_every_dialect import ASCII_ARGS, TOOLS, USER, _script, _stored
 
 
 async def test_glm_tool_args_chat_completions_stream_incrementally(tokenizer_dirs: dict[str, Path]) -> None:

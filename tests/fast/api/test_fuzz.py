@@ -8,7 +8,7 @@ error in our envelope, and the seeded session's trajectory byte-identical after
 each rejected request. Example counts are bounded (`TITO_FUZZ_EXAMPLES`, default
 25 per operation and mode) so CI stays within a minute or two.
 
-`python -m tests.fast.server.test_fuzz [examples]` runs the same and prints the
+`python -m tests.fast.api.test_fuzz [examples]` runs the same and prints the
 request count and status histogram (bench/README.md "Fuzzing the edge").
 """
 
