@@ -14,7 +14,7 @@ import pytest
 from session_server.api import samples_cluster
 from session_server.errors import InstanceUnavailable
 
-from ..server.test_14_3_cluster_control import live_cluster
+from ..control.test_control_across_instances import live_cluster
 
 
 async def test_an_owner_failing_mid_batch_cuts_the_stream_never_a_partial_200(

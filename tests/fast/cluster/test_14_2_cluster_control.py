@@ -5,7 +5,7 @@ HAProxy picks; that worker relays it to its peers (the cluster told each worker 
 others), so every instance is paused when the pause returns, in-flight turns on every
 instance are aborted and resubmitted after resume, and no token is lost or changed:
 each episode commits exactly the tokens and logprobs of an uninterrupted run (the
-pause-storm check of `tests/fast/server/test_14_3_cluster_control.py`, here through
+pause-storm check of `tests/fast/control/test_control_across_instances.py`, here through
 HAProxy). A worker killed while one of its turns is in flight answers that turn with
 a 502 in our envelope naming the instance. Skipped only when `haproxy` is absent."""
 
