@@ -72,7 +72,7 @@ def started(argv: list[str], log: Path) -> Iterator[tuple[subprocess.Popen[bytes
     seen: dict[int, str] = {}
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
     try:
         yield proc, seen
     finally:

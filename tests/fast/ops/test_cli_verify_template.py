@@ -26,7 +26,7 @@ def test_cli_passes_with_text_report(tokenizer_dirs: dict[str, Path], capsys: py
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "family: llama3.1" in out and "append-only" in out and out.rstrip().endswith("OK")
-    assert "engine" not in out  # --engine runs the live check: tests/fast/test_verify_engine.py
+    assert "engine" not in out  # --engine runs the live check: tests/fast/ops/test_verify_engine.py
 
 
 def test_cli_json_with_forced_family(tokenizer_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
