@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PHASE_KEYS = {"routing_replay", "sessions", "turns", "errors", "sampled_tokens", "sampled_tokens_per_turn",
               "wall_s", "turns_per_s", "sampled_tokens_per_s", "health_ms", "load_avg_1m", "server_loop_lag_ms"}
 LAG_KEYS = {"ticks", "p50", "p99", "max", "stalls", "stalled_ms", "stalled_on_cpu_ms", "stalled_runqueue_ms",
