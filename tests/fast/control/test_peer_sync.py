@@ -4,7 +4,7 @@ Pure tests of `control/peer_sync.py` over a scripted relay (no network): what is
 from which peers, and that a control change applied here while the peers were read is
 never overwritten by that read, even when a peer had not applied it yet. The same over
 live servers and a real cluster: `tests/fast/control/test_peer_sync_live.py`,
-`tests/fast/cluster/test_14_2_cluster_control.py`."""
+`tests/fast/cluster/test_cluster_control.py`."""
 
 from __future__ import annotations
 
