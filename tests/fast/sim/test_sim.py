@@ -169,7 +169,7 @@ async def test_fault_kinds(protocol: str, kind: str) -> None:
                 "routed_layers": lambda: _routed_ids(r).size == (len(PROMPT) + n - 1) * 6,
                 "routed_out_of_range": lambda: int(_routed_ids(r).max()) == 16,
             }
-            if kind.startswith("stream_"):  # only a streamed answer shows the lie (test_12_stream_gaps.py)
+            if kind.startswith("stream_"):  # only a streamed answer shows the lie (turn/test_live_streaming_gaps.py)
                 assert list(r.output_ids) == list(clean.output_ids) and list(r.logprobs) == list(clean.logprobs)
             else:
                 assert checks[kind](), (kind, r)
