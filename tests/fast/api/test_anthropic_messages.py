@@ -1,7 +1,7 @@
 """Issue 12.1 / 12.4: the Anthropic Messages dialect, driven by the real `anthropic` SDK
 against the server and simulated engines (SGLang and vLLM wire protocols).
 
-The engine's request log is the ground truth, as in test_e2e.py: the trajectory's
+The engine's request log is the ground truth, as in e2e/test_openai_client_episodes.py: the trajectory's
 prompts, sampled ids, logprobs and mask equal what the engine received and produced,
 whichever dialect (or mix of dialects) the agent spoke."""
 

@@ -152,7 +152,7 @@ async def test_cancellation_releases_the_claim(qwen3_dir: Path) -> None:
 
 async def test_real_client_disconnect_releases_the_claim(qwen3_dir: Path) -> None:
     """The agent's socket closes mid-turn: the claim is released, and the trajectory
-    stays consistent (the turn is discarded; see test_hardening_lifecycle for the abort)."""
+    stays consistent (the turn is discarded; see foundation/test_session_lifecycle.py for the abort)."""
     async with live_stack(qwen3_dir, latency_ms=15) as st:
         sid = await st.session()
         writer = await st.raw_chat(sid, CHAT)
