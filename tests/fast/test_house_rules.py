@@ -1,4 +1,4 @@
-"""Issue 9: the house rules, enforced on the static import graph.
+"""The house rules, enforced on the static import graph.
 
 Every module of `session_server/` and `trajectory/` is parsed with `ast` (nothing is
 imported, so lazy imports inside functions and `TYPE_CHECKING` blocks count too),

@@ -1,4 +1,4 @@
-"""Issue 11.4: `verify-template --engine` against a real SGLang or vLLM engine: skipped
+"""`verify-template --engine` against a real SGLang or vLLM engine: skipped
 unless one is named (the same variables as test_real_engine.py).
 
     SESSION_SERVER_GPU_ENGINE=sglang=http://gpu-node:30000 \\

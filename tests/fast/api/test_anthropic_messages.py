@@ -1,4 +1,4 @@
-"""Issue 12.1 / 12.4: the Anthropic Messages dialect, driven by the real `anthropic` SDK
+"""The Anthropic Messages dialect, driven by the real `anthropic` SDK
 against the server and simulated engines (SGLang and vLLM wire protocols).
 
 The engine's request log is the ground truth, as in e2e/test_openai_client_episodes.py: the trajectory's

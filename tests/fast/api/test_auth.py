@@ -34,7 +34,7 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("HEAD", "/sessions/{sid}"): Access.ADMIN,  # the harness probe of its base URL
     ("GET", "/sessions/{sid}/trajectory"): Access.ADMIN,
     ("DELETE", "/sessions/{sid}"): Access.ADMIN,  # also ?return_trajectory=true
-    # training samples and rewards (issue 10): the trainer's, never the agent's
+    # training samples and rewards: the trainer's, never the agent's
     ("GET", "/sessions/{sid}/samples"): Access.ADMIN,
     ("POST", "/sessions/{sid}/reward"): Access.ADMIN,
     ("POST", "/samples"): Access.ADMIN,
@@ -50,7 +50,7 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("GET", "/v1/models"): Access.OPEN,
     ("GET", "/sessions/{sid}/v1/models"): Access.SESSION,
     ("GET", "/sessions/{sid}/v1/models/{model_id:path}"): Access.SESSION,
-    # the Responses dialect (issue 12.1): the agent's own turns and stored responses
+    # the Responses dialect: the agent's own turns and stored responses
     ("POST", "/sessions/{sid}/v1/responses"): Access.SESSION,
     ("GET", "/sessions/{sid}/v1/responses/{response_id}"): Access.SESSION,
     # FastAPI's schema and docs pages: public description of the API, no data
@@ -127,7 +127,7 @@ def test_auth_route_matrix(client: TestClient, method: str, path: str, cred: str
         assert r.status_code == 401, (method, url, cred, r.status_code, r.text)
         if method == "HEAD":  # a HEAD reply has no body
             assert r.content == b""
-        elif "/v1/messages" in path:  # the Anthropic routes answer in Anthropic's shape (issue 12.1)
+        elif "/v1/messages" in path:  # the Anthropic routes answer in Anthropic's shape
             assert r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
         else:
             assert r.json() == {"error": {"type": "unauthorized", "message": r.json()["error"]["message"]}}
@@ -135,7 +135,7 @@ def test_auth_route_matrix(client: TestClient, method: str, path: str, cred: str
 
 
 def test_auth_unknown_route_needs_admin_token(client: TestClient) -> None:
-    assert client.get("/no-such-route").status_code == 401  # (it was /samples, a route since issue 10)
+    assert client.get("/no-such-route").status_code == 401  # (it was /samples, which became a route)
     assert client.get("/no-such-route", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
 
 

@@ -1,4 +1,4 @@
-"""Fuzz the HTTP edge (issue 8 "Fuzz it", issue 16.15): schemathesis over our own
+"""Fuzz the HTTP edge: schemathesis over our own
 /openapi.json, every operation, positive and negative data; plus hypothesis chat
 message shapes and raw bodies.
 

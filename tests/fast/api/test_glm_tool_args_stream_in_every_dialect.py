@@ -1,4 +1,4 @@
-"""Issue 12.2: GLM-4.5/4.6 XML tool calls stream their arguments while the engine samples
+"""GLM-4.5/4.6 XML tool calls stream their arguments while the engine samples
 them, through the real `openai` SDK against the streaming simulated engine with the GLM
 tokenizer: several argument deltas arrive before the engine finished, the accumulated
 arguments equal the committed message's, and the streamed call id is the stored one."""

@@ -1,4 +1,4 @@
-"""Issue 12.1: the OpenAI Responses dialect, through the real `openai` SDK against the
+"""The OpenAI Responses dialect, through the real `openai` SDK against the
 server and the simulated engines (both protocols). The engine's request log is the
 ground truth: whatever dialect a turn came in, the trajectory's prompt and sampled
 ids and logprobs are exactly the engine's I/O."""

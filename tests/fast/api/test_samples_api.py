@@ -1,4 +1,4 @@
-"""Training samples over real HTTP (issue 10.3-10.5): one session's samples, rewards and
+"""Training samples over real HTTP: one session's samples, rewards and
 metadata, and the streamed batch read of many sessions."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12 seam: a turn streams as dialect-neutral events (`api/stream_events.py`); the
+"""The streaming seam: a turn streams as dialect-neutral events (`api/stream_events.py`); the
 chat-completions encoder turns them into chunks the `openai` SDK accumulates back into
 exactly the committed message."""
 

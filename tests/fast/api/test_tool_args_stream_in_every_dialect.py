@@ -1,4 +1,4 @@
-"""Issue 12.2: tool-call arguments stream while the engine samples them, in every dialect,
+"""Tool-call arguments stream while the engine samples them, in every dialect,
 through the real SDKs' streaming helpers against the streaming simulated engine.
 
 Each test scripts the simulated model (`/sim/script`) to call a tool with a long argument

@@ -1,4 +1,4 @@
-"""Issue 12 "must show": the responsiveness bench's streamed chats read every SSE frame
+"""The responsiveness bench's streamed chats read every SSE frame
 and count a stream cut before `[DONE]` as an error, not as a served chat."""
 
 from __future__ import annotations

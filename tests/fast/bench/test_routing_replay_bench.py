@@ -1,4 +1,4 @@
-"""`bench/routing_replay.py --quick --json` runs and writes every documented key (issue 13 R3)."""
+"""`bench/routing_replay.py --quick --json` runs and writes every documented key."""
 
 from __future__ import annotations
 

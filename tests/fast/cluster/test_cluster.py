@@ -1,4 +1,4 @@
-"""Issue 14.2: `session-server cluster` = N `serve` workers behind HAProxy, end to end.
+"""`session-server cluster` = N `serve` workers behind HAProxy, end to end.
 
 Sessions created through the proxy land on several instances; every turn of a
 session reaches its instance (real `openai` client, trajectories token-exact with

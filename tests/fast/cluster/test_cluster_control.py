@@ -1,4 +1,4 @@
-"""Issue 14.2/14.3 through the proxy: the control plane of a real `session-server cluster`.
+"""Through the proxy: the control plane of a real `session-server cluster`.
 
 A trainer holds one URL, the proxy's. A pause sent there reaches whichever worker
 HAProxy picks; that worker relays it to its peers (the cluster told each worker the

@@ -1,4 +1,4 @@
-"""Issue 14.1: every session id carries its instance (`{instance}.{32 hex}`), so a proxy
+"""Every session id carries its instance (`{instance}.{32 hex}`), so a proxy
 routes by path alone; a request for another instance's session is a 421 naming it."""
 
 from __future__ import annotations

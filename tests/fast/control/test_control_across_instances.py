@@ -1,4 +1,4 @@
-"""Issue 14.3: the control plane across instances.
+"""The control plane across instances.
 
 N in-process `serve` apps on ports chosen beforehand, each listing the others as
 `peers`, over the same simulated engine(s). A control request sent to one instance is

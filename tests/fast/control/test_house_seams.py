@@ -1,4 +1,4 @@
-"""Issue 9 (the house): the control split, the engine registry and the deduplicated helpers."""
+"""The house: the control split, the engine registry and the deduplicated helpers."""
 
 from __future__ import annotations
 

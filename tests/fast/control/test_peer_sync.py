@@ -1,4 +1,4 @@
-"""Issue 14: a starting instance takes the cluster's control state from its peers.
+"""A starting instance takes the cluster's control state from its peers.
 
 Pure tests of `control/peer_sync.py` over a scripted relay (no network): what is adopted
 from which peers, and that a control change applied here while the peers were read is

@@ -1,4 +1,4 @@
-"""Issue 14: an instance that (re)starts in a running cluster joins its control state.
+"""An instance that (re)starts in a running cluster joins its control state.
 
 Live servers over simulated engines. Instance A runs alone while the trainer pauses,
 sets weight version 3, adds engine e1 and removes e0 at runtime; B then starts with

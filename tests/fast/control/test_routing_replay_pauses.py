@@ -1,4 +1,4 @@
-"""Issue 13 item 2: routed experts (R3) across any number of pauses, token for token.
+"""Routed experts (R3) across any number of pauses, token for token.
 
 The sibling of test_resilient.py's property (an interrupted turn equals the
 uninterrupted one), with routing replay on: whatever aborts cut the turn into

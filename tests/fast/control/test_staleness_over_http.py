@@ -1,4 +1,4 @@
-"""Issue 13.5 through HTTP: the staleness bound per turn (`max_weight_lag`).
+"""Through HTTP: the staleness bound per turn (`max_weight_lag`).
 
 A session (`POST /sessions {"max_weight_lag": K}`) or one request may bound how many
 weight versions a turn's tokens span; a turn that would span more is ended at the

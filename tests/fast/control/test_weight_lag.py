@@ -1,4 +1,4 @@
-"""Issue 13.5: the staleness bound per turn (`max_weight_lag`, control/lag.py).
+"""The staleness bound per turn (`max_weight_lag`, control/lag.py).
 
 Against the real simulator over HTTP with the real adapters: a turn whose tokens
 would span more than K weight versions ends at the update (finish `abort`, flagged,

@@ -1,4 +1,4 @@
-"""Real client libraries against a session's base_url (issue 16 "Must show").
+"""Real client libraries against a session's base_url.
 
 Each test drives one library through a live stack (simulated engine + server), checks
 the library got what it asked for, and that the trajectory's sampled ids are exactly

@@ -1,4 +1,4 @@
-"""Issue 11 (DeepSeek): the HTTP e2e through the real `openai` client and sim engines on
+"""DeepSeek: the HTTP e2e through the real `openai` client and sim engines on
 both protocols for DeepSeek V3.2 (offline tokenizer with its real template, and the real
 DeepSeek tokenizer with the V3.2 template), detected from the template alone and served
 by our prefill-aware `DeepSeekCodec`: a multi-turn tool episode, every turn token-exact

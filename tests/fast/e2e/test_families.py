@@ -1,4 +1,4 @@
-"""Issue 11: the HTTP e2e (real `openai` client through the demo agent) for families served
+"""The HTTP e2e (real `openai` client through the demo agent) for families served
 by the `renderers`-backed codec, detected from the template alone, on both protocols."""
 
 from __future__ import annotations

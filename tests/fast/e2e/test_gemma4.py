@@ -1,4 +1,4 @@
-"""Issue 11, Gemma 4: the HTTP e2e (real `openai` client through the demo agent, sim engines
+"""Gemma 4: the HTTP e2e (real `openai` client through the demo agent, sim engines
 on both protocols) served by our Gemma4Codec, detected from the template of a renamed
 local copy. A multi-turn tool episode with reasoning; every turn token-exact with the
 engine's input and output.

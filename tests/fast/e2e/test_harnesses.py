@@ -1,4 +1,4 @@
-"""Issue 12.4: real agent harnesses, end to end, against the server and a simulated engine.
+"""Real agent harnesses, end to end, against the server and a simulated engine.
 
 Each harness runs one whole episode against a session's base URL: the simulated model is
 scripted (`/sim/script`, `ScriptedPolicy.set_script`) to call one of the harness's own

@@ -1,4 +1,4 @@
-"""Issue 11, Kimi K2: the HTTP e2e (real `openai` client, sim engines on both protocols) for
+"""Kimi K2: the HTTP e2e (real `openai` client, sim engines on both protocols) for
 K2-Thinking and K2, detected from the template alone and served by our KimiCodec: a tool
 episode with reasoning, then a user turn after the final answer; every turn token-exact."""
 

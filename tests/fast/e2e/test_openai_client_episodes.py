@@ -125,7 +125,7 @@ async def test_streaming_and_logprobs_through_openai_client(qwen3_dir: Path) -> 
         branch = traj["branches"][0]
         turn = branch["turns"][1]
         assert turn["cached_tokens"] > 0
-    # the stream carries exactly the committed turn (issue 8 "weak tests", 16.6): its text,
+    # the stream carries exactly the committed turn: its text,
     # one logprob per committed sampled id with that id's exact text, the same values
     tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
     a, b = turn["output_start"], turn["output_end"]

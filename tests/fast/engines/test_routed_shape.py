@@ -1,4 +1,4 @@
-"""Issue 13 R3: the row width of a routed-experts payload is exact, never a guess.
+"""Routing replay (R3): the row width of a routed-experts payload is exact, never a guess.
 
 SGLang sends rows flat (base64 int32, no shape). The width comes from the rows the
 session already holds, else both settings, else ids / positions asked when that

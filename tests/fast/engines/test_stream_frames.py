@@ -1,4 +1,4 @@
-"""Issue 13 R3, streamed turns: the final SSE frame carries the routed experts.
+"""Routing replay (R3), streamed turns: the final SSE frame carries the routed experts.
 
 That frame can be megabytes (4K positions x 60 layers x top-8 is ~10 MiB of base64
 int32): it is read whole (past aiohttp's 8 MiB line limit) and decoded on the

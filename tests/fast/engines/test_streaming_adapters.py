@@ -1,4 +1,4 @@
-"""Issue 12.2: the adapters stream the engine's own generation (SGLang cumulative or
+"""The adapters stream the engine's own generation (SGLang cumulative or
 incremental `/generate` frames, vLLM delta chunks) and end with the same result a
 non-streamed request gives."""
 

@@ -1,4 +1,4 @@
-"""`session_server.client` against a live stack (issue 10.6): sync and async, every method,
+"""`session_server.client` against a live stack: sync and async, every method,
 the error mapping, auth, and the samples API (skipped while its routes are not in the app).
 
 The sync client blocks, and the live stack runs on the test's event loop, so sync flows
@@ -44,7 +44,7 @@ _ROUTES = _app_routes()
 SAMPLES_ROUTES = {("GET", "/sessions/{sid}/samples"), ("POST", "/sessions/{sid}/reward"), ("POST", "/samples")}
 needs_samples_routes = pytest.mark.skipif(
     not SAMPLES_ROUTES <= _ROUTES,
-    reason=f"samples API not in create_app yet (missing {sorted(SAMPLES_ROUTES - _ROUTES)}); issue 10 items 3-5",
+    reason=f"samples API not in create_app yet (missing {sorted(SAMPLES_ROUTES - _ROUTES)})",
 )
 
 
@@ -254,7 +254,7 @@ async def test_admin_token_and_session_token(qwen3_dir: Path) -> None:
             assert client.session_token(sid) is None
 
 
-# -- samples API (issue 10 items 3-5) -----------------------------------------------
+# -- samples API -----------------------------------------------
 
 
 def _check_sample_matches(sample: Sample, traj: dict[str, Any]) -> None:

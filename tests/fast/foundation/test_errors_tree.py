@@ -1,4 +1,4 @@
-"""The error tree drawn in `session_server/errors.py` is the classes as they are (issue 9)."""
+"""The error tree drawn in `session_server/errors.py` is the classes as they are."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 8, "state that leaks or stalls", second bullet: loop stalls that grow with
+"""State that leaks or stalls: loop stalls that grow with
 context or session count. Behaviour only (no timing): the TTL sweep pops a heap of
 deadlines instead of scanning every session, and the JSON trajectory export is built
 in bounded pieces that join to exactly what one `orjson.dumps(to_dict(...))` gave.

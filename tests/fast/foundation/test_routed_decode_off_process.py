@@ -1,4 +1,4 @@
-"""Issue 13 R3 responsiveness: a large reply's base64 routed experts are decoded in the
+"""Routing replay (R3) responsiveness: a large reply's base64 routed experts are decoded in the
 reply decoder's worker process (session_server/routed.py `predecode`), so the server
 process only receives narrowed ids and never runs the GIL-holding base64 decode;
 `join` checks decoded and raw payloads the same way (gap, shape, range)."""

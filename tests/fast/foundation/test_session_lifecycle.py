@@ -1,5 +1,5 @@
-"""Session lifecycle hardening (issue 8: a client that goes away, state that leaks,
-branch cap; issue 16 items 10 and 11): live stack against the simulated engines."""
+"""Session lifecycle hardening (a client that goes away, state that leaks,
+branch cap, TTL refreshed by reads, Retry-After): live stack against the simulated engines."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _assert_no_routing_state(ctx: Any, sid: str) -> None:
     assert all(sid not in t.sessions for t in engines.targets.values())
 
 
-# -- issue 8: a client that goes away ------------------------------------------------------
+# -- a client that goes away ------------------------------------------------------
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
@@ -106,7 +106,7 @@ async def test_disconnect_watch_does_not_disturb_normal_turns(qwen3_dir: Path) -
         assert view["turns"] == 2 and view["turns_discarded"] == 0
 
 
-# -- issue 8 / 16.11: DELETE during a turn -------------------------------------------------
+# -- DELETE during a turn -------------------------------------------------
 
 
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
@@ -130,7 +130,7 @@ async def test_delete_during_turn_aborts_and_answers_409(qwen3_dir: Path, protoc
         assert metric_value(metrics, "tito_turns_total", outcome="committed") == 0
 
 
-# -- issue 8: state that leaks -------------------------------------------------------------
+# -- state that leaks -------------------------------------------------------------
 
 
 async def test_ttl_expiry_forgets_routing_state(qwen3_dir: Path) -> None:
@@ -199,7 +199,7 @@ async def test_churn_10k_sessions_leaves_every_per_session_table_empty(qwen3_dir
         assert metric_value(metrics, "tito_sessions_expired_total") == n_total // 2
 
 
-# -- issue 8: branch cap -------------------------------------------------------------------
+# -- branch cap -------------------------------------------------------------------
 
 
 async def test_branch_cap_refuses_retry_past_max_branches(qwen3_dir: Path) -> None:
@@ -231,7 +231,7 @@ def test_max_branches_is_a_cli_flag_defaulting_to_64() -> None:
     assert settings_from_args(parser.parse_args(base)).max_branches == Settings().max_branches == 64
 
 
-# -- issue 16.10: TTL refreshed by reads; Retry-After ---------------------------------------
+# -- TTL refreshed by reads; Retry-After ---------------------------------------
 
 
 def test_touch_keeps_a_read_session_alive() -> None:

@@ -1,4 +1,4 @@
-"""Issue 16 item 3: `tool_choice` and `response_format` are honoured with constrained decoding."""
+"""`tool_choice` and `response_format` are honoured with constrained decoding."""
 
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ def test_environment_fills_settings_and_a_flag_beats_it(monkeypatch: pytest.Monk
     ([], {"TITO_MAX_SESSIONS": "abc"}, "--max-sessions / TITO_MAX_SESSIONS"),
     (["--turn-timeout-s", "-1"], {}, "--turn-timeout-s"),
     (["--max-body-mb", "1", "--max-body-bytes", "4096"], {}, "not both"),
-    (["--template-family", "qwen-9000"], {}, _UNKNOWN_FAMILY),  # issue 11.2
+    (["--template-family", "qwen-9000"], {}, _UNKNOWN_FAMILY),
     ([], {"TITO_TEMPLATE_FAMILY": "qwen-9000"}, _UNKNOWN_FAMILY),
 ])
 def test_bad_setting_is_one_line_and_exit_2(

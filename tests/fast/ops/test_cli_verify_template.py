@@ -1,4 +1,4 @@
-"""Issue 11.4: `session-server verify-template` (text and --json, exit status)."""
+"""`session-server verify-template` (text and --json, exit status)."""
 
 from __future__ import annotations
 

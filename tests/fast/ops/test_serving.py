@@ -1,4 +1,4 @@
-"""Issue 15: the server keeps idle keep-alive connections longer than client pools
+"""The server keeps idle keep-alive connections longer than client pools
 do, so a pooled connection a busy client reuses late is still open (no disconnect)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 11.4: `verify-template --engine URL` drives an engine through our server and
+"""`verify-template --engine URL` drives an engine through our server and
 checks every turn is token-exact with the wire (session_server/ops/verify_engine.py), here
 against the simulated engines on both protocols, and fails on a token dropped between
 the engine and the session."""

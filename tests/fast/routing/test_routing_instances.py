@@ -1,4 +1,4 @@
-"""Issue 14.4: the routing simulator with N independent instances over the same engines."""
+"""The routing simulator with N independent instances over the same engines."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14.4: instances that share engines learn each other's load from the engines.
+"""Instances that share engines learn each other's load from the engines.
 
 SGLang `/get_load` and vLLM `/metrics` (running + waiting per DP rank) are polled every
 `engine_load_poll_s`; the part beyond an instance's own in-flight turns is added to its

@@ -1,6 +1,6 @@
 """attach: a request continues the deepest node of the whole tree whose messages prefix it.
 
-Issue 10.2: an agent that renames tool-call ids extends its line (the renames are
+An agent that renames tool-call ids extends its line (the renames are
 reported), and a main agent that resumes after a sub-agent extends the main line.
 """
 

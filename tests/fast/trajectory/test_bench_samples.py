@@ -1,4 +1,4 @@
-"""`bench/samples.py --quick --json` runs in seconds and writes every documented key (issue 10)."""
+"""`bench/samples.py --quick --json` runs in seconds and writes every documented key."""
 
 from __future__ import annotations
 

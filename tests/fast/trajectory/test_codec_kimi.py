@@ -1,4 +1,4 @@
-"""Issue 11, Kimi K2 / K2-Instruct / K2-Thinking: our KimiCodec (trajectory/codec/kimi.py).
+"""Kimi K2 / K2-Instruct / K2-Thinking: our KimiCodec (trajectory/codec/kimi.py).
 
 Tokenizers: tests/fast/trajectory/renderer_families.py. `kimi-k2` is the moonshotai K2
 template; `kimi-k2-instruct` / `kimi-k2-thinking` are llama.cpp's copies (tool-call ids

@@ -1,4 +1,4 @@
-"""Issue 11 (DeepSeek V3.1 / V3.2 / V4): our prefill-aware `DeepSeekCodec`.
+"""DeepSeek V3.1 / V3.2 / V4: our prefill-aware `DeepSeekCodec`.
 
 Detected from the template alone; canonical sampling after the think prefill; the
 contract suite under both history policies; tool-call markup (V3.1 and DSML) parsed

@@ -1,4 +1,4 @@
-"""Issue 11.2: the codec family is detected from the tokenizer's own template, never its name.
+"""The codec family is detected from the tokenizer's own template, never its name.
 
 Every offline tokenizer (our four families, the renderers families, the real Qwen3 and
 DeepSeek tokenizers, unknown templates) is detected, also when its directory is a path
@@ -40,7 +40,7 @@ OURS_FIRST = {"qwen3-r": "qwen3", "glm-4.6": "glm4moe"}
 FALLBACK = {"llama-3.2": ("llama3.1", "markers"),
             **{n: ("kimi-k2", "markers") for n in BY_NAME if n.startswith("kimi-k2")},
             **{n: ("deepseek", "markers") for n in ("deepseek-v3.1", "deepseek-v3.2", "deepseek-v4-flash")}}
-# detected, and refused at load by their codec with the reason (issue 11, Kimi: the
+# detected, and refused at load by their codec with the reason (Kimi: the
 # template mutates a list, which transformers' immutable sandbox forbids)
 REFUSED_AT_LOAD = {"kimi-k2-instruct": "ImmutableSandboxedEnvironment",
                    "kimi-k2-thinking": "ImmutableSandboxedEnvironment"}
@@ -168,7 +168,7 @@ def test_unknown_template_falls_back_to_generic(tmp_path: Path, template: str, e
 def test_real_tokenizers_are_detected_as_their_family(tmp_path: Path, name: str, family: str) -> None:
     """Qwen3's real template is ours; renderers has no DeepSeek V3.1/V3.2 renderer and its
     deepseek-v4 differs from the real V4 template (tools without a system message, the
-    `thinking` kwarg), so DeepSeek's markers pick our `DeepSeekCodec` (issue 11)."""
+    `thinking` kwarg), so DeepSeek's markers pick our `DeepSeekCodec`."""
     tok = _anonymous(real_tokenizer_dir(name, tmp_path / "src"), tmp_path)
     det = detect_family(tok)
     assert det.family == family, det.describe()

@@ -1,4 +1,4 @@
-"""Issue 10.6: field mappings from our training sample to verl, SkyRL, miles and slime.
+"""Field mappings from our training sample to verl, SkyRL, miles and slime.
 
 Samples are built by hand as plain dicts (and once as an object): two assistant
 turns with tool tokens between them and a closing repair token after the last one.

@@ -1,4 +1,4 @@
-"""Issue 11, Gemma 4: served token-exact by our `Gemma4Codec` (trajectory/codec/gemma4.py),
+"""Gemma 4: served token-exact by our `Gemma4Codec` (trajectory/codec/gemma4.py),
 detected from the template alone; its tool-call grammar and reasoning parsed back."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 8 items 3 and 5, issue 16 items 1 and 2, at the codec: exact decoding, parsing
+"""At the codec: exact decoding, parsing
 as the request that sampled the text (its tools, its thinking switch), tools compared
 as the template renders them."""
 

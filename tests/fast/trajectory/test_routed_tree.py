@@ -1,4 +1,4 @@
-"""Issue 13 R3 in the tree: routed-experts rows under rollbacks, forks (rewrites) and export.
+"""Routing replay (R3) in the tree: routed-experts rows under rollbacks, forks (rewrites) and export.
 
 A branch shares its parent's turns before its fork point, rows included, so its
 line's rows before the fork are the parent's; its next turn asks from where the

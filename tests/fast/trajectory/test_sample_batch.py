@@ -1,4 +1,4 @@
-"""Batch writers (issue 10.5): a payload written part by part, with the arrays spooled,
+"""Batch writers: a payload written part by part, with the arrays spooled,
 is the payload the one-shot serializers write for the whole list."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10.3 (library): training samples from a branch tree, each sampled token trained once.
+"""Training samples (the library) from a branch tree, each sampled token trained once.
 
 Property tests build random trees with the real tree API (appends with varying
 finish reasons, weight versions and repair tokens; rollbacks, i.e. retries;

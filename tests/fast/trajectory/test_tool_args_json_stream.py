@@ -1,4 +1,4 @@
-"""Issue 12.2: tool-call arguments stream as the canonical `json.dumps(..., ensure_ascii=False)`
+"""Tool-call arguments stream as the canonical `json.dumps(..., ensure_ascii=False)`
 text of the model's JSON, whatever formatting the model used and however it is chunked:
 the concatenation equals the committed dump and every intermediate output is a prefix."""
 

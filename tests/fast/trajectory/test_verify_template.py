@@ -1,4 +1,4 @@
-"""Issue 11.4: `verify_template` checks a chat template against our codec contract:
+"""`verify_template` checks a chat template against our codec contract:
 it passes on our offline families and fails, saying where, on broken templates."""
 
 from __future__ import annotations

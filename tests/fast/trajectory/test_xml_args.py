@@ -1,4 +1,4 @@
-"""Issue 11.4 (parse gaps verify-template found): Qwen3.5 / Nemotron 3 tool calls in the
+"""Parse gaps that verify-template found: Qwen3.5 / Nemotron 3 tool calls in the
 `<function=NAME><parameter=K>V</parameter></function>` format round-trip through
 render -> parse for every JSON type the template writes (trajectory/codec/xml_args.py)."""
 

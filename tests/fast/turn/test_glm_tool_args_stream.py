@@ -1,4 +1,4 @@
-"""Issue 12.2: GLM-4.5/4.6 XML tool calls stream while sampled. For random calls rendered
+"""GLM-4.5/4.6 XML tool calls stream while sampled. For random calls rendered
 by the GLM template (arguments of every JSON kind and raw strings, values that look like
 JSON prefixes, unicode, `<`), fed in arbitrary chunkings of their ids: every streamed name
 and arguments text is a prefix of `parse_glm`'s, and at the end equal to it; a raw-string

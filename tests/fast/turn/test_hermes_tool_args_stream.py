@@ -1,4 +1,4 @@
-"""Issue 12.2: hermes tool calls (Qwen3) stream while sampled: for every split of a real
+"""Hermes tool calls (Qwen3) stream while sampled: for every split of a real
 codec output's ids, each call's streamed arguments are the committed (canonical) ones
 when the call parses, a call starts only once its name is offered and its arguments
 object opened, and a shape the streamer does not vouch for is held back."""

@@ -1,4 +1,4 @@
-"""Issue 12.3: a request an SDK replays (same session, same body, `x-stainless-retry-count`
+"""A request an SDK replays (same session, same body, `x-stainless-retry-count`
 > 0 or a known `Idempotency-Key`) never becomes a second turn: in flight it waits for the
 original and gets its response; after commit it gets the stored response.
 

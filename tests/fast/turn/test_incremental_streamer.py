@@ -1,4 +1,4 @@
-"""Issue 12.2: the incremental streamer (covered families) decodes only the new ids and
+"""The incremental streamer (covered families) decodes only the new ids and
 splits fields with a marker state machine; for every split of a real codec output's ids
 (inside multi-byte characters and markers too) the deltas plus the held-back rest are
 exactly the parsed fields, and each chunk decodes a bounded window, not the whole output."""

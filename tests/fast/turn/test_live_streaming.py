@@ -1,4 +1,4 @@
-"""Issue 12.2: `stream: true` streams the turn as the engine samples it.
+"""`stream: true` streams the turn as the engine samples it.
 
 The first content delta reaches the agent before the engine has finished; the
 concatenated deltas are the committed message and the trajectory keeps the engine's

@@ -1,4 +1,4 @@
-"""Issue 12.2 gaps of live streaming, end to end through HTTP on the simulated engine:
+"""Gaps of live streaming, end to end through HTTP on the simulated engine:
 
 - a stream that fails validation (the engine's streamed ids disagree with its final
   answer, a chunk with a bad id or logprob, streamed text the final parse does not

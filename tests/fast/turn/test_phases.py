@@ -1,4 +1,4 @@
-"""Every pipeline phase named in `metrics.PHASES` is timed once per turn (issue 9)."""
+"""Every pipeline phase named in `metrics.PHASES` is timed once per turn."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 8 items 2, 3, 5, 8 and issue 16 items 1, 2, 6 through the live server: what is
+"""Through the live server: what is
 rendered and stored, what is parsed, what the agent reads back."""
 
 from __future__ import annotations

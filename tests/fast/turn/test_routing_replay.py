@@ -1,4 +1,4 @@
-"""Issue 13 items 1-4: routing replay (R3) rows stored with the tokens and exported.
+"""Routing replay (R3) rows stored with the tokens and exported.
 
 The simulated SGLang engine answers `return_routed_experts` with deterministic rows
 (session_server/sim/routed.py), so the tests recompute what the whole line's rows

@@ -1,4 +1,4 @@
-"""Issue 13 R3 through the server: rows across abort -> resubmit (both engine wires),
+"""Routing replay (R3) through the server: rows across abort -> resubmit (both engine wires),
 and a gap, an overlap, a shape or an id out of range in any segment is a 502 with
 nothing committed.
 

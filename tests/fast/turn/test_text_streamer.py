@@ -1,4 +1,4 @@
-"""Issue 12.2: `TextStreamer` sends only text that is certainly in the committed message
+"""`TextStreamer` sends only text that is certainly in the committed message
 (held back: partial markers, possible tool calls, content that may turn into reasoning),
 and its deltas plus `tail` are exactly the final fields."""
 
