@@ -75,7 +75,7 @@ async def test_tool_args_chat_completions_stream_incrementally(qwen3_dir: Path) 
         assert json.loads(args) == ASCII_ARGS and "stream_tool_divergence" not in turn["extra"]
         view = (await st.http.get(f"/sessions/{sid}")).json()
         assert view["turns"] == 1
-        # the next turn answers the streamed id: the trajectory extends, no id renamed (10.2)
+        # the next turn answers the streamed id: the trajectory extends, no id renamed
         msgs += [{"role": "assistant", "content": message["content"],
                   "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]},
                  {"role": "tool", "tool_call_id": call_id, "content": "ok"}]

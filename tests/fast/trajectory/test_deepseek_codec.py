@@ -138,7 +138,7 @@ def test_verify_template_real(real_deepseek: Any, template: str) -> None:
     _verify_ok(real_deepseek(template))
 
 
-# -- parsing (11.2): V3.1 markup and DSML, round trip and typed failures ------------------
+# -- parsing: V3.1 markup and DSML, round trip and typed failures ------------------
 
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "n": 2, "ok": True})}}

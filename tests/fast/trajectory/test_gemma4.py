@@ -54,7 +54,7 @@ def _text(tok: Any, ids: list[int]) -> str:
     return str(tok.decode(ids, skip_special_tokens=False))
 
 
-# -- 11.1: detection, generation prompt, stops, close -------------------------------
+# -- detection, generation prompt, stops, close -------------------------------
 
 
 def test_gemma4_detected_from_the_template_alone(tok: Any, tmp_path: Any) -> None:
@@ -155,7 +155,7 @@ def test_gemma4_refuses_an_open_turn(codec: Gemma4Codec) -> None:
     assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.NOT_APPEND_ONLY
 
 
-# -- 11.1/11.3: the contract suite under both policies, thinking on and off ----------
+# -- the contract suite under both policies, thinking on and off ----------
 
 
 @pytest.mark.parametrize("thinking", [None, ON], ids=["default", "thinking"])
@@ -238,7 +238,7 @@ def test_gemma4_renderer_keeps_the_prefill_the_template_drops(tok: Any) -> None:
     assert _text(tok, theirs).count("<|channel>thought\n<channel|>") == 2
 
 
-# -- 11.2: tool calls and reasoning parsed ------------------------------------------
+# -- tool calls and reasoning parsed ------------------------------------------
 
 ARGS = [
     {"city": "Paris", "metric": True, "detailed": False, "date": None, "days": 3},

@@ -42,7 +42,7 @@ def enc(tok: Any, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-# -- 8.3: decoding never alters text --------------------------------------------------
+# -- decoding never alters text --------------------------------------------------
 
 
 class _Recorder:
@@ -78,7 +78,7 @@ def test_cleanup_tokenizer_parse_keeps_spaces_before_punctuation(cleanup_dir: Pa
     assert codec.parse_assistant(ids + [eot]).content == EXACT
 
 
-# -- 8.5 / 16.2: parsed as the request ------------------------------------------------
+# -- parsed as the request ------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_hermes_call_with_tool_call_close_inside_an_argument(codecs: dict[str, A
         args["text"], "</tool_call>"]
 
 
-# -- 16.1: tools compared as the template renders them -----------------------------------
+# -- tools compared as the template renders them -----------------------------------
 
 
 def test_tools_are_the_same_when_they_render_the_same(codecs: dict[str, Any]) -> None:

@@ -54,7 +54,7 @@ def tok(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(request.param)
 
 
-# -- 11.1: the vocabulary ------------------------------------------------------------------
+# -- the vocabulary ------------------------------------------------------------------
 
 
 def test_real_o200k_harmony_ids_and_encoding(real: Any) -> None:
@@ -100,7 +100,7 @@ def test_openai_harmony_loads_offline_and_agrees_on_stops(real_dir: Path, monkey
     assert os.environ["TIKTOKEN_ENCODINGS_BASE"] == str(base)
 
 
-# -- 11.2: detection and the bridge ---------------------------------------------------------
+# -- detection and the bridge ---------------------------------------------------------
 
 
 def test_detected_from_the_template_alone(tok: Any) -> None:
@@ -206,7 +206,7 @@ def test_mid_conversation_system_is_refused(offline: Any, role: str) -> None:
     assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.UNSUPPORTED_MESSAGE
 
 
-# -- 11.3: parsing ---------------------------------------------------------------------------
+# -- parsing ---------------------------------------------------------------------------
 
 
 def test_harmony_parse_splits_the_channels() -> None:
@@ -247,7 +247,7 @@ def test_truncated_answer_is_content() -> None:
     assert (p.reasoning_content, p.content, p.status) == ("a", "par", "ok")
 
 
-# -- 11.4: verify-template ---------------------------------------------------------------------
+# -- verify-template ---------------------------------------------------------------------
 
 
 def test_verify_template_on_and_off(tok: Any) -> None:

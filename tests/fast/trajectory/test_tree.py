@@ -104,7 +104,7 @@ _ops = st.lists(
 @given(_ops)
 def test_random_tree_operations_keep_invariants(ops: list) -> None:
     tree = TrajectoryTree()
-    committed = 0  # tokens committed by any turn: each is stored once (10.1)
+    committed = 0  # tokens committed by any turn: each is stored once
     lines: dict[int, list[int]] = {}  # each branch's ids as built, checked after every op
     for op in ops:
         if isinstance(op, dict):

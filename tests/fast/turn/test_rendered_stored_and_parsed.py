@@ -35,7 +35,7 @@ async def _last_prompt(st: Any) -> list[int]:
     return list((await st.engine_log())[-1]["input_ids"])
 
 
-# -- 8.3 ------------------------------------------------------------------------------
+# -- decoding never alters text ----------------------------------------------------
 
 
 async def test_turn_content_and_logprob_text_round_trip_exactly(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ async def test_turn_content_and_logprob_text_round_trip_exactly(tmp_path: Path) 
         assert s.status_code == 200 and f'"{EXACT}"'.replace('"', '\\"') in s.text
 
 
-# -- 8.2 ------------------------------------------------------------------------------
+# -- a client's own assistant tool call on turn 0 -------------------------------------
 
 
 async def test_llama31_turn0_with_a_client_assistant_tool_call(tokenizer_dirs: dict[str, Path]) -> None:
@@ -115,7 +115,7 @@ async def test_glm_gets_arguments_as_a_mapping(tokenizer_dirs: dict[str, Path]) 
     assert "<arg_key>path</arg_key>" in prompt and "<arg_value>README.md</arg_value>" in prompt
 
 
-# -- 8.8 ------------------------------------------------------------------------------
+# -- the developer role is the system role ------------------------------------------
 
 
 async def test_developer_is_system_on_turn_0_and_later(qwen3_dir: Path) -> None:
@@ -136,7 +136,7 @@ async def test_developer_is_system_on_turn_0_and_later(qwen3_dir: Path) -> None:
     assert len(view["branches"]) == 1 and view["turns"] == 2  # the resent developer message matched
 
 
-# -- 16.1 -----------------------------------------------------------------------------
+# -- tools compared as the template renders them -------------------------------------
 
 
 async def _two_turns(st: Any, sid: str, tools_0: Any, tools_1: Any) -> None:
@@ -179,7 +179,7 @@ async def test_same_tools_resent_is_no_change(qwen3_dir: Path) -> None:
     assert len(view["branches"]) == 1 and view["turns"] == 2
 
 
-# -- 16.2 -----------------------------------------------------------------------------
+# -- tool markup without offered tools is content -----------------------------------
 
 
 async def test_no_tools_sent_means_tool_markup_is_content(qwen3_dir: Path) -> None:
@@ -194,7 +194,7 @@ async def test_no_tools_sent_means_tool_markup_is_content(qwen3_dir: Path) -> No
     assert "<tool_call>" in choice["message"]["content"]
 
 
-# -- 16.6 -----------------------------------------------------------------------------
+# -- a streamed tool-only turn keeps its logprobs -----------------------------------
 
 
 async def test_streamed_tool_only_turn_carries_its_logprobs(qwen3_dir: Path) -> None:
