@@ -60,7 +60,7 @@ async def test_cancelled_generate_resilient_aborts_engine_request(qwen3_dir: Pat
         finally:
             await adapter.aclose()
     assert rid in aborted
-    sent = control.metrics.engine_aborts_total.labels("sent")._value.get()
+    sent = control.metrics.registry.get_sample_value("tito_engine_aborts_sent_total", {"outcome": "sent"})
     assert sent == 1
 
 

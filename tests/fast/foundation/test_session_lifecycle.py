@@ -139,7 +139,8 @@ async def test_ttl_expiry_forgets_routing_state(qwen3_dir: Path) -> None:
         sid = r.json()["session_id"]
         assert (await st.chat(sid)).status_code == 200
         ctx = _ctx(st)
-        assert sid in ctx.engines._cached  # the turn left an affinity estimate
+        home = ctx.store.get(sid).home  # the turn left an affinity estimate: its home has the context cached
+        assert home is not None and ctx.engines.uncached_tokens(sid, home, 10**6) < 10**6
 
         async def gone() -> bool:
             return sid not in ctx.store.all()
