@@ -55,3 +55,8 @@ def load_renderer_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callabl
         return cache[name]
 
     return _load
+
+
+@pytest.fixture
+def qwen3_dir(tokenizer_dirs: dict[str, Path]) -> Path:
+    return tokenizer_dirs["qwen3"]

@@ -1,4 +1,4 @@
-"""Issue 9: the house rules, enforced on the static import graph.
+"""The house rules, enforced on the static import graph.
 
 Every module of `session_server/` and `trajectory/` is parsed with `ast` (nothing is
 imported, so lazy imports inside functions and `TYPE_CHECKING` blocks count too),
@@ -150,7 +150,7 @@ ENGINE_ADAPTERS = (
 SIM_USERS = ("session_server.ops.cli", "session_server.ops.demo")
 
 
-def test_9_graph_sees_the_project() -> None:
+def test_the_import_graph_sees_the_project() -> None:
     """The rules below are only as good as the graph: it must resolve what we know is there."""
     assert "session_server.sim.server" in _modules() and "trajectory.linear" in _modules()
     assert "session_server.sim.engine" in direct_imports("session_server.sim.server")
@@ -166,26 +166,26 @@ def _under(*prefixes: str) -> Callable[[str], bool]:
     return lambda m: _within(m, prefixes)
 
 
-def test_9_trajectory_imports_nothing_from_session_server() -> None:
+def test_trajectory_imports_nothing_from_session_server() -> None:
     """The library stands alone: no import statement reaches the service."""
     assert _violations(_under("trajectory"), _under("session_server")) == {}
 
 
-def test_9_trajectory_reads_no_session_server_package() -> None:
+def test_trajectory_reads_no_session_server_package() -> None:
     """Nor a module named by string (`resources.files`, `import_module`)."""
     assert _violations(_under("trajectory"), _under("session_server"), strings=True) == {}
 
 
-def test_9_routing_policies_import_no_engine_module() -> None:
+def test_routing_policies_import_no_engine_module() -> None:
     assert _violations(lambda m: m in routing_policies(), _under("session_server.engines")) == {}
 
 
-def test_9_routing_package_imports_no_engine_module() -> None:
+def test_routing_package_imports_no_engine_module() -> None:
     """All of routing/ (pool and health too) is target bookkeeping the simulator can share."""
     assert _violations(_under("session_server.routing"), _under("session_server.engines")) == {}
 
 
-def test_9_api_layer_never_imports_an_engine_adapter() -> None:
+def test_api_layer_never_imports_an_engine_adapter() -> None:
     """Not an adapter module, nor the `engines` package that re-exports them."""
 
     def adapter(m: str) -> bool:
@@ -194,7 +194,7 @@ def test_9_api_layer_never_imports_an_engine_adapter() -> None:
     assert _violations(_under("session_server.api"), adapter, transitive=False) == {}
 
 
-def test_9_server_never_imports_the_simulator() -> None:
+def test_server_never_imports_the_simulator() -> None:
     def server(m: str) -> bool:
         return _within(m, ["session_server"]) and not _within(m, ["session_server.sim", *SIM_USERS])
 

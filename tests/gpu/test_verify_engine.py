@@ -1,4 +1,4 @@
-"""Issue 11.4: `verify-template --engine` against a real SGLang or vLLM engine: skipped
+"""`verify-template --engine` against a real SGLang or vLLM engine: skipped
 unless one is named (the same variables as test_real_engine.py).
 
     SESSION_SERVER_GPU_ENGINE=sglang=http://gpu-node:30000 \\
@@ -23,7 +23,7 @@ pytestmark = [
 ]
 
 
-async def test_11_4_verify_template_engine_is_token_exact(capsys: pytest.CaptureFixture[str]) -> None:
+async def test_verify_template_engine_is_token_exact(capsys: pytest.CaptureFixture[str]) -> None:
     """Every probe turn: prompt sent == template render (turn 0) == stored prompt, the
     next prompt extends prompt + sampled, sampled ids == stored, the message parses back."""
     from session_server.ops import cli

@@ -26,7 +26,7 @@ from trajectory.sample_formats import (
     samples_to_json,
 )
 
-from .test_14_2_cluster import needs_haproxy, running_cluster
+from .test_cluster import needs_haproxy, running_cluster
 
 LOADERS = {"json": load_samples_json, "npz": load_samples_npz, "safetensors": load_samples_safetensors}
 

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 from session_server.sim import running_sim
 from trajectory.codec.probe import decode_text
 
-from .test_14_2_cluster import needs_haproxy, running_cluster
+from .test_cluster import needs_haproxy, running_cluster
 
 TASK = "Refactor the config loader and run the tests."
 

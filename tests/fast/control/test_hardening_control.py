@@ -1,4 +1,4 @@
-"""Hardening of the weight-update control plane (issues 8 and 16)."""
+"""Hardening of the weight-update control plane."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 9 (the house): the control split, the engine registry and the deduplicated helpers."""
+"""The house: the control split, the engine registry and the deduplicated helpers."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_9_1_resilient_loop_uses_only_the_planes_public_interface() -> None:
+def test_resilient_loop_uses_only_the_planes_public_interface() -> None:
     tree = ast.parse((PKG / "control" / "resilient.py").read_text())
     private = [
         n.attr for n in ast.walk(tree)
@@ -40,12 +40,12 @@ def test_9_1_resilient_loop_uses_only_the_planes_public_interface() -> None:
     assert private == []
 
 
-def test_9_1_control_modules_stay_small() -> None:
+def test_control_modules_stay_small() -> None:
     sizes = {p.name: len(p.read_text().splitlines()) for p in (PKG / "control").glob("*.py")}
     assert max(sizes.values()) <= 400, sizes
 
 
-async def test_9_1_state_counters_are_the_prometheus_values() -> None:
+async def test_state_counters_are_the_prometheus_values() -> None:
     control = ControlPlane(lambda: [], grace_s=0.0)
     assert not hasattr(control, "counters")  # no parallel dict
     await control.pause("abort")
@@ -68,14 +68,14 @@ async def test_9_1_state_counters_are_the_prometheus_values() -> None:
     assert reg.get_sample_value("tito_turn_paused_wait_seconds_sum") == pytest.approx(counters["paused_wait_s"])
 
 
-def test_9_2_routing_imports_no_engine_module() -> None:
+def test_routing_imports_no_engine_module() -> None:
     for path in (PKG / "routing").glob("*.py"):
         bad = {m for m in _imports(path) if m.startswith("session_server.engines")}
         assert not bad, f"{path.name} imports {bad}"
     assert "adapter" not in Engine.__dataclass_fields__
 
 
-def test_9_2_only_the_registry_reaches_adapters() -> None:
+def test_only_the_registry_reaches_adapters() -> None:
     """Routes, the turn pipeline and the plane never build, health-check or close an adapter."""
     pipeline = ("turn/pipeline.py", "turn/prepare.py", "turn/engine_request.py", "turn/dispatch.py", "turn/commit.py")
     for name in ("app.py", *pipeline, "context.py", "control/plane.py"):
@@ -105,7 +105,7 @@ class _FakeAdapter:
         self.closed = True
 
 
-async def test_9_2_registry_lifecycle_keeps_pool_and_adapters_in_step() -> None:
+async def test_registry_lifecycle_keeps_pool_and_adapters_in_step() -> None:
     registry = EngineRegistry(EnginePool())
     a, b = _FakeAdapter("http://a"), _FakeAdapter("http://b")
     registry.attach("e0", a, dp_size=2)  # type: ignore[arg-type]
@@ -137,7 +137,7 @@ async def test_9_2_registry_lifecycle_keeps_pool_and_adapters_in_step() -> None:
     assert b.closed
 
 
-def test_9_3_one_is_int_and_one_raw_payload_helper() -> None:
+def test_one_is_int_and_one_raw_payload_helper() -> None:
     defs: dict[str, list[str]] = {}
     for path in PKG.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -147,7 +147,7 @@ def test_9_3_one_is_int_and_one_raw_payload_helper() -> None:
     assert "_routed" not in defs and len(defs.get("_raw_or_none", [])) + len(defs.get("raw_or_none", [])) == 1
 
 
-def test_9_3_rendezvous_score_is_the_stable_hash_of_the_pair() -> None:
+def test_rendezvous_score_is_the_stable_hash_of_the_pair() -> None:
     from session_server.routing.policy import rendezvous_score, stable_hash
 
     assert rendezvous_score("s1", "e0/1") == stable_hash("s1|e0/1")

@@ -1,4 +1,4 @@
-"""Hardening of routing, health and admission (issue 8)."""
+"""Hardening of routing, health and admission."""
 
 from __future__ import annotations
 

@@ -163,13 +163,13 @@ async def test_fault_kinds(protocol: str, kind: str) -> None:
                 "bad_finish": lambda: r.finish_reason == "length"
                 and len(r.output_ids) < 400,
                 "pass": lambda: list(r.output_ids) == list(clean.output_ids),
-                # routing replay (issue 13): the rows of the whole line, bent
+                # routing replay: the rows of the whole line, bent
                 "routed_extra_row": lambda: _routed_ids(r).size == (len(PROMPT) + n) * 8,
                 "routed_missing_row": lambda: _routed_ids(r).size == (len(PROMPT) + n - 2) * 8,
                 "routed_layers": lambda: _routed_ids(r).size == (len(PROMPT) + n - 1) * 6,
                 "routed_out_of_range": lambda: int(_routed_ids(r).max()) == 16,
             }
-            if kind.startswith("stream_"):  # only a streamed answer shows the lie (test_12_stream_gaps.py)
+            if kind.startswith("stream_"):  # only a streamed answer shows the lie (turn/test_live_streaming_gaps.py)
                 assert list(r.output_ids) == list(clean.output_ids) and list(r.logprobs) == list(clean.logprobs)
             else:
                 assert checks[kind](), (kind, r)

@@ -1,4 +1,4 @@
-"""Offline tokenizers for the `renderers`-backed families (issue 11.1/11.5).
+"""Offline tokenizers for the `renderers`-backed families.
 
 Each family: the renderer name, the real public template (tests/fast/data/templates,
 verbatim from llama.cpp's test set) and the special tokens the real tokenizer
@@ -74,7 +74,7 @@ RENDERER_FAMILIES: tuple[RendererFamily, ...] = (
     # K2-Instruct/K2-Thinking with the tool-call ids taken from the messages (tool_call['id'],
     # the result's tool_call_id), as the model repository's templates render them; the
     # llama.cpp copies above compute them with `list.append`, which transformers' sandbox
-    # refuses (issue 11: served by our KimiCodec, not by renderers)
+    # refuses (served by our KimiCodec, not by renderers)
     RendererFamily("kimi-k2-instruct-ids", "kimi-k2", "Kimi-K2-Instruct-ids.jinja", _KIMI, "[BOS]",
                    "<|im_end|>", reasoning=False),
     RendererFamily("kimi-k2-thinking-ids", "kimi-k2", "Kimi-K2-Thinking-ids.jinja", _KIMI, "[BOS]",
@@ -108,7 +108,7 @@ def build(family: RendererFamily, out_dir: Path) -> Path:
         out_dir, template_text(family), special_tokens(family), bos=family.bos, eos=family.eos
     )
 
-# gpt-oss (issue 11): served by our harmony codec, not renderers (its renderer needs
+# gpt-oss: served by our harmony codec, not renderers (its renderer needs
 # openai-harmony's vocabulary download and renders tool calls unlike the template), so it
 # is kept out of RENDERER_FAMILIES; `build(GPT_OSS, dir)` gives the offline tokenizer.
 _HARMONY = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",

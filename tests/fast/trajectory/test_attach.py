@@ -1,6 +1,6 @@
 """attach: a request continues the deepest node of the whole tree whose messages prefix it.
 
-Issue 10.2: an agent that renames tool-call ids extends its line (the renames are
+An agent that renames tool-call ids extends its line (the renames are
 reported), and a main agent that resumes after a sub-agent extends the main line.
 """
 
@@ -40,7 +40,7 @@ def commit(tree: TrajectoryTree, plan: Attachment, reply: dict[str, Any]) -> Non
                      request_messages=plan.new_messages, assistant_message=reply)
 
 
-def test_10_2_renamed_tool_call_ids_extend_the_line_and_are_reported() -> None:
+def test_renamed_tool_call_ids_extend_the_line_and_are_reported() -> None:
     tree = TrajectoryTree()
     request = [SYS, {"role": "user", "content": "go"}]
     for i in range(4):
@@ -55,7 +55,7 @@ def test_10_2_renamed_tool_call_ids_extend_the_line_and_are_reported() -> None:
     assert len(tree) == 1  # no fork, no rollback: one line
 
 
-def test_10_2_a_changed_call_is_not_a_rename() -> None:
+def test_a_changed_call_is_not_a_rename() -> None:
     tree = TrajectoryTree()
     request = [SYS, {"role": "user", "content": "go"}]
     commit(tree, attach(tree, request), call(0, "call_0"))
@@ -64,7 +64,7 @@ def test_10_2_a_changed_call_is_not_a_rename() -> None:
     assert plan.kind == "fork" and plan.new_messages == edited  # nothing past the root matches
 
 
-def test_10_2_a_sub_agent_interleave_resumes_the_main_line() -> None:
+def test_a_sub_agent_interleave_resumes_the_main_line() -> None:
     tree = TrajectoryTree()
     main = [SYS, {"role": "user", "content": "fix the bug"}]
     sub = [SUB, {"role": "user", "content": "read the logs"}]
@@ -82,7 +82,7 @@ def test_10_2_a_sub_agent_interleave_resumes_the_main_line() -> None:
     assert tree.get(0).trajectory.num_turns == 3 and tree.get(1).trajectory.num_turns == 3
 
 
-def test_10_2_a_retry_inside_an_older_line_rolls_back_there() -> None:
+def test_a_retry_inside_an_older_line_rolls_back_there() -> None:
     tree = TrajectoryTree()
     main = [SYS, {"role": "user", "content": "task"}]
     history = list(main)
@@ -98,7 +98,7 @@ def test_10_2_a_retry_inside_an_older_line_rolls_back_there() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.booleans()), min_size=1, max_size=12))
-def test_10_2_interleaved_conversations_never_fork_needlessly(steps: list[tuple[int, bool]]) -> None:
+def test_interleaved_conversations_never_fork_needlessly(steps: list[tuple[int, bool]]) -> None:
     """Any interleaving of up to three agents, with or without id renames, keeps one
     line per agent: each request attaches at the end of its own agent's line."""
     tree = TrajectoryTree()

@@ -1,4 +1,4 @@
-"""`bench/samples.py --quick --json` runs in seconds and writes every documented key (issue 10)."""
+"""`bench/samples.py --quick --json` runs in seconds and writes every documented key."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ FORK_KEYS = {
 }
 
 
-def test_10_bench_samples_quick_writes_its_json(tmp_path: Path) -> None:
+def test_bench_samples_quick_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "samples.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "samples.py"), "--quick", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)

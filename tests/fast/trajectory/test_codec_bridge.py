@@ -202,7 +202,7 @@ def test_llama31_two_tool_calls_refused(load_tokenizer: Any) -> None:
     assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.RENDER_FAILED
 
 
-def test_10_3_rewrite_offset_is_the_first_token_a_full_render_changes(load_tokenizer: Any) -> None:
+def test_rewrite_offset_is_the_first_token_a_full_render_changes(load_tokenizer: Any) -> None:
     """The per-turn TITO diagnostic: found on the one-turn window, it is exactly where the
     whole re-rendered conversation first departs from the committed tokens."""
     tok, codec, asst, committed, _before, new, res = _qwen_after_reasoning(
@@ -220,7 +220,7 @@ def test_10_3_rewrite_offset_is_the_first_token_a_full_render_changes(load_token
 
 
 @pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE])
-def test_11_4_qwen3_injected_assistant_last_renders_as_the_template_does(
+def test_qwen3_injected_assistant_last_renders_as_the_template_does(
     load_tokenizer: Any, policy: HistoryPolicy
 ) -> None:
     """Qwen3 gives the last assistant message after the last query an empty think block;

@@ -48,7 +48,7 @@ def test_forced_family_is_validated(load_tokenizer: Any) -> None:
         load_codec(load_tokenizer("llama3"), family="qwen3")
 
 
-def test_11_4_qwen3_coder_xml_calls_parse_through_the_generic_prober(load_renderer_tokenizer: Any) -> None:
+def test_qwen3_coder_xml_calls_parse_through_the_generic_prober(load_renderer_tokenizer: Any) -> None:
     """Qwen3-Coder: no family of ours, its renderer refuses the template, so the generic
     prober serves it; it reads the template's `<function=...>` calls back (was: content)."""
     from trajectory.codec.verify import verify_template
@@ -74,7 +74,7 @@ def test_11_4_qwen3_coder_xml_calls_parse_through_the_generic_prober(load_render
     ("<tool_call>\n<function=nope>\n</function>\n</tool_call>", "invalid_format"),
     ("<tool_call>\n<function=get_weather>\n</function>\n</tool_call>\ntrailing", "invalid_format"),
 ])
-def test_11_4_xml_call_failures_are_typed(text: str, status: str) -> None:
+def test_xml_call_failures_are_typed(text: str, status: str) -> None:
     from trajectory.codec.parsing import parse_xml_calls
 
     parsed = parse_xml_calls(text, None, frozenset({"get_weather"}))

@@ -1,4 +1,4 @@
-"""Issue 11, Kimi K2 / K2-Instruct / K2-Thinking: our KimiCodec (trajectory/codec/kimi.py).
+"""Kimi K2 / K2-Instruct / K2-Thinking: our KimiCodec (trajectory/codec/kimi.py).
 
 Tokenizers: tests/fast/trajectory/renderer_families.py. `kimi-k2` is the moonshotai K2
 template; `kimi-k2-instruct` / `kimi-k2-thinking` are llama.cpp's copies (tool-call ids
@@ -43,7 +43,7 @@ def _call(name: str, idx: int, args: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", REFUSED)
-def test_11_1_list_append_templates_refused_under_transformers_sandbox(load_renderer_tokenizer: Any, name: str) -> None:
+def test_list_append_templates_refused_under_transformers_sandbox(load_renderer_tokenizer: Any, name: str) -> None:
     """The crash is the template, not our probe data: with ids already in Kimi's format the
     template still mutates a list, which transformers' immutable sandbox (what vLLM and
     SGLang render with) forbids; the codec refuses at load, saying so."""
@@ -60,7 +60,7 @@ def test_11_1_list_append_templates_refused_under_transformers_sandbox(load_rend
 
 
 @pytest.mark.parametrize("name", SERVED)
-def test_11_2_detected_from_template_and_served(load_renderer_tokenizer: Any, name: str) -> None:
+def test_detected_from_template_and_served(load_renderer_tokenizer: Any, name: str) -> None:
     tok = load_renderer_tokenizer(name)
     det = detect_family(tok)
     assert (det.family, det.source) == ("kimi-k2", "markers"), det.describe()
@@ -70,7 +70,7 @@ def test_11_2_detected_from_template_and_served(load_renderer_tokenizer: Any, na
 
 
 @pytest.mark.parametrize("name", SERVED)
-def test_11_2_sampled_ids_round_trip_through_the_template(load_renderer_tokenizer: Any, name: str) -> None:
+def test_sampled_ids_round_trip_through_the_template(load_renderer_tokenizer: Any, name: str) -> None:
     """The model samples `functions.NAME:IDX`; parse returns that id; the client sends it back
     (call and result); the template renders the tokens the model sampled, token for token."""
     tok = load_renderer_tokenizer(name)
@@ -100,7 +100,7 @@ def test_11_2_sampled_ids_round_trip_through_the_template(load_renderer_tokenize
     assert "## Return of functions.search:1" in tok.decode(res.prompt_ids)
 
 
-def test_11_2_thinking_final_answer_reasoning_dropped_is_a_rewrite(load_renderer_tokenizer: Any) -> None:
+def test_thinking_final_answer_reasoning_dropped_is_a_rewrite(load_renderer_tokenizer: Any) -> None:
     """K2-Thinking renders the split assistant answer with `<think></think>`: the sampled
     reasoning is not in the re-render. APPEND keeps the committed tokens and flags the
     rewrite; TEMPLATE refuses (the caller forks)."""
@@ -124,14 +124,14 @@ def test_11_2_thinking_final_answer_reasoning_dropped_is_a_rewrite(load_renderer
 @pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE], ids=["append", "template"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_11_4_contract_both_policies(load_renderer_tokenizer: Any, name: str, policy: HistoryPolicy, data: Any) -> None:
+def test_contract_both_policies(load_renderer_tokenizer: Any, name: str, policy: HistoryPolicy, data: Any) -> None:
     reasoning = name.endswith("thinking-ids")
     conv = data.draw(conversations("qwen3", reasoning=reasoning, max_calls=3))
     play(load_renderer_tokenizer(name), name, conv, policy)
 
 
 @pytest.mark.parametrize("name", SERVED)
-def test_11_4_verify_template_no_hard_failures(load_renderer_tokenizer: Any, name: str) -> None:
+def test_verify_template_no_hard_failures(load_renderer_tokenizer: Any, name: str) -> None:
     report = verify_template(load_renderer_tokenizer(name), thinking="both")
     assert report.family == "kimi-k2"
     assert report.ok, report.hard_failures()
@@ -157,13 +157,13 @@ ONE = "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{}<
     ("Hi" + ONE.format("{}"), ToolCallParseStatus.INVALID_FORMAT, "outside a section"),
     (SEC.format("junk" + ONE.format("{}")), ToolCallParseStatus.INVALID_FORMAT, "markup"),
 ])
-def test_11_3_parse_failures_are_typed(text: str, status: ToolCallParseStatus, detail: str) -> None:
+def test_parse_failures_are_typed(text: str, status: ToolCallParseStatus, detail: str) -> None:
     parsed = parse_kimi(text, "R", NAMES)
     assert (parsed.status, parsed.content, parsed.reasoning_content, parsed.tool_calls) == (status, text, "R", [])
     assert detail in parsed.status_detail
 
 
-def test_11_3_parse_calls_and_no_tools() -> None:
+def test_parse_calls_and_no_tools() -> None:
     text = "Checking." + SEC.format(ONE.format('{"city": "東京", "metric": true, "date": null}')
                                     + "<|tool_call_begin|>search:3<|tool_call_argument_begin|>{}<|tool_call_end|>")
     parsed = parse_kimi(text, None, NAMES)

@@ -1,4 +1,4 @@
-"""Issue 11 (DeepSeek V3.1 / V3.2 / V4): our prefill-aware `DeepSeekCodec`.
+"""DeepSeek V3.1 / V3.2 / V4: our prefill-aware `DeepSeekCodec`.
 
 Detected from the template alone; canonical sampling after the think prefill; the
 contract suite under both history policies; tool-call markup (V3.1 and DSML) parsed
@@ -56,7 +56,7 @@ def real_deepseek(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.mark.parametrize("name", OFFLINE)
-def test_11_1_deepseek_detected_from_template(load_renderer_tokenizer: Any, name: str) -> None:
+def test_deepseek_detected_from_template(load_renderer_tokenizer: Any, name: str) -> None:
     tok = load_renderer_tokenizer(name)
     det = detect_family(tok)
     assert (det.family, det.source) == ("deepseek", "markers"), det.describe()
@@ -64,11 +64,11 @@ def test_11_1_deepseek_detected_from_template(load_renderer_tokenizer: Any, name
 
 
 @pytest.mark.parametrize("template", REAL_TEMPLATES)
-def test_11_1_real_deepseek_detected(real_deepseek: Any, template: str) -> None:
+def test_real_deepseek_templates_are_detected_as_deepseek(real_deepseek: Any, template: str) -> None:
     assert isinstance(load_codec(real_deepseek(template)), DeepSeekCodec)
 
 
-def test_11_1_v32_samples_after_the_prefill(load_renderer_tokenizer: Any) -> None:
+def test_v32_samples_after_the_prefill(load_renderer_tokenizer: Any) -> None:
     """Thinking off: prompt `<think></think>`, re-render `</think>`; the model samples the
     content only. Thinking on: prompt `<think>`, the model samples reasoning first."""
     tok = load_renderer_tokenizer("deepseek-v3.2")
@@ -85,7 +85,7 @@ def test_11_1_v32_samples_after_the_prefill(load_renderer_tokenizer: Any) -> Non
     assert (parsed.reasoning_content, parsed.content) == ("Look it up.", "Sunny.")
 
 
-def test_11_1_v32_prefill_rewrite_policies(load_renderer_tokenizer: Any) -> None:
+def test_v32_prefill_rewrite_policies(load_renderer_tokenizer: Any) -> None:
     """The re-render drops the prompt's `<think>`: APPEND keeps the committed tokens and
     flags the rewrite; TEMPLATE (every committed id) refuses with HISTORY_REWRITE."""
     tok = load_renderer_tokenizer("deepseek-v3.2")
@@ -105,7 +105,7 @@ def test_11_1_v32_prefill_rewrite_policies(load_renderer_tokenizer: Any) -> None
 @pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE], ids=["append", "template"])
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_11_5_deepseek_contract(load_renderer_tokenizer: Any, name: str, policy: HistoryPolicy, data: Any) -> None:
+def test_deepseek_codec_keeps_the_codec_contract(load_renderer_tokenizer: Any, name: str, policy: HistoryPolicy, data: Any) -> None:
     conv = data.draw(conversations(name, reasoning=True, max_calls=3))
     tok = load_renderer_tokenizer(name)
     play(tok, name, conv, policy, codec=load_codec(tok))
@@ -115,7 +115,7 @@ def test_11_5_deepseek_contract(load_renderer_tokenizer: Any, name: str, policy:
 @pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE], ids=["append", "template"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_11_5_real_deepseek_contract(real_deepseek: Any, template: str, policy: HistoryPolicy, data: Any) -> None:
+def test_real_deepseek_templates_keep_the_codec_contract(real_deepseek: Any, template: str, policy: HistoryPolicy, data: Any) -> None:
     conv = data.draw(conversations("deepseek", reasoning=True, max_calls=3))
     tok = real_deepseek(template)
     play(tok, template, conv, policy, codec=load_codec(tok))
@@ -129,23 +129,23 @@ def _verify_ok(tok: Any) -> None:
 
 
 @pytest.mark.parametrize("name", OFFLINE)
-def test_11_3_verify_template_offline(load_renderer_tokenizer: Any, name: str) -> None:
+def test_verify_template_offline(load_renderer_tokenizer: Any, name: str) -> None:
     _verify_ok(load_renderer_tokenizer(name))
 
 
 @pytest.mark.parametrize("template", REAL_TEMPLATES)
-def test_11_3_verify_template_real(real_deepseek: Any, template: str) -> None:
+def test_verify_template_real(real_deepseek: Any, template: str) -> None:
     _verify_ok(real_deepseek(template))
 
 
-# -- parsing (11.2): V3.1 markup and DSML, round trip and typed failures ------------------
+# -- parsing: V3.1 markup and DSML, round trip and typed failures ------------------
 
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "n": 2, "ok": True})}}
 
 
 @pytest.mark.parametrize("name", OFFLINE)
-def test_11_2_parse_round_trips(load_renderer_tokenizer: Any, name: str) -> None:
+def test_parse_round_trips(load_renderer_tokenizer: Any, name: str) -> None:
     """render(parse(sampled)) == sampled for a call with content, thinking on and off."""
     tok = load_renderer_tokenizer(name)
     codec = load_codec(tok)
@@ -184,7 +184,7 @@ DSML_BAD = {
 
 
 @pytest.mark.parametrize(("name", "cases"), [("deepseek-v3.1", V31_BAD), ("deepseek-v3.2", DSML_BAD)])
-def test_11_2_parse_failures_are_typed(load_renderer_tokenizer: Any, name: str, cases: dict) -> None:
+def test_parse_failures_are_typed(load_renderer_tokenizer: Any, name: str, cases: dict) -> None:
     tok = load_renderer_tokenizer(name)
     codec = load_codec(tok)
     for text, status in cases.items():
@@ -197,7 +197,7 @@ def test_11_2_parse_failures_are_typed(load_renderer_tokenizer: Any, name: str, 
     assert parsed.status == ToolCallParseStatus.OK and parsed.content == text and not parsed.tool_calls
 
 
-def test_11_2_v4_call_without_arguments(load_renderer_tokenizer: Any) -> None:
+def test_v4_call_without_arguments(load_renderer_tokenizer: Any) -> None:
     """V4 renders a call with no arguments as one newline inside `invoke`."""
     tok = load_renderer_tokenizer("deepseek-v4-flash")
     codec = load_codec(tok)

@@ -1,4 +1,4 @@
-"""Issue 11.2: the codec family is detected from the tokenizer's own template, never its name.
+"""The codec family is detected from the tokenizer's own template, never its name.
 
 Every offline tokenizer (our four families, the renderers families, the real Qwen3 and
 DeepSeek tokenizers, unknown templates) is detected, also when its directory is a path
@@ -40,7 +40,7 @@ OURS_FIRST = {"qwen3-r": "qwen3", "glm-4.6": "glm4moe"}
 FALLBACK = {"llama-3.2": ("llama3.1", "markers"),
             **{n: ("kimi-k2", "markers") for n in BY_NAME if n.startswith("kimi-k2")},
             **{n: ("deepseek", "markers") for n in ("deepseek-v3.1", "deepseek-v3.2", "deepseek-v4-flash")}}
-# detected, and refused at load by their codec with the reason (issue 11, Kimi: the
+# detected, and refused at load by their codec with the reason (Kimi: the
 # template mutates a list, which transformers' immutable sandbox forbids)
 REFUSED_AT_LOAD = {"kimi-k2-instruct": "ImmutableSandboxedEnvironment",
                    "kimi-k2-thinking": "ImmutableSandboxedEnvironment"}
@@ -68,7 +68,7 @@ def _anonymous(path: Path, tmp_path: Path) -> Any:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_11_2_our_families_detected_under_an_anonymous_path(
+def test_our_families_detected_under_an_anonymous_path(
     tokenizer_dirs: dict[str, Path], family: str, tmp_path: Path
 ) -> None:
     det = detect_family(_anonymous(tokenizer_dirs[family], tmp_path))
@@ -84,7 +84,7 @@ def renderer_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("name", [f.name for f in RENDERER_FAMILIES])
-def test_11_2_renderer_families_detected_under_an_anonymous_path(
+def test_renderer_families_detected_under_an_anonymous_path(
     renderer_dirs: dict[str, Path], name: str, tmp_path: Path
 ) -> None:
     tok = _anonymous(renderer_dirs[name], tmp_path)
@@ -106,7 +106,7 @@ def test_11_2_renderer_families_detected_under_an_anonymous_path(
         assert isinstance(codec, RenderersCodec)
 
 
-def test_11_2_a_tie_goes_to_our_family(load_renderer_tokenizer: Callable[[str], Any]) -> None:
+def test_a_tie_goes_to_our_family(load_renderer_tokenizer: Callable[[str], Any]) -> None:
     """Qwen3's public template: our qwen3 and renderers' qwen3 both reproduce every
     probe; ours is first in the preference order, and renderers:qwen3 forces theirs."""
     tok = load_renderer_tokenizer("qwen3-r")
@@ -119,7 +119,7 @@ def test_11_2_a_tie_goes_to_our_family(load_renderer_tokenizer: Callable[[str], 
         assert tok.decode(theirs.render_first(msgs, tools=tools)) == own, probe.name
 
 
-def test_11_2_reason_names_probes_and_closest_candidates(load_renderer_tokenizer: Callable[[str], Any]) -> None:
+def test_reason_names_probes_and_closest_candidates(load_renderer_tokenizer: Callable[[str], Any]) -> None:
     det = detect_family(load_renderer_tokenizer("glm-4.7"))
     assert det.source == "probes" and "12/12 probes" in det.reason and "tool-call+result" in det.reason
     # Qwen3-Coder: no family of ours and its renderer (qwen3.5) refused: the generic prober
@@ -130,7 +130,7 @@ def test_11_2_reason_names_probes_and_closest_candidates(load_renderer_tokenizer
 
 @pytest.mark.parametrize(("name", "family"), [("qwen3.5", "qwen3.5"), ("glm-4.7", "glm-5"), ("glm-4.6", "glm-4.5"),
                                               ("qwen3-r", "generic")])
-def test_11_2_forcing_a_family(load_renderer_tokenizer: Callable[[str], Any], name: str, family: str) -> None:
+def test_a_forced_family_wins_over_detection(load_renderer_tokenizer: Callable[[str], Any], name: str, family: str) -> None:
     tok = load_renderer_tokenizer(name)
     det = resolve_family(tok, family)
     assert (det.family, det.source) == (family, "forced")
@@ -139,7 +139,7 @@ def test_11_2_forcing_a_family(load_renderer_tokenizer: Callable[[str], Any], na
     assert isinstance(codec, GenericCodec if family == "generic" else RenderersCodec)
 
 
-def test_11_2_unknown_family_name_lists_the_known_ones(load_tokenizer: Callable[[str], Any]) -> None:
+def test_unknown_family_name_lists_the_known_ones(load_tokenizer: Callable[[str], Any]) -> None:
     with pytest.raises(TemplateNotSupported) as err:
         load_codec(load_tokenizer("qwen3"), family="qwen-9000")
     msg = str(err.value)
@@ -151,7 +151,7 @@ def test_11_2_unknown_family_name_lists_the_known_ones(load_tokenizer: Callable[
     ("HuggingFaceTB-SmolLM3-3B.jinja", "<|im_end|>"),
     ("ibm-granite-granite-4.0.jinja", "<|end_of_text|>"),
 ])
-def test_11_2_unknown_template_falls_back_to_generic(tmp_path: Path, template: str, eos: str) -> None:
+def test_unknown_template_falls_back_to_generic(tmp_path: Path, template: str, eos: str) -> None:
     text = (TEMPLATES / template).read_text(encoding="utf-8")
     specials = tuple(dict.fromkeys((eos, *sorted(set(_NAMED.findall(text))))))
     path = build_template_tokenizer(tmp_path / "tok", text, specials, bos=None, eos=eos)
@@ -165,10 +165,10 @@ def test_11_2_unknown_template_falls_back_to_generic(tmp_path: Path, template: s
     ("qwen3-real", "qwen3"), ("deepseek-v3.1-real", "deepseek"), ("deepseek-v4-real", "deepseek"),
     ("deepseek-v3.2-real", "deepseek"),
 ])
-def test_11_2_real_tokenizers(tmp_path: Path, name: str, family: str) -> None:
+def test_real_tokenizers_are_detected_as_their_family(tmp_path: Path, name: str, family: str) -> None:
     """Qwen3's real template is ours; renderers has no DeepSeek V3.1/V3.2 renderer and its
     deepseek-v4 differs from the real V4 template (tools without a system message, the
-    `thinking` kwarg), so DeepSeek's markers pick our `DeepSeekCodec` (issue 11)."""
+    `thinking` kwarg), so DeepSeek's markers pick our `DeepSeekCodec`."""
     tok = _anonymous(real_tokenizer_dir(name, tmp_path / "src"), tmp_path)
     det = detect_family(tok)
     assert det.family == family, det.describe()

@@ -192,7 +192,7 @@ def _as_v1(tree: TrajectoryTree) -> dict:
     return d
 
 
-def test_10_1_export_stores_each_token_once() -> None:
+def test_export_stores_each_token_once() -> None:
     """Version 2: a rollback branch exports only what it added after its fork point."""
     tree = sample_tree()
     d = to_dict(tree)
@@ -205,7 +205,7 @@ def test_10_1_export_stores_each_token_once() -> None:
     assert line["token_ids"] == tree.get(1).trajectory.ids.tolist()
 
 
-def test_10_1_version_1_exports_still_import() -> None:
+def test_version_1_exports_still_import() -> None:
     tree = sample_tree()
     back = from_dict(_as_v1(tree))
     assert_same(tree, back)

@@ -1,4 +1,4 @@
-"""Issue 10.6: field mappings from our training sample to verl, SkyRL, miles and slime.
+"""Field mappings from our training sample to verl, SkyRL, miles and slime.
 
 Samples are built by hand as plain dicts (and once as an object): two assistant
 turns with tool tokens between them and a closing repair token after the last one.
@@ -63,7 +63,7 @@ MASK_ALL = [1, 1, 1, 0, 0, 1, 1, 0]
 LP_ALL = LP0 + [0.0, 0.0] + LP1 + [0.0]
 
 
-def test_10_6_field_lists_are_pinned() -> None:
+def test_framework_field_lists_match_the_frameworks() -> None:
     assert VERL_AGENT_LOOP_OUTPUT_FIELDS == (
         "prompt_ids", "response_ids", "response_mask", "response_logprobs", "routed_experts",
         "multi_modal_data", "reward_score", "num_turns", "metrics", "extra_fields",
@@ -94,7 +94,7 @@ def _all_python(values: list[Any], kind: type) -> bool:
     return isinstance(values, list) and all(type(x) is kind for x in values)
 
 
-def test_10_6_verl_agent_loop_output() -> None:
+def test_verl_agent_loop_output() -> None:
     out = to_verl(_sample())
     assert tuple(out) == VERL_AGENT_LOOP_OUTPUT_FIELDS
     assert tuple(out["metrics"]) == VERL_AGENT_LOOP_METRICS_FIELDS
@@ -115,7 +115,7 @@ def test_10_6_verl_agent_loop_output() -> None:
     }
 
 
-def test_10_6_verl_num_turns_single_turn_is_two() -> None:
+def test_verl_num_turns_single_turn_is_two() -> None:
     """verl's single-turn agent loop reports num_turns=2."""
     s = _sample(
         token_ids=np.array(PROMPT + OUT0, np.int32), loss_mask=np.array([0, 0, 0, 1, 1, 1], np.uint8),
@@ -125,7 +125,7 @@ def test_10_6_verl_num_turns_single_turn_is_two() -> None:
     assert to_verl(s)["num_turns"] == 2
 
 
-def test_10_6_skyrl_generator_output_batch() -> None:
+def test_skyrl_generator_output_batch() -> None:
     short = _sample(
         token_ids=np.array(PROMPT + OUT0, np.int32), loss_mask=np.array([0, 0, 0, 1, 1, 1], np.uint8),
         logprobs=np.array([0.0] * 3 + LP0, np.float32), weight_version=[None] * 3 + ["3"] * 3,
@@ -152,7 +152,7 @@ def test_10_6_skyrl_generator_output_batch() -> None:
         "prompt_token_ids", "response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs"})
 
 
-def test_10_6_skyrl_needs_a_reward() -> None:
+def test_skyrl_needs_a_reward() -> None:
     with pytest.raises(ExportError, match="no reward"):
         to_skyrl([_sample(reward=None)])
     assert to_skyrl([_sample(reward=None)], default_reward=0.25)["rewards"] == [0.25]
@@ -160,7 +160,7 @@ def test_10_6_skyrl_needs_a_reward() -> None:
         to_skyrl([])
 
 
-def test_10_6_miles_wire_values() -> None:
+def test_miles_wire_values() -> None:
     out = to_miles(_sample())
     assert tuple(out) == MILES_SAMPLE_WIRE_FIELDS
     for name, dtype in MILES_WIRE_DTYPES.items():
@@ -181,7 +181,7 @@ def test_10_6_miles_wire_values() -> None:
     assert out["rollout_routed_experts"] is None and out["rollout_indexer_topk"] is None
 
 
-def test_10_6_slime_sample_kwargs() -> None:
+def test_slime_sample_kwargs() -> None:
     out = to_slime(_sample(status="truncated"))
     assert tuple(out) == SLIME_SAMPLE_FIELDS
     assert out["tokens"] == PROMPT + OUT0 + TOOL + OUT1
@@ -194,7 +194,7 @@ def test_10_6_slime_sample_kwargs() -> None:
     assert out["metadata"] == {"task": "t1", "tree_path": [0, 2]}
 
 
-def test_10_6_split_uses_turns_not_mask() -> None:
+def test_split_uses_turns_not_mask() -> None:
     """Exactly-once masking may zero the first turn here (an earlier sample trains it):
     the prompt still ends at the first sampled position."""
     mask = np.array([0] * 3 + [0] * 3 + [0] * 2 + [1] * 2 + [0], np.uint8)
@@ -208,14 +208,14 @@ def test_10_6_split_uses_turns_not_mask() -> None:
     assert to_skyrl([s])["prompt_token_ids"] == [PROMPT]
 
 
-def test_10_6_object_samples_work_like_dicts() -> None:
+def test_object_samples_work_like_dicts() -> None:
     d = _sample()
     obj = SimpleNamespace(**d)
     assert to_verl(obj) == to_verl(d)
     assert to_slime(obj) == to_slime(d)
 
 
-def test_10_6_empty_sample_is_all_prompt() -> None:
+def test_empty_sample_is_all_prompt() -> None:
     """A sample returned empty (first turn over max_seq_len) maps to empty sequences."""
     s = _sample(
         token_ids=np.empty(0, np.int32), loss_mask=np.empty(0, np.uint8), logprobs=np.empty(0, np.float32),
@@ -229,7 +229,7 @@ def test_10_6_empty_sample_is_all_prompt() -> None:
     assert m["weight_versions"] == []
 
 
-def test_10_6_weight_versions_skip_unknown_and_empty_turns() -> None:
+def test_weight_versions_skip_unknown_and_empty_turns() -> None:
     s = _sample(
         weight_version=[None] * 3 + [None] * 3 + [None] * 2 + [7, 8] + [None],
         turn_boundaries=[(0, 3, 6), (6, 8, 10)],
@@ -254,13 +254,13 @@ def test_10_6_weight_versions_skip_unknown_and_empty_turns() -> None:
         ({"turn_boundaries": [(0, 3)]}, "triples"),
     ],
 )
-def test_10_6_malformed_samples_raise_export_error(over: dict[str, Any], match: str) -> None:
+def test_malformed_samples_raise_export_error(over: dict[str, Any], match: str) -> None:
     for fn in (to_verl, to_miles, to_slime, lambda s: to_skyrl([s])):
         with pytest.raises(ExportError, match=match):
             fn(_sample(**over))
 
 
-def test_10_6_missing_field_is_typed() -> None:
+def test_missing_field_is_typed() -> None:
     d = _sample()
     del d["path"]
     with pytest.raises(ExportError, match="'path'"):

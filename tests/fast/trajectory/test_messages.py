@@ -73,7 +73,7 @@ def _call(args: object) -> dict[str, object]:
                             "function": {"name": "f", "arguments": _json.dumps(args)}}]}
 
 
-def test_8_6_true_one_and_one_point_zero_are_different_arguments() -> None:
+def test_true_one_and_one_point_zero_are_different_arguments() -> None:
     """Typed JSON equality: the template renders `true`, `1` and `1.0` differently."""
     values = [True, 1, 1.0, "1", None, [1], {"v": 1}]
     for i, a in enumerate(values):
@@ -93,7 +93,7 @@ _json_values = st.recursive(
 
 
 @given(_json_values, _json_values)
-def test_8_6_messages_equal_is_typed_json_equality(a: object, b: object) -> None:
+def test_messages_equal_is_typed_json_equality(a: object, b: object) -> None:
     import orjson
 
     same = orjson.dumps(a, option=orjson.OPT_SORT_KEYS) == orjson.dumps(b, option=orjson.OPT_SORT_KEYS)

@@ -18,11 +18,11 @@ def test_trajectory_all_is_pinned() -> None:
         "TokenBuffer", "TrajectoryError", "TrajectoryTree", "TurnRecord", "ValidGeneration",
         "ValidationError", "WeightSpan", "WeightVersion", "from_dict", "from_npz_bytes",
         "reconcile", "to_dict", "to_npz_bytes", "validate_generation",
-        # issue 10.3: training samples (trajectory.samples, trajectory.sample_formats)
+        # training samples (trajectory.samples, trajectory.sample_formats)
         "PICKERS", "Sample", "SampleError", "build_samples", "register_picker",
         "samples_to_json", "samples_to_npz", "samples_to_safetensors",
         "load_samples_json", "load_samples_npz", "load_samples_safetensors",
-        # issue 10.1/10.2: the shared-prefix export's lines, matching against the whole tree
+        # the shared-prefix export's lines, matching against the whole tree
         "Attachment", "attach", "branch_line",
     }
     for name in trajectory.__all__ + trajectory.codec.__all__:

@@ -1,4 +1,4 @@
-"""Issue 11.1: the renderers-backed codec under OUR contract suite, per family.
+"""The renderers-backed codec under OUR contract suite, per family.
 
 Every family of tests/fast/trajectory/renderer_families.py runs the same checks as
 our hand-written codecs (test_codec_contract.play): render_first equals the
@@ -49,7 +49,7 @@ def _glm46_parallel_with_content(conv: Any) -> bool:
 
 # family -> (conversations the renderer renders unlike the template, why): left out of the
 # TEMPLATE-policy draw (APPEND tolerates them: the delta is checked against the template's
-# tail) and pinned by test_11_1_glm45_renderer_parallel_calls_newline
+# tail) and pinned by test_glm45_renderer_parallel_calls_newline
 RENDER_LIMITS: dict[str, tuple[Any, str]] = {
     "glm-4.6": (_glm46_parallel_with_content,
                 "renderer glm-4.5 omits the '\\n' before a 2nd+ <tool_call> when the message has content"),
@@ -77,7 +77,7 @@ def _pinned_today(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # family -> why our own codec serves it and the renderer's contract is not run here
 # (tests/fast/trajectory/test_gemma4.py runs the contract on ours; the difference is
-# pinned by test_11_gemma4_renderer_keeps_the_prefill_the_template_drops)
+# pinned by test_gemma4_renderer_keeps_the_prefill_the_template_drops)
 OURS: dict[str, str] = {
     "gemma-4": "renderers gemma4 re-emits the disabled-thinking `<|channel>thought\\n<channel|>` prefill in "
                "history turns (a deliberate deviation, its module doc); the 31B template drops it",
@@ -97,7 +97,7 @@ def _params() -> list[Any]:
 
 
 @pytest.mark.parametrize("name", _params())
-def test_11_1_render_first_equals_template(load_renderer_tokenizer: Any, name: str) -> None:
+def test_render_first_equals_template(load_renderer_tokenizer: Any, name: str) -> None:
     tok = load_renderer_tokenizer(name)
     codec = RenderersCodec(tok, BY_NAME[name].renderer)
     for msgs in (
@@ -110,14 +110,14 @@ def test_11_1_render_first_equals_template(load_renderer_tokenizer: Any, name: s
 @pytest.mark.parametrize("name", _params())
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_11_1_contract_append_policy(load_renderer_tokenizer: Any, name: str, data: Any) -> None:
+def test_contract_append_policy(load_renderer_tokenizer: Any, name: str, data: Any) -> None:
     _contract(load_renderer_tokenizer, name, HistoryPolicy.APPEND, data)
 
 
 @pytest.mark.parametrize("name", _params())
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_11_1_contract_template_policy(load_renderer_tokenizer: Any, name: str, data: Any) -> None:
+def test_contract_template_policy(load_renderer_tokenizer: Any, name: str, data: Any) -> None:
     _contract(load_renderer_tokenizer, name, HistoryPolicy.TEMPLATE, data)
 
 
@@ -131,7 +131,7 @@ def _contract(load_renderer_tokenizer: Any, name: str, policy: HistoryPolicy, da
     play(tok, name, conv, policy, codec=codec)
 
 
-def test_11_1_bridge_refuses_assistant_append(load_renderer_tokenizer: Any) -> None:
+def test_bridge_refuses_assistant_append(load_renderer_tokenizer: Any) -> None:
     """renderers never re-tokenizes an assistant message: we return a typed refusal."""
     tok = load_renderer_tokenizer("qwen3.5")
     codec = RenderersCodec(tok, "qwen3.5")
@@ -142,7 +142,7 @@ def test_11_1_bridge_refuses_assistant_append(load_renderer_tokenizer: Any) -> N
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_11_1_renderer_refused_where_template_differs(load_renderer_tokenizer: Any, name: str) -> None:
+def test_renderer_refused_where_template_differs(load_renderer_tokenizer: Any, name: str) -> None:
     """Template-version drift is refused at load with the probe and the differing text."""
     with pytest.raises(TemplateNotSupported) as err:
         RenderersCodec(load_renderer_tokenizer(name), BY_NAME[name].renderer)
@@ -150,7 +150,7 @@ def test_11_1_renderer_refused_where_template_differs(load_renderer_tokenizer: A
     assert probe in str(err.value) and "template" in str(err.value)
 
 
-def test_11_1_minimax_identity_read_from_template(load_renderer_tokenizer: Any) -> None:
+def test_minimax_identity_read_from_template(load_renderer_tokenizer: Any) -> None:
     """The renderer's default identity is MiniMax-M2.5's; the M2 template's own is used."""
     tok = load_renderer_tokenizer("minimax-m2")
     codec = RenderersCodec(tok, "minimax-m2")
@@ -159,7 +159,7 @@ def test_11_1_minimax_identity_read_from_template(load_renderer_tokenizer: Any) 
     assert codec.render_first(msgs) == full_ids(tok, msgs, None)
 
 
-def test_11_1_glm45_renderer_parallel_calls_newline(load_renderer_tokenizer: Any) -> None:
+def test_glm45_renderer_parallel_calls_newline(load_renderer_tokenizer: Any) -> None:
     """Pins an upstream renderer difference (renderers 0.1.12 glm-4.5 vs the GLM-4.6 template):
     with content, only the first of several tool calls gets its leading '\\n'."""
     tok = load_renderer_tokenizer("glm-4.6")
@@ -173,7 +173,7 @@ def test_11_1_glm45_renderer_parallel_calls_newline(load_renderer_tokenizer: Any
         assert (codec.render_first(msgs, tools=TOOLS) == full_ids(tok, msgs, TOOLS)) is same
 
 
-def test_11_1_template_policy_sees_prefill_retokenized(load_renderer_tokenizer: Any) -> None:
+def test_template_policy_sees_prefill_retokenized(load_renderer_tokenizer: Any) -> None:
     """Qwen3.5 prefills `<think>\\n`; the model samples `\\n</think>...`; the re-render
     tokenizes `<think>\\n\\n</think>`: under TEMPLATE that is a rewrite of committed
     tokens (HISTORY_REWRITE); the full render's own tokens bridge exactly."""
@@ -196,7 +196,7 @@ def test_11_1_template_policy_sees_prefill_retokenized(load_renderer_tokenizer: 
     assert isinstance(ok, BridgeResult) and full[:n] + ok.prompt_ids == full
 
 
-def test_11_1_llama32_prompt_prints_the_template_date(load_renderer_tokenizer: Any) -> None:
+def test_llama32_prompt_prints_the_template_date(load_renderer_tokenizer: Any) -> None:
     """The renderer pins 26 Jul 2024; the template prints today (pinned to 03 Mar 2025 here)."""
     tok = load_renderer_tokenizer("llama-3.2")
     codec = RenderersCodec(tok, "llama-3")
@@ -207,7 +207,7 @@ def test_11_1_llama32_prompt_prints_the_template_date(load_renderer_tokenizer: A
     assert "Today Date: 26 Jul 2024" in pinned
 
 
-def test_11_1_minimax_mid_system_append_refused_never_inexact(load_renderer_tokenizer: Any) -> None:
+def test_minimax_mid_system_append_refused_never_inexact(load_renderer_tokenizer: Any) -> None:
     """MiniMax M2: the template (and renderers' own `render_ids`) drop a system message
     past the first; renderers' `bridge_to_next_turn` renders it (`]~b]system ...`). APPEND
     refuses the step (the server answers 409) instead of committing tokens the template

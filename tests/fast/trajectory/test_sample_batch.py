@@ -1,4 +1,4 @@
-"""Batch writers (issue 10.5): a payload written part by part, with the arrays spooled,
+"""Batch writers: a payload written part by part, with the arrays spooled,
 is the payload the one-shot serializers write for the whole list."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def batches(draw: st.DrawFn) -> list[list[Sample]]:
 
 @settings(max_examples=40, deadline=None)
 @given(batches())
-def test_10_5_batch_writers_equal_the_one_shot_payloads(parts: list[list[Sample]]) -> None:
+def test_batch_writers_equal_the_one_shot_payloads(parts: list[list[Sample]]) -> None:
     flat = [s for p in parts for s in p]
     assert write(BATCH_WRITERS["json"](), parts) == samples_to_json(flat)  # byte-equal
     # safetensors: the library orders __metadata__'s keys at random; the parsed header
@@ -74,7 +74,7 @@ def test_10_5_batch_writers_equal_the_one_shot_payloads(parts: list[list[Sample]
         assert_same_samples(load(write(BATCH_WRITERS[fmt](), parts)), flat)
 
 
-def test_10_5_spooled_writers_go_to_disk_past_the_spool_size() -> None:
+def test_spooled_writers_go_to_disk_past_the_spool_size() -> None:
     """A batch larger than the spool keeps its arrays on disk, not in memory, and
     streams them in pieces; the payload is unchanged."""
     o = Oracle()

@@ -1,4 +1,4 @@
-"""Issue 10.3 (library): training samples from a branch tree, each sampled token trained once.
+"""Training samples (the library) from a branch tree, each sampled token trained once.
 
 Property tests build random trees with the real tree API (appends with varying
 finish reasons, weight versions and repair tokens; rollbacks, i.e. retries;
@@ -179,7 +179,7 @@ def assert_same_samples(a: list[Sample], b: list[Sample]) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(trees(), st.sampled_from(["latest", "all"]))
-def test_10_3_every_sampled_token_of_a_kept_leaf_is_trained_exactly_once(o: Oracle, picker: str) -> None:
+def test_every_sampled_token_of_a_kept_leaf_is_trained_exactly_once(o: Oracle, picker: str) -> None:
     samples = build_samples(o.tree, picker=picker)
     counts = trained_tokens(o, samples)
     assert set(counts.values()) <= {1}
@@ -195,7 +195,7 @@ def test_10_3_every_sampled_token_of_a_kept_leaf_is_trained_exactly_once(o: Orac
 
 @settings(max_examples=150, deadline=None)
 @given(trees())
-def test_10_3_latest_picker_drops_exactly_the_lines_with_a_retried_turn(o: Oracle) -> None:
+def test_latest_picker_drops_exactly_the_lines_with_a_retried_turn(o: Oracle) -> None:
     retried = o.retried()
     samples = build_samples(o.tree)
     kept = [s.path[-1] for s in samples]
@@ -207,7 +207,7 @@ def test_10_3_latest_picker_drops_exactly_the_lines_with_a_retried_turn(o: Oracl
 
 @settings(max_examples=150, deadline=None)
 @given(trees(), st.sampled_from(["latest", "all"]))
-def test_10_3_sample_ids_are_the_paths_committed_ids(o: Oracle, picker: str) -> None:
+def test_sample_ids_are_the_paths_committed_ids(o: Oracle, picker: str) -> None:
     for s in build_samples(o.tree, picker=picker):
         leaf = o.tree.get(s.path[-1])
         assert s.path[0] == 0 and all(
@@ -226,7 +226,7 @@ def test_10_3_sample_ids_are_the_paths_committed_ids(o: Oracle, picker: str) -> 
 
 @settings(max_examples=150, deadline=None)
 @given(trees(), st.integers(1, 40), st.sampled_from(["latest", "all"]))
-def test_10_3_truncation_cuts_only_at_turn_boundaries(o: Oracle, n: int, picker: str) -> None:
+def test_truncation_cuts_only_at_turn_boundaries(o: Oracle, n: int, picker: str) -> None:
     full = build_samples(o.tree, picker=picker)
     cut = build_samples(o.tree, picker=picker, max_seq_len=n)
     assert [s.path for s in cut] == [s.path for s in full]
@@ -247,7 +247,7 @@ def test_10_3_truncation_cuts_only_at_turn_boundaries(o: Oracle, n: int, picker:
 
 @settings(max_examples=60, deadline=None)
 @given(trees(), st.one_of(st.none(), st.integers(1, 30)), st.sampled_from(["latest", "all"]))
-def test_10_3_all_formats_round_trip_exactly(o: Oracle, n: int | None, picker: str) -> None:
+def test_all_formats_round_trip_exactly(o: Oracle, n: int | None, picker: str) -> None:
     samples = build_samples(o.tree, picker=picker, max_seq_len=n, reward=0.25, metadata={"task": "x"})
     samples += build_samples(to_dict(o.tree), picker="all")  # a batch of two "sessions"
     for dump, load in FORMATS:
@@ -267,7 +267,7 @@ def _paths(tree: Any, picker: str = "latest", **kw: Any) -> list[list[int]]:
     return [s.path for s in build_samples(tree, picker=picker, **kw)]
 
 
-def test_10_3_a_retry_drops_the_parents_continuation() -> None:
+def test_a_retry_drops_the_parents_continuation() -> None:
     t = TrajectoryTree()
     for i in range(3):
         _turn(t, i)
@@ -282,7 +282,7 @@ def test_10_3_a_retry_drops_the_parents_continuation() -> None:
     assert only.loss_mask.tolist() == [0, 1, 1] * 3 and only.logprobs.tolist() == [0, -0.5, -0.25] * 3
 
 
-def test_10_3_the_latest_of_several_retries_at_one_node_wins() -> None:
+def test_the_latest_of_several_retries_at_one_node_wins() -> None:
     t = TrajectoryTree()
     _turn(t, 0)
     _turn(t, 1)
@@ -296,7 +296,7 @@ def test_10_3_the_latest_of_several_retries_at_one_node_wins() -> None:
     assert _paths(t) == [[0, 1, 2, 3]]
 
 
-def test_10_3_a_retry_further_back_drops_the_lines_past_it() -> None:
+def test_a_retry_further_back_drops_the_lines_past_it() -> None:
     t = TrajectoryTree()
     for i in range(3):
         _turn(t, i)
@@ -308,7 +308,7 @@ def test_10_3_a_retry_further_back_drops_the_lines_past_it() -> None:
     assert _paths(t, "all") == [[0], [0, 1], [0, 1, 2]]
 
 
-def test_10_3_a_fork_drops_nothing_but_a_retry_inside_it_does() -> None:
+def test_a_fork_drops_nothing_but_a_retry_inside_it_does() -> None:
     t = TrajectoryTree()
     _turn(t, 0, request_messages=[{"role": "user", "content": "main task"}])
     _turn(t, 1)
@@ -323,7 +323,7 @@ def test_10_3_a_fork_drops_nothing_but_a_retry_inside_it_does() -> None:
     assert [s.num_trainable for s in samples] == [4, 4]  # no shared tokens across a fork
 
 
-def test_10_3_a_first_turn_redone_with_the_same_request_competes_at_the_root() -> None:
+def test_a_first_turn_redone_with_the_same_request_competes_at_the_root() -> None:
     t = TrajectoryTree()
     ask = [{"role": "user", "content": "task"}]
     _turn(t, 0, request_messages=ask)
@@ -333,7 +333,7 @@ def test_10_3_a_first_turn_redone_with_the_same_request_competes_at_the_root() -
     assert _paths(t, "all") == [[0], [0, 1]]
 
 
-def test_10_3_going_back_to_an_older_line_keeps_it_and_drops_the_retry() -> None:
+def test_going_back_to_an_older_line_keeps_it_and_drops_the_retry() -> None:
     """The agent retried turn 1, then resumed the original line: the original has the
     latest commit below the node, so the retry is the abandoned alternative."""
     t = TrajectoryTree()
@@ -350,7 +350,7 @@ def test_10_3_going_back_to_an_older_line_keeps_it_and_drops_the_retry() -> None
     assert _paths(t, "all") == [[0], [0, 1]]
 
 
-def test_10_3_a_branch_continued_from_its_end_is_not_a_leaf() -> None:
+def test_a_branch_continued_from_its_end_is_not_a_leaf() -> None:
     t = TrajectoryTree()
     _turn(t, 0)
     t.rollback(1)  # the child holds the parent's whole line
@@ -360,7 +360,7 @@ def test_10_3_a_branch_continued_from_its_end_is_not_a_leaf() -> None:
     assert build_samples(empty) == [] and build_samples(empty, picker="all") == []
 
 
-def test_10_3_status_follows_the_last_turns_finish_reason() -> None:
+def test_status_follows_the_last_turns_finish_reason() -> None:
     assert [status_of(r) for r in ("stop", "tool_calls", "length", "abort", "error", "??")] == [
         "completed", "completed", "truncated", "aborted", "aborted", "aborted"]
     t = TrajectoryTree()
@@ -371,7 +371,7 @@ def test_10_3_status_follows_the_last_turns_finish_reason() -> None:
     assert s.turn_boundaries == [(0, 1, 3), (3, 4, 6)] and len(s) == 7
 
 
-def test_10_3_max_seq_len_keeps_whole_turns_or_returns_empty_with_a_reason() -> None:
+def test_max_seq_len_keeps_whole_turns_or_returns_empty_with_a_reason() -> None:
     t = TrajectoryTree()
     _turn(t, 0)
     _turn(t, 1)
@@ -388,7 +388,7 @@ def test_10_3_max_seq_len_keeps_whole_turns_or_returns_empty_with_a_reason() -> 
             build_samples(t, max_seq_len=bad)  # type: ignore[arg-type]
 
 
-def test_10_3_weight_versions_index_a_table_of_distinct_versions() -> None:
+def test_weight_versions_index_a_table_of_distinct_versions() -> None:
     t = TrajectoryTree()
     t.active.trajectory.commit_turn(
         [1], [2, 3, 4, 5], [-1.0] * 4, finish_reason="stop",
@@ -403,7 +403,7 @@ def test_10_3_weight_versions_index_a_table_of_distinct_versions() -> None:
         assert_same_samples(load(dump([s])), [s])
 
 
-def test_10_3_reward_metadata_diagnostics_and_export_input() -> None:
+def test_reward_metadata_diagnostics_and_export_input() -> None:
     t = TrajectoryTree()
     t.metadata = {"task": "t1", "seed": 3}
     _turn(t, 0, extra={"parse_status": "ok", "history_rewrite": {"first_diff": 17}})
@@ -426,7 +426,7 @@ def test_10_3_reward_metadata_diagnostics_and_export_input() -> None:
         build_samples({"format": "nope"})
 
 
-def test_10_3_pickers_are_pluggable_by_name() -> None:
+def test_pickers_are_pluggable_by_name() -> None:
     t = TrajectoryTree()
     _turn(t, 0)
     t.fork("x")
@@ -444,7 +444,7 @@ def test_10_3_pickers_are_pluggable_by_name() -> None:
     assert set(PICKERS) == {"latest", "all"}
 
 
-def test_10_3_samples_feed_the_framework_mappings() -> None:
+def test_samples_feed_the_framework_mappings() -> None:
     t = TrajectoryTree()
     _turn(t, 0, version="w1")
     _turn(t, 1, version="w2")
@@ -465,7 +465,7 @@ def _two() -> list[Sample]:
     return build_samples(t, picker="all", reward=0.5)
 
 
-def test_10_3_binary_formats_hold_one_concatenated_batch() -> None:
+def test_binary_formats_hold_one_concatenated_batch() -> None:
     import io
 
     import safetensors.numpy
@@ -483,7 +483,7 @@ def test_10_3_binary_formats_hold_one_concatenated_batch() -> None:
 
 
 @pytest.mark.parametrize("dump,load", FORMATS)
-def test_10_3_malformed_payloads_raise_export_error(dump: Any, load: Any) -> None:
+def test_malformed_payloads_raise_export_error(dump: Any, load: Any) -> None:
     with pytest.raises(ExportError):
         load(b"\x00garbage")
     good = dump(_two())
@@ -491,7 +491,7 @@ def test_10_3_malformed_payloads_raise_export_error(dump: Any, load: Any) -> Non
         load(good[: len(good) // 2])
 
 
-def test_10_3_json_loader_checks_every_field() -> None:
+def test_json_loader_checks_every_field() -> None:
     import orjson
 
     good = orjson.loads(samples_to_json(_two()))
@@ -520,7 +520,7 @@ def test_10_3_json_loader_checks_every_field() -> None:
     assert len(load_samples_json(good)) == 2
 
 
-def test_10_3_public_names() -> None:
+def test_the_samples_api_is_exported_from_trajectory() -> None:
     for name in ("Sample", "SampleError", "PICKERS", "build_samples", "register_picker",
                  "samples_to_json", "samples_to_npz", "samples_to_safetensors",
                  "load_samples_json", "load_samples_npz", "load_samples_safetensors"):

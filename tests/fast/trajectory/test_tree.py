@@ -104,7 +104,7 @@ _ops = st.lists(
 @given(_ops)
 def test_random_tree_operations_keep_invariants(ops: list) -> None:
     tree = TrajectoryTree()
-    committed = 0  # tokens committed by any turn: each is stored once (10.1)
+    committed = 0  # tokens committed by any turn: each is stored once
     lines: dict[int, list[int]] = {}  # each branch's ids as built, checked after every op
     for op in ops:
         if isinstance(op, dict):
@@ -136,7 +136,7 @@ def test_random_tree_operations_keep_invariants(ops: list) -> None:
         assert sorted(seqs) == list(range(len(seqs)))  # one commit order over the tree
 
 
-def test_10_1_a_tree_is_freed_without_the_cycle_collector() -> None:
+def test_a_tree_is_freed_without_the_cycle_collector() -> None:
     """The commit counter the branches share holds no reference back to the tree, so a
     dropped session's tree is freed by reference counting (100K sessions: no GC debt)."""
     import gc

@@ -1,4 +1,4 @@
-"""Issue 11.4: `verify_template` checks a chat template against our codec contract:
+"""`verify_template` checks a chat template against our codec contract:
 it passes on our offline families and fails, saying where, on broken templates."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ BROKEN_PARSE = ('\'", "arguments": \'', '\'", "args": \'')
 
 
 @pytest.mark.parametrize("family", ["llama3", "llama3.1", "glm4moe"])
-def test_11_4_verify_passes_on_offline_families(load_tokenizer: Any, family: str) -> None:
+def test_verify_passes_on_offline_families(load_tokenizer: Any, family: str) -> None:
     report = verify_template(load_tokenizer(family))
     assert report.ok, report.format_text()
     assert report.family == family
@@ -42,7 +42,7 @@ def test_11_4_verify_passes_on_offline_families(load_tokenizer: Any, family: str
     assert report.parses and all(p.ok is not False for p in report.parses)
 
 
-def test_11_4_qwen3_every_append_only_step_is_exact(load_tokenizer: Any) -> None:
+def test_qwen3_every_append_only_step_is_exact(load_tokenizer: Any) -> None:
     report = verify_template(load_tokenizer("qwen3"))
     assert report.ok, report.format_text()
     assert not [s for s in report.steps if s.hard]
@@ -57,11 +57,11 @@ def test_11_4_qwen3_every_append_only_step_is_exact(load_tokenizer: Any) -> None
     assert {s.outcome for s in report.steps} <= {"exact", "rewrite"}
 
 
-def test_11_4_verify_passes_on_qwen3(load_tokenizer: Any) -> None:
+def test_verify_template_passes_on_qwen3(load_tokenizer: Any) -> None:
     assert verify_template(load_tokenizer("qwen3")).ok
 
 
-def test_11_4_thinking_modes_follow_the_template_switch(load_tokenizer: Any) -> None:
+def test_thinking_modes_follow_the_template_switch(load_tokenizer: Any) -> None:
     assert verify_template(load_tokenizer("qwen3"), thinking="off").thinking_modes == ["off"]
     both = verify_template(load_tokenizer("glm4moe"), thinking="both")
     assert both.thinking_switch and both.thinking_modes == ["on", "off"]
@@ -69,7 +69,7 @@ def test_11_4_thinking_modes_follow_the_template_switch(load_tokenizer: Any) -> 
     assert not plain.thinking_switch and plain.thinking_modes == ["default"]
 
 
-def test_11_4_broken_bridge_is_a_hard_mismatch_with_the_first_token(tokenizer_dirs: dict[str, Path]) -> None:
+def test_broken_bridge_is_a_hard_mismatch_with_the_first_token(tokenizer_dirs: dict[str, Path]) -> None:
     report = verify_template(fresh(tokenizer_dirs, "qwen3", BROKEN_BRIDGE), thinking="on")
     assert not report.ok
     bad = [s for s in report.steps if s.hard]
@@ -81,7 +81,7 @@ def test_11_4_broken_bridge_is_a_hard_mismatch_with_the_first_token(tokenizer_di
     assert "[FAIL]" in text and "first differing token at index" in text and "FAILED" in text
 
 
-def test_11_4_broken_parse_is_a_round_trip_failure(tokenizer_dirs: dict[str, Path]) -> None:
+def test_broken_parse_is_a_round_trip_failure(tokenizer_dirs: dict[str, Path]) -> None:
     report = verify_template(fresh(tokenizer_dirs, "qwen3", BROKEN_PARSE), thinking="on")
     assert not report.ok
     bad = [p for p in report.parses if p.ok is False]
@@ -103,7 +103,7 @@ class _RefusingCodec:
         return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "cannot prove it")
 
 
-def test_11_4_refusal_on_an_append_only_step_is_a_warning_not_a_failure(load_tokenizer: Any) -> None:
+def test_refusal_on_an_append_only_step_is_a_warning_not_a_failure(load_tokenizer: Any) -> None:
     tok = load_tokenizer("llama3")
     report = verify_template(tok, codec=_RefusingCodec(load_codec(tok)))
     assert report.ok and report.warnings
@@ -112,13 +112,13 @@ def test_11_4_refusal_on_an_append_only_step_is_a_warning_not_a_failure(load_tok
     assert "[WARN]" in text and "BridgeRefusal(not_append_only)" in text and "warning(s)" in text
 
 
-def test_11_4_unknown_family_is_an_error_not_a_crash(load_tokenizer: Any) -> None:
+def test_unknown_family_is_an_error_not_a_crash(load_tokenizer: Any) -> None:
     report = verify_template(load_tokenizer("llama3"), family="no-such-family")
     assert not report.ok and report.error and "no-such-family" in report.error
     json.dumps(report.to_dict())
 
 
-def test_11_4_first_difference_shows_context_on_both_sides(load_tokenizer: Any) -> None:
+def test_first_difference_shows_context_on_both_sides(load_tokenizer: Any) -> None:
     tok = load_tokenizer("llama3")
     a = tok.encode("the weather is sunny in Paris today", add_special_tokens=False)
     b = tok.encode("the weather is rainy in Paris today", add_special_tokens=False)
@@ -130,7 +130,7 @@ def test_11_4_first_difference_shows_context_on_both_sides(load_tokenizer: Any) 
     assert first_difference(tok, a, a[:-1]) is not None  # a shorter sequence differs at its end
 
 
-def test_11_4_real_llama31_template_is_served_by_ours(tmp_path: Path) -> None:
+def test_real_llama31_template_is_served_by_ours(tmp_path: Path) -> None:
     """The real Meta Llama 3.1 template (Llama 3.3's is the same file): detected as our
     llama3.1 family without the model's name, every bridged step token-exact; parallel
     calls are the template's own refusal (it raises on more than one call)."""
@@ -160,7 +160,7 @@ def _served_families() -> list[str]:
 
 
 @pytest.mark.parametrize("name", _served_families())
-def test_11_4_verify_passes_on_every_served_family(load_renderer_tokenizer: Any, name: str) -> None:
+def test_verify_passes_on_every_served_family(load_renderer_tokenizer: Any, name: str) -> None:
     """The issue's bar, for every family of the bench table built offline (whatever codec
     detection picks): no hard failure, reasoning on and off, and something compared."""
     report = verify_template(load_renderer_tokenizer(name))

@@ -1,4 +1,4 @@
-"""Issue 11.4 (parse gaps verify-template found): Qwen3.5 / Nemotron 3 tool calls in the
+"""Parse gaps that verify-template found: Qwen3.5 / Nemotron 3 tool calls in the
 `<function=NAME><parameter=K>V</parameter></function>` format round-trip through
 render -> parse for every JSON type the template writes (trajectory/codec/xml_args.py)."""
 
@@ -41,7 +41,7 @@ def _round_trip(codec: RenderersCodec, args: dict[str, Any], tools: Any) -> tupl
 
 
 @pytest.mark.parametrize("name", XML_FAMILIES)
-def test_11_4_xml_call_round_trips_json_types(load_renderer_tokenizer: Any, name: str) -> None:
+def test_xml_call_round_trips_json_types(load_renderer_tokenizer: Any, name: str) -> None:
     """true/false/null, numbers, nested objects, lists and strings come back as sent;
     before, `True`/`None` (Python's str() in the template) made the call invalid_json."""
     codec = RenderersCodec(load_renderer_tokenizer(name), BY_NAME[name].renderer)
@@ -54,7 +54,7 @@ def test_11_4_xml_call_round_trips_json_types(load_renderer_tokenizer: Any, name
 
 
 @pytest.mark.parametrize("name", XML_FAMILIES)
-def test_11_4_xml_arguments_ambiguity(load_renderer_tokenizer: Any, name: str) -> None:
+def test_xml_arguments_ambiguity(load_renderer_tokenizer: Any, name: str) -> None:
     """Irreducible: the template writes the string "75001" and the number 75001 alike
     (`| string`), and "True" like true: without a schema saying "string", the non-string
     wins; a declared string keeps the text."""
@@ -67,7 +67,7 @@ def test_11_4_xml_arguments_ambiguity(load_renderer_tokenizer: Any, name: str) -
     assert _round_trip(codec, looks, declared)[1] == looks
 
 
-def test_11_4_xml_value_rules() -> None:
+def test_xml_value_rules() -> None:
     """The inverse of the template's rule, and where a value cannot fit its schema."""
     assert xml_value("True", None) == (True, True)
     assert xml_value("None", {"type": ["string", "null"]}) == (None, True)

@@ -1,0 +1,66 @@
+"""The adapters stream the engine's own generation (SGLang cumulative or
+incremental `/generate` frames, vLLM delta chunks) and end with the same result a
+non-streamed request gives."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from session_server.engines import GenerateRequest, SamplingParams, SGLangAdapter, VLLMAdapter
+from session_server.engines.base import GenerateResult, TokenDelta
+from session_server.engines.sglang import parse_sglang_generate, parse_sglang_stream
+from session_server.errors import UpstreamInvalid
+from session_server.sim import running_sim
+from session_server.sim.toy import toy_prompt
+
+PROMPT = toy_prompt(("system", "be brief"), ("user", "stream it"))
+
+
+async def _both(adapter: Any, salt: str) -> tuple[GenerateResult, list[TokenDelta], GenerateResult]:
+    """(non-streamed result, streamed deltas, streamed final) of one seeded request."""
+    def req(s: str) -> GenerateRequest:
+        return GenerateRequest(f"{7:032x}", PROMPT, 300, SamplingParams(temperature=1.0, seed=11),
+                               top_logprobs=2, cache_salt=s)
+
+    plain = await adapter.generate(req(salt + "-plain"))
+    items = [item async for item in adapter.generate_stream(req(salt + "-stream"))]
+    deltas, final = items[:-1], items[-1]
+    assert all(isinstance(d, TokenDelta) for d in deltas) and isinstance(final, GenerateResult)
+    return plain, deltas, final
+
+
+@pytest.mark.parametrize(("protocol", "endpoint"), [("sglang", None), ("vllm", "generate"), ("vllm", "completions")])
+async def test_streamed_result_equals_non_streamed(protocol: str, endpoint: str | None) -> None:
+    async with running_sim(protocol, "toy", seed=3, latency_ms=1) as url:
+        a = SGLangAdapter(url) if protocol == "sglang" else VLLMAdapter(url, endpoint=endpoint or "auto")
+        try:
+            plain, deltas, final = await _both(a, protocol)
+        finally:
+            await a.aclose()
+    assert len(deltas) > 3  # really streamed: many chunks, not one
+    assert dataclasses.replace(final, cached_tokens=None) == dataclasses.replace(plain, cached_tokens=None)
+    assert [t for d in deltas for t in d.ids] == list(final.output_ids)
+    assert [lp for d in deltas for lp in d.logprobs] == list(final.logprobs)
+
+
+def test_sglang_incremental_frames_join_to_the_cumulative_result() -> None:
+    """The server's incremental streaming option: each frame carries only its new tokens."""
+    meta = '"id":"r","prompt_tokens":3,"completion_tokens":%d,"cached_tokens":0'
+    frames = [
+        '{"output_ids":[5],"meta_info":{%s,"finish_reason":null,"output_token_logprobs":[[-0.5,5,null]]}}'
+        % (meta % 1),
+        '{"output_ids":[6,2],"meta_info":{%s,"finish_reason":{"type":"stop","matched":2},'
+        '"output_token_logprobs":[[-0.25,6,null],[-0.125,2,null]]}}' % (meta % 3),
+    ]
+    body = "".join(f"data: {f}\n\n" for f in frames) + "data: [DONE]\n\n"
+    got = parse_sglang_stream(body, request_id="r")
+    whole = parse_sglang_generate(
+        ('{"output_ids":[5,6,2],"meta_info":{%s,"finish_reason":{"type":"stop","matched":2},'
+         '"output_token_logprobs":[[-0.5,5,null],[-0.25,6,null],[-0.125,2,null]]}}' % (meta % 3)).encode(),
+        request_id="r")
+    assert got == whole
+    with pytest.raises(UpstreamInvalid):
+        parse_sglang_stream(f"data: {frames[0]}\n\n", request_id="r")  # cut before [DONE]
