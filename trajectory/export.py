@@ -48,11 +48,12 @@ import orjson
 
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import ExportError, TrajectoryError
-from trajectory.linear import LinearTrajectory, TurnRecord, WeightSpan
+from trajectory.linear import LinearTrajectory
 from trajectory.routed import RoutedRows
 from trajectory.routed import from_json as routed_from_json
 from trajectory.routed import to_json as routed_to_json
 from trajectory.tree import Branch, TrajectoryTree
+from trajectory.turn_record import TurnRecord, WeightSpan
 
 FORMAT = "tito-trajectory"
 FORMAT_VERSION = 2
