@@ -39,7 +39,7 @@ from session_server.routing import prefix_block_hashes  # noqa: E402
 from session_server.routing.cache_aware import CacheAware  # noqa: E402
 from session_server.routing.policy import RoutingSignals, TargetView  # noqa: E402
 from session_server.sessions import SessionConfig, SessionStore  # noqa: E402
-from trajectory import export  # noqa: E402
+from trajectory import export, export_stream  # noqa: E402
 from trajectory.tree import TrajectoryTree  # noqa: E402
 
 
@@ -128,7 +128,7 @@ def export_json(tokens: int, reps: int) -> dict[str, Any]:
     one_shot = _time(lambda: orjson.dumps(export.to_dict(tree, metadata=meta),
                                           option=orjson.OPT_SERIALIZE_NUMPY), reps)
     out: dict[str, Any] = {"tokens": len(tree.active.trajectory), "one_shot_ms": _ms(one_shot)}
-    iter_json = getattr(export, "iter_json", None)
+    iter_json = getattr(export_stream, "iter_json", None)
     if iter_json is not None:
         longest: list[float] = []
         totals: list[float] = []
@@ -155,7 +155,7 @@ def export_json(tokens: int, reps: int) -> dict[str, Any]:
         lambda: orjson.dumps(export.to_dict(tree, metadata=meta), option=orjson.OPT_SERIALIZE_NUMPY))
     if iter_json is not None:
         out["loop_delay_ms_chunked_in_thread"] = _loop_delay_while(
-            lambda: export.to_json_bytes(tree, metadata=meta))
+            lambda: export_stream.to_json_bytes(tree, metadata=meta))
     return out
 
 

@@ -23,7 +23,7 @@ from .errors import (
 )
 from .export import branch_line, from_dict, from_npz_bytes, to_dict, to_npz_bytes
 from .history import Attachment, Plan, attach, reconcile
-from .linear import LinearTrajectory, TurnRecord, WeightSpan, WeightVersion
+from .linear import LinearTrajectory
 from .sample_formats import (
     load_samples_json,
     load_samples_npz,
@@ -34,6 +34,7 @@ from .sample_formats import (
 )
 from .samples import PICKERS, Sample, build_samples, register_picker
 from .tree import Branch, TrajectoryTree
+from .turn_record import TurnRecord, WeightSpan, WeightVersion
 from .validate import Expectations, GenerationLike, ValidGeneration, validate_generation
 
 __all__ = [

@@ -69,10 +69,10 @@ import orjson
 
 from trajectory.errors import SampleError
 from trajectory.export import from_dict
-from trajectory.linear import TurnRecord, WeightVersion
 from trajectory.messages import normalize_message
 from trajectory.routed import line_rows
 from trajectory.tree import Branch, TrajectoryTree
+from trajectory.turn_record import TurnRecord, WeightVersion
 
 STATUSES = ("completed", "truncated", "aborted")
 COMPLETED_FINISH_REASONS = frozenset({"stop", "tool_calls"})

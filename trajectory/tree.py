@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from trajectory.errors import BranchError, CheckpointError, InvariantError
-from trajectory.linear import LinearTrajectory, TurnRecord
+from trajectory.linear import LinearTrajectory
+from trajectory.turn_record import TurnRecord
 
 ROOT_REASON = "root"
 ROLLBACK_REASON = "rollback"

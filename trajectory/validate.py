@@ -35,7 +35,7 @@ from typing import Any, Protocol, TypeGuard
 import numpy as np
 
 from trajectory.errors import ValidationError
-from trajectory.linear import LOGPROB_MAX
+from trajectory.line_checks import LOGPROB_MAX
 
 LOGPROB_SENTINEL = -9999.0
 SENTINEL_FLOOR = -100.0

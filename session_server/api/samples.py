@@ -16,7 +16,7 @@ A batch (`POST /samples`) is validated whole before a byte is sent (unknown id: 
 ``close`` with a turn in flight: 409), then streamed one session at a time: build,
 hand to the format's batch writer, drop, yield to the loop. Only one session's
 samples are alive at once; npz and safetensors spool the arrays
-(`trajectory.sample_formats.SampleBatchWriter`). In a cluster the instance a batch
+(`trajectory.sample_batch.SampleBatchWriter`). In a cluster the instance a batch
 lands on gathers the other instances' sessions from their owners (samples_cluster.py).
 """
 
@@ -29,7 +29,8 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 
 from trajectory.errors import SampleError
-from trajectory.sample_formats import BATCH_WRITERS, MEDIA_TYPES, SERIALIZERS, SampleBatchWriter
+from trajectory.sample_batch import BATCH_WRITERS, SampleBatchWriter
+from trajectory.sample_formats import MEDIA_TYPES, SERIALIZERS
 from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample, build_samples, tree_lines
 
 from ..context import ServerContext

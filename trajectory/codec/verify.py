@@ -16,7 +16,8 @@ tokenizer's own full chat-template render:
   flagged rewrite is reported, never a failure;
 - parse: every probe assistant message survives canonical ids -> parse_assistant.
 
-Pure library (no session_server import); the CLI only formats `VerifyReport`.
+Pure library (no session_server import); the CLI only formats `VerifyReport`
+(`trajectory.codec.verify_report`, the report types).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from trajectory.codec.base import BridgeRefusal, ChatCodec, HistoryPolicy, Message
 from trajectory.codec.probe import decode_text, encode, render_text
+from trajectory.codec.verify_report import FirstDifference, ParseReport, StepReport, VerifyReport
 from trajectory.errors import CodecError
 
 THINKING_MODES = ("on", "off", "both")
@@ -62,177 +64,6 @@ TOOLS: list[dict[str, Any]] = [
         },
     },
 ]
-
-
-# -- report types ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FirstDifference:
-    """Where two id sequences part: the index and a few decoded tokens either side."""
-
-    index: int
-    expected_len: int
-    got_len: int
-    expected_context: str  # decoded tokens around `index` in the template's full render
-    got_context: str  # the same window in what our codec produced
-
-    def describe(self) -> str:
-        return (
-            f"first differing token at index {self.index} "
-            f"(full render {self.expected_len} ids, ours {self.got_len}): "
-            f"template {self.expected_context} vs ours {self.got_context}"
-        )
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """One bridged step: appending `roles` after an assistant turn."""
-
-    scenario: str
-    step: int
-    thinking: str  # "on" / "off" / "default" (the template has no switch)
-    roles: tuple[str, ...]
-    append_only: bool | None  # None: the template could not render the step
-    outcome: str  # exact | mismatch | refused | rewrite | unsupported
-    detail: str = ""
-    difference: FirstDifference | None = None
-
-    @property
-    def hard(self) -> bool:
-        """A failure: on an append-only step, bridged ids differ from the full render."""
-        return bool(self.append_only) and self.outcome == "mismatch"
-
-    @property
-    def warn(self) -> bool:
-        """Not a failure, but a lost step: the bridge refused where the template is
-        append-only (the server answers 400 or forks where it need not)."""
-        return bool(self.append_only) and self.outcome == "refused"
-
-
-@dataclass(frozen=True)
-class ParseReport:
-    """Canonical ids of one probe assistant message parsed back."""
-
-    scenario: str
-    thinking: str
-    ok: bool | None  # None: the template cannot render this message (unsupported)
-    detail: str = ""
-    expected: dict[str, Any] | None = None
-    got: dict[str, Any] | None = None
-
-
-@dataclass
-class VerifyReport:
-    """Everything `verify_template` found; `ok` decides the exit status."""
-
-    family: str | None
-    family_requested: str | None
-    thinking_switch: bool  # the template reads `enable_thinking`
-    thinking_modes: list[str]
-    steps: list[StepReport] = field(default_factory=list)
-    parses: list[ParseReport] = field(default_factory=list)
-    error: str | None = None  # the codec could not be built at all
-    engine: str | None = None
-    engine_status: str = "not requested"
-
-    @property
-    def hard_failures(self) -> list[str]:
-        out = [f"{s.scenario}[{s.step}] ({s.thinking}): {s.detail}" for s in self.steps if s.hard]
-        out += [f"parse {p.scenario} ({p.thinking}): {p.detail}" for p in self.parses if p.ok is False]
-        if self.error:
-            out.insert(0, self.error)
-        return out
-
-    @property
-    def warnings(self) -> list[str]:
-        return [f"{s.scenario}[{s.step}] ({s.thinking}): {s.detail}" for s in self.steps if s.warn]
-
-    @property
-    def ok(self) -> bool:
-        return not self.hard_failures
-
-    def roles(self) -> dict[str, dict[str, Any]]:
-        """Per appended role: append-only everywhere/nowhere/sometimes, and bridge counts."""
-        out: dict[str, dict[str, Any]] = {}
-        for s in self.steps:
-            for role in dict.fromkeys(s.roles):
-                r = out.setdefault(role, {"steps": 0, "append_only_steps": 0, "compared": 0,
-                                          "exact": 0, "refused": 0, "rewrite": 0, "unsupported": 0})
-                r["steps"] += 1
-                r["append_only_steps"] += bool(s.append_only)
-                if s.outcome in ("exact", "mismatch"):
-                    r["compared"] += 1
-                    r["exact"] += s.outcome == "exact"
-                elif s.outcome in r:
-                    r[s.outcome] += 1
-        for r in out.values():
-            supported = r["steps"] - r["unsupported"]
-            r["append_only"] = (
-                "n/a" if not supported else "yes" if r["append_only_steps"] == supported
-                else "no" if r["append_only_steps"] == 0 else "partly"
-            )
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "family": self.family,
-            "family_requested": self.family_requested,
-            "thinking_switch": self.thinking_switch,
-            "thinking_modes": self.thinking_modes,
-            "error": self.error,
-            "hard_failures": self.hard_failures,
-            "warnings": self.warnings,
-            "roles": self.roles(),
-            "steps": [asdict(s) | {"hard": s.hard, "warn": s.warn} for s in self.steps],
-            "parses": [asdict(p) for p in self.parses],
-            "engine": {"url": self.engine, "status": self.engine_status},
-        }
-
-    def format_text(self) -> str:
-        """The human report: summary per role, then every step and parse that is not clean."""
-        lines = [
-            f"family: {self.family or '-'}"
-            + (f" (requested {self.family_requested})" if self.family_requested else " (detected)"),
-            f"thinking: {', '.join(self.thinking_modes)}"
-            + ("" if self.thinking_switch else " (template has no enable_thinking switch)"),
-        ]
-        if self.error:
-            lines.append(f"ERROR: {self.error}")
-        roles = self.roles()
-        if roles:
-            lines.append("")
-            lines.append(f"{'role':<10} {'append-only':<12} {'bridge exact':<13} {'refused':<8} rewrite  unsupported")
-            for role, r in roles.items():
-                lines.append(
-                    f"{role:<10} {r['append_only']:<12} {str(r['exact']) + '/' + str(r['compared']):<13} "
-                    f"{r['refused']:<8} {r['rewrite']:<8} {r['unsupported']}"
-                )
-        if self.parses:
-            good = sum(p.ok is True for p in self.parses)
-            judged = sum(p.ok is not None for p in self.parses)
-            lines.append(f"\nparse round-trip: {good}/{judged} assistant messages")
-        notes = [s for s in self.steps if s.outcome != "exact"]
-        odd_parses = [p for p in self.parses if p.ok is not True]
-        if notes or odd_parses:
-            lines.append("\nnot token-exact or not checked "
-                         "(FAIL: hard mismatch; WARN: refused an append-only step; note: reported only):")
-        for s in notes:
-            tag = "FAIL" if s.hard else "WARN" if s.warn else "note"
-            lines.append(
-                f"  [{tag}] {s.scenario}[{s.step}] +{'+'.join(s.roles)} thinking={s.thinking}: "
-                f"{s.outcome}{' - ' + s.detail if s.detail else ''}"
-            )
-        for p in odd_parses:
-            tag = "FAIL" if p.ok is False else "note"
-            lines.append(f"  [{tag}] parse {p.scenario} thinking={p.thinking}: {p.detail}")
-        if self.engine:
-            lines.append(f"\nengine {self.engine}: {self.engine_status}")
-        lines.append("")
-        warned = f" ({len(self.warnings)} warning(s))" if self.warnings else ""
-        lines.append(("OK" if self.ok else f"FAILED: {len(self.hard_failures)} hard mismatch(es)") + warned)
-        return "\n".join(lines)
 
 
 # -- probe conversations ----------------------------------------------------------

@@ -498,7 +498,7 @@ async def test_openapi_declares_the_routes(qwen3_dir: Path) -> None:
 async def test_server_tools_are_left_out_with_a_warning(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     """Like the Responses dialect's hosted tools: a harness that always sends a server
     tool (web search) still runs with its client tools; the model never sees it."""
-    from session_server.api.dialects.anthropic_messages import _tools
+    from session_server.api.dialects.anthropic_messages_request import _tools
 
     tools = [{"type": "web_search_20250305", "name": "web_search"},
              {"name": "read", "description": "Read a file", "input_schema": {"type": "object"}}]

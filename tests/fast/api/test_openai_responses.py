@@ -14,9 +14,9 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.responses import Response
 
-from session_server.api.dialects.openai_responses import (
+from session_server.api.dialects.openai_responses_output import ResponsesStreamEncoder
+from session_server.api.dialects.openai_responses_request import (
     Echo,
-    ResponsesStreamEncoder,
     input_messages,
     parse_responses,
 )

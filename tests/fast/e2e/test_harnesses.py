@@ -228,7 +228,7 @@ CODEX_SCRIPT = [
 def test_responses_leaves_tools_it_cannot_call_out_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     """Codex always sends a `namespace` group and the hosted `web_search` (and, for some
     models, the freeform `custom` apply_patch): they were a 400, which stopped Codex."""
-    from session_server.api.dialects.openai_responses import chat_tools
+    from session_server.api.dialects.openai_responses_request import chat_tools
 
     fn = {"type": "function", "name": "exec_command", "parameters": {"type": "object"}}
     tools = [fn, {"type": "namespace", "name": "multi_agent_v1", "tools": []}, {"type": "web_search"},

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from session_server.sessions import SessionConfig, SessionState, SessionStore
 from tests.fast.trajectory.test_export import sample_tree
 from tests.fast.trajectory.test_linear import commit, turn_inputs
-from trajectory.export import from_dict, iter_json, to_dict, to_json_bytes
+from trajectory.export import from_dict, to_dict
+from trajectory.export_stream import iter_json, to_json_bytes
 from trajectory.tree import TrajectoryTree
 
 from ..stack import live_stack

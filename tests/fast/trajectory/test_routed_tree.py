@@ -14,7 +14,8 @@ import pytest
 
 from trajectory import from_dict, from_npz_bytes
 from trajectory.errors import InvariantError
-from trajectory.export import to_dict, to_json_bytes, to_npz_bytes
+from trajectory.export import to_dict, to_npz_bytes
+from trajectory.export_stream import to_json_bytes
 from trajectory.linear import LinearTrajectory
 from trajectory.routed import line_rows
 from trajectory.samples import build_samples

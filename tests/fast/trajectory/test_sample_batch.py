@@ -13,11 +13,13 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajectory.sample_formats import (
+from trajectory.sample_batch import (
     BATCH_WRITERS,
     NpzBatchWriter,
     SafetensorsBatchWriter,
     SampleBatchWriter,
+)
+from trajectory.sample_formats import (
     load_samples_json,
     load_samples_npz,
     load_samples_safetensors,

@@ -1,0 +1,63 @@
+"""What one committed turn is: `TurnRecord` and the weight-version types it carries.
+
+Kept apart from `trajectory.linear` (which owns how turns are appended, rolled back
+and shared between branches) because every reader of a trajectory needs the record,
+while only the line itself writes it: export, samples and the tree import this
+small module's vocabulary. `trajectory.linear` re-exports the names, where RL workers
+have always imported them.
+
+Layout of one turn inside the token stream::
+
+    prompt_start      output_start       output_end     end
+    |-- prompt (mask 0) --|-- sampled (mask 1) --|-- repair (mask 0) --|
+
+``repair`` holds the end-of-turn tokens the server appended because the model
+stopped without sampling them (finish ``length``/``abort``/stop string), so the
+next turn's prompt can follow a closed assistant turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from trajectory.routed import RoutedRows
+
+Message = Mapping[str, Any]
+WeightVersion = str | int | float | None
+WeightSpan = tuple[int, int, WeightVersion]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    """One committed generation and where its tokens lie (absolute positions)."""
+
+    index: int
+    prompt_start: int
+    output_start: int
+    output_end: int  # end of the sampled ids
+    end: int  # after the repair tokens; equals the next checkpoint
+    finish_reason: str
+    # (start, end, version) covering [output_start, output_end) exactly
+    weight_spans: tuple[WeightSpan, ...]
+    engine: str | None = None
+    cached_tokens: int = 0
+    repair_tokens: int = 0  # mask-0 closing tokens appended after the sampled ids
+    request_messages: tuple[Message, ...] = ()  # the new messages this turn added
+    assistant_message: Message | None = None  # what we returned to the agent
+    extra: dict[str, Any] = field(default_factory=dict)
+    # commit order across a session's branches (the tree's clock; the turn index
+    # when committed outside a tree): what "later" means when picking samples
+    seq: int = -1
+    # routing replay (trajectory.routed): rows for positions [start, output_end - 1)
+    routed_experts: RoutedRows | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def weight_version(self) -> WeightVersion:
+        """Version of the last sampled span (the one that finished the turn)."""
+        return self.weight_spans[-1][2] if self.weight_spans else None
+
+    @property
+    def num_sampled(self) -> int:
+        return self.output_end - self.output_start
