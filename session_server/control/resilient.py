@@ -25,29 +25,30 @@ import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-import numpy as np
-
-from session_server.engines.base import (
-    EngineAdapter,
-    GenerateRequest,
-    GenerateResult,
-    StreamItem,
-    TokenDelta,
-    TokenIds,
-)
+from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenDelta
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
 from trajectory.errors import ValidationError
-from trajectory.validate import Expectations, is_int, validate_chunk, validate_generation
+from trajectory.validate import Expectations
 
 from .assemble import Acc, Counts, ResilientResult, assemble
 from .lag import LagBound
 from .plane import ControlPlane
-from .stops import Decode, StopStrings, StreamStops, cut_at
+from .segment import (
+    abort_on_stop_is_stop,
+    check_partial,
+    counted,
+    enter_by,
+    extend,
+    salted,
+    stop_strings,
+    streamed,
+)
+from .stops import Decode, StopStrings, StreamStops
 from .versions import ReceivedSplit, SegmentSpans, received_split, reports_per_token, segment_spans
 
 __all__ = ["AbortEvent", "generate_resilient", "new_request_id"]
@@ -63,7 +64,6 @@ def new_request_id() -> str:
     return f"{_RID_PREFIX}{next(_rid_counter):016x}"
 
 
-
 @dataclass(frozen=True)
 class AbortEvent:
     """Passed to `on_abort` after each aborted segment (e.g. to add a session note)."""
@@ -75,51 +75,6 @@ class AbortEvent:
     total_tokens: int
     remaining: int
     paused: bool  # the gate was closed when the abort arrived
-
-
-
-async def _enter_by(stack: contextlib.AsyncExitStack, cm: contextlib.AbstractAsyncContextManager[Any],
-                    deadline: float, what: str) -> None:
-    """Enter `cm` on `stack`, waiting no later than the turn's monotonic `deadline`."""
-    left = deadline - time.monotonic()
-    try:
-        async with asyncio.timeout(max(0.0, left)):
-            await stack.enter_async_context(cm)
-    except TimeoutError:
-        raise UpstreamTimeout(
-            f"the turn's deadline passed while waiting for {what} ({max(0.0, left):.3f}s)"
-        ) from None
-
-
-def _extend(prompt: TokenIds, partial: list[Any]) -> TokenIds:
-    """prompt + partial, keeping a numpy prompt numpy (contexts reach 100K+ ids; no list copy)."""
-    if not partial:
-        return prompt
-    if isinstance(prompt, np.ndarray):
-        return np.concatenate([prompt, np.asarray(partial, dtype=prompt.dtype)])
-    return [*prompt, *partial]
-
-
-def _salted(request_salt: str | None, control_salt: str | None) -> str | None:
-    if control_salt is None:
-        return request_salt
-    return control_salt if request_salt is None else f"{request_salt}:{control_salt}"
-
-
-def _abort_on_stop_is_stop(result: GenerateResult, request: GenerateRequest,
-                           expect: Expectations | None) -> GenerateResult:
-    """SGLang checks the abort flag before the stop check, so a pause landing on the step
-    that sampled end-of-turn reports `abort` with the stop id as the last token. That turn
-    is finished: resubmitting would sample past its own end-of-turn."""
-    if result.finish_reason != "abort" or not result.output_ids:
-        return result
-    last = result.output_ids[-1]
-    stops = set(request.sampling.stop_token_ids)
-    if expect is not None:
-        stops |= set(expect.stop_token_ids)
-    if not is_int(last) or last not in stops:
-        return result
-    return replace(result, finish_reason="stop", matched_stop=last, abort_message=None)
 
 
 def _stamped(control: ControlPlane, engine: str, result: GenerateResult, dispatch_version: int | None,
@@ -144,95 +99,6 @@ def _stamped(control: ControlPlane, engine: str, result: GenerateResult, dispatc
         control.record_version_mismatch(engine, reported if not reported_spans else list(reported_spans))
     known = None if split is None or reports_per_token(reported_spans) or cut else split.spans(n, dispatch_version)
     return spans if known is None else known
-
-
-def _check_partial(result: GenerateResult, seg_rid: str, prompt_len: int, budget: int,
-                   expect: Expectations | None, last_version: Any) -> None:
-    """Reject bad raw values in an aborted segment before they are accumulated."""
-    try:
-        if expect is not None:
-            validate_generation(result, replace(
-                expect, request_id=seg_rid, prompt_len=prompt_len, max_tokens=budget,
-                last_weight_version=last_version,
-            ))
-            return
-        n = len(result.output_ids)
-        if len(result.logprobs) != n:
-            raise ValidationError("logprobs", f"{len(result.logprobs)} logprobs for {n} ids")
-        bad = next((i for i, t in enumerate(result.output_ids) if not is_int(t) or t < 0), None)
-        if bad is not None:
-            raise ValidationError("output_ids", f"{result.output_ids[bad]!r} is not a token id", bad)
-        if n > budget:
-            raise ValidationError("output_ids", f"{n} ids exceed max_tokens {budget}", budget)
-    except ValidationError as exc:
-        raise UpstreamInvalid(f"aborted segment {seg_rid} rejected: {exc}") from exc
-
-
-def _checked_delta(delta: TokenDelta, expect: Expectations | None, seg_rid: str) -> TokenDelta:
-    """A chunk held to the per-token rules of a whole result before anyone sees it
-    (`validate_chunk`), its values as the trajectory will keep them; a bad one fails
-    the turn now (`UpstreamInvalid`: the stream ends with an error event, nothing is
-    committed). Without `expect` (no vocabulary known) only the final result is checked."""
-    if expect is None:
-        return delta
-    try:
-        ids, lps = validate_chunk(delta.ids, delta.logprobs, delta.top_logprobs, expect)
-    except ValidationError as exc:
-        raise UpstreamInvalid(f"{seg_rid}: stream chunk rejected: {exc}") from exc
-    return TokenDelta(ids.tolist(), lps.tolist(), delta.top_logprobs)
-
-
-async def _streamed(items: AsyncIterator[StreamItem], on_delta: Callable[[TokenDelta], None],
-                    expect: Expectations | None, seg_rid: str,
-                    stops: StreamStops | None = None, on_stop: Callable[[], None] | None = None) -> GenerateResult:
-    """One streamed segment: its checked deltas to `on_delta`, its final result returned.
-    With `stops` (a resubmitted segment of a turn with stop strings) nothing past a stop
-    string completed across the boundary is shown, and `on_stop` aborts the engine request
-    there (its final answer is then cut, `_stop_strings`). The engine stream is closed on
-    the way out (a rejected chunk drops the connection)."""
-    async with contextlib.aclosing(items) as stream:  # type: ignore[type-var]
-        async for item in stream:
-            if not isinstance(item, TokenDelta):
-                return item
-            if stops is not None and stops.matched:
-                continue  # past the stop: never shown, the engine request is being aborted
-            delta = _checked_delta(item, expect, seg_rid)
-            keep = None if stops is None else stops.feed(delta.ids)
-            if keep is not None:
-                tops = None if delta.top_logprobs is None else delta.top_logprobs[:keep]
-                delta = TokenDelta(delta.ids[:keep], delta.logprobs[:keep], tops)
-                if on_stop is not None:
-                    on_stop()
-            on_delta(delta)
-    raise UpstreamInvalid("the engine stream ended without a result")
-
-
-def _counted(on_delta: Callable[[TokenDelta], None], split: ReceivedSplit | None) -> Callable[[TokenDelta], None]:
-    """`on_delta`, counting the tokens received so far (the segment's version split)."""
-    if split is None:
-        return on_delta
-
-    def seen(delta: TokenDelta) -> None:
-        split.received += len(delta.ids)
-        on_delta(delta)
-
-    return seen
-
-
-async def _stop_strings(stops: StopStrings | None, kept: list[Any], result: GenerateResult,
-                        spans: SegmentSpans) -> tuple[GenerateResult, SegmentSpans, int | None]:
-    """The segment ended where the engine would have on a stop string it could not match
-    (control/stops.py): after an abort, or in a resubmission. Returns the segment, its
-    spans and, when cut, how many ids the engine sampled (its routed rows cover them).
-    Decoded off the event loop."""
-    n = len(result.output_ids)
-    if stops is None or not n or (result.finish_reason != "abort" and not kept):
-        return result, spans, None
-    hit = await asyncio.to_thread(stops.in_segment, kept, list(result.output_ids))
-    if hit is None or (hit[0] == n and result.finish_reason == "stop" and result.matched_stop == hit[1]):
-        return result, spans, None
-    cut, cut_spans = cut_at(result, spans, *hit)
-    return cut, cut_spans, n
 
 
 async def generate_resilient(
@@ -295,9 +161,9 @@ async def generate_resilient(
                 # a resubmission re-prefills only its partial, unless the salt changed
                 guess = None if not counts.rids else (
                     len(prompt) + len(acc.ids) if salt_now != first_salt else len(acc.ids))
-                await _enter_by(held, admit(guess), deadline, f"prefill admission on {engine}")
+                await enter_by(held, admit(guess), deadline, f"prefill admission on {engine}")
             if slot is not None:
-                await _enter_by(held, slot(), deadline, f"a generation slot on {engine}")
+                await enter_by(held, slot(), deadline, f"a generation slot on {engine}")
             if control.blocked(lora):
                 continue  # closed again while we queued: release everything, wait again
             if first is not None and lag.ends_before(len(acc.ids), control.weight_version):
@@ -307,13 +173,13 @@ async def generate_resilient(
             seg_rid = request.request_id if not counts.rids else new_request_id()
             counts.rids.append(seg_rid)
             epoch, dispatch_version = control.epoch, control.weight_version
-            seg_input = _extend(prompt, acc.ids)
+            seg_input = extend(prompt, acc.ids)
             seg = replace(
                 request,
                 request_id=seg_rid,
                 input_ids=seg_input,
                 max_tokens=remaining,
-                cache_salt=_salted(request.cache_salt, control.cache_salt()),
+                cache_salt=salted(request.cache_salt, control.cache_salt()),
                 timeout_s=max(0.001, deadline - time.monotonic()),
                 slot_held=slot is not None,
                 routed_experts_start=acc.routed_start(request),  # rows already held (R3)
@@ -324,7 +190,7 @@ async def generate_resilient(
                 try:
                     if streaming is not None and on_delta is not None:
                         watch_stops = StreamStops(stops, acc.ids) if stops is not None and acc.ids else None
-                        result = await _streamed(streaming(seg), _counted(on_delta, split), expect, seg_rid,
+                        result = await streamed(streaming(seg), counted(on_delta, split), expect, seg_rid,
                                                  watch_stops, partial(control.abort_engine_request, adapter, seg_rid))
                     else:
                         result = await adapter.generate(seg)
@@ -338,8 +204,8 @@ async def generate_resilient(
         if first is None:
             first = result
         spans = _stamped(control, engine, result, dispatch_version, cut=watch.cut, counts=counts, split=split)
-        result = _abort_on_stop_is_stop(result, request, expect)
-        result, spans, sampled = await _stop_strings(stops, acc.ids, result, spans)
+        result = abort_on_stop_is_stop(result, request, expect)
+        result, spans, sampled = await stop_strings(stops, acc.ids, result, spans)
         if result.finish_reason != "abort":
             acc.add_routed(request, result, len(seg_input), sampled)
             return assemble(request, first, result, spans, acc, counts)
@@ -347,7 +213,7 @@ async def generate_resilient(
         # the partial is held to the rules of a whole result with the version it was stamped
         # with: a stale engine report is counted above, never a reason to fail the turn
         stamped = replace(result, weight_version=spans[-1][2] if spans else None)
-        _check_partial(stamped, seg_rid, len(seg_input), remaining, expect, last_version)
+        check_partial(stamped, seg_rid, len(seg_input), remaining, expect, last_version)
         n = len(result.output_ids)
         counts.aborts += 1
         control.record_abort(empty=n == 0)
