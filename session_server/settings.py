@@ -57,7 +57,10 @@ class Settings(BaseSettings):
         "completions) goes out after this long without a frame, so client idle watchdogs do not abort "
         "turns held by a pause or a long constrained sample")
     drain_timeout_s: float = Field(
-        30.0, ge=0, description="at shutdown, how long in-flight turns may finish before they are cancelled")
+        30.0, ge=0, description="at shutdown, how long in-flight turns may finish: `serve` then cancels those "
+        "still running (in whole seconds, rounded down: under 1 cancels at once; a cancelled turn commits nothing "
+        "and its engine request is aborted), and closes the engines once no turn holds a session or after this "
+        "long again; a `cluster` kills a worker still running this + 5 s after stopping it")
     clamp_logprob_sentinel: bool = Field(
         False, description="turn an engine's -9999 'unavailable' logprob sentinel into -100 and count it (else 502)")
     routing_policy: str = Field("sticky_cost", description=f"how sessions are placed on engines: {', '.join(POLICY_NAMES)}")

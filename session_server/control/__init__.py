@@ -3,7 +3,8 @@
 - plane.py: `ControlPlane`, the server-wide plane (pause gate, in-flight registry,
   weight version and cache salt, engine fan-out through fanout.py, metrics.py);
 - resilient.py: `generate_resilient`, one turn as abort -> accumulate -> resubmit
-  segments, assembled (assemble.py) into one `ResilientResult`.
+  segments (a state machine of named phases; a segment's own helpers in segment.py),
+  assembled (assemble.py) into one `ResilientResult`.
 
 The loop uses the plane only through its public methods.
 """
