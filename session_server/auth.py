@@ -28,8 +28,7 @@ from typing import Any
 
 import orjson
 
-from .api.dialects.anthropic_messages import error_body as anthropic_error_body
-from .api.dialects.anthropic_messages import owns_path as anthropic_owns_path
+from .api.error_map import error_body
 from .errors import Unauthorized
 
 Scope = MutableMapping[str, Any]
@@ -121,8 +120,7 @@ class BearerAuth:
         ctx = getattr(scope["app"].state, "ctx", None)
         if ctx is not None:
             ctx.metrics.errors_total.labels(type=err.type).inc()
-        # the Anthropic routes answer in their dialect's shape, as every other error there
-        body = orjson.dumps(anthropic_error_body(err) if anthropic_owns_path(scope["path"]) else err.to_body())
+        body = orjson.dumps(error_body(scope["path"], err))  # the client's shape, as every other error
         challenge = b'Bearer error="invalid_token"' if had_token else b"Bearer"
         await send({
             "type": "http.response.start",

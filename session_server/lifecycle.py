@@ -2,8 +2,10 @@
 
 `create_app`'s lifespan calls `build_context` (CPU offload threads, tokenizer and codec,
 reply decoder, engine registry and routing pool, control plane, session store),
-`start_background` (TTL sweeper, engine health checks) and, at exit, `shutdown`
-(stop background work, drain in-flight turns within `drain_timeout_s`, close engines).
+`start_background` (TTL sweeper, engine health checks), `join_cluster` (with peers: read
+the cluster's control state before serving turns) and, at exit, `shutdown` (stop
+background work, drain in-flight turns within `drain_timeout_s`, close engines).
+`engine_url` is how the routes read an engine address without reaching into engines/.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from transformers import AutoTokenizer
 
 from trajectory.codec import codec_for, resolve_family
 
 from .context import ServerContext, log
 from .control import ControlPlane
+from .control.peer_sync import sync_from_peers
+from .control.relay import PeerRelay
+from .engines.admission_check import parse_engine_spec
 from .engines.registry import EngineRegistry
+from .errors import BadRequest
 from .metrics import Metrics
 from .model_config import model_routed_shape, model_vocab_size
 from .offload import CpuOffload
@@ -32,7 +39,8 @@ from .routing.pool import EnginePool
 from .sessions import SessionStore
 from .settings import Settings
 
-__all__ = ["AppConfig", "Background", "build_context", "shutdown", "start_background"]
+__all__ = ["AppConfig", "Background", "build_context", "engine_url", "join_cluster", "open_relay", "shutdown",
+           "start_background"]
 
 
 @dataclass
@@ -115,12 +123,51 @@ def start_background(ctx: ServerContext) -> Background:
     tasks = [sweeper, checker]
     if settings.loop_lag_probe_s > 0:
         tasks.append(asyncio.create_task(loop_lag_probe(ctx.metrics, settings.loop_lag_probe_s), name="tito-loop-lag"))
-    if settings.engine_load_poll_s > 0:  # other instances' load on shared engines (issue 14.4)
+    if settings.engine_load_poll_s > 0:  # other instances' load on shared engines
         tasks.append(asyncio.create_task(registry.poll_loads(settings.engine_load_poll_s), name="tito-load-polls"))
     gc.collect()
     gc.freeze()  # start-up objects (tokenizer, codec, templates) never need scanning again
     log.info("session server ready: family=%s engines=%d", getattr(ctx.codec, "family", "?"), len(engines.engines))
     return Background(tasks, stop_health_checks)
+
+
+def open_relay(settings: Settings) -> PeerRelay:
+    """This instance's client to its peers (none: a relay that relays nothing)."""
+    return PeerRelay(settings.peers, timeout_s=settings.peer_timeout_s, admin_token=settings.admin_token)
+
+
+def join_cluster(ctx: ServerContext, relay: PeerRelay, background: Background) -> None:
+    """With peers, close the turn gate until the cluster's control state (pause, weight
+    version, engines) was read from them (control/peer_sync.py): a starting instance
+    must not serve turns the cluster has paused. The read runs as a background task."""
+    if ctx.settings.peers:
+        ctx.control.begin_sync()
+        background.tasks.append(asyncio.create_task(_sync(relay, ctx), name="tito-peer-sync"))
+
+
+async def _sync(relay: PeerRelay, ctx: ServerContext) -> None:
+    """The peer sync of a starting instance, logged; its gate opens whatever happens."""
+    try:
+        outcome = await sync_from_peers(relay, ctx.control, ctx.registry, drain_s=ctx.settings.turn_timeout_s)
+    except Exception:  # its `finally` opened the gate: serve as a lone instance would
+        log.exception("peer sync failed; serving with this instance's own state")
+        return
+    if outcome.adopted_from:
+        log.info("joined the cluster: %s", orjson.dumps(outcome.as_dict()).decode())
+    else:
+        log.info("no peer answered: serving with this instance's own state")
+
+
+def engine_url(spec: str) -> str:
+    """The base URL an engine address (`[protocol=]URL`) names, as the registry keys its
+    engines; a malformed one is a 400."""
+    try:
+        base_url = parse_engine_spec(spec)[1]
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    if not base_url:
+        raise BadRequest("url must name an engine, e.g. http://gpu-node:30000")
+    return base_url
 
 
 async def loop_lag_probe(metrics: Metrics, interval_s: float) -> None:

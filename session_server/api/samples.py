@@ -1,4 +1,4 @@
-"""Training samples over HTTP (issue 10): one session's, a streamed batch's, and rewards.
+"""Training samples over HTTP: one session's, a streamed batch's, and rewards.
 
 The library (`trajectory.samples.build_samples`, `trajectory.sample_formats`) does the
 work; this module decides what each session contributes and where it runs:
