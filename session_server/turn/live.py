@@ -1,7 +1,8 @@
-"""Real streaming of a turn (issue 12.2): the engine's deltas forwarded as they are sampled.
+"""Real streaming of a turn: the engine's deltas forwarded as they are sampled.
 
-A `LiveTurn` belongs to one request. When the parsed request asks for `stream: true`,
-the pipeline (`turns.py`) calls `begin` once the engine request is built: the dialect's
+A `LiveTurn` belongs to one request; the pipeline sees it as its `TurnStream`
+(`pipeline.py`). When the parsed request asks for `stream: true`, the pipeline calls
+`begin` once the engine request is built: the dialect's
 encoder gets `TurnStarted`, and `on_delta` then receives every `TokenDelta` the engine
 streams (through pauses: a resubmitted segment continues the same stream). Each delta
 becomes a `TokensDelta` and the text deltas `TextStreamer` can vouch for; for the hermes
@@ -13,13 +14,13 @@ and notes a final parse that disagrees with the streamed calls (committed anyway
 `stream_events`); after commit, `finish` sends the rest (held-back text, the rest of the
 tool calls, `TurnCommitted`). A turn
 that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also kept
-(`frames`) so that a replayed request gets exactly these bytes (idempotency.py).
+(`frames`) so that a replayed request gets exactly these bytes (`replay.py`).
 
 A streamed request may wait before its turn starts: in the session's claim queue behind
 the turn in flight (which may itself wait out a weight-update pause), or for anything
 else before `begin`. Silent, it is killed by its client's idle watchdog, so the
 response begins without the turn (`parsed` arms it): once the request has waited
-`keepalive_s`, `opened` is set, the app answers 200 with the SSE headers, and the
+`keepalive_s`, `opened` is set, the endpoint answers 200 with the SSE headers, and the
 dialect's keep-alives flow (after the encoder's `opening` frames: Responses sends its
 `response.created` then, since Codex's idle timer counts events and the openai SDK
 wants that event first) until the turn's own frames do. From then on a failure is the
@@ -41,6 +42,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trajectory.codec.parsing import new_call_id, tool_names
@@ -49,6 +51,7 @@ from trajectory.errors import CodecError
 from ..api.stream_events import (
     ContentDelta,
     ReasoningDelta,
+    StreamEncoder,
     StreamEvent,
     TokensDelta,
     ToolArgumentsDelta,
@@ -69,17 +72,22 @@ from .incremental import (
     calls_for,
     grammar_for,
 )
+from .output import Rendered, TurnOutput
 
 if TYPE_CHECKING:
-    from ..api.dialects import Dialect, Rendered
     from ..api.models import ChatRequest
     from ..context import ServerContext
     from .commit import Checked
     from .engine_request import EngineCall
-    from .pipeline import TurnOutput
     from .prepare import Prepared
 
-__all__ = ["LiveTurn", "TextStreamer"]
+__all__ = ["EncoderSource", "LiveTurn", "TextStreamer"]
+
+
+class EncoderSource(Protocol):
+    """Who makes a request's stream encoder: its client dialect (`api/dialects/`)."""
+
+    def encoder(self, req: ChatRequest, tokenizer: Any) -> StreamEncoder: ...
 
 _THINK_CLOSE = "</think>"
 _FIELDS = (("reasoning_content", ReasoningDelta), ("content", ContentDelta))
@@ -272,7 +280,7 @@ async def _drain(outbox: _Outbox, task: asyncio.Future[Any], held: bool, keepali
 class LiveTurn:
     """One request's live stream: frames out as events happen, kept for replays."""
 
-    def __init__(self, ctx: ServerContext, dialect: Dialect) -> None:
+    def __init__(self, ctx: ServerContext, dialect: EncoderSource) -> None:
         self.ctx, self.dialect = ctx, dialect
         self.started = asyncio.Event()  # the turn streams (`begin`)
         self.opened = asyncio.Event()  # the response began: at `begin`, or early (`parsed`)
@@ -282,7 +290,7 @@ class LiveTurn:
         self.frames: list[bytes] = []
         self._outbox = _Outbox(ctx.settings.stream_buffer_bytes)
         self._req: ChatRequest | None = None
-        self._encoder: Any = None
+        self._encoder: StreamEncoder | None = None
         self._text: TextStreamer | None = None
         self._ids: list[Any] = []
         self._lps: list[Any] = []  # the streamed logprobs, held to the committed ones at `check`
@@ -298,6 +306,12 @@ class LiveTurn:
     @property
     def active(self) -> bool:
         return self.started.is_set()
+
+    @property
+    def _encoding(self) -> StreamEncoder:
+        """The request's encoder: made at `parsed` (or `begin`), before any frame exists."""
+        assert self._encoder is not None
+        return self._encoder
 
     def parsed(self, req: ChatRequest) -> None:
         """The request is parsed (before its claim): for a stream, make its encoder and
@@ -318,14 +332,15 @@ class LiveTurn:
         if self.opened.is_set() or self._ended:
             return
         assert self.request_id is not None
-        for frame in self._encoder.opening(self.request_id):
+        for frame in self._encoding.opening(self.request_id):
             self._push(frame)
         self.opened.set()
 
-    def begin(self, req: ChatRequest, call: EngineCall, prep: Prepared) -> Callable[[TokenDelta], None] | None:
-        """Start the stream when the request asks for one; the engine delta callback."""
+    def begin(self, req: ChatRequest, call: EngineCall, prep: Prepared) -> bool:
+        """Start the stream when the request asks for one: whether it streams (then
+        `on_delta` takes the engine's deltas)."""
         if not req.stream:
-            return None
+            return False
         ctx = self.ctx
         if self._early is not None:
             self._early.cancel()
@@ -350,7 +365,7 @@ class LiveTurn:
         self._emit(TurnStarted(call.greq.request_id, len(call.greq.input_ids)))
         self.started.set()
         self.opened.set()
-        return self.on_delta
+        return True
 
     def on_delta(self, delta: TokenDelta) -> None:
         """An engine delta: its tokens, then whatever text became certain. Covered families
@@ -462,8 +477,6 @@ class LiveTurn:
 
     def finish(self, out: TurnOutput) -> Rendered:
         """After commit: the rest of the turn and `TurnCommitted`; every frame, for replays."""
-        from ..api.dialects import Rendered
-
         t0 = time.perf_counter()
         for event in [*self.pending, TurnCommitted(out)]:
             self._emit(event)
@@ -484,10 +497,10 @@ class LiveTurn:
 
     def stream(self, task: asyncio.Future[Any], *, held: bool = False) -> AsyncIterator[bytes]:
         """The frames as they come; a client that leaves cancels the turn (nothing committed),
-        unless `held`: a request that may be retried (idempotency.py) keeps its turn for the
+        unless `held`: a request that may be retried (`replay.py`) keeps its turn for the
         replay grace, and the retry gets every frame from the start and the one commit."""
         # not a generator of this object: see `_drain`
-        return _drain(self._outbox, task, held, self._encoder.keepalive, self.ctx.settings.keepalive_s,
+        return _drain(self._outbox, task, held, self._encoding.keepalive, self.ctx.settings.keepalive_s,
                       not self.frames)
 
     async def follow(self, waiter: asyncio.Future[Any]) -> AsyncIterator[bytes]:
@@ -504,7 +517,7 @@ class LiveTurn:
             self._followers.append(queue)
         ended = False
         try:
-            async for frame in _with_keepalives(queue, self._encoder.keepalive, self.ctx.settings.keepalive_s,
+            async for frame in _with_keepalives(queue, self._encoding.keepalive, self.ctx.settings.keepalive_s,
                                                 lead=queue.empty()):
                 yield frame
             ended = True  # the waiter ends by itself now (the turn is over)
@@ -515,7 +528,7 @@ class LiveTurn:
                 waiter.cancel()
 
     def _emit(self, event: StreamEvent) -> None:
-        for frame in self._encoder.encode(event):
+        for frame in self._encoding.encode(event):
             self._push(frame)
 
     def _push(self, frame: bytes) -> None:
@@ -551,8 +564,6 @@ class LiveTurn:
 def _amended(checked: Checked, calls: list[dict[str, Any]], diverged: bool) -> Checked:
     """`checked` with the streamed call ids in its message and parse (and the divergence
     noted for the turn record)."""
-    from dataclasses import replace
-
     message = {**checked.message, "tool_calls": calls} if calls else checked.message
     parsed = checked.parsed
     if calls and len(parsed.tool_calls) == len(calls):
