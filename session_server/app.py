@@ -10,34 +10,26 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Annotated, Any
 from urllib.parse import quote
 
 import orjson
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect
 
 from trajectory import export
 from trajectory.codec.base import HistoryPolicy
 from trajectory.errors import CodecError
 
 from .api import samples as samples_api
-from .api.dialects import (
-    ANTHROPIC_MESSAGES,
-    OPENAI_CHAT,
-    OPENAI_RESPONSES,
-    Dialect,
-    Rendered,
-    as_response,
-    render,
-)
+from .api.dialects import OPENAI_RESPONSES
 from .api.dialects import anthropic_messages as anthropic
 from .api.edge import ContainErrors, install_openapi, internal_error_body, route_doc
+from .api.edge import read_body as _read_body
 from .api.models import (
     ChatRequest,
     EngineAdd,
@@ -50,6 +42,8 @@ from .api.models import (
     WeightVersion,
     parse_json_model,
 )
+from .api.routes import turns as turn_routes
+from .api.turn_endpoint import TurnEndpoint
 from .auth import install_auth, new_instance_id
 from .context import ServerContext, log
 from .control import cluster_pause
@@ -60,10 +54,8 @@ from .engines.admission_check import parse_engine_spec
 from .errors import (
     BadRequest,
     ClientGone,
-    CommittedUnanswered,
     EngineError,
     NotFound,
-    PayloadTooLarge,
     ServiceError,
     from_http_status,
     from_library,
@@ -71,9 +63,6 @@ from .errors import (
 )
 from .lifecycle import AppConfig, build_context, shutdown, start_background
 from .sessions import Session, SessionConfig
-from .turn.live import LiveTurn
-from .turn.pipeline import TurnOutput, TurnRunner
-from .turn.replay import Hold, ReplayLog, identify
 
 __all__ = ["AppConfig", "create_app", "session_view"]
 
@@ -105,36 +94,6 @@ def _require_routed_shape(ctx: ServerContext) -> None:
 
 def _json(body: Any, status: int = 200) -> Response:
     return Response(content=orjson.dumps(body), status_code=status, media_type=JSON)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone("client disconnected while sending the body") from None
-    return b"".join(chunks)
-
-
-def _client_gone(request: Request) -> Callable[[], Coroutine[Any, Any, None]]:
-    """An awaitable that returns when the client hangs up (ASGI `http.disconnect`).
-
-    Only for after the body was read: then the server's `receive` has nothing left
-    to deliver but the disconnect, and waits for it without polling."""
-
-    async def wait() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return wait
 
 
 def session_view(s: Session) -> dict[str, Any]:
@@ -198,11 +157,8 @@ def create_app(config: AppConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx = await build_context(config)
         state["ctx"] = app.state.ctx = ctx
-        state["runner"] = app.state.runner = TurnRunner(ctx)
-        state["replays"] = app.state.replays = ReplayLog(
-            ctx.metrics, per_session=settings.replay_per_session, max_bytes=settings.replay_store_bytes,
-            grace_s=settings.replay_grace_s)
-        ctx.store.on_remove.append(lambda s: state["replays"].forget(s.id))
+        app.state.turns = turns = TurnEndpoint(ctx)  # the turn routes' entry point (api/routes/turns.py)
+        app.state.runner, app.state.replays = turns.runner, turns.replays
         state["relay"] = relay = PeerRelay(settings.peers, timeout_s=settings.peer_timeout_s,
                                            admin_token=settings.admin_token)
         background = start_background(ctx)
@@ -314,106 +270,7 @@ def create_app(config: AppConfig) -> FastAPI:
         base = str(request.base_url).rstrip("/")
         return _json({"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1", "api_key": s.token}, 201)
 
-    @app.post(
-        "/sessions/{sid}/v1/chat/completions",
-        **route_doc(OPENAI_CHAT.request_model, 400, 404, 409, 413, 429, 502, 503, 504, media=(JSON, "text/event-stream")),
-    )
-    async def chat(sid: str, request: Request) -> Response:
-        return await dialect_turn(sid, request, OPENAI_CHAT)
-
-    async def dialect_turn(
-        sid: str, request: Request, dialect: Dialect, *, parse: Callable[[bytes], ChatRequest] | None = None,
-        committed: Callable[[ChatRequest, TurnOutput], None] | None = None,
-    ) -> Response:
-        """One turn of any dialect's route: read the body, answer a replayed request
-        from its original (`idempotency.py`), else run the turn and render it.
-        `parse` replaces the dialect's (one bound to the session); `committed` runs
-        once per committed turn (not for a replay), before the response is rendered."""
-        ctx = ctx_of()
-        session = ctx.store.get(sid)  # 404 before reading a body for an unknown session
-        body = await _read_body(request, ctx.settings.max_body_bytes)
-        # a retry replays only its own attempt: never a turn the client has since built on
-        ident = await identify(ctx.offload, sid, dialect.name, request.headers, body, built_on=session.built_on)
-
-        live = LiveTurn(ctx, dialect)
-
-        async def produce(hold: Hold) -> Rendered:
-            req, out = await state["runner"].run(sid, body, parse=parse or dialect.parse,
-                                                 client_gone=hold(_client_gone(request)), live=live)
-            # committed: from here on nothing may turn into a retry that samples the turn again
-            try:
-                if committed is not None:
-                    committed(req, out)
-                if live.active:  # streamed as sampled: the frames sent are the response
-                    rendered = live.finish(out)
-                else:
-                    rendered = await render(ctx, dialect, req, out)
-                return dataclasses.replace(rendered, turn=(out.branch_id, out.turn_index))
-            except Exception as exc:
-                log.exception("session %s: turn %d committed, its response failed", sid, out.turn_index)
-                failed = CommittedUnanswered(
-                    f"turn {out.turn_index} of session {sid} was committed, but its response could not be built "
-                    f"({type(exc).__name__}); the turn is in GET /sessions/{sid}/trajectory, and a retry of this "
-                    "request gets this same error, never a second turn")
-                failed.turn = (out.branch_id, out.turn_index)
-                raise failed from exc
-
-        # a streamed turn answers once it starts, or once it has waited
-        # keepalive_s without starting (queued for the session: live.py), then sends
-        # keep-alives; anything before that (and a turn that is not streamed) answers as
-        # one response, errors as HTTP errors
-        followed: asyncio.Future[LiveTurn] = asyncio.get_running_loop().create_future()
-
-        def follow(original: LiveTurn) -> None:
-            if not followed.done():
-                followed.set_result(original)
-
-        task = asyncio.ensure_future(state["replays"].serve(ident, produce, live=live, on_follow=follow))
-        task.add_done_callback(live.on_done)
-        opened = asyncio.ensure_future(live.opened.wait())
-        try:
-            await asyncio.wait([task, opened, followed], return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            task.cancel()
-            raise
-        finally:
-            opened.cancel()
-        if followed.done() and not task.done():  # a replay of a turn streaming now: follow it live
-            return StreamingResponse(followed.result().follow(task), media_type="text/event-stream")
-        followed.cancel()
-        if not live.opened.is_set():
-            return as_response(await task)
-        return StreamingResponse(live.stream(task, held=ident.recorded), media_type="text/event-stream")
-
-    @app.post(
-        "/sessions/{sid}/v1/messages",
-        **route_doc(ANTHROPIC_MESSAGES.request_model, 400, 404, 409, 413, 429, 502, 503, 504,
-                    media=(JSON, "text/event-stream")),
-    )
-    async def messages(sid: str, request: Request) -> Response:
-        return await dialect_turn(sid, request, ANTHROPIC_MESSAGES)
-
-    @app.post("/sessions/{sid}/v1/messages/count_tokens", **route_doc(anthropic.CountTokensRequest, 400, 404, 413))
-    async def count_tokens(sid: str, request: Request) -> Response:
-        ctx = ctx_of()
-        ctx.store.get(sid)
-        body = await _read_body(request, ctx.settings.max_body_bytes)
-        n = await state["runner"].prompt_tokens(sid, body, parse=ANTHROPIC_MESSAGES.parse_count)
-        return _json({"input_tokens": n})
-
-    @app.post(
-        "/sessions/{sid}/v1/responses",
-        **route_doc(OPENAI_RESPONSES.request_model, 400, 404, 409, 413, 429, 502, 503, 504,
-                    media=(JSON, "text/event-stream")),
-    )
-    async def responses(sid: str, request: Request) -> Response:
-        ctx = ctx_of()
-        s = ctx.store.get(sid)
-        return await dialect_turn(
-            sid, request, OPENAI_RESPONSES,
-            parse=OPENAI_RESPONSES.parser(s, ctx.tokenizer),  # previous_response_id resolves in this session
-            committed=lambda req, out: OPENAI_RESPONSES.remember(s, req, out, ctx.tokenizer),
-        )
+    app.include_router(turn_routes.router)  # the turn routes: api/routes/turns.py
 
     @app.get("/sessions/{sid}/v1/responses/{response_id}", **route_doc(None, 404))
     async def get_response(sid: str, response_id: str) -> Response:

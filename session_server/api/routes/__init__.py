@@ -1,0 +1,1 @@
+"""The app's routes, one APIRouter per module; `app.py` includes them."""
