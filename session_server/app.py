@@ -158,7 +158,7 @@ def create_app(config: AppConfig) -> FastAPI:
         ctx = await build_context(config)
         state["ctx"] = app.state.ctx = ctx
         app.state.turns = turns = TurnEndpoint(ctx)  # the turn routes' entry point (api/routes/turns.py)
-        app.state.runner, app.state.replays = turns.runner, turns.replays
+        app.state.runner = turns.runner
         state["relay"] = relay = PeerRelay(settings.peers, timeout_s=settings.peer_timeout_s,
                                            admin_token=settings.admin_token)
         background = start_background(ctx)

@@ -9,7 +9,9 @@ of which it reads from one `PendingTurn`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,6 @@ import numpy as np
 
 from trajectory.codec.base import ChatCodec, ParsedAssistant
 from trajectory.errors import ValidationError
-from trajectory.linear import TurnRecord
 from trajectory.tree import ROLLBACK_REASON, Branch
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
@@ -154,28 +155,29 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
     async with session.lock:
         ctx.store.ensure_can_commit(session, claim)  # SessionClosed: counted discarded by run()
         # everything that can fail before the branch change: between a new branch and its
-        # first turn only `_commit_turn` runs, which takes the branch back when it refuses
+        # first turn only `commit_turn` runs, and `_new_branch_undone` takes the branch back when it refuses
         extra = _turn_extra(turn)
         before = session.tree.active_id
         _apply_branch_change(ctx, session, prep)
         branch = session.tree.active
         if prep.kind in ("first", "rollback", "fork"):
             session.tools_by_branch[branch.id] = prep.tools
-        record = _commit_turn(
-            session, branch, before, prep, prompt_ids,
-            valid.ids,
-            valid.logprobs,
-            finish_reason=checked.finish,
-            weight_spans=result.weight_spans or None,
-            weight_version=None if result.weight_spans else valid.weight_version,
-            repair_ids=checked.repair,
-            request_messages=prep.new_messages,
-            assistant_message=checked.message,
-            engine=turn.target_id,
-            cached_tokens=valid.cached_tokens,
-            extra=extra,
-            routed_experts=checked.routed,
-        )
+        with _new_branch_undone(session, branch, before, prep):
+            record = branch.trajectory.commit_turn(
+                prompt_ids,
+                valid.ids,
+                valid.logprobs,
+                finish_reason=checked.finish,
+                weight_spans=result.weight_spans or None,
+                weight_version=None if result.weight_spans else valid.weight_version,
+                repair_ids=checked.repair,
+                request_messages=prep.new_messages,
+                assistant_message=checked.message,
+                engine=turn.target_id,
+                cached_tokens=valid.cached_tokens,
+                extra=extra,
+                routed_experts=checked.routed,
+            )
         if "control" in extra:
             session.control_totals.add(result)
         if prep.answered is not None:
@@ -192,13 +194,13 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
     return Committed(turn_index=record.index, branch_id=branch.id)
 
 
-def _commit_turn(session: Session, branch: Branch, before: int, prep: Prepared, prompt_ids: list[int],
-                 *args: Any, **kwargs: Any) -> TurnRecord:
-    """`commit_turn` on the branch; when it refuses, a branch this commit started goes
-    again (a fork sharing its parent's next prompt would otherwise keep a prompt head no
-    turn opens, and an append to it would continue after that head)."""
+@contextlib.contextmanager
+def _new_branch_undone(session: Session, branch: Branch, before: int, prep: Prepared) -> Iterator[None]:
+    """Around `commit_turn` on the branch: when it refuses, a branch this commit started
+    goes again (a fork sharing its parent's next prompt would otherwise keep a prompt head
+    no turn opens, and an append to it would continue after that head)."""
     try:
-        return branch.trajectory.commit_turn(prompt_ids, *args, **kwargs)
+        yield
     except Exception:
         if prep.kind in ("rollback", "fork") and branch.id != before:
             session.tree.discard(branch.id, before)

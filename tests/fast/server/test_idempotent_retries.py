@@ -422,7 +422,7 @@ async def _raw_chat(st_: Stack, sid: str, body: dict[str, Any], headers: dict[st
 
 
 async def test_12_3_anthropic_messages_replay_is_the_stored_response(qwen3_dir: Path) -> None:
-    """Every dialect's route goes through the same replay store (`dialect_turn`)."""
+    """Every dialect's route goes through the same replay store (`TurnEndpoint.handle`)."""
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Hello there."}]}
