@@ -1,4 +1,5 @@
-"""The HTTP edge around the routes: unexpected errors, and what /openapi.json declares.
+"""The HTTP edge around the routes: reading a body, unexpected errors, and what
+/openapi.json declares.
 
 Routes read raw bytes (parsing runs on the CPU offload threads), so FastAPI cannot see their
 request models; `route_doc` declares them and the error responses by hand, and
@@ -13,9 +14,11 @@ from typing import Any
 import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..context import log
+from ..errors import ClientGone, PayloadTooLarge
 from .models import ErrorBody
 
 _REF = "#/components/schemas/{model}"
@@ -45,6 +48,23 @@ RETRY_AFTER_HEADER: dict[str, Any] = {
     "schema": {"type": "integer", "minimum": 0},
 }
 
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 past `limit` bytes (declared or as it arrives)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("client disconnected while sending the body") from None
+    return b"".join(chunks)
 
 
 def internal_error_body(exc: BaseException) -> bytes:

@@ -1,4 +1,4 @@
-"""What a streamed turn says, independent of the client's API (issue 12).
+"""What a streamed turn says, independent of the client's API.
 
 A turn streams as a sequence of typed events; each dialect (`api/dialects/`) has a
 `StreamEncoder` that turns them into its own SSE frames (chat completions chunks,
@@ -32,10 +32,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # turns imports the dialects package, which imports this module
-    from ..turn.pipeline import TurnOutput
+from ..turn.output import TurnOutput
 
 
 @dataclass(frozen=True)

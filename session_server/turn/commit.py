@@ -3,19 +3,22 @@
 `validate` (offloaded, O(output)) checks the engine's output against the request's
 `Expectations`, parses it as this request asked and computes repair tokens: a frozen
 `Checked`. `commit` (under the session lock, with no await inside, so a cancel never
-half-commits) applies the branch change decided at prepare and appends the turn.
+half-commits) applies the branch change decided at prepare and appends the turn, all
+of which it reads from one `PendingTurn`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from trajectory.codec.base import ChatCodec, ParsedAssistant
 from trajectory.errors import ValidationError
-from trajectory.linear import TurnRecord
 from trajectory.tree import ROLLBACK_REASON, Branch
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
@@ -30,7 +33,7 @@ from ..structured import apply_output_policy
 from .engine_request import EngineCall
 from .prepare import Prepared
 
-__all__ = ["Checked", "Committed", "commit", "validate"]
+__all__ = ["Checked", "Committed", "PendingTurn", "commit", "validate"]
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,27 @@ class Checked:
     """The validated engine output, parsed as this request asked, ready to commit."""
 
     valid: ValidGeneration
-    parsed: Any  # trajectory.codec.base.ParsedAssistant
+    parsed: ParsedAssistant
     repair: list[int]  # tokens that close a turn the engine cut short
     message: dict[str, Any]  # the assistant message returned and stored
     finish: str  # stop | tool_calls | length | abort | repetition
-    routed: Any = None  # routing replay: (rows, layers, topk) for [routed start, output_end - 1)
+    routed: np.ndarray | None = None  # routing replay: (rows, layers, topk) for [routed start, output_end - 1)
     extra: dict[str, Any] = field(default_factory=dict)  # more for the turn record (a live stream's notes)
+
+
+@dataclass(frozen=True)
+class PendingTurn:
+    """A validated turn not yet stored: what the earlier phases decided (prepare's
+    attachment, the prompt rendered, the engine request and its result) and the
+    validated output. One value, so that `commit` cannot be handed its parts in the
+    wrong order."""
+
+    prep: Prepared
+    prompt_ids: list[int]
+    call: EngineCall
+    result: ResilientResult
+    checked: Checked
+    target_id: str  # the engine that generated it
 
 
 @dataclass(frozen=True)
@@ -72,7 +90,8 @@ async def validate(
                    routed=routed, extra=extra)
 
 
-def _shaped(parsed: Any, req: ChatRequest, codec: Any, valid: ValidGeneration) -> tuple[Any, dict[str, Any]]:
+def _shaped(parsed: ParsedAssistant, req: ChatRequest, codec: ChatCodec,
+            valid: ValidGeneration) -> tuple[ParsedAssistant, dict[str, Any]]:
     """The parse shaped by the request's output policy, and the message every dialect
     renders from it, checked before commit (offload: O(output)): a dialect's response
     must not be able to fail after the turn is committed, or the client's retry (an SDK
@@ -105,7 +124,7 @@ def _undecodable(valid: ValidGeneration, tokenizer_size: int) -> dict[str, Any]:
                                 "ids": valid.ids[at[:8]].tolist(), "tokenizer_size": tokenizer_size}}
 
 
-def _routed_rows(ctx: ServerContext, call: EngineCall, result: ResilientResult) -> Any:
+def _routed_rows(ctx: ServerContext, call: EngineCall, result: ResilientResult) -> np.ndarray:
     """The turn's routed experts for positions [start, input + output - 1) (offload)."""
     shape = ctx.routed_shape()
     end = len(call.greq.input_ids) + len(result.output_ids) - 1
@@ -115,7 +134,7 @@ def _routed_rows(ctx: ServerContext, call: EngineCall, result: ResilientResult) 
 
 def _check_output(
     ctx: ServerContext, result: GenerateResult, expect: Expectations, req: ChatRequest, prep: Prepared
-) -> tuple[ValidGeneration, Any, list[int], dict[str, Any]]:
+) -> tuple[ValidGeneration, ParsedAssistant, list[int], dict[str, Any]]:
     """Validate, parse (as this request: its tools, its thinking switch), compute repair
     tokens and note ids no text shows (offload: all O(output)). `tool_choice: none` offers no tools to call."""
     try:
@@ -129,37 +148,36 @@ def _check_output(
     return valid, parsed, repair, _undecodable(valid, ctx.codec.vocab_size)
 
 
-async def commit(
-    ctx: ServerContext, session: Session, claim: Claim, prep: Prepared, prompt_ids: list[int],
-    call: EngineCall, result: ResilientResult, checked: Checked, target_id: str,
-) -> Committed:
+async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: PendingTurn) -> Committed:
     """Apply the branch change decided at prepare and append the turn."""
+    prep, prompt_ids, result, checked = turn.prep, turn.prompt_ids, turn.result, turn.checked
     valid = checked.valid
     async with session.lock:
         ctx.store.ensure_can_commit(session, claim)  # SessionClosed: counted discarded by run()
         # everything that can fail before the branch change: between a new branch and its
-        # first turn only `_commit_turn` runs, which takes the branch back when it refuses
-        extra = _turn_extra(call, result, checked, prep)
+        # first turn only `commit_turn` runs, and `_new_branch_undone` takes the branch back when it refuses
+        extra = _turn_extra(turn)
         before = session.tree.active_id
         _apply_branch_change(ctx, session, prep)
         branch = session.tree.active
         if prep.kind in ("first", "rollback", "fork"):
             session.tools_by_branch[branch.id] = prep.tools
-        record = _commit_turn(
-            session, branch, before, prep, prompt_ids,
-            valid.ids,
-            valid.logprobs,
-            finish_reason=checked.finish,
-            weight_spans=result.weight_spans or None,
-            weight_version=None if result.weight_spans else valid.weight_version,
-            repair_ids=checked.repair,
-            request_messages=prep.new_messages,
-            assistant_message=checked.message,
-            engine=target_id,
-            cached_tokens=valid.cached_tokens,
-            extra=extra,
-            routed_experts=checked.routed,
-        )
+        with _new_branch_undone(session, branch, before, prep):
+            record = branch.trajectory.commit_turn(
+                prompt_ids,
+                valid.ids,
+                valid.logprobs,
+                finish_reason=checked.finish,
+                weight_spans=result.weight_spans or None,
+                weight_version=None if result.weight_spans else valid.weight_version,
+                repair_ids=checked.repair,
+                request_messages=prep.new_messages,
+                assistant_message=checked.message,
+                engine=turn.target_id,
+                cached_tokens=valid.cached_tokens,
+                extra=extra,
+                routed_experts=checked.routed,
+            )
         if "control" in extra:
             session.control_totals.add(result)
         if prep.answered is not None:
@@ -176,13 +194,13 @@ async def commit(
     return Committed(turn_index=record.index, branch_id=branch.id)
 
 
-def _commit_turn(session: Session, branch: Branch, before: int, prep: Prepared, prompt_ids: list[int],
-                 *args: Any, **kwargs: Any) -> TurnRecord:
-    """`commit_turn` on the branch; when it refuses, a branch this commit started goes
-    again (a fork sharing its parent's next prompt would otherwise keep a prompt head no
-    turn opens, and an append to it would continue after that head)."""
+@contextlib.contextmanager
+def _new_branch_undone(session: Session, branch: Branch, before: int, prep: Prepared) -> Iterator[None]:
+    """Around `commit_turn` on the branch: when it refuses, a branch this commit started
+    goes again (a fork sharing its parent's next prompt would otherwise keep a prompt head
+    no turn opens, and an append to it would continue after that head)."""
     try:
-        return branch.trajectory.commit_turn(prompt_ids, *args, **kwargs)
+        yield
     except Exception:
         if prep.kind in ("rollback", "fork") and branch.id != before:
             session.tree.discard(branch.id, before)
@@ -221,9 +239,10 @@ def _apply_branch_change(ctx: ServerContext, session: Session, prep: Prepared) -
         ctx.metrics.branches_total.labels(reason="fork").inc()
 
 
-def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked, prep: Prepared) -> dict[str, Any]:
+def _turn_extra(turn: PendingTurn) -> dict[str, Any]:
     """The turn record's diagnostics: request id, parse status, routed-experts size and
     the control counters of a turn that lived through pauses."""
+    call, result, checked, prep = turn.call, turn.result, turn.checked, turn.prep
     parsed = checked.parsed
     extra: dict[str, Any] = {"request_id": call.greq.request_id, "parse_status": parsed.status.value,
                              **checked.extra}
@@ -233,10 +252,10 @@ def _turn_extra(call: EngineCall, result: ResilientResult, checked: Checked, pre
         extra["routed_experts_bytes"] = wire_size(result.routed_experts)
     if result.aborts or result.resubmits or result.paused_wait_s:
         extra["control"] = result.counters()
-    if result.stale_bound is not None:  # ended at a weight update by max_weight_lag (13.5)
+    if result.stale_bound is not None:  # ended at a weight update by max_weight_lag
         extra["stale_bound"] = result.stale_bound
-    if prep.history_rewrite is not None:  # kept under the append policy (10.3)
+    if prep.history_rewrite is not None:  # kept under the append policy
         extra["history_rewrite"] = dict(prep.history_rewrite)
-    if prep.tool_call_renames:  # the client re-sent our last calls under its own ids (10.2)
+    if prep.tool_call_renames:  # the client re-sent our last calls under its own ids
         extra["tool_call_id_renames"] = dict(prep.tool_call_renames)
     return extra

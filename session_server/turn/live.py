@@ -1,10 +1,11 @@
-"""Real streaming of a turn (issue 12.2): the engine's deltas forwarded as they are sampled.
+"""Real streaming of a turn: the engine's deltas forwarded as they are sampled.
 
-A `LiveTurn` belongs to one request. When the parsed request asks for `stream: true`,
-the pipeline (`turns.py`) calls `begin` once the engine request is built: the dialect's
+A `LiveTurn` belongs to one request; the pipeline sees it as its `TurnStream`
+(`pipeline.py`). When the parsed request asks for `stream: true`, the pipeline calls
+`begin` once the engine request is built: the dialect's
 encoder gets `TurnStarted`, and `on_delta` then receives every `TokenDelta` the engine
 streams (through pauses: a resubmitted segment continues the same stream). Each delta
-becomes a `TokensDelta` and the text deltas `TextStreamer` can vouch for; for the hermes
+becomes a `TokensDelta` and the text deltas `TextStreamer` (`text_stream.py`) can vouch for; for the hermes
 families, tool calls as `HermesCalls` reads them (`ToolCallStarted` with an id minted
 here, canonical `ToolArgumentsDelta`s). Before commit, `check` verifies the streamed ids
 are a prefix of the validated ones and the streamed text a prefix of the message's
@@ -13,19 +14,19 @@ and notes a final parse that disagrees with the streamed calls (committed anyway
 `stream_events`); after commit, `finish` sends the rest (held-back text, the rest of the
 tool calls, `TurnCommitted`). A turn
 that fails after `begin` ends with `TurnFailed` (`on_done`). Every frame is also kept
-(`frames`) so that a replayed request gets exactly these bytes (idempotency.py).
+(`frames`) so that a replayed request gets exactly these bytes (`replay.py`).
 
 A streamed request may wait before its turn starts: in the session's claim queue behind
 the turn in flight (which may itself wait out a weight-update pause), or for anything
 else before `begin`. Silent, it is killed by its client's idle watchdog, so the
 response begins without the turn (`parsed` arms it): once the request has waited
-`keepalive_s`, `opened` is set, the app answers 200 with the SSE headers, and the
+`keepalive_s`, `opened` is set, the endpoint answers 200 with the SSE headers, and the
 dialect's keep-alives flow (after the encoder's `opening` frames: Responses sends its
 `response.created` then, since Codex's idle timer counts events and the openai SDK
 wants that event first) until the turn's own frames do. From then on a failure is the
 dialect's error event (`on_done`), as after `begin`; before it, an HTTP status.
 
-The client's frames wait in a bounded outbox (`stream_buffer_bytes`): a client that
+The client's frames wait in a bounded outbox (`outbox.py`, `stream_buffer_bytes`): a client that
 stops reading without disconnecting would otherwise hold every frame of its turn, for
 as long as its connection lives. Past the bound its waiting frames are dropped and its
 stream ends with a `stream_overflow` error event (then its dialect's end, e.g. chat's
@@ -37,18 +38,16 @@ once the turn ends, its frames are not pinned by a stalled connection.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trajectory.codec.parsing import new_call_id, tool_names
 from trajectory.errors import CodecError
 
 from ..api.stream_events import (
-    ContentDelta,
-    ReasoningDelta,
+    StreamEncoder,
     StreamEvent,
     TokensDelta,
     ToolArgumentsDelta,
@@ -69,98 +68,24 @@ from .incremental import (
     calls_for,
     grammar_for,
 )
+from .outbox import Outbox, drain, with_keepalives
+from .output import Rendered, TurnOutput
+from .text_stream import TextStreamer, think_close_ids
 
 if TYPE_CHECKING:
-    from ..api.dialects import Dialect, Rendered
     from ..api.models import ChatRequest
     from ..context import ServerContext
     from .commit import Checked
     from .engine_request import EngineCall
-    from .pipeline import TurnOutput
     from .prepare import Prepared
 
-__all__ = ["LiveTurn", "TextStreamer"]
-
-_THINK_CLOSE = "</think>"
-_FIELDS = (("reasoning_content", ReasoningDelta), ("content", ContentDelta))
-_KIND: dict[str, type[ReasoningDelta] | type[ContentDelta]] = dict(_FIELDS)
+__all__ = ["EncoderSource", "LiveTurn"]
 
 
-def _common_prefix(a: str, b: str) -> str:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return a[:n]
+class EncoderSource(Protocol):
+    """Who makes a request's stream encoder: its client dialect (`api/dialects/`)."""
 
-
-def _settled(text: str, *, tools: bool) -> str:
-    """The part of a field's speculative text that more tokens cannot change: without
-    a possibly unfinished marker (from the last `<` not closed by `>`; with tools
-    offered, from the first `<`, `[` or `{`, where a tool call could start) and without
-    trailing whitespace (parsers trim it before a call or at the end)."""
-    if tools:
-        cut = min((i for i in (text.find(c) for c in "<[{") if i >= 0), default=len(text))
-        text = text[:cut]
-    else:
-        lt = text.rfind("<")
-        if lt >= 0 and ">" not in text[lt:]:
-            text = text[:lt]
-    return text.rstrip()
-
-
-class TextStreamer:
-    """Text deltas of a turn being sampled that are certainly part of its committed
-    message: each field's text is what the codec's own parse gives for the ids so far,
-    agreed by the parse of the ids plus `</think>` (the model may still close a reasoning
-    block, which would turn content so far into reasoning), then `_settled`. What is
-    held back is sent by `tail` once the whole message is parsed."""
-
-    def __init__(self, parse: Callable[[Sequence[int]], dict[str, Any]], think_close: Sequence[int],
-                 *, tools: bool) -> None:
-        self._parse, self._think_close, self._tools = parse, list(think_close), tools
-        self.sent: dict[str, str] = {"reasoning_content": "", "content": ""}
-
-    def feed(self, ids: Sequence[int]) -> list[StreamEvent]:
-        """The new text deltas once `ids` (all sampled so far) are known."""
-        return self.advance(self.settle(ids))
-
-    def settle(self, ids: Sequence[int]) -> dict[str, str]:
-        """Each field's text certain for `ids` (pure: the fallback runs it off the loop)."""
-        now = self._parse(ids)
-        if self._think_close:
-            alt = self._parse([*ids, *self._think_close])
-        else:  # no what-if: content is certain only after a reasoning block
-            alt = now if now.get("reasoning_content") is not None else {**now, "content": ""}
-        return {name: _settled(_common_prefix(now.get(name) or "", alt.get(name) or ""), tools=self._tools)
-                for name, _ in _FIELDS}
-
-    def advance(self, settled: dict[str, str]) -> list[StreamEvent]:
-        """The deltas from what was sent to `settled` (on the loop: it updates `sent`)."""
-        events: list[StreamEvent] = []
-        for name, kind in _FIELDS:
-            safe, done = settled[name], self.sent[name]
-            if len(safe) > len(done) and safe.startswith(done):
-                events.append(kind(safe[len(done):]))
-                self.sent[name] = safe
-        return events
-
-    def add(self, name: str, text: str) -> StreamEvent:
-        """`text` more of field `name`, from the incremental splitter."""
-        self.sent[name] += text
-        return _KIND[name](text)
-
-    def tail(self, message: dict[str, Any]) -> list[StreamEvent]:
-        """The rest of each field; `UpstreamInvalid` when what was sent is not its prefix."""
-        events: list[StreamEvent] = []
-        for name, kind in _FIELDS:
-            full, done = str(message.get(name) or ""), self.sent[name]
-            if not full.startswith(done):
-                raise UpstreamInvalid(f"streamed {name} {done[-40:]!r} is not a prefix of the parsed message")
-            if len(full) > len(done):
-                events.append(kind(full[len(done):]))
-        return events
+    def encoder(self, req: ChatRequest, tokenizer: Any) -> StreamEncoder: ...
 
 
 def _failure(exc: BaseException) -> TurnFailed:
@@ -172,107 +97,10 @@ def _failure(exc: BaseException) -> TurnFailed:
         return TurnFailed("internal_error", f"{type(exc).__name__}: {exc}", 500)
     return TurnFailed(err.type, err.message, err.status)
 
-
-class _Outbox:
-    """The client's frames not yet taken by its response, bounded in bytes: past `limit`
-    they are dropped and replaced by the cut frames (`cut`), then the end."""
-
-    def __init__(self, limit: int) -> None:
-        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self.limit, self.waiting, self.cut = limit, 0, False
-
-    def put(self, frame: bytes) -> bool:
-        """Queue `frame`; False when it would pass the bound (nothing queued: cut it)."""
-        if self.cut:
-            return True  # the client's stream has ended; the turn's frames still go to `frames`
-        if self.waiting > self.limit:
-            return False  # the backlog is past the bound: the client stopped reading (a frame
-            # larger than the bound still goes to a client that keeps up)
-        self.waiting += len(frame)
-        self.queue.put_nowait(frame)
-        return True
-
-    def cut_with(self, frames: Sequence[bytes]) -> None:
-        while not self.queue.empty():
-            self.queue.get_nowait()
-        self.cut, self.waiting = True, 0
-        for f in frames:
-            self.queue.put_nowait(f)
-        self.queue.put_nowait(None)
-
-    def end(self) -> None:
-        if not self.cut:
-            self.queue.put_nowait(None)
-
-    async def get(self) -> bytes | None:
-        return self._taken(await self.queue.get())
-
-    def get_nowait(self) -> bytes | None:
-        """A waiting frame (asyncio.QueueEmpty when none): the streaming fast path."""
-        return self._taken(self.queue.get_nowait())
-
-    def _taken(self, frame: bytes | None) -> bytes | None:
-        if frame is not None and not self.cut:
-            self.waiting -= len(frame)
-        return frame
-
-
-class _Frames(Protocol):
-    """Where a stream's frames wait: the outbox, or a follower's queue."""
-
-    async def get(self) -> bytes | None: ...
-
-    def get_nowait(self) -> bytes | None: ...
-
-
-async def _with_keepalives(source: _Frames, keepalive: Callable[[], bytes],
-                           every: float, *, lead: bool = False) -> AsyncIterator[bytes]:
-    """The frames `source` gives until its end (None), and the dialect's keep-alive whenever
-    none came for `every` seconds (`lead`: one first, for a response that begins with
-    nothing of its turn to send: the client has waited already). Why: a turn held by a
-    weight-update pause or a long constrained sample sends nothing for minutes, and
-    clients abort a stream that is silent too long (Claude Code, Codex's
-    `stream_idle_timeout_ms`). Keep-alives are not part of the turn: never kept in
-    `frames`, so a replay does not carry them."""
-    if lead:
-        yield keepalive()
-    while True:
-        try:  # a frame already waiting needs no timer (wait_for costs a task per frame)
-            frame = source.get_nowait()
-        except asyncio.QueueEmpty:
-            try:
-                frame = await asyncio.wait_for(source.get(), every)
-            except TimeoutError:
-                yield keepalive()
-                continue
-        if frame is None:
-            return
-        yield frame
-
-
-async def _drain(outbox: _Outbox, task: asyncio.Future[Any], held: bool, keepalive: Callable[[], bytes],
-                 every: float, lead: bool) -> AsyncIterator[bytes]:
-    """The client's frames as they come (`LiveTurn.stream`), keep-alives in the silences.
-    It holds the outbox, the encoder's keep-alive and, only while the turn runs, its task
-    (to cancel it if the client leaves): never the LiveTurn, whose `frames` a stalled
-    reader would otherwise keep alive after the turn ended."""
-    running: list[asyncio.Future[Any]] = [task]
-    task.add_done_callback(lambda _t: running.clear())
-    del task
-    ended = False
-    try:
-        async for frame in _with_keepalives(outbox, keepalive, every, lead=lead):
-            yield frame
-        ended = True
-    finally:
-        if not ended and not held and running and not running[0].done():
-            running[0].cancel()
-
-
 class LiveTurn:
     """One request's live stream: frames out as events happen, kept for replays."""
 
-    def __init__(self, ctx: ServerContext, dialect: Dialect) -> None:
+    def __init__(self, ctx: ServerContext, dialect: EncoderSource) -> None:
         self.ctx, self.dialect = ctx, dialect
         self.started = asyncio.Event()  # the turn streams (`begin`)
         self.opened = asyncio.Event()  # the response began: at `begin`, or early (`parsed`)
@@ -280,9 +108,9 @@ class LiveTurn:
         self._arrived = asyncio.get_running_loop().time()
         self._early: asyncio.TimerHandle | None = None
         self.frames: list[bytes] = []
-        self._outbox = _Outbox(ctx.settings.stream_buffer_bytes)
+        self._outbox = Outbox(ctx.settings.stream_buffer_bytes)
         self._req: ChatRequest | None = None
-        self._encoder: Any = None
+        self._encoder: StreamEncoder | None = None
         self._text: TextStreamer | None = None
         self._ids: list[Any] = []
         self._lps: list[Any] = []  # the streamed logprobs, held to the committed ones at `check`
@@ -298,6 +126,12 @@ class LiveTurn:
     @property
     def active(self) -> bool:
         return self.started.is_set()
+
+    @property
+    def _encoding(self) -> StreamEncoder:
+        """The request's encoder: made at `parsed` (or `begin`), before any frame exists."""
+        assert self._encoder is not None
+        return self._encoder
 
     def parsed(self, req: ChatRequest) -> None:
         """The request is parsed (before its claim): for a stream, make its encoder and
@@ -318,14 +152,15 @@ class LiveTurn:
         if self.opened.is_set() or self._ended:
             return
         assert self.request_id is not None
-        for frame in self._encoder.opening(self.request_id):
+        for frame in self._encoding.opening(self.request_id):
             self._push(frame)
         self.opened.set()
 
-    def begin(self, req: ChatRequest, call: EngineCall, prep: Prepared) -> Callable[[TokenDelta], None] | None:
-        """Start the stream when the request asks for one; the engine delta callback."""
+    def begin(self, req: ChatRequest, call: EngineCall, prep: Prepared) -> bool:
+        """Start the stream when the request asks for one: whether it streams (then
+        `on_delta` takes the engine's deltas)."""
         if not req.stream:
-            return None
+            return False
         ctx = self.ctx
         if self._early is not None:
             self._early.cancel()
@@ -340,7 +175,7 @@ class LiveTurn:
             return ctx.codec.parse_assistant(ids, tools=tools, template_kwargs=kwargs).to_message()
 
         tok = getattr(ctx.codec, "tokenizer", ctx.tokenizer)
-        self._text = TextStreamer(parse, _think_close_ids(tok), tools=bool(tools))
+        self._text = TextStreamer(parse, think_close_ids(tok), tools=bool(tools))
         names = tool_names(tools)
         grammar = grammar_for(ctx.codec, tools=bool(names), template_kwargs=kwargs)
         if grammar is not None:
@@ -350,7 +185,7 @@ class LiveTurn:
         self._emit(TurnStarted(call.greq.request_id, len(call.greq.input_ids)))
         self.started.set()
         self.opened.set()
-        return self.on_delta
+        return True
 
     def on_delta(self, delta: TokenDelta) -> None:
         """An engine delta: its tokens, then whatever text became certain. Covered families
@@ -462,8 +297,6 @@ class LiveTurn:
 
     def finish(self, out: TurnOutput) -> Rendered:
         """After commit: the rest of the turn and `TurnCommitted`; every frame, for replays."""
-        from ..api.dialects import Rendered
-
         t0 = time.perf_counter()
         for event in [*self.pending, TurnCommitted(out)]:
             self._emit(event)
@@ -471,9 +304,9 @@ class LiveTurn:
         self.ctx.metrics.observe_phase("respond", time.perf_counter() - t0)  # as `render` does
         return Rendered("text/event-stream", frames=tuple(self.frames))
 
-    def on_done(self, task: asyncio.Future[Any]) -> None:
+    def on_done(self, task: asyncio.Future[Rendered]) -> None:
         """The request's task ended: a failure once the response began (at `begin` or
-        early) ends the stream with `TurnFailed`; before, the app answers it as an HTTP error."""
+        early) ends the stream with `TurnFailed`; before, the endpoint answers it as an HTTP error."""
         if self._early is not None:
             self._early.cancel()
             self._early = None
@@ -482,15 +315,15 @@ class LiveTurn:
             self._emit(_failure(exc))
             self._end()
 
-    def stream(self, task: asyncio.Future[Any], *, held: bool = False) -> AsyncIterator[bytes]:
+    def stream(self, task: asyncio.Future[Rendered], *, held: bool = False) -> AsyncIterator[bytes]:
         """The frames as they come; a client that leaves cancels the turn (nothing committed),
-        unless `held`: a request that may be retried (idempotency.py) keeps its turn for the
+        unless `held`: a request that may be retried (`replay.py`) keeps its turn for the
         replay grace, and the retry gets every frame from the start and the one commit."""
-        # not a generator of this object: see `_drain`
-        return _drain(self._outbox, task, held, self._encoder.keepalive, self.ctx.settings.keepalive_s,
+        # not a generator of this object: see `outbox.drain`
+        return drain(self._outbox, task, held, self._encoding.keepalive, self.ctx.settings.keepalive_s,
                       not self.frames)
 
-    async def follow(self, waiter: asyncio.Future[Any]) -> AsyncIterator[bytes]:
+    async def follow(self, waiter: asyncio.Future[None]) -> AsyncIterator[bytes]:
         """For a replay that adopted this turn while it streams: every frame from the first,
         then the rest as they come (to the same end: committed or the error event).
         `waiter` (the replay's own wait for the turn) is cancelled if the replay leaves
@@ -504,7 +337,7 @@ class LiveTurn:
             self._followers.append(queue)
         ended = False
         try:
-            async for frame in _with_keepalives(queue, self._encoder.keepalive, self.ctx.settings.keepalive_s,
+            async for frame in with_keepalives(queue, self._encoding.keepalive, self.ctx.settings.keepalive_s,
                                                 lead=queue.empty()):
                 yield frame
             ended = True  # the waiter ends by itself now (the turn is over)
@@ -515,7 +348,7 @@ class LiveTurn:
                 waiter.cancel()
 
     def _emit(self, event: StreamEvent) -> None:
-        for frame in self._encoder.encode(event):
+        for frame in self._encoding.encode(event):
             self._push(frame)
 
     def _push(self, frame: bytes) -> None:
@@ -551,8 +384,6 @@ class LiveTurn:
 def _amended(checked: Checked, calls: list[dict[str, Any]], diverged: bool) -> Checked:
     """`checked` with the streamed call ids in its message and parse (and the divergence
     noted for the turn record)."""
-    from dataclasses import replace
-
     message = {**checked.message, "tool_calls": calls} if calls else checked.message
     parsed = checked.parsed
     if calls and len(parsed.tool_calls) == len(calls):
@@ -560,23 +391,3 @@ def _amended(checked: Checked, calls: list[dict[str, Any]], diverged: bool) -> C
                                                                                            strict=True)])
     extra = {**checked.extra, "stream_tool_divergence": True} if diverged else checked.extra
     return replace(checked, message=message, parsed=parsed, extra=extra)
-
-
-_THINK_CLOSE_IDS: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
-
-
-def _think_close_ids(tokenizer: Any) -> list[int]:
-    """`</think>` as ids (the what-if of `TextStreamer`); none when the tokenizer cannot say.
-    Encoded once per tokenizer (a server has one): not a tokenizer call per streamed turn."""
-    try:
-        cached = _THINK_CLOSE_IDS.get(tokenizer)
-    except TypeError:  # not weakly referenceable (or unhashable): encode every time
-        cached = None
-    if cached is None:
-        try:
-            cached = tuple(int(t) for t in tokenizer.encode(_THINK_CLOSE, add_special_tokens=False))
-        except Exception:  # a tokenizer without this signature: no what-if, reasoning is not split live
-            cached = ()
-        with contextlib.suppress(TypeError):
-            _THINK_CLOSE_IDS[tokenizer] = cached
-    return list(cached)

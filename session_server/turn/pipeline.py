@@ -14,6 +14,10 @@ typed inputs and outputs (frozen values), each timed under its own name
     commit     commit.py (lock, no await)    -> Committed
     respond    api/dialects/ (the API edge)  TurnOutput -> JSON body or SSE frames
 
+A streamed request's live stream (`live.py`) is seen here only as a `TurnStream`: the
+pipeline tells it when the request is parsed, when the turn begins, each engine delta
+and the validated output before commit; it never imports the stream itself.
+
 The claim is released in a `finally` on every path (errors, cancellation, client
 disconnect), and only by the request that made it. Branch changes decided at
 prepare (rollback, fork) are applied at commit, so a failed turn leaves the
@@ -24,38 +28,53 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from ..api.models import ChatRequest
 from ..context import ServerContext
+from ..engines.base import TokenDelta
 from ..errors import ClientGone, SessionBusy, SessionClosed
 from ..sessions import Claim, Session, SessionState
-from .commit import Checked, Committed, commit, validate
+from .commit import Checked, Committed, PendingTurn, commit, validate
 from .dispatch import Generated, generate
 from .engine_request import EngineCall, engine_request
-from .live import LiveTurn
+from .output import TurnOutput
 from .prepare import Prepared, check_branch_cap, prepare, render
 
+__all__ = ["ClientWatch", "TurnOutput", "TurnRunner", "TurnStream"]
 
-@dataclass(frozen=True)
-class TurnOutput:
-    """Everything the respond phase needs of a committed turn."""
+ClientWatch = Callable[[], Awaitable[None]]
+"""Returns when the request's client hung up (the turn is then cancelled)."""
 
-    request_id: str
-    message: dict[str, Any]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    sampled_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: Sequence[Any] | None
-    turn_index: int
-    branch_id: int
-    timings_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds
-    matched_stop: int | str | None = None  # the engine's matched stop string or token id (Anthropic stop_sequence)
+
+class TurnStream(Protocol):
+    """What the pipeline tells a request's live stream (`live.LiveTurn`), in this order:
+    `parsed`, then `begin` once the engine request is built, `on_delta` per engine delta
+    when `begin` said the turn streams, and `check` of the validated output before
+    commit. A stream that the request did not ask for does nothing."""
+
+    @property
+    def request_id(self) -> str | None:
+        """The engine request id a stream already announced (None: mint one)."""
+        ...
+
+    def parsed(self, req: ChatRequest) -> None:
+        """The request is parsed, before its claim (a stream may begin its response early)."""
+        ...
+
+    def begin(self, req: ChatRequest, call: EngineCall, prep: Prepared) -> bool:
+        """The turn starts: whether it streams (then `on_delta` gets the engine's deltas)."""
+        ...
+
+    def on_delta(self, delta: TokenDelta) -> None:
+        """Tokens the engine sampled since its last delta."""
+        ...
+
+    def check(self, checked: Checked) -> Checked:
+        """Before commit: what was streamed must agree with `checked` (else the turn
+        fails, nothing committed); `checked` as the stream amends it."""
+        ...
 
 
 class _Timer:
@@ -83,7 +102,7 @@ class TurnRunner:
 
     async def run(
         self, session_id: str, body: bytes, *, parse: Callable[[bytes], ChatRequest],
-        client_gone: Callable[[], Coroutine[Any, Any, None]] | None = None, live: LiveTurn | None = None,
+        client_gone: ClientWatch | None = None, live: TurnStream | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """Claim the session and run the turn as its own task (`parse` is the client
         dialect's: body -> the pipeline's `ChatRequest`), which ends early when
@@ -92,13 +111,13 @@ class TurnRunner:
         - the session is deleted (`SessionStore.close` cancels `session.turn`): 409.
 
         `live` streams the turn as it is sampled when the request asks for a stream
-        (`live.py`; the events still to send after commit are in `live.pending`).
+        (`TurnStream`; `live.py`).
 
         The body is parsed before the claim: a malformed request is a 400 at once rather
         than after the turns queued before it, and `live` learns from the parsed request
         whether it is a stream, so a stream that waits in the claim queue (or anywhere
         before its first frame) can begin its response and send keep-alives meanwhile
-        (`LiveTurn.parsed`). The parse runs under the session lock: a Responses body's
+        (`TurnStream.parsed`). The parse runs under the session lock: a Responses body's
         `previous_response_id` reads the session's tree, which a commit of the turn in
         flight would otherwise change under it.
 
@@ -106,9 +125,9 @@ class TurnRunner:
         nothing (commit has no await inside), so the claim is free at once for a retry."""
         ctx = self.ctx
         timer = _Timer(ctx)
-        watcher: asyncio.Task[None] | None = None
+        watcher: asyncio.Future[None] | None = None
         if client_gone is not None:
-            watcher = asyncio.create_task(client_gone())
+            watcher = asyncio.ensure_future(client_gone())
         try:
             req = await self._parse(session_id, body, parse)
             timer.lap("parse")
@@ -169,7 +188,7 @@ class TurnRunner:
             req: ChatRequest = await self.ctx.offload.run_sized(len(body), parse, body)
         return req
 
-    async def _claim(self, session_id: str, watcher: asyncio.Task[None] | None) -> tuple[Session, Claim]:
+    async def _claim(self, session_id: str, watcher: asyncio.Future[None] | None) -> tuple[Session, Claim]:
         """The session's claim: at once when it is free, else after the turns queued
         before this one (`SessionStore.wait_claim`), waiting at most `busy_wait_s`.
 
@@ -213,7 +232,7 @@ class TurnRunner:
                     store.release(session, fut.result())  # handed over just as this request gave up
 
     @staticmethod
-    async def _cancel(work: asyncio.Task[Any], wait_s: float = 1.0) -> None:
+    async def _cancel(work: asyncio.Task[tuple[ChatRequest, TurnOutput]], wait_s: float = 1.0) -> None:
         """Cancel the turn's work and give its `finally`s (engine abort, routing stats) a
         bounded moment; the claim is released after this either way."""
         work.cancel()
@@ -226,7 +245,7 @@ class TurnRunner:
 
     async def _turn(
         self, session: Session, claim: Claim, req: ChatRequest, body_len: int, timer: _Timer,
-        live: LiveTurn | None = None,
+        live: TurnStream | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """The phases in order, each lapped under its own name (parse and claim were lapped
         by `run`; `route` is lapped inside generate, when the first target is chosen)."""
@@ -239,15 +258,16 @@ class TurnRunner:
         # a stream that began before its turn has announced this id (Responses' response.created)
         call = engine_request(ctx, session, req, rendered.prep, rendered.prompt_ids,
                               request_id=live.request_id if live is not None else None)
-        on_delta = live.begin(req, call, rendered.prep) if live is not None else None
+        streams = live is not None and live.begin(req, call, rendered.prep)
+        on_delta = live.on_delta if live is not None and streams else None
         gen = await generate(ctx, session, req, call, on_routed=lambda: timer.lap("route"), on_delta=on_delta)
         timer.lap("generate")
         checked = await validate(ctx, gen.result, call.expect, req, rendered.prep, call)
-        if live is not None and live.active:
-            checked = live.check(checked)  # a stream that disagrees commits nothing; sets live.pending
+        if live is not None and streams:
+            checked = live.check(checked)  # a stream that disagrees commits nothing
         timer.lap("validate")
-        done = await commit(ctx, session, claim, rendered.prep, rendered.prompt_ids, call, gen.result, checked,
-                            gen.target_id)
+        done = await commit(ctx, session, claim, PendingTurn(rendered.prep, rendered.prompt_ids, call, gen.result,
+                                                              checked, gen.target_id))
         timer.lap("commit")
         timer.total()
         ctx.metrics.turns_total.labels(outcome="committed").inc()

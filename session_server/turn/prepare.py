@@ -61,7 +61,7 @@ class Prepared:
     fork_shared: int | None = None  # a fork's tokens shared with its parent (None: the checkpoint's)
     # the commit order (`TurnRecord.seq`) of the last committed turn whose answer the
     # request's history holds, as attached before any fork: the client had that answer
-    # (idempotency.py never replays it to a later identical request; `Session.built_on`)
+    # (replay.py never replays it to a later identical request; `Session.built_on`)
     answered: int | None = None
 
 

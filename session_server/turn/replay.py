@@ -1,4 +1,4 @@
-"""Idempotent retries (issue 12.3): a request an SDK replays never becomes a second turn.
+"""Idempotent retries: a request an SDK replays never becomes a second turn.
 
 SDKs retry a request that timed out or lost its connection: the `openai` and
 `anthropic` Python SDKs send `x-stainless-retry-count: N` (0 on the first attempt),
@@ -18,13 +18,15 @@ the same session and route (dialect) when
   branches (a harness's concurrent side request) do not count: the original's client
   still has no answer.
 
-A replay of a request still in flight waits for it (no 409) and gets its response
-(a streamed original whose response has begun, or begins while the replay waits, is
-followed instead: `on_follow` gets its live stream, every frame from the first, then the
-rest as they come; a response begins when its turn streams, or early when the request
-has waited `keepalive_s` for its session: live.py); of a
-committed one, the stored response (the same bytes: a JSON body, or the same SSE
-frames). If the original fails (any error, or its client left and the turn was
+The log answers each request with a `Decision` (`ReplayLog.decide`): `Refuse`,
+`Replay` (stored bytes), `Follow` (a live stream) or `RunFresh` (run the turn; its
+outcome goes back through `RunFresh.keep`). A replay of a request still in flight waits
+for it (no 409) and gets its response (a streamed original whose response has begun, or
+begins while the replay waits, is followed instead: `Follow` names its live stream,
+which the replay sends every frame of from the first, then the rest as they come; a
+response begins when its turn streams, or early when the request has waited
+`keepalive_s` for its session: live.py); of a committed one, the stored response (the
+same bytes: a JSON body, or the same SSE frames). If the original fails (any error, or its client left and the turn was
 discarded), nothing is stored and the replay runs as a fresh attempt: it is the
 client's retry. The one exception is an original whose turn committed and whose
 response then failed (`CommittedUnanswered`): its replays get that same error, never a
@@ -49,24 +51,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 
-from ..api.dialects import Rendered
 from ..errors import BadRequest, CommittedUnanswered, IdempotencyKeyReused
 from ..metrics import Metrics
 from ..offload import CpuOffload
+from .live import LiveTurn
+from .output import Rendered
+from .pipeline import ClientWatch
 
-__all__ = ["IDEMPOTENCY_KEY", "RETRY_COUNT", "Hold", "Ident", "ReplayLog", "identify"]
+__all__ = ["IDEMPOTENCY_KEY", "RETRY_COUNT", "Decision", "Follow", "Ident", "Refuse", "Replay", "ReplayLog",
+           "RunFresh", "identify"]
 
 RETRY_COUNT = "x-stainless-retry-count"
 IDEMPOTENCY_KEY = "idempotency-key"
 MAX_KEY_CHARS = 255
-
-ClientGone = Callable[[], Coroutine[Any, Any, None]]
-Hold = Callable[[ClientGone], ClientGone]
-"""Wraps a request's `client_gone` watcher: what `TurnRunner.run` takes for it."""
 
 
 @dataclass(frozen=True)
@@ -121,38 +121,115 @@ class _Entry:
 
     __slots__ = ("adopted", "digest", "done", "failure", "key", "live", "rendered", "route", "turn")
 
-    def __init__(self, ident: Ident, live: Any = None) -> None:
+    def __init__(self, ident: Ident, live: LiveTurn | None = None) -> None:
         self.route, self.digest, self.key = ident.route, ident.digest, ident.key
         self.turn: tuple[int, int] | None = None  # (branch id, turn index) once committed
         self.done = asyncio.Event()
         self.adopted = asyncio.Event()  # a replay waits for this turn
         self.rendered: Rendered | None = None
         self.failure: CommittedUnanswered | None = None  # committed, its response failed: replays get this
-        self.live = live  # the request's live stream (live.LiveTurn), followed by replays once active
+        self.live = live  # the request's live stream, followed by replays once its response began
 
 
-async def _opens(entry: _Entry) -> bool:
+@dataclass(frozen=True)
+class Refuse:
+    """The original's turn committed and its response failed: this replay gets that same
+    error (never a second commit of the turn)."""
+
+    error: CommittedUnanswered
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Answer with the original's response bytes (stored, or the in-flight original's
+    once it committed)."""
+
+    rendered: Rendered
+
+
+@dataclass(frozen=True)
+class Follow:
+    """The in-flight original streams now: send its live stream, every frame from the
+    first (`LiveTurn.follow`); `ReplayLog.followed` is this replay's own wait for it."""
+
+    live: LiveTurn
+    _entry: _Entry = field(repr=False)
+
+
+class RunFresh:
+    """No recorded request answers this one: run the turn. A recorded request (one with
+    a retry header) is in the log from now on, in flight: `held` keeps its turn past a
+    hang-up for the replay grace, and `keep` gives the log its outcome."""
+
+    __slots__ = ("_entry", "_log", "_session_id")
+
+    def __init__(self, log: ReplayLog | None = None, session_id: str = "", entry: _Entry | None = None) -> None:
+        self._log, self._session_id, self._entry = log, session_id, entry
+
+    @property
+    def recorded(self) -> bool:
+        """Whether a retry of this request may come back for its turn (see the module doc)."""
+        return self._entry is not None
+
+    def held(self, gone: ClientWatch) -> ClientWatch:
+        """`gone`, unless a replay adopts the turn: after the client hangs up, wait up to
+        the grace for a replay; adopted, the watcher never fires and the turn commits."""
+        log, entry = self._log, self._entry
+        if log is None or entry is None:
+            return gone
+
+        async def held() -> None:
+            await gone()
+            if not entry.adopted.is_set():
+                try:
+                    await asyncio.wait_for(entry.adopted.wait(), log.grace_s)
+                except TimeoutError:
+                    return  # nobody came back for it: the turn is cancelled
+            await _forever()
+
+        return held
+
+    async def keep(self, turn: Awaitable[Rendered]) -> Rendered:
+        """`turn`'s response, stored for replays; a turn that failed leaves nothing (its
+        replays run afresh), one that committed and failed to answer leaves its error."""
+        log, entry = self._log, self._entry
+        if log is None or entry is None:
+            return await turn
+        try:
+            rendered = await turn
+        except CommittedUnanswered as exc:
+            log._store(self._session_id, entry, None, failure=exc)  # a retry gets the same error, not a new turn
+            raise
+        except BaseException:
+            log._drop(self._session_id, entry)
+            entry.done.set()
+            raise
+        log._store(self._session_id, entry, rendered)
+        return rendered
+
+
+Decision = Refuse | Replay | Follow | RunFresh
+"""What the log says to do with a request (`ReplayLog.decide`)."""
+
+
+async def _opens(entry: _Entry, live: LiveTurn) -> bool:
     """Whether the in-flight original's response begins (`LiveTurn.opened`: its turn
     streams, or it waited long enough to begin without it) before it ends: a replay
     then follows it from its first frame, instead of waiting silently for its end."""
-    if entry.live.opened.is_set():
+    if live.opened.is_set():
         return True
-    opened = asyncio.ensure_future(entry.live.opened.wait())
+    opened = asyncio.ensure_future(live.opened.wait())
     done = asyncio.ensure_future(entry.done.wait())
     try:
         await asyncio.wait([opened, done], return_when=asyncio.FIRST_COMPLETED)
     finally:
         opened.cancel()
         done.cancel()
-    return bool(entry.live.opened.is_set() and not entry.done.is_set())
+    return bool(live.opened.is_set() and not entry.done.is_set())
 
 
 async def _forever() -> None:
     await asyncio.Event().wait()
-
-
-def _no_hold(gone: ClientGone) -> ClientGone:
-    return gone
 
 
 class ReplayLog:
@@ -166,49 +243,46 @@ class ReplayLog:
         self._stored: OrderedDict[_Entry, str] = OrderedDict()  # stored entry -> session, oldest first
         self._bytes = 0
 
-    async def serve(self, ident: Ident, produce: Callable[[Hold], Awaitable[Rendered]], *, live: Any = None,
-                    on_follow: Callable[[Any], None] | None = None) -> Rendered:
-        """The response to `ident`: a stored one, the in-flight original's, or `produce`'s
-        (which runs the turn; `Hold` wraps its client watcher, see the module doc). `live`
-        is this request's live stream; `on_follow(original's)` is called when this is a
-        replay of a turn that is streaming now (the caller may follow it; this still
-        waits for the original, as any replay)."""
+    async def decide(self, ident: Ident, live: LiveTurn | None = None) -> Decision:
+        """What to do with `ident`'s request: a replay of an in-flight original waits
+        here for it to commit (or, when the original's response begins meanwhile and
+        `live`, this request's own stream, is given, is told to `Follow` it); an original
+        that failed is looked for again, then this request runs as a fresh attempt.
+        `live` is kept for the replays of this request when it runs."""
         while (entry := self._find(ident)) is not None:
             if entry.failure is not None:  # its turn is committed: never run it again
                 self._served("failed")
-                raise CommittedUnanswered(entry.failure.message)
-            if entry.rendered is None:
-                entry.adopted.set()
-                followed = on_follow is not None and entry.live is not None and await _opens(entry)
-                if on_follow is not None and followed:
-                    on_follow(entry.live)
-                await entry.done.wait()
-                if entry.failure is not None:  # its turn is committed: never run it again
-                    self._served("failed")
-                    raise CommittedUnanswered(entry.failure.message)
-                if entry.rendered is None and followed:  # the follower was sent its error event: no fresh attempt
-                    return Rendered("text/event-stream", frames=tuple(entry.live.frames))
-                if entry.rendered is None:
-                    continue  # the original failed: look again, then run as a fresh attempt
-                self._served("in_flight")
-            else:
+                return Refuse(CommittedUnanswered(entry.failure.message))
+            if entry.rendered is not None:
                 self._served("stored")
-            return entry.rendered
+                return Replay(entry.rendered)
+            entry.adopted.set()
+            if live is not None and entry.live is not None and await _opens(entry, entry.live):
+                return Follow(entry.live, entry)
+            await entry.done.wait()
+            if entry.failure is not None:
+                self._served("failed")
+                return Refuse(CommittedUnanswered(entry.failure.message))
+            if entry.rendered is None:
+                continue  # the original failed: look again, then run as a fresh attempt
+            self._served("in_flight")
+            return Replay(entry.rendered)
         if not ident.recorded:
-            return await produce(_no_hold)
+            return RunFresh()
         entry = _Entry(ident, live)
         self._sessions.setdefault(ident.session_id, []).append(entry)
-        try:
-            rendered = await produce(lambda gone: self._held(entry, gone))
-        except CommittedUnanswered as exc:
-            self._store(ident.session_id, entry, None, failure=exc)  # a retry gets the same error, not a new turn
-            raise
-        except BaseException:
-            self._drop(ident.session_id, entry)
-            entry.done.set()
-            raise
-        self._store(ident.session_id, entry, rendered)
-        return rendered
+        return RunFresh(self, ident.session_id, entry)
+
+    async def followed(self, follow: Follow) -> None:
+        """A follower's wait for the original it follows, to its end (counted as a
+        replay served in flight, or one that failed after the commit)."""
+        entry = follow._entry
+        await entry.done.wait()
+        if entry.failure is not None:
+            self._served("failed")
+        elif entry.rendered is not None:
+            self._served("in_flight")
+        # else: the original failed after its response began; the follower was sent its error event
 
     def forget(self, session_id: str) -> None:
         """The session left the store: its records go with it."""
@@ -247,21 +321,6 @@ class ReplayLog:
         if entry.turn is None or ident.built_on is None:
             return True  # not tracked (a log used without sessions)
         return not ident.built_on(entry.turn)
-
-    def _held(self, entry: _Entry, gone: ClientGone) -> ClientGone:
-        """`gone`, unless a replay adopts the turn: after the client hangs up, wait up to
-        the grace for a replay; adopted, the watcher never fires and the turn commits."""
-
-        async def held() -> None:
-            await gone()
-            if not entry.adopted.is_set():
-                try:
-                    await asyncio.wait_for(entry.adopted.wait(), self.grace_s)
-                except TimeoutError:
-                    return  # nobody came back for it: the turn is cancelled
-            await _forever()
-
-        return held
 
     def _store(self, session_id: str, entry: _Entry, rendered: Rendered | None, *,
                failure: CommittedUnanswered | None = None) -> None:

@@ -1,28 +1,29 @@
 """Client API dialects: one module per API a client speaks (OpenAI chat completions,
 `openai_chat.py`; Anthropic Messages, `anthropic_messages.py`; OpenAI Responses,
-`openai_responses.py`). The turn pipeline between them (`turns.py`) is shared:
+`openai_responses.py`). The turn pipeline between them (`turn/pipeline.py`) is shared:
 
     body --dialect.parse--> ChatRequest --pipeline--> TurnOutput --dialect.body / .stream--> bytes
 
 A dialect is three pure functions (run on the offload threads when large) and its
 request model for the OpenAPI document; `render` here is the respond phase every
 dialect shares (offloading, the `respond` phase timer) and gives bytes (`Rendered`),
-which `idempotency.py` stores for replayed requests; `as_response` makes them HTTP.
-A route runs its turn through the app's `dialect_turn`, which applies the replay rules.
+which the replay log (`turn/replay.py`) stores for replayed requests; `as_response`
+makes them HTTP. A route runs its turn through `TurnEndpoint.handle`
+(`api/turn_endpoint.py`), which applies the replay rules.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from ...context import ServerContext
-from ...turn.pipeline import TurnOutput
+from ...sessions import Session
+from ...turn.output import Rendered, TurnOutput
 from ..models import ChatRequest
 from ..stream_events import StreamEncoder
 from .anthropic_messages import ANTHROPIC_MESSAGES, AnthropicMessages
@@ -30,7 +31,7 @@ from .openai_chat import OPENAI_CHAT, OpenAIChat
 from .openai_responses import OPENAI_RESPONSES, OpenAIResponses
 
 __all__ = ["ANTHROPIC_MESSAGES", "OPENAI_CHAT", "OPENAI_RESPONSES", "AnthropicMessages", "Dialect", "OpenAIChat",
-           "OpenAIResponses", "Rendered", "as_response", "render", "respond"]
+           "OpenAIResponses", "Rendered", "SessionBound", "as_response", "render"]
 
 
 class Dialect(Protocol):
@@ -62,20 +63,18 @@ class Dialect(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Rendered:
-    """What the respond phase produced for one committed turn: a JSON body, or the SSE
-    frames of a stream. Kept as bytes so that a replayed request (`idempotency.py`) gets
-    exactly what the original got."""
+@runtime_checkable
+class SessionBound(Protocol):
+    """A dialect whose requests read the session and whose turns leave it more than the
+    trajectory (Responses: `previous_response_id` names a response stored here)."""
 
-    media_type: str
-    body: bytes = b""
-    frames: tuple[bytes, ...] | None = None  # set for a stream
-    turn: tuple[int, int] | None = None  # the committed turn it answers (branch id, turn index)
+    def parser(self, session: Session, tokenizer: Any) -> Callable[[bytes], ChatRequest]:
+        """`parse` bound to the session."""
+        ...
 
-    @property
-    def size(self) -> int:
-        return len(self.body) + sum(len(f) for f in self.frames or ())
+    def remember(self, session: Session, req: ChatRequest, out: TurnOutput, tokenizer: Any) -> None:
+        """Once per committed turn (not for a replay), before its response is rendered."""
+        ...
 
 
 async def render(ctx: ServerContext, dialect: Dialect, req: ChatRequest, out: TurnOutput) -> Rendered:
@@ -99,11 +98,6 @@ def as_response(rendered: Rendered) -> Response:
     if rendered.frames is not None:
         return StreamingResponse(_frames(rendered.frames), media_type=rendered.media_type)
     return Response(content=rendered.body, media_type=rendered.media_type)
-
-
-async def respond(ctx: ServerContext, dialect: Dialect, req: ChatRequest, out: TurnOutput) -> Response:
-    """The respond phase as one response: `render`, then `as_response`."""
-    return as_response(await render(ctx, dialect, req, out))
 
 
 async def _frames(frames: Sequence[bytes]) -> AsyncIterator[bytes]:

@@ -2,7 +2,7 @@
 turn -> a `chat.completion` JSON body, or stream events (`api/stream_events.py`) -> SSE
 `chat.completion.chunk` frames.
 
-All three are pure; the shared respond phase (`dialects.respond`) runs them on the
+All three are pure; the shared respond phase (`dialects.render`) runs them on the
 CPU offload threads when large: a response carries per-token logprobs when asked,
 which is proportional to the turn's output.
 """

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from trajectory import export
+from trajectory import export, export_stream
 from trajectory.codec.base import HistoryPolicy
 
 from ...context import ServerContext
@@ -94,10 +94,10 @@ async def trajectory_response(ctx: ServerContext, s: Session, fmt: str) -> Respo
     """The session's whole tree as JSON or npz (`trajectory.export`)."""
     if fmt not in ("json", "npz"):
         raise BadRequest("format must be 'json' or 'npz'")
-    # JSON: `to_json_bytes` is a sequence of short orjson calls (`export.iter_json`), so
+    # JSON: `to_json_bytes` is a sequence of short orjson calls (`export_stream.iter_json`), so
     # the offload thread gives the GIL back to the loop between pieces; one orjson.dumps
     # of a 100K-token tree held it for ~10-25 ms in one call.
-    build = export.to_npz_bytes if fmt == "npz" else export.to_json_bytes
+    build = export.to_npz_bytes if fmt == "npz" else export_stream.to_json_bytes
     async with s.lock:  # a commit must not mutate the branches while the offload thread reads them
         payload = await ctx.offload.run(build, s.tree, metadata=_export_metadata(s))
     return Response(content=payload, media_type=OCTETS if fmt == "npz" else JSON)

@@ -65,10 +65,20 @@ EXPECTED: dict[tuple[str, str], Access] = {
 }
 
 
+def _flat(routes: list[Any]) -> Iterator[Any]:
+    """The routes, those of an included APIRouter too (FastAPI keeps one as one node)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _flat(inner.routes)
+        else:
+            yield route
+
+
 def _real_routes() -> list[tuple[str, str]]:
     app = create_app(AppConfig(tokenizer="unused: routes only"))
     out = []
-    for route in app.routes:
+    for route in _flat(app.routes):
         methods = getattr(route, "methods", None) or {"GET"}
         out += [(m, str(getattr(route, "path", ""))) for m in sorted(methods)]
     return sorted(out)

@@ -78,7 +78,8 @@ def test_routing_imports_no_engine_module() -> None:
 def test_only_the_registry_reaches_adapters() -> None:
     """Routes, the turn pipeline and the plane never build, health-check or close an adapter."""
     pipeline = ("turn/pipeline.py", "turn/prepare.py", "turn/engine_request.py", "turn/dispatch.py", "turn/commit.py")
-    for name in ("app.py", *pipeline, "context.py", "control/plane.py"):
+    routes = ("app.py", "api/routes/turns.py", "api/turn_endpoint.py")
+    for name in (*routes, *pipeline, "context.py", "control/plane.py"):
         src = (PKG / name).read_text()
         for needle in ("make_adapter", "verify_engine", ".adapter.", "adapter.aclose", "adapter.health"):
             assert needle not in src, f"{name} uses {needle}"

@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from session_server.api.dialects import Rendered
 from session_server.context import Settings
 from session_server.metrics import Metrics
-from session_server.turn.replay import Hold, Ident, ReplayLog
+from session_server.turn.replay import Ident, Replay, ReplayLog, RunFresh
 from trajectory.export import branch_line
 
 from ..stack import CHAT, Stack, live_stack, metric_value
@@ -258,11 +258,15 @@ async def test_stored_responses_are_bounded_per_session_and_in_bytes() -> None:
     async def turn(sid: str, k: int, count: int = 0) -> Rendered:
         ident = Ident(sid, "openai_chat", bytes([k]), None, count)
 
-        async def produce(hold: Hold) -> Rendered:
+        async def produce() -> Rendered:
             produced.append(k)
             return Rendered("application/json", body=bytes([k]) * 100)
 
-        return await log.serve(ident, produce)
+        decision = await log.decide(ident)
+        if isinstance(decision, Replay):
+            return decision.rendered
+        assert isinstance(decision, RunFresh)
+        return await decision.keep(produce())
 
     for k in range(3):
         await turn("a", k)
@@ -418,7 +422,7 @@ async def _raw_chat(st_: Stack, sid: str, body: dict[str, Any], headers: dict[st
 
 
 async def test_anthropic_messages_replay_is_the_stored_response(qwen3_dir: Path) -> None:
-    """Every dialect's route goes through the same replay store (`dialect_turn`)."""
+    """Every dialect's route goes through the same replay store (`TurnEndpoint.handle`)."""
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Hello there."}]}
@@ -454,12 +458,12 @@ async def test_a_response_that_fails_after_the_commit_is_never_retried_into_a_se
     `response_failed` with `x-should-retry: false`, so the SDKs stop; a retry sent anyway
     gets the same error from the replay log, and the session keeps its one turn and its
     one engine request."""
-    from session_server import app as app_module
+    from session_server.api import turn_endpoint
 
     async def broken(*_a: Any, **_k: Any) -> Rendered:
         raise RuntimeError("respond phase broke")
 
-    monkeypatch.setattr(app_module, "render", broken)
+    monkeypatch.setattr(turn_endpoint, "render", broken)
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         if dialect == "chat":
@@ -487,12 +491,12 @@ async def test_the_anthropic_sdk_stops_at_a_response_that_failed_after_the_commi
     request, one turn."""
     import anthropic
 
-    from session_server import app as app_module
+    from session_server.api import turn_endpoint
 
     async def broken(*_a: Any, **_k: Any) -> Rendered:
         raise RuntimeError("respond phase broke")
 
-    monkeypatch.setattr(app_module, "render", broken)
+    monkeypatch.setattr(turn_endpoint, "render", broken)
     async with live_stack(qwen3_dir) as st_:
         sid = await st_.session()
         client = anthropic.AsyncAnthropic(base_url=f"{st_.url}/sessions/{sid}", api_key="x", max_retries=2)

@@ -186,7 +186,7 @@ def test_think_close_ids_are_encoded_once_per_tokenizer(qwen3_dir: Path) -> None
     per tokenizer, not one per turn; the ids are the tokenizer's own."""
     from transformers import AutoTokenizer
 
-    from session_server.turn.live import _think_close_ids
+    from session_server.turn.text_stream import think_close_ids
 
     tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
     want = tok.encode("</think>", add_special_tokens=False)
@@ -198,7 +198,7 @@ def test_think_close_ids_are_encoded_once_per_tokenizer(qwen3_dir: Path) -> None
             return list(tok.encode(text, **kw))
 
     counting = Counting()
-    assert [_think_close_ids(counting) for _ in range(5)] == [want] * 5
+    assert [think_close_ids(counting) for _ in range(5)] == [want] * 5
     assert calls == ["</think>"]
 
     class Broken:
@@ -207,7 +207,7 @@ def test_think_close_ids_are_encoded_once_per_tokenizer(qwen3_dir: Path) -> None
             raise ValueError("no such text")
 
     broken = Broken()
-    assert _think_close_ids(broken) == [] and _think_close_ids(broken) == []
+    assert think_close_ids(broken) == [] and think_close_ids(broken) == []
     assert calls == ["</think>", "</think>"]
 
 

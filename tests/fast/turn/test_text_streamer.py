@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from session_server.api.stream_events import ContentDelta, ReasoningDelta
-from session_server.turn.live import TextStreamer
+from session_server.turn.text_stream import TextStreamer
 from trajectory.codec.parsing import parse_hermes, split_reasoning
 
 CLOSE = [ord(c) for c in "</think>"]

@@ -1,0 +1,141 @@
+"""The one entry point of a turn request: `TurnEndpoint.handle`.
+
+A turn route (chat completions, Messages, Responses) hands its HTTP request here and
+returns what comes back. In order:
+
+1. the session (404 before any body is read) and the body (413 past the limit);
+2. the replay log's decision for the request (`turn/replay.py`): the same error as
+   its original's, the original's stored bytes, the original's live stream to follow,
+   or run the turn;
+3. a fresh turn runs as its own task through the pipeline (`turn/pipeline.py`), its
+   live stream (`turn/live.py`) fed by the pipeline when the request asks for one;
+4. the response: a streamed turn answers once it starts, or once it has waited
+   `keepalive_s` without starting (queued for its session), then sends keep-alives;
+   anything before that (and a turn that is not streamed) answers as one response,
+   errors as HTTP errors.
+
+The endpoint lives at the API edge (it reads HTTP and speaks the client's dialect);
+the turn's modules below it know nothing of HTTP, the dialects or this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ..context import ServerContext, log
+from ..errors import CommittedUnanswered
+from ..sessions import Session
+from ..turn.live import LiveTurn
+from ..turn.output import Rendered
+from ..turn.pipeline import ClientWatch, TurnRunner
+from ..turn.replay import Follow, Refuse, Replay, ReplayLog, RunFresh, identify
+from .dialects import Dialect, SessionBound, as_response, render
+from .edge import read_body
+from .models import ChatRequest
+
+__all__ = ["TurnEndpoint"]
+
+SSE = "text/event-stream"
+
+Parse = Callable[[bytes], ChatRequest]
+"""A dialect's parse: request body -> the pipeline's `ChatRequest`."""
+
+
+def _client_gone(request: Request) -> ClientWatch:
+    """Returns when the client hangs up (ASGI `http.disconnect`).
+
+    Only for after the body was read: then the server's `receive` has nothing left
+    to deliver but the disconnect, and waits for it without polling."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
+class TurnEndpoint:
+    """The turn routes' one entry point; one per app, built at its start."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        settings = ctx.settings
+        self.ctx = ctx
+        self.runner = TurnRunner(ctx)
+        self.replays = ReplayLog(ctx.metrics, per_session=settings.replay_per_session,
+                                 max_bytes=settings.replay_store_bytes, grace_s=settings.replay_grace_s)
+        ctx.store.on_remove.append(lambda s: self.replays.forget(s.id))  # a session's records go with it
+
+    async def handle(self, session_id: str, request: Request, dialect: Dialect) -> Response:
+        """One turn of `dialect` on the session: read the body, answer a replayed request
+        from its original, else run the turn and respond or stream it."""
+        ctx = self.ctx
+        session = ctx.store.get(session_id)  # 404 before reading a body for an unknown session
+        body = await read_body(request, ctx.settings.max_body_bytes)
+        # a retry replays only its own attempt: never a turn the client has since built on
+        ident = await identify(ctx.offload, session_id, dialect.name, request.headers, body,
+                               built_on=session.built_on)
+        live = LiveTurn(ctx, dialect)
+        decision = await self.replays.decide(ident, live)
+        if isinstance(decision, Refuse):
+            raise decision.error
+        if isinstance(decision, Replay):
+            return as_response(decision.rendered)
+        if isinstance(decision, Follow):  # a replay of a turn streaming now: follow it live
+            waiter = asyncio.ensure_future(self.replays.followed(decision))
+            return StreamingResponse(decision.live.follow(waiter), media_type=SSE)
+        return await self._fresh(decision, session, body, request, dialect, live)
+
+    async def count_tokens(self, session_id: str, request: Request, parse: Parse) -> Response:
+        """How many prompt tokens the request would send now (Anthropic `count_tokens`)."""
+        ctx = self.ctx
+        ctx.store.get(session_id)
+        body = await read_body(request, ctx.settings.max_body_bytes)
+        n = await self.runner.prompt_tokens(session_id, body, parse=parse)
+        return Response(content=orjson.dumps({"input_tokens": n}), media_type="application/json")
+
+    async def _fresh(self, fresh: RunFresh, session: Session, body: bytes, request: Request, dialect: Dialect,
+                     live: LiveTurn) -> Response:
+        """Run the turn as its own task; answer when it ends, or stream once it opens."""
+        watch = fresh.held(_client_gone(request))
+        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch)))
+        task.add_done_callback(live.on_done)
+        opened = asyncio.ensure_future(live.opened.wait())
+        try:
+            await asyncio.wait([task, opened], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            opened.cancel()
+        if not live.opened.is_set():
+            return as_response(await task)
+        return StreamingResponse(live.stream(task, held=fresh.recorded), media_type=SSE)
+
+    async def _turn(self, session: Session, body: bytes, dialect: Dialect, live: LiveTurn,
+                    watch: ClientWatch) -> Rendered:
+        """The turn through the pipeline, then its response bytes; a response that fails
+        after the commit is `CommittedUnanswered` (never retried into a second turn)."""
+        ctx, sid = self.ctx, session.id
+        bound = dialect if isinstance(dialect, SessionBound) else None
+        parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
+        req, out = await self.runner.run(sid, body, parse=parse, client_gone=watch, live=live)
+        # committed: from here on nothing may turn into a retry that samples the turn again
+        try:
+            if bound is not None:
+                bound.remember(session, req, out, ctx.tokenizer)
+            rendered = live.finish(out) if live.active else await render(ctx, dialect, req, out)
+            return dataclasses.replace(rendered, turn=(out.branch_id, out.turn_index))
+        except Exception as exc:
+            log.exception("session %s: turn %d committed, its response failed", sid, out.turn_index)
+            failed = CommittedUnanswered(
+                f"turn {out.turn_index} of session {sid} was committed, but its response could not be built "
+                f"({type(exc).__name__}); the turn is in GET /sessions/{sid}/trajectory, and a retry of this "
+                "request gets this same error, never a second turn")
+            failed.turn = (out.branch_id, out.turn_index)
+            raise failed from exc
