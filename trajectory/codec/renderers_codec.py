@@ -1,4 +1,4 @@
-"""A codec behind our `ChatCodec` interface, backed by a `renderers` renderer (issue 11.1).
+"""A codec behind our `ChatCodec` interface, backed by a `renderers` renderer.
 
 Owns adapting the `renderers` library (PyPI, Apache-2.0, pinned 0.1.12) to our
 contract: render, bridge, parse, close and stop ids for the hand-coded families it
@@ -94,6 +94,7 @@ from trajectory.codec.base import (
     extend_committed,
     role_mismatch,
 )
+from trajectory.codec.families import ToolCallFormat, renderers_with
 from trajectory.codec.parsing import new_call_id, parse_llama31, tool_names
 from trajectory.codec.probe import (
     DUMMY_SYSTEM,
@@ -107,40 +108,11 @@ from trajectory.codec.probe import (
 from trajectory.codec.xml_args import xml_arguments
 from trajectory.errors import CodecError, TemplateNotSupported
 
-# renderer names we serve (text families of renderers 0.1.12; VL/multimodal-only and
-# DefaultRenderer are left out: the latter never bridges, our generic prober does)
-RENDERER_FAMILIES: tuple[str, ...] = (
-    "qwen3",
-    "prime-qwen3",
-    "qwen3.5",
-    "qwen3.6",
-    "qwen3.8",
-    "glm-4.5",
-    "glm-5",
-    "glm-5.1",
-    "glm-5.3",
-    "minimax-m2",
-    "deepseek-v3",
-    "deepseek-r1",
-    "deepseek-v4",
-    "kimi-k2",
-    "kimi-k2.5",
-    "nemotron-3",
-    "nemotron-3.5",
-    "llama-3",
-    "gpt-oss",
-    "gemma4",
-    "hy3",
-    "laguna-xs.2",
-    "laguna-xs-2.1",
-    "laguna-s-2.1",
-)
-
 _ROLES = ("user", "tool", "system", "developer")
 
 # families whose tool calls have no markup (the whole reply is the call's JSON): parsed
 # by our grammar of the same format on the exactly decoded reply (module doc)
-_BARE_JSON_CALLS = frozenset({"llama-3"})
+_BARE_JSON_CALLS = renderers_with(ToolCallFormat.BARE_JSON)
 
 
 class ExactDecode:
