@@ -46,6 +46,7 @@ from trajectory.codec.base import (
     ParsedToolCall,
     RefusalReason,
     ToolCallParseStatus,
+    check_bridge_input,
     extend_committed,
 )
 from trajectory.codec.parsing import new_call_id
@@ -355,16 +356,12 @@ class Gemma4Codec(TemplateCodec):
         """TEMPLATE with `committed`: the full re-render must extend every committed id
         (else HISTORY_REWRITE). Otherwise the delta after the sampled stop, from a base
         of the previous message alone (O(turn)), and a last-turn rewrite diagnostic."""
-        if not history or history[-1].get("role") != "assistant":
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
-        if not new_messages:
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
-        roles = ("user", "tool", "system", "assistant", "developer")
-        if any(m.get("role") not in roles for m in new_messages):
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "unknown role in new messages")
-        last = committed_tail[-1] if committed_tail else None
-        if last not in self.eot_ids:
-            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
+        refusal = check_bridge_input(history, committed_tail, new_messages,
+                                     roles=("user", "tool", "system", "assistant", "developer"),
+                                     closing_ids=self.eot_ids, tail_required=True)
+        if refusal is not None:
+            return refusal
+        last = committed_tail[-1]
         kw = self._internal_kwargs(template_kwargs)
         new = list(new_messages)
         if policy == HistoryPolicy.TEMPLATE and committed is not None:

@@ -91,6 +91,7 @@ from trajectory.codec.base import (
     ParsedToolCall,
     RefusalReason,
     ToolCallParseStatus,
+    check_bridge_input,
     extend_committed,
     role_mismatch,
 )
@@ -305,17 +306,12 @@ class RenderersCodec:
         TEMPLATE with `committed` (all committed ids): exact by definition, the delta
         is the full re-render past the committed ids, refused when they are not its
         prefix. APPEND (or no `committed`): O(new tokens), through their bridge."""
-        if not history or history[-1].get("role") != "assistant":
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
-        if not new_messages:
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
-        roles = _ROLES if self.developer_role else _ROLES[:3]
-        if any(m.get("role") not in roles for m in new_messages):
-            return BridgeRefusal(
-                RefusalReason.UNSUPPORTED_MESSAGE, "renderers bridges only user/tool/system messages"
-            )
-        if self._close is not None and committed_tail and committed_tail[-1] not in self.stop_token_ids:
-            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
+        refusal = check_bridge_input(history, committed_tail, new_messages,
+                                     roles=_ROLES if self.developer_role else _ROLES[:3],
+                                     closing_ids=self.stop_token_ids if self._close is not None else None,
+                                     unknown_role="renderers bridges only user/tool/system messages")
+        if refusal is not None:
+            return refusal
         kw = template_kwargs
         new = list(new_messages)
         mismatch = self._role_mismatch(history[-1], committed_tail, new, tools=tools, kw=kw)
