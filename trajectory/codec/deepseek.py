@@ -1,6 +1,6 @@
 """DeepSeek V3.1 / V3.2 / V4 codec: `<｜Assistant｜>`, `<think>` prefill, two tool-call markups.
 
-Owns what the generic prober cannot do for DeepSeek templates (issue 11):
+Owns what the generic prober cannot do for DeepSeek templates:
 
 - Prefill overlap. The generation prompt prefills the think block (V3.x thinking off:
   `<think></think>`, thinking on: `<think>`; V4 off: `</think>`) while the template

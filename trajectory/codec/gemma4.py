@@ -1,5 +1,5 @@
 """Gemma 4 codec: `<|turn>role\\n ... <turn|>` turns, a tool loop that stays inside the
-model turn, `<|channel>thought` reasoning and `call:NAME{k:v}` tool calls (issue 11).
+model turn, `<|channel>thought` reasoning and `call:NAME{k:v}` tool calls.
 
 Owns what the generic template codec cannot derive for Gemma 4 (all read from the
 tokenizer's own template at construction, nothing from the model's name):
@@ -10,7 +10,7 @@ tokenizer's own template at construction, nothing from the model's name):
   `<|turn>model\\n<|channel>thought\\n<channel|>`, and renders history turns with
   `<|turn>model\\n` only. What the model samples is the message body after that
   prompt; a re-render drops the prefill, so every later step rewrites the turn's
-  prompt tokens: APPEND keeps them (flagged per turn), TEMPLATE forks (issue 10).
+  prompt tokens: APPEND keeps them (flagged per turn), TEMPLATE forks.
   With thinking on the header is the whole prompt and the tool loop is append-only.
 - **Two stops.** A reply ends with `<turn|>` (then a template `\\n` gap). A message
   with tool calls ends with the token the template renders after its last

@@ -72,7 +72,7 @@ class TemplateCodec:
             stops.append(eos)
         self.stop_token_ids = tuple(dict.fromkeys(stops))
         # a template that knows the `developer` role renders it; any other gets it as
-        # `system` (the caller maps it, on every turn alike: issue 8.8)
+        # `system` (the caller maps it, on every turn alike)
         self.developer_role = "developer" in str(getattr(tokenizer, "chat_template", "") or "")
 
     # -- helpers -----------------------------------------------------------------
@@ -259,7 +259,7 @@ class TemplateCodec:
         *,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> bool:
-        """Whether tool lists `a` and `b` give the model the same prompt (issue 16.1).
+        """Whether tool lists `a` and `b` give the model the same prompt.
 
         Compared as the template renders them (the tools-only prefix: a system and a
         user message, since Llama 3.1 puts tools in the first user message), so a key
