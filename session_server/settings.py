@@ -11,6 +11,8 @@ from __future__ import annotations
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trajectory.codec.families import GENERIC, ours_names
+
 from .routing.factory import POLICY_NAMES
 from .sessions import INSTANCE_ID
 
@@ -18,6 +20,8 @@ __all__ = ["ADMIN_TOKEN_ENV", "ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "TITO_"
 ADMIN_TOKEN_ENV = "SESSION_SERVER_ADMIN_TOKEN"  # the older name, still read
+# the families our own codecs serve, for --template-family's help (the family registry's)
+_OUR_FAMILIES = ", ".join(n for n in ours_names() if n != GENERIC)
 
 
 class Settings(BaseSettings):
@@ -82,8 +86,8 @@ class Settings(BaseSettings):
         description=f"turn on bearer auth with this admin token (env {ENV_PREFIX}ADMIN_TOKEN or "
         f"{ADMIN_TOKEN_ENV}; unset: auth off). Prefer the variable: a flag shows in `ps`")
     template_family: str | None = Field(
-        None, min_length=1, description="force the chat-template family: one of ours (qwen3, llama3, llama3.1, "
-        "glm4moe), a renderers family (e.g. qwen3.5, glm-5), renderers:NAME, or generic (unset: detected from the "
+        None, min_length=1, description=f"force the chat-template family: one of ours ({_OUR_FAMILIES}), a "
+        "renderers family (e.g. qwen3.5, glm-5), renderers:NAME, or generic (unset: detected from the "
         "tokenizer's own template, never its name)")
     vocab_size: int | None = Field(
         None, ge=1, description="the model's vocabulary rows, the bound on every sampled id (unset: the "

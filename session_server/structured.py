@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trajectory.codec.families import ToolCallFormat, ours_with
 from trajectory.codec.probe import decode_text
 
 from .errors import BadRequest, UpstreamInvalid
@@ -59,8 +60,8 @@ __all__ = [
     "check_schema_size",
 ]
 
-# families whose tool calls are Hermes JSON in <tool_call> tags (trajectory/codec/parsing.py)
-HERMES_FAMILIES = frozenset({"qwen3"})
+# families whose tool calls are Hermes JSON in <tool_call> tags (the family registry's)
+HERMES_FAMILIES = ours_with(ToolCallFormat.HERMES)
 
 
 class _Fn(BaseModel):

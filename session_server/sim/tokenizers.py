@@ -2,7 +2,9 @@
 
 Owns building small, deterministic byte-level BPE tokenizers that declare the
 same special tokens as the real model families and carry the family's real chat
-template (packaged with the codec under ``trajectory/codec/templates``). Nothing is downloaded: the BPE is
+template (packaged with the codec under ``trajectory/codec/templates``). Which
+families have one, and their tokens, live in the family registry
+(``trajectory/codec/families.py``, each row's ``sim``). Nothing is downloaded: the BPE is
 trained in-process on a built-in corpus, wrapped in a transformers fast
 tokenizer and saved, so callers load it back with the real path
 ``AutoTokenizer.from_pretrained(str(path))``.
@@ -18,7 +20,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-FAMILIES = ("qwen3", "llama3", "llama3.1", "glm4moe")
+from trajectory.codec.families import QWEN_SPLIT, SimTokenizer, ours, sim_families
+
+# the families with a simulator tokenizer (the family registry's `sim` rows)
+FAMILIES: tuple[str, ...] = sim_families()
 
 _VOCAB_SIZE = 3000
 _BUILD_VERSION = "1"  # bump when the corpus or the recipe changes (cache key)
@@ -26,6 +31,8 @@ _BUILD_VERSION = "1"  # bump when the corpus or the recipe changes (cache key)
 
 @dataclass(frozen=True)
 class _FamilySpec:
+    """What one build needs: the registry's tokenizer data and the template file it carries."""
+
     template_file: str
     special_tokens: tuple[str, ...]
     bos: str | None
@@ -33,84 +40,6 @@ class _FamilySpec:
     pad: str
     prepend_bos: bool  # real Llama tokenizers add BOS on encode(add_special_tokens=True)
     split_pattern: str
-
-
-_QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-_QWEN3 = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-)
-_LLAMA = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|eom_id|>",
-)
-# GLM's real tokenizer also has <|endoftext|> (its EOS / pad); the template never emits it.
-_GLM = (
-    "<|endoftext|>",
-    "[gMASK]",
-    "<sop>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|observation|>",
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<arg_key>",
-    "</arg_key>",
-    "<arg_value>",
-    "</arg_value>",
-    "<tool_response>",
-    "</tool_response>",
-)
-
-_SPECS: dict[str, _FamilySpec] = {
-    "qwen3": _FamilySpec(
-        "qwen3.jinja", _QWEN3, None, "<|im_end|>", "<|endoftext|>", False, _QWEN_SPLIT
-    ),
-    "llama3": _FamilySpec(
-        "llama3.jinja",
-        _LLAMA,
-        "<|begin_of_text|>",
-        "<|eot_id|>",
-        "<|end_of_text|>",
-        True,
-        _LLAMA_SPLIT,
-    ),
-    "llama3.1": _FamilySpec(
-        "llama3.1_json_tools.jinja",
-        _LLAMA,
-        "<|begin_of_text|>",
-        "<|eot_id|>",
-        "<|end_of_text|>",
-        True,
-        _LLAMA_SPLIT,
-    ),
-    "glm4moe": _FamilySpec(
-        "glm4moe.jinja", _GLM, None, "<|endoftext|>", "<|endoftext|>", False, _QWEN_SPLIT
-    ),
-}
 
 
 def family_spec_tokens(family: str) -> tuple[str, ...]:
@@ -129,12 +58,12 @@ def chat_template_text(family: str) -> str:
 
 
 def _spec(family: str) -> _FamilySpec:
-    try:
-        return _SPECS[family]
-    except KeyError:
-        raise ValueError(
-            f"unknown tokenizer family {family!r}; expected one of {FAMILIES}"
-        ) from None
+    spec = ours(family)
+    if spec is None or spec.sim is None or spec.template_file is None:
+        raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")
+    sim: SimTokenizer = spec.sim
+    return _FamilySpec(spec.template_file, sim.special_tokens, sim.bos, sim.eos, sim.pad, sim.prepend_bos,
+                       sim.split_pattern)
 
 
 def _corpus() -> list[str]:
@@ -296,8 +225,8 @@ def build_template_tokenizer(
     pad: str | None = None,
 ) -> Path:
     """An offline tokenizer for any template: the given special tokens (BOS/EOS
-    included) on the shared BPE, carrying `template` verbatim (issue 11.5)."""
-    spec = _FamilySpec("", tuple(dict.fromkeys(special_tokens)), bos, eos, pad or eos, False, _QWEN_SPLIT)
+    included) on the shared BPE, carrying `template` verbatim."""
+    spec = _FamilySpec("", tuple(dict.fromkeys(special_tokens)), bos, eos, pad or eos, False, QWEN_SPLIT)
     return _save(spec, template, Path(out_dir))
 
 

@@ -1,4 +1,4 @@
-"""Incremental text of a turn being sampled (issue 12.2): per-chunk work follows the new tokens.
+"""Incremental text of a turn being sampled: per-chunk work follows the new tokens.
 
 `IncrementalDecoder` decodes only the new ids (in a window from the last clean cut, so
 a multi-byte character split across tokens is held back while its text ends in U+FFFD),
@@ -6,8 +6,9 @@ and `FieldSplitter` splits that text into reasoning and content with a small sta
 machine driven by the codec's markers (`<think>`, `</think>`, `<tool_call>`), holding
 back only what more tokens could still change: a suffix that may start a marker, the
 whitespace the parsers strip, content once a tool call opens. It mirrors the parse of
-the families it covers (`grammar_for`); any other codec falls back to the whole-parse
-`TextStreamer` (off the loop). What it holds back is sent by `TextStreamer.tail`-style
+the families it covers: `grammar_for` builds the grammar of the incremental parser kind
+the family registry declares for the codec (`trajectory.codec.families`); a codec
+whose kind is NONE falls back to the whole-parse `TextStreamer` (off the loop). What it holds back is sent by `TextStreamer.tail`-style
 checks once the whole message is parsed.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from trajectory.codec.families import IncrementalKind, incremental_parser
 from trajectory.codec.json_stream import CanonicalJson, JsonStreamError
 from trajectory.codec.parsing import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 from trajectory.codec.probe import decode_text
@@ -42,29 +44,19 @@ class Grammar:
 
 
 def grammar_for(codec: Any, *, tools: bool, template_kwargs: Mapping[str, Any] | None) -> Grammar | None:
-    """The grammar of `codec`'s parse, or None when this module does not mirror it."""
-    from trajectory.codec.chatml_qwen3 import Qwen3Codec
-    from trajectory.codec.generic import GenericCodec
-    from trajectory.codec.glm4 import Glm4Codec
-    from trajectory.codec.template import TemplateCodec
-
-    kind = type(codec)
-    if not isinstance(codec, TemplateCodec) or kind.parse_assistant is not TemplateCodec.parse_assistant:
-        return None
-    thinking = bool(codec.thinking(template_kwargs))
-    if kind.parse_text is Qwen3Codec.parse_text:
-        return Grammar(think=thinking, tools=tools, hermes=tools)
-    if kind.parse_text is Glm4Codec.parse_text:
-        return Grammar(think=thinking, tools=tools, reasoning_ws=None, lstrip_after_think=False, glm_content=True,
-                       glm=tools)
-    if kind.parse_text is GenericCodec.parse_text:
-        if getattr(codec, "_xml", False):
-            return None
-        hermes = bool(getattr(codec, "_hermes", False))
-        return Grammar(think=thinking and bool(getattr(codec, "_think", False)), tools=tools and hermes,
-                       hermes=tools and hermes)
-    if kind.parse_text is TemplateCodec.parse_text:
+    """The grammar of `codec`'s parse, from the incremental parser kind the family
+    registry declares for it; None when no parser here mirrors it (kind NONE)."""
+    parser = incremental_parser(codec)
+    if parser.kind is IncrementalKind.PLAIN:
         return Grammar(think=False, tools=False)
+    calls = tools and parser.tool_calls
+    if parser.kind is IncrementalKind.HERMES:
+        thinking = parser.reasoning and bool(codec.thinking(template_kwargs))
+        return Grammar(think=thinking, tools=calls, hermes=calls)
+    if parser.kind is IncrementalKind.GLM:
+        thinking = parser.reasoning and bool(codec.thinking(template_kwargs))
+        return Grammar(think=thinking, tools=calls, reasoning_ws=None, lstrip_after_think=False, glm_content=True,
+                       glm=calls)
     return None
 
 

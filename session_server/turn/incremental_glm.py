@@ -1,4 +1,4 @@
-"""GLM-4.5/4.6 XML tool calls streamed while sampled (issue 12.2), as `parse_glm` reads them.
+"""GLM-4.5/4.6 XML tool calls streamed while sampled, as `parse_glm` reads them.
 
 A GLM call is `<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>`;
 `parse_glm` keeps each value as `json.loads(V)` when that succeeds, else the raw string,

@@ -2,10 +2,10 @@
 
 Owns the package's public surface: the contract types from `base`, the family
 codecs and `load_codec`, which detects the family from the template alone
-(`detect.py`: probe renders compared with each candidate), then builds that
-family's codec: one of ours (its probe validated against the family's exact
-data), a `renderers`-backed one, or, for an unknown template, the generic
-prober + verifier (which refuses what it cannot verify).
+(`detect.py`: probe renders compared with each candidate), then builds the codec
+the family registry (`families.py`) names for it: one of ours (its probe validated
+against the family's exact data), a `renderers`-backed one, or, for an unknown
+template, the generic prober + verifier (which refuses what it cannot verify).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from trajectory.codec.detect import (
     known_families,
     resolve_family,
 )
+from trajectory.codec.families import Source, ours, renderer_names
 from trajectory.codec.gemma4 import Gemma4Codec
 from trajectory.codec.generic import GenericCodec
 from trajectory.codec.glm4 import Glm4Codec
@@ -41,8 +42,8 @@ from trajectory.codec.kimi import KimiCodec
 from trajectory.codec.llama3 import Llama3Codec
 from trajectory.codec.llama31 import Llama31Codec
 from trajectory.codec.probe import decode_text, probe_template
-from trajectory.codec.registry import FAMILY_DATA, validate_probe
-from trajectory.codec.renderers_codec import RENDERER_FAMILIES, RenderersCodec
+from trajectory.codec.registry import validate_probe
+from trajectory.codec.renderers_codec import RenderersCodec
 from trajectory.codec.template import TemplateCodec
 from trajectory.errors import TemplateNotSupported
 
@@ -76,18 +77,6 @@ __all__ = [
     "resolve_family",
 ]
 
-_CODECS: dict[str, type[TemplateCodec]] = {
-    "qwen3": Qwen3Codec,
-    "llama3": Llama3Codec,
-    "llama3.1": Llama31Codec,
-    "glm4moe": Glm4Codec,
-    "kimi-k2": KimiCodec,
-    "deepseek": DeepSeekCodec,
-    "gemma4": Gemma4Codec,
-    "harmony": HarmonyCodec,
-}
-
-
 def load_codec(tokenizer_or_path: Any, *, family: str | None = None) -> ChatCodec:
     """A codec for a tokenizer object or a path/name (`AutoTokenizer.from_pretrained`).
 
@@ -104,17 +93,19 @@ def load_codec(tokenizer_or_path: Any, *, family: str | None = None) -> ChatCode
 
 
 def codec_for(tokenizer: Any, detection: Detection) -> ChatCodec:
-    """The codec of an already resolved family (`resolve_family`)."""
+    """The codec of an already resolved family (`resolve_family`), as the registry says."""
     fam = detection.family
-    if fam == "generic":
-        return GenericCodec(tokenizer)
     if fam.startswith(RENDERERS_PREFIX):
         return RenderersCodec(tokenizer, fam.removeprefix(RENDERERS_PREFIX))
-    if fam in RENDERER_FAMILIES and fam not in _CODECS:
-        return RenderersCodec(tokenizer, fam)
-    if fam not in _CODECS:
+    spec = ours(fam)
+    if spec is None:
+        if fam in renderer_names():
+            return RenderersCodec(tokenizer, fam)
         raise TemplateNotSupported(f"unknown codec family {fam!r}; known: {', '.join(known_families())}")
+    assert spec.codec is not None
+    if spec.source is Source.GENERIC:
+        return spec.codec(tokenizer)
     probe = probe_template(tokenizer)
-    if fam in FAMILY_DATA:
+    if spec.probe is not None:
         validate_probe(fam, tokenizer, probe)
-    return _CODECS[fam](tokenizer, probe)
+    return spec.codec(tokenizer, probe)

@@ -33,7 +33,7 @@ sampled role token stays in the tree exactly as sampled, a sample of its own.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -232,3 +232,39 @@ def role_mismatch(sampled: str, needed: str) -> BridgeRefusal:
         "the template never renders one role token after another, so the turn forks "
         "(the sampled token stays on the previous branch)",
     )
+
+
+def check_bridge_input(
+    history: Sequence[Message],
+    committed_tail: Sequence[int],
+    new_messages: Sequence[Message],
+    *,
+    roles: Collection[str],
+    closing_ids: Collection[int] | None,
+    tail_required: bool = False,
+    refused_roles: Mapping[str, str] | None = None,
+    unknown_role: str = "unknown role in new messages",
+) -> BridgeRefusal | None:
+    """The checks every codec's `bridge` makes before it renders anything, in this order
+    (so every codec refuses the same input with the same reason): the history ends with
+    the assistant turn being bridged from; there are new messages; no new message has a
+    role of `refused_roles` (role -> why, the family's own rule) and every one has a role
+    of `roles` (else `unknown_role`); the previous turn was closed (`close_turn`): the last
+    committed id is one of `closing_ids`. `closing_ids=None`: the family has no token that
+    must close a turn (no check); `tail_required`: an empty `committed_tail` is not closed.
+    None when all hold."""
+    if not history or history[-1].get("role") != "assistant":
+        return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
+    if not new_messages:
+        return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
+    refused = refused_roles or {}
+    for m in new_messages if refused else ():
+        role = m.get("role")
+        if isinstance(role, str) and role in refused:
+            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, refused[role])
+    if any(m.get("role") not in roles for m in new_messages):
+        return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, unknown_role)
+    if closing_ids is not None and (committed_tail or tail_required):
+        if not committed_tail or committed_tail[-1] not in closing_ids:
+            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
+    return None

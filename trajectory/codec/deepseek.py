@@ -1,6 +1,6 @@
 """DeepSeek V3.1 / V3.2 / V4 codec: `<｜Assistant｜>`, `<think>` prefill, two tool-call markups.
 
-Owns what the generic prober cannot do for DeepSeek templates (issue 11):
+Owns what the generic prober cannot do for DeepSeek templates:
 
 - Prefill overlap. The generation prompt prefills the think block (V3.x thinking off:
   `<think></think>`, thinking on: `<think>`; V4 off: `</think>`) while the template
@@ -42,6 +42,7 @@ from trajectory.codec.base import (
     ParsedToolCall,
     RefusalReason,
     ToolCallParseStatus,
+    check_bridge_input,
     extend_committed,
 )
 from trajectory.codec.parsing import new_call_id, split_reasoning
@@ -169,15 +170,10 @@ class DeepSeekCodec(TemplateCodec):
         itself: V4 drops reasoning on a user turn even in the base `TemplateCodec`
         uses); a re-render of the turn that no longer shows what the model saw is a
         rewrite (flagged under APPEND, refused under TEMPLATE)."""
-        if not history or history[-1].get("role") != "assistant":
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
-        if not new_messages:
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
         roles = ("user", "tool", "system", "assistant") + (("developer",) if self.developer_role else ())
-        if any(m.get("role") not in roles for m in new_messages):
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "unknown role in new messages")
-        if committed_tail and committed_tail[-1] not in self.eot_ids:
-            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
+        refusal = check_bridge_input(history, committed_tail, new_messages, roles=roles, closing_ids=self.eot_ids)
+        if refusal is not None:
+            return refusal
         if policy == HistoryPolicy.TEMPLATE and committed is not None:
             return self._bridge_exact([*history, *new_messages], committed, tools=tools, kw=template_kwargs)
         kw = self._internal_kwargs(template_kwargs)

@@ -1,4 +1,4 @@
-"""Which codec family serves a tokenizer, decided from its chat template alone (issue 11.2).
+"""Which codec family serves a tokenizer, decided from its chat template alone.
 
 Owns family detection that never looks at the model's name (`name_or_path`):
 `renderers` matches names exactly, which fails for local paths and fine-tunes.
@@ -13,35 +13,31 @@ the one reproducing the most knob variants wins (the reason names the variants i
 misses: e.g. renderers' qwen3.5 renders an empty think block in earlier turns with
 `enable_thinking=False`, the Qwen3.5 template does not).
 
-Before the candidates: a template with DeepSeek's turn and tool-call markers that our
-`DeepSeekCodec` can build for (its self-check plays the template with thinking on and
-off) is `deepseek` (`source="markers"`): V3.1, V3.2 and V4 templates differ, so there
-is no one reference template to compare probes with, and renderers' deepseek-v3/v4
-serve none of them (issue 11).
+What each family has (reference template, probe data, markers, early detector) is
+the family registry's (`families.FAMILIES`); this module only applies it, in order:
 
-Candidates, tried in this fixed preference order (ties go to the earlier one):
-
-1. our hand-written families (`registry.FAMILY_DATA`: qwen3, llama3, llama3.1,
-   glm4moe, gemma4), each rendering the probes with its packaged reference template. They
-   come first because they pass the whole contract suite under both history
-   policies, and they render with the tokenizer's own template, so choosing them
-   keeps today's codec for these templates. An exact (sha256) copy of a packaged
-   template short-circuits the probes (`source="digest"`).
-2. every `renderers` family of `renderers_codec.RENDERER_FAMILIES`, in that tuple's
-   order, whose `RenderersCodec` can be constructed for this tokenizer (a renderer
-   needs the family's special tokens; a codec that cannot be built, e.g. Nemotron 3
-   today, is no candidate: it could not serve the tokenizer anyway). Families of
-   one lineage that render the probes alike (qwen3.5/qwen3.6) resolve to the
-   earliest listed.
-3. no probe match: the template's markers name one of our families and the
+1. an exact (sha256) copy of one of our packaged templates is that family
+   (`source="digest"`);
+2. our families without one reference template (`families.early_families`: gpt-oss's
+   harmony, DeepSeek V3.1/V3.2/V4, Kimi K2, several template versions each) are found
+   by their markers (`source="markers"`); DeepSeek only when its prefill-aware codec
+   can be built for the tokenizer (its self-check plays the template with thinking on
+   and off), else the candidates below decide;
+3. the probe candidates, in the registry's preference order (ties go to the earlier
+   one): first our families with a packaged reference template (qwen3, llama3,
+   llama3.1, glm4moe, gemma4), each rendering the probes with that template (they pass
+   the whole contract suite under both history policies, and render with the
+   tokenizer's own template, so choosing them keeps today's codec for these
+   templates); then every `renderers` family whose `RenderersCodec` can be constructed
+   for this tokenizer (a renderer needs the family's special tokens; a codec that
+   cannot be built, e.g. Nemotron 3 today, is no candidate: it could not serve the
+   tokenizer anyway). Families of one lineage that render the probes alike
+   (qwen3.5/qwen3.6) resolve to the earliest listed;
+4. no probe match: the template's marker hint names one of our families and the
    probed end-of-turn, gap and generation prompt equal that family's exact data
-   (`registry.match_markers` + `validate_probe`, today's behaviour for variants
-   of our templates, e.g. Llama 3.2 served by the llama3.1 codec).
-Kimi K2 (`registry.MARKER_FAMILIES`) is found before the probes, by its role and tool-call
-section tokens: our `KimiCodec` serves every template version (renderers' `kimi-k2` is
-refused at load for these templates) and refuses, with the reason, one it cannot render.
-
-4. nothing: `generic`, our prober + verifier (which serves an append-only
+   (`registry.match_markers` + `validate_probe`, today's behaviour for variants of
+   our templates, e.g. Llama 3.2 served by the llama3.1 codec);
+5. nothing: `generic`, our prober + verifier (which serves an append-only
    template or refuses it with `TemplateNotSupported`).
 
 A forced family (`resolve_family(tok, "glm-5")`) skips detection; an unknown name is
@@ -54,39 +50,36 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
-from trajectory.codec.deepseek import DeepSeekCodec, is_deepseek_template
-from trajectory.codec.harmony import is_harmony_template
+from trajectory.codec.families import (
+    GENERIC,
+    early_families,
+    known_names,
+    renderer_names,
+    template_families,
+)
 from trajectory.codec.probe import decode_text, probe_template, render_form
 from trajectory.codec.registry import (
-    FAMILY_DATA,
     match_digest,
-    match_marker_family,
     match_markers,
+    reference_template,
     validate_probe,
 )
-from trajectory.codec.renderers_codec import RENDERER_FAMILIES, RenderersCodec
+from trajectory.codec.renderers_codec import RenderersCodec
 from trajectory.errors import TemplateNotSupported
 
 __all__ = [
-    "DEEPSEEK", "GENERIC", "OUR_FAMILIES", "RENDERERS_PREFIX", "Detection", "check_family_name", "detect_family",
+    "GENERIC", "OUR_FAMILIES", "RENDERERS_PREFIX", "Detection", "check_family_name", "detect_family",
     "known_families", "resolve_family",
 ]
 
 log = logging.getLogger(__name__)
 
-GENERIC = "generic"
 # forces the renderers codec for a name ours also has ("renderers:qwen3")
 RENDERERS_PREFIX = "renderers:"
-OUR_FAMILIES: tuple[str, ...] = tuple(FAMILY_DATA)
-# ours without one reference template (V3.1, V3.2 and V4 differ): chosen by markers
-# and its own construction check (`DeepSeekCodec`), before any probe candidate
-DEEPSEEK = "deepseek"
-# gpt-oss: detected from its harmony markers before any probe (renderers' gpt-oss
-# renderer needs openai-harmony's vocabulary download, and renders unlike the template)
-HARMONY = "harmony"
+# ours with a packaged reference template: the first probe candidates
+OUR_FAMILIES: tuple[str, ...] = tuple(f.name for f in template_families())
 # template kwargs that switch reasoning on and off, probed both ways when the template reads them
 _THINKING_KNOBS = ("enable_thinking", "thinking")
 
@@ -146,14 +139,14 @@ class Detection:
 
 
 def known_families() -> tuple[str, ...]:
-    """Every name `resolve_family` / `load_codec(family=...)` accepts."""
-    return tuple(dict.fromkeys((*OUR_FAMILIES, DEEPSEEK, *RENDERER_FAMILIES, HARMONY, GENERIC)))
+    """Every name `resolve_family` / `load_codec(family=...)` accepts (the registry's)."""
+    return known_names()
 
 
 def check_family_name(family: str) -> str:
     """`family` when it names a known family (or "renderers:NAME"), else a
     `TemplateNotSupported` listing the known ones."""
-    if family in known_families() or family.removeprefix(RENDERERS_PREFIX) in RENDERER_FAMILIES:
+    if family in known_families() or family.removeprefix(RENDERERS_PREFIX) in renderer_names():
         return family
     raise TemplateNotSupported(
         f"unknown template family {family!r}; known: {', '.join(known_families())} "
@@ -229,10 +222,8 @@ def _score(name: str, render: Render, expected: Sequence[tuple[Probe, dict[str, 
 
 
 def _ours(tokenizer: Any, family: str) -> Render | None:
-    name = FAMILY_DATA[family].template_file
-    try:
-        ref = resources.files("trajectory.codec").joinpath("templates", name).read_text(encoding="utf-8")
-    except FileNotFoundError:
+    ref = reference_template(family)
+    if ref is None:
         return None
     return lambda probe, kw: _template_render(tokenizer, probe, kw, ref)
 
@@ -282,29 +273,26 @@ def detect_family(tokenizer: Any) -> Detection:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or not template:
         return Detection(GENERIC, GENERIC, "the tokenizer has no chat template")
-    if is_harmony_template(tokenizer):
-        return Detection(HARMONY, "markers", "the template speaks harmony (<|start|>/<|channel|>/<|message|>, "
-                         "stops <|return|>/<|call|>, generation prompt <|start|>assistant)")
     exact = match_digest(template)
     if exact is not None:
         return Detection(exact, "digest", f"the template is the packaged {exact} template (sha256)")
-    if is_deepseek_template(template):
-        try:
-            DeepSeekCodec(tokenizer)
-        except Exception as exc:  # not served as DeepSeek: the candidates below decide
-            log.debug("deepseek markers but no DeepSeek codec: %s", exc)
-        else:
-            return Detection(DEEPSEEK, "markers", "DeepSeek turn and tool-call markers; its prefill-aware "
-                             "codec plays the template token for token with thinking on and off")
-    marked_own = match_marker_family(template)
-    if marked_own is not None:
-        return Detection(marked_own, "markers", f"the template carries {marked_own}'s role and tool-call tokens")
+    for family in early_families():
+        assert family.early is not None and family.codec is not None
+        if not family.early.matches(tokenizer):
+            continue
+        if family.early.confirm_by_building:
+            try:
+                family.codec(tokenizer)
+            except Exception as exc:  # not served by this codec: the candidates below decide
+                log.debug("%s markers but no %s codec: %s", family.name, family.name, exc)
+                continue
+        return Detection(family.name, "markers", family.early.reason)
     expected, skipped = _expected(tokenizer)
     if not expected:
         return Detection(GENERIC, GENERIC, "the template renders none of the probes")
     candidates: list[tuple[str, Callable[[Any, str], Render | None]]] = [
         *((f, _ours) for f in OUR_FAMILIES),
-        *((n, _renderer) for n in RENDERER_FAMILIES),
+        *((n, _renderer) for n in renderer_names()),
     ]
     scores, unbuilt = [], 0
     for name, make in candidates:

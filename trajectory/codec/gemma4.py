@@ -1,5 +1,5 @@
 """Gemma 4 codec: `<|turn>role\\n ... <turn|>` turns, a tool loop that stays inside the
-model turn, `<|channel>thought` reasoning and `call:NAME{k:v}` tool calls (issue 11).
+model turn, `<|channel>thought` reasoning and `call:NAME{k:v}` tool calls.
 
 Owns what the generic template codec cannot derive for Gemma 4 (all read from the
 tokenizer's own template at construction, nothing from the model's name):
@@ -10,7 +10,7 @@ tokenizer's own template at construction, nothing from the model's name):
   `<|turn>model\\n<|channel>thought\\n<channel|>`, and renders history turns with
   `<|turn>model\\n` only. What the model samples is the message body after that
   prompt; a re-render drops the prefill, so every later step rewrites the turn's
-  prompt tokens: APPEND keeps them (flagged per turn), TEMPLATE forks (issue 10).
+  prompt tokens: APPEND keeps them (flagged per turn), TEMPLATE forks.
   With thinking on the header is the whole prompt and the tool loop is append-only.
 - **Two stops.** A reply ends with `<turn|>` (then a template `\\n` gap). A message
   with tool calls ends with the token the template renders after its last
@@ -46,6 +46,7 @@ from trajectory.codec.base import (
     ParsedToolCall,
     RefusalReason,
     ToolCallParseStatus,
+    check_bridge_input,
     extend_committed,
 )
 from trajectory.codec.parsing import new_call_id
@@ -355,16 +356,12 @@ class Gemma4Codec(TemplateCodec):
         """TEMPLATE with `committed`: the full re-render must extend every committed id
         (else HISTORY_REWRITE). Otherwise the delta after the sampled stop, from a base
         of the previous message alone (O(turn)), and a last-turn rewrite diagnostic."""
-        if not history or history[-1].get("role") != "assistant":
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
-        if not new_messages:
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
-        roles = ("user", "tool", "system", "assistant", "developer")
-        if any(m.get("role") not in roles for m in new_messages):
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "unknown role in new messages")
-        last = committed_tail[-1] if committed_tail else None
-        if last not in self.eot_ids:
-            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
+        refusal = check_bridge_input(history, committed_tail, new_messages,
+                                     roles=("user", "tool", "system", "assistant", "developer"),
+                                     closing_ids=self.eot_ids, tail_required=True)
+        if refusal is not None:
+            return refusal
+        last = committed_tail[-1]
         kw = self._internal_kwargs(template_kwargs)
         new = list(new_messages)
         if policy == HistoryPolicy.TEMPLATE and committed is not None:

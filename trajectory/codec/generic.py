@@ -27,22 +27,24 @@ class GenericCodec(TemplateCodec):
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
         template = str(getattr(tokenizer, "chat_template", "") or "")
-        self._think = "</think>" in template
-        self._hermes = "<tool_call>" in template
+        # what the template's own markers say the model writes (public: the family
+        # registry picks the incremental parser from them, `families.incremental_parser`)
+        self.reasoning_markers = "</think>" in template
+        self.hermes_calls = "<tool_call>" in template
         # Qwen3-Coder's XML calls inside <tool_call> (its renderer refuses the template)
-        self._xml = self._hermes and "<function=" in template and "<parameter=" in template
+        self.xml_calls = self.hermes_calls and "<function=" in template and "<parameter=" in template
         verify_round_trip(self)
 
     def parse_text(self, text: str, *, names: frozenset[str] = frozenset(), thinking: bool = True) -> ParsedAssistant:
         reasoning = None
-        if self._think:
+        if self.reasoning_markers:
             reasoning, text = split_reasoning(text, thinking=thinking)
             if reasoning is not None:
                 reasoning = reasoning.strip("\n") or None
                 text = text.lstrip("\n")
-        if self._xml:
+        if self.xml_calls:
             return parse_xml_calls(text, reasoning, names)
-        if self._hermes:
+        if self.hermes_calls:
             return parse_hermes(text, reasoning, names)
         return ParsedAssistant(content=text, reasoning_content=reasoning)
 

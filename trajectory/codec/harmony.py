@@ -40,6 +40,7 @@ from trajectory.codec.base import (
     ParsedToolCall,
     RefusalReason,
     ToolCallParseStatus,
+    check_bridge_input,
     extend_committed,
 )
 from trajectory.codec.parsing import new_call_id
@@ -50,6 +51,9 @@ START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel
 RETURN, CALL, CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
 _MARKERS = (START, END, MESSAGE, CHANNEL, RETURN, CALL)
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+# roles a bridge refuses: the template renders them only as the first message
+_FIRST_ONLY = dict.fromkeys(
+    ("system", "developer"), "the gpt-oss template renders a system/developer message only as the first message")
 
 
 def is_harmony_template(tokenizer: Any) -> bool:
@@ -137,7 +141,8 @@ class HarmonyCodec(TemplateCodec):
         TEMPLATE with `committed`: the full re-render must extend every committed id, else
         HISTORY_REWRITE (exact, O(context)). APPEND: O(one turn); `rewrites_history` says
         whether a re-render would change what the model saw (`_rewrites`)."""
-        refusal = self._check(history, committed_tail, new_messages)
+        refusal = check_bridge_input(history, committed_tail, new_messages, roles=("user", "tool", "assistant"),
+                                     closing_ids=self._closed, refused_roles=_FIRST_ONLY)
         if refusal is not None:
             return refusal
         kw = self._internal_kwargs(template_kwargs)
@@ -165,24 +170,6 @@ class HarmonyCodec(TemplateCodec):
                 "the template re-renders earlier turns when these messages are appended",
             )
         return BridgeResult(prompt_ids=delta, rewrites_history=rewrites)
-
-    def _check(self, history: Sequence[Message], tail: Sequence[int], new: Sequence[Message]) -> BridgeRefusal | None:
-        """The shape checks every bridge makes before rendering."""
-        if not history or history[-1].get("role") != "assistant":
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
-        if not new:
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
-        roles = {m.get("role") for m in new}
-        if roles & {"system", "developer"}:
-            return BridgeRefusal(
-                RefusalReason.UNSUPPORTED_MESSAGE,
-                "the gpt-oss template renders a system/developer message only as the first message",
-            )
-        if not roles <= {"user", "tool", "assistant"}:
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "unknown role in new messages")
-        if tail and tail[-1] not in self._closed:
-            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
-        return None
 
     def _bridge_template(self, messages: list[Message], committed: Sequence[int], *, tools: Any,
                          kw: Any) -> BridgeResult | BridgeRefusal:

@@ -2,7 +2,7 @@
 
 Why: a committed tool call's `arguments` is the canonical dump of the parsed object
 (`parsing._dump`), not the model's own text (`{"a":1}`, `"\\u00e9"`, `1e5` all differ
-from it). To stream arguments while they are sampled (issue 12.2) each completed piece
+from it). To stream arguments while they are sampled each completed piece
 of the model's JSON is written the way `json.dumps` would write it, so the concatenated
 output is the canonical text and every intermediate output is a prefix of it: brackets,
 `, ` and `: ` separators as the structure arrives, string characters as they decode

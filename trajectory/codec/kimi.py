@@ -1,4 +1,4 @@
-"""Kimi K2 / K2-Instruct / K2-Thinking codec (issue 11): `<|im_end|>` turns, section-wrapped
+"""Kimi K2 / K2-Instruct / K2-Thinking codec: `<|im_end|>` turns, section-wrapped
 tool calls with `functions.NAME:IDX` ids, `<think>` reasoning (K2-Thinking).
 
 Owns Kimi's parsing, its sampled assistant form and its rewrite detection; rendering and the

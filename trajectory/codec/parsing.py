@@ -28,7 +28,7 @@ def new_call_id() -> str:
 def tool_names(tools: Iterable[Any] | None) -> frozenset[str]:
     """Function names a request offers (`tools[i].function.name`); malformed entries are skipped.
 
-    Empty means the request sent no tools: then nothing is parsed as a call (issue 16.2)."""
+    Empty means the request sent no tools: then nothing is parsed as a call."""
     names = set()
     for tool in tools or ():
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -43,7 +43,7 @@ def split_reasoning(text: str, *, thinking: bool = True) -> tuple[str | None, st
 
     A `<think>` never closed (the turn was cut short while thinking) is all reasoning.
     With thinking off (`enable_thinking: false`) the template closed the think block in
-    the prompt, so a literal `</think>` the model writes is content (issue 8.5)."""
+    the prompt, so a literal `</think>` the model writes is content."""
     if not thinking:
         return None, text
     if THINK_CLOSE not in text:
@@ -109,7 +109,7 @@ def _hermes_objects(text: str) -> tuple[str, list[Any], str] | _Fail:
     """(text before the first call, decoded call objects, trailing text), or (status, detail).
 
     Each call's JSON is read with a JSON decoder, not by searching for the closing tag,
-    so a `</tool_call>` inside an argument string does not cut the call (issue 8.5)."""
+    so a `</tool_call>` inside an argument string does not cut the call."""
     first = text.find(TOOL_OPEN)
     objs: list[Any] = []
     pos = first
@@ -234,7 +234,7 @@ def parse_llama31(text: str, names: frozenset[str]) -> ParsedAssistant:
     """Llama 3.1: the whole reply is `{"name": ..., "parameters": {...}}` (one call).
 
     The format has no markup, so a JSON *answer* looks like a call: only a name among
-    the request's tools (`names`) makes one; anything else is content (issue 8.5)."""
+    the request's tools (`names`) makes one; anything else is content."""
     stripped = text.strip()
     if not names or not (stripped.startswith("{") and '"name"' in stripped):
         return ParsedAssistant(content=text, reasoning_content=None)

@@ -81,7 +81,7 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def decode_text(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-    """The exact text of `ids`: the one way sampled ids become text (issue 8.3).
+    """The exact text of `ids`: the one way sampled ids become text.
 
     `clean_up_tokenization_spaces` is always off: a tokenizer whose config turns it
     on (the real Llama 3.2 one, honoured by transformers 4.x) would otherwise drop

@@ -1,4 +1,4 @@
-"""A codec behind our `ChatCodec` interface, backed by a `renderers` renderer (issue 11.1).
+"""A codec behind our `ChatCodec` interface, backed by a `renderers` renderer.
 
 Owns adapting the `renderers` library (PyPI, Apache-2.0, pinned 0.1.12) to our
 contract: render, bridge, parse, close and stop ids for the hand-coded families it
@@ -91,9 +91,11 @@ from trajectory.codec.base import (
     ParsedToolCall,
     RefusalReason,
     ToolCallParseStatus,
+    check_bridge_input,
     extend_committed,
     role_mismatch,
 )
+from trajectory.codec.families import ToolCallFormat, renderers_with
 from trajectory.codec.parsing import new_call_id, parse_llama31, tool_names
 from trajectory.codec.probe import (
     DUMMY_SYSTEM,
@@ -107,40 +109,11 @@ from trajectory.codec.probe import (
 from trajectory.codec.xml_args import xml_arguments
 from trajectory.errors import CodecError, TemplateNotSupported
 
-# renderer names we serve (text families of renderers 0.1.12; VL/multimodal-only and
-# DefaultRenderer are left out: the latter never bridges, our generic prober does)
-RENDERER_FAMILIES: tuple[str, ...] = (
-    "qwen3",
-    "prime-qwen3",
-    "qwen3.5",
-    "qwen3.6",
-    "qwen3.8",
-    "glm-4.5",
-    "glm-5",
-    "glm-5.1",
-    "glm-5.3",
-    "minimax-m2",
-    "deepseek-v3",
-    "deepseek-r1",
-    "deepseek-v4",
-    "kimi-k2",
-    "kimi-k2.5",
-    "nemotron-3",
-    "nemotron-3.5",
-    "llama-3",
-    "gpt-oss",
-    "gemma4",
-    "hy3",
-    "laguna-xs.2",
-    "laguna-xs-2.1",
-    "laguna-s-2.1",
-)
-
 _ROLES = ("user", "tool", "system", "developer")
 
 # families whose tool calls have no markup (the whole reply is the call's JSON): parsed
 # by our grammar of the same format on the exactly decoded reply (module doc)
-_BARE_JSON_CALLS = frozenset({"llama-3"})
+_BARE_JSON_CALLS = renderers_with(ToolCallFormat.BARE_JSON)
 
 
 class ExactDecode:
@@ -333,17 +306,12 @@ class RenderersCodec:
         TEMPLATE with `committed` (all committed ids): exact by definition, the delta
         is the full re-render past the committed ids, refused when they are not its
         prefix. APPEND (or no `committed`): O(new tokens), through their bridge."""
-        if not history or history[-1].get("role") != "assistant":
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn")
-        if not new_messages:
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
-        roles = _ROLES if self.developer_role else _ROLES[:3]
-        if any(m.get("role") not in roles for m in new_messages):
-            return BridgeRefusal(
-                RefusalReason.UNSUPPORTED_MESSAGE, "renderers bridges only user/tool/system messages"
-            )
-        if self._close is not None and committed_tail and committed_tail[-1] not in self.stop_token_ids:
-            return BridgeRefusal(RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)")
+        refusal = check_bridge_input(history, committed_tail, new_messages,
+                                     roles=_ROLES if self.developer_role else _ROLES[:3],
+                                     closing_ids=self.stop_token_ids if self._close is not None else None,
+                                     unknown_role="renderers bridges only user/tool/system messages")
+        if refusal is not None:
+            return refusal
         kw = template_kwargs
         new = list(new_messages)
         mismatch = self._role_mismatch(history[-1], committed_tail, new, tools=tools, kw=kw)

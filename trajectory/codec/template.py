@@ -36,6 +36,7 @@ from trajectory.codec.base import (
     ParsedAssistant,
     RefusalReason,
     ToolCallParseStatus,
+    check_bridge_input,
     role_mismatch,
 )
 from trajectory.codec.parsing import tool_names
@@ -71,7 +72,7 @@ class TemplateCodec:
             stops.append(eos)
         self.stop_token_ids = tuple(dict.fromkeys(stops))
         # a template that knows the `developer` role renders it; any other gets it as
-        # `system` (the caller maps it, on every turn alike: issue 8.8)
+        # `system` (the caller maps it, on every turn alike)
         self.developer_role = "developer" in str(getattr(tokenizer, "chat_template", "") or "")
 
     # -- helpers -----------------------------------------------------------------
@@ -152,20 +153,12 @@ class TemplateCodec:
         text of H with H + new (the contract suite checks it for these families), and
         comparison renders pin kwargs the prompt did not (Llama 3.1's date), so they
         could not be compared with the committed ids token for token."""
-        if not history or history[-1].get("role") != "assistant":
-            return BridgeRefusal(
-                RefusalReason.UNSUPPORTED_MESSAGE, "history must end with the assistant turn"
-            )
-        if not new_messages:
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "no new messages")
         roles = ("user", "tool", "system", "assistant", "developer") if self.developer_role else (
             "user", "tool", "system", "assistant")
-        if any(m.get("role") not in roles for m in new_messages):
-            return BridgeRefusal(RefusalReason.UNSUPPORTED_MESSAGE, "unknown role in new messages")
-        if self.probe.eot_ids and committed_tail and committed_tail[-1] not in self.eot_ids:
-            return BridgeRefusal(
-                RefusalReason.NOT_APPEND_ONLY, "previous turn is not closed (call close_turn)"
-            )
+        refusal = check_bridge_input(history, committed_tail, new_messages, roles=roles,
+                                     closing_ids=self.eot_ids if self.probe.eot_ids else None)
+        if refusal is not None:
+            return refusal
         kw = self._internal_kwargs(template_kwargs)
         new = list(new_messages)
         if policy == HistoryPolicy.TEMPLATE:
@@ -266,7 +259,7 @@ class TemplateCodec:
         *,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> bool:
-        """Whether tool lists `a` and `b` give the model the same prompt (issue 16.1).
+        """Whether tool lists `a` and `b` give the model the same prompt.
 
         Compared as the template renders them (the tools-only prefix: a system and a
         user message, since Llama 3.1 puts tools in the first user message), so a key

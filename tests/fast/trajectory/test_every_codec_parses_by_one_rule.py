@@ -1,4 +1,4 @@
-"""Every codec of the family registry (`detect.known_families()`, plus the `renderers`
+"""Every codec of the family registry (`families.known_names()`, plus the `renderers`
 codec of each name ours also serve) parses sampled text by the same rules:
 
 (a) text is decoded exactly: a tokenizer whose config turns clean-up on (the real
@@ -27,8 +27,9 @@ import pytest
 from session_server.sim.tokenizers import build_template_tokenizer, build_tokenizer
 from tests.fast.trajectory.renderer_families import BY_NAME, GPT_OSS, build
 from trajectory.codec import ToolCallParseStatus, codec_for, decode_text
-from trajectory.codec.detect import RENDERERS_PREFIX, Detection, known_families
-from trajectory.codec.renderers_codec import RENDERER_FAMILIES, RenderersCodec
+from trajectory.codec.detect import RENDERERS_PREFIX, Detection
+from trajectory.codec.families import known_names, ours, renderer_names
+from trajectory.codec.renderers_codec import RenderersCodec
 
 EXACT = "print(a , b) it 's fine ."
 WEATHER = {"type": "function", "function": {
@@ -94,10 +95,8 @@ TOKENIZER: dict[str, str] = {
 
 def _families() -> list[str]:
     """Every name the registry serves, and the renderers codec of each name ours serve."""
-    from trajectory.codec import _CODECS
-
-    ours_too = [f"{RENDERERS_PREFIX}{n}" for n in RENDERER_FAMILIES if n in _CODECS]
-    return [*known_families(), *ours_too]
+    ours_too = [f"{RENDERERS_PREFIX}{n}" for n in renderer_names() if ours(n) is not None]
+    return [*known_names(), *ours_too]
 
 
 FAMILIES = _families()
@@ -152,9 +151,7 @@ def codec_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
 
 
 def _served_by_renderers(family: str) -> bool:
-    from trajectory.codec import _CODECS
-
-    return family in RENDERER_FAMILIES and family not in _CODECS
+    return family in renderer_names() and ours(family) is None
 
 
 def _params() -> list[Any]:
