@@ -113,7 +113,7 @@ class GenerateResult:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """Tokens a streamed generation sampled since its last delta (issue 12.2), values raw
+    """Tokens a streamed generation sampled since its last delta, values raw
     as the engine sent them; the stream's final `GenerateResult` is what is validated."""
 
     ids: Sequence[Any]

@@ -201,8 +201,8 @@ class EngineRegistry:
         self.pool.set_engine_load(engine.id, by_rank)
 
     async def poll_loads(self, interval_s: float) -> None:
-        """Every `interval_s`, every engine's own load at once (issue 14.4: instances that
-        share engines learn each other's load from them); runs until cancelled."""
+        """Every `interval_s`, every engine's own load at once (instances that share
+        engines learn each other's load from them); runs until cancelled."""
         while True:
             engines = list(self.pool.engines.values())
             await asyncio.gather(*(self.poll_load(e, timeout_s=max(1.0, interval_s)) for e in engines))

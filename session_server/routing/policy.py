@@ -35,7 +35,7 @@ class TargetView:
     kv_capacity_tokens: int | None = None
     engine_id: str = ""
     # requests the engine reports on this rank beyond this instance's own in-flight ones
-    # (other instances' work, learned from the engine; issue 14.4): placement adds it
+    # (other instances' work, learned from the engine): placement adds it
     external_load: int = 0
 
     @property

@@ -42,7 +42,7 @@ class TargetStats:
     resident_tokens: int = 0
     pending_prefill_tokens: int = 0
     kv_capacity_tokens: int | None = None
-    external_load: int = 0  # engine-reported requests beyond ours at the last poll (issue 14.4)
+    external_load: int = 0  # engine-reported requests beyond ours at the last poll
 
     @property
     def id(self) -> str:
@@ -201,7 +201,7 @@ class EnginePool:
         """What `engine_id` reports running + waiting per DP rank (None: unknown). The
         part beyond our own in-flight turns is other instances' work; new placements add
         it to our count (`TargetView.placement_load`), so instances sharing engines
-        spread without talking to each other (issue 14.4). An engine we know as one
+        spread without talking to each other. An engine we know as one
         target (vLLM does not report its DP size) counts every rank it reports: its
         own balancer spreads our requests over them."""
         eng = self.engines.get(engine_id)

@@ -158,8 +158,9 @@ def _output_text(ctx: ServerContext) -> Callable[[Sequence[Any]], str]:
 def _admission(
     ctx: ServerContext, engine_id: str, uncached: int
 ) -> Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]]:
-    """Prefill admission per segment, never held at the pause gate (issue 8): a resumed
-    segment passes its own uncached guess, the first one the routing estimate."""
+    """Prefill admission per segment, never held at the pause gate (`generate_resilient`
+    takes it only once the gate is open): a resumed segment passes its own uncached
+    guess, the first one the routing estimate."""
 
     def admit(guess: int | None) -> contextlib.AbstractAsyncContextManager[Any]:
         return ctx.admission.acquire(engine_id, uncached if guess is None else guess)
