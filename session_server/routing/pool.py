@@ -27,7 +27,6 @@ class Engine:
     id: str
     dp_size: int = 1
     healthy: bool = True
-    last_failure_s: float | None = None
     consecutive_errors: int = 0  # engine-side 5xx in a row; a success resets it
     failed_health_checks: int = 0  # failed active health checks in a row; a healthy one resets it
     reported_load: Any = None  # what the engine says about its own load (SGLang /get_load)
@@ -226,7 +225,6 @@ class EnginePool:
         eng = self.engines.get(engine_id)
         if eng is not None:
             eng.healthy = False
-            eng.last_failure_s = self._clock()
             for sid in [
                 s for s, (tid, _) in self._cached.items() if tid.startswith(f"{engine_id}/")
             ]:
