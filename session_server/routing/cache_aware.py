@@ -30,6 +30,7 @@ class CacheAwareConfig:
 
 class CacheAware(PolicyBase):
     name = "cache_aware"
+    needs_prefix_hashes = True
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = config or CacheAwareConfig()

@@ -78,7 +78,7 @@ async def dispatch(
     generation; pauses are survived there (abort, accumulate, resubmit).
     `on_routed` is called once, when the first target is chosen."""
     hashes = None
-    if ctx.engines.policy.name == "cache_aware":
+    if ctx.engines.policy.needs_prefix_hashes:
         hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
     attempts = 2 if len(ctx.engines.engines) > 1 else 1
     deadline = time.monotonic() + greq.timeout_s  # once: a re-home does not restart the clock
