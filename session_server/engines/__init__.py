@@ -18,8 +18,8 @@ from session_server.engines.sglang import (
     parse_sglang_generate,
     parse_sglang_stream,
 )
-from session_server.engines.vllm import (
-    VLLMAdapter,
+from session_server.engines.vllm import VLLMAdapter
+from session_server.engines.vllm_replies import (
     parse_vllm_completions,
     parse_vllm_generate,
     parse_vllm_logprob_content,
