@@ -40,6 +40,7 @@ from session_server.engines.base import (
     TokenDelta,
     TokenIds,
 )
+from session_server.engines.base import streaming as streaming_of
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
 from trajectory.errors import ValidationError
 from trajectory.validate import Expectations, is_int, validate_chunk, validate_generation
@@ -271,7 +272,7 @@ async def generate_resilient(
         deadline = time.monotonic() + request.timeout_s
     prompt = request.input_ids
     lora = request.lora
-    engine = str(getattr(adapter, "base_url", ""))
+    engine = str(adapter.base_url)
     acc, counts = Acc(), Counts()
     first: GenerateResult | None = None
     last_version = None if expect is None else expect.last_weight_version
@@ -279,10 +280,10 @@ async def generate_resilient(
     unexplained_empty = 0
     lag = LagBound(request.max_weight_lag)
 
-    slot = getattr(adapter, "slot", None)
     first_salt = control.cache_salt()
     constrained = request.sampling.constraint is not None
-    streaming = getattr(adapter, "generate_stream", None) if on_delta is not None and not constrained else None
+    streamer = streaming_of(adapter) if on_delta is not None and not constrained else None
+    streaming = None if streamer is None else streamer.generate_stream
     stops = StopStrings(request.sampling.stop, decode) if decode and request.sampling.stop and not constrained else None
     while True:
         async with contextlib.AsyncExitStack() as held:
@@ -296,8 +297,7 @@ async def generate_resilient(
                 guess = None if not counts.rids else (
                     len(prompt) + len(acc.ids) if salt_now != first_salt else len(acc.ids))
                 await _enter_by(held, admit(guess), deadline, f"prefill admission on {engine}")
-            if slot is not None:
-                await _enter_by(held, slot(), deadline, f"a generation slot on {engine}")
+            await _enter_by(held, adapter.slot(), deadline, f"a generation slot on {engine}")
             if control.blocked(lora):
                 continue  # closed again while we queued: release everything, wait again
             if first is not None and lag.ends_before(len(acc.ids), control.weight_version):
@@ -315,7 +315,7 @@ async def generate_resilient(
                 max_tokens=remaining,
                 cache_salt=_salted(request.cache_salt, control.cache_salt()),
                 timeout_s=max(0.001, deadline - time.monotonic()),
-                slot_held=slot is not None,
+                slot_held=True,
                 routed_experts_start=acc.routed_start(request),  # rows already held (R3)
             )
             with (control.track_flight(seg_rid, engine=engine, lora=lora),

@@ -7,6 +7,7 @@ from typing import Any
 from session_server.engines.admission_check import detect_protocol, parse_engine_spec
 from session_server.engines.base import (
     EngineAdapter,
+    EngineCapabilities,
     FinishReason,
     GenerateRequest,
     GenerateResult,
@@ -28,6 +29,7 @@ from session_server.engines.vllm_replies import (
 __all__ = [
     "ConnectionLimits",
     "EngineAdapter",
+    "EngineCapabilities",
     "FinishReason",
     "GenerateRequest",
     "GenerateResult",

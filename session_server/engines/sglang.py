@@ -11,6 +11,7 @@ null (mid-stream); a JSON list body (batch or n>1) is refused; unknown
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import msgspec
 
 from session_server.engines.base import (
+    EngineCapabilities,
     GenerateRequest,
     GenerateResult,
     StreamItem,
@@ -309,10 +311,20 @@ def build_sglang_payload(request: GenerateRequest) -> dict[str, Any]:
     return payload
 
 
+# The plane's pause modes in SGLang's own names (`POST /pause_generation {mode}`: abort,
+# retract, in_place). `keep` freezes requests with their KV: `in_place`. SGLang has no
+# drain mode, so for `wait` (the plane has drained its own requests first) it is frozen
+# `in_place` too.
+_PAUSE_MODES: dict[str, str] = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
+
+
 class SGLangAdapter:
     """One SGLang server (all its DP ranks) behind `EngineAdapter`."""
 
     protocol = "sglang"
+    capabilities = EngineCapabilities(
+        streams=True, reports_load=True, reports_dp_size=True, names_model=True, pushes_weight_version=True,
+    )
 
     def __init__(
         self,
@@ -390,6 +402,10 @@ class SGLangAdapter:
         """Running + waiting requests per DP rank, from `/get_load` (engines/load.py)."""
         return sglang_load(await self.get_load())
 
+    def pause_mode(self, mode: str) -> str:
+        """SGLang's own name for the plane's pause `mode` (`_PAUSE_MODES`)."""
+        return _PAUSE_MODES[mode]
+
     async def pause(self, mode: str = "abort") -> None:
         """POST /pause_generation {mode}; modes: abort, retract, in_place."""
         await self.http.call_json("POST", "/pause_generation", {"mode": mode})
@@ -407,6 +423,10 @@ class SGLangAdapter:
     async def abort(self, rid: str | None = None) -> None:
         """Abort one request (rids match by prefix: use fixed-width ids) or all when rid is None."""
         await self.http.call_json("POST", "/abort_request", {"rid": rid} if rid else {"abort_all": True})
+
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        """Abort each of `rids`: SGLang's `/abort_request` takes one id per call."""
+        await asyncio.gather(*(self.abort(rid) for rid in rids))
 
     def slot(self) -> AbstractAsyncContextManager[None]:
         """One of this engine's concurrency slots (see `EngineHTTP.slot`)."""

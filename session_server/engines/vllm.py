@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from session_server.engines.base import (
+    EngineCapabilities,
     GenerateRequest,
     GenerateResult,
     StreamItem,
@@ -124,6 +125,10 @@ class VLLMAdapter:
     """One vLLM server behind `EngineAdapter` (token-in generate, else completions)."""
 
     protocol = "vllm"
+    # no dp_size: vLLM does not report its DP size (its own balancer spreads our requests)
+    capabilities = EngineCapabilities(
+        streams=True, reports_load=True, names_model=True, pushes_weight_version=True,
+    )
 
     def __init__(
         self,
@@ -240,6 +245,11 @@ class VLLMAdapter:
         """GET /health: a bare 200 when serving."""
         return await self.http.health()
 
+    def pause_mode(self, mode: str) -> str:
+        """vLLM names the plane's modes alike: `abort`, `keep` (requests freeze with their
+        KV) and `wait` (running requests finish first; the plane has drained its own)."""
+        return mode
+
     async def pause(self, mode: str = "abort", *, clear_cache: bool = False) -> None:
         """POST /pause?mode=abort|wait|keep (query parameters, not a body)."""
         params = {"mode": mode}
@@ -270,6 +280,12 @@ class VLLMAdapter:
     async def abort(self, request_ids: Sequence[str] = ()) -> None:
         """POST /abort_requests (by the engine's own ids); an empty list aborts everything."""
         await self.http.call_json("POST", "/abort_requests", {"request_ids": engine_request_ids(request_ids)})
+
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        """Abort `rids` in one `/abort_requests` call; nothing is sent for none (an empty
+        list would abort everything)."""
+        if rids:
+            await self.abort(list(rids))
 
     def slot(self) -> AbstractAsyncContextManager[None]:
         """One of this engine's concurrency slots (see `EngineHTTP.slot`)."""
