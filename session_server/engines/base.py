@@ -191,6 +191,11 @@ class EngineAdapter(Protocol):
         """Active health check: does the engine answer healthy right now."""
         ...
 
+    async def prove_protocol(self) -> None:
+        """Admission: raise `admission_check.EngineRefused` unless the URL answers as this
+        protocol (engine errors propagate); sends no generation."""
+        ...
+
 
 class Streaming(EngineAdapter, Protocol):
     def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from session_server.engines.admission_check import EngineRefused
 from session_server.engines.base import (
     EngineCapabilities,
     GenerateRequest,
@@ -370,6 +371,16 @@ class SGLangAdapter:
     async def health(self) -> bool:
         """GET /health: an empty 200 when serving."""
         return await self.http.health()
+
+    async def prove_protocol(self) -> None:
+        """`/get_model_info` is a JSON object naming a generation model (`model_path`,
+        `is_generation` not false)."""
+        info = await self.model_info()
+        if not isinstance(info, dict) or "model_path" not in info:
+            raise EngineRefused(
+                f"{self.base_url}: /get_model_info is not SGLang's (no model_path): {str(info)[:200]}")
+        if info.get("is_generation") is False:
+            raise EngineRefused(f"{self.base_url}: the served model is not a generation model")
 
     async def model_info(self) -> dict[str, Any]:
         return await self.http.call_json("GET", "/get_model_info")

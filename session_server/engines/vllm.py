@@ -184,6 +184,12 @@ class VLLMAdapter:
                 self.endpoint = "completions" if reply.status in (404, 405) else "generate"
             return self.endpoint
 
+    async def prove_protocol(self) -> None:
+        """`/v1/models` names a model and the token-in endpoint check answers (a validation
+        error proves the route; a 404 falls back to `/v1/completions`, which `/v1/models`
+        already vouches for): `discover`."""
+        await self.discover()
+
     async def served_model_path(self) -> str | None:
         """The served model's path or hub name: `/v1/models`' first `root` (the `--model`
         it was started with; its `id` is the served name, which `--served-model-name`
