@@ -14,11 +14,8 @@ from session_server.engines.base import (
     SamplingParams,
 )
 from session_server.engines.http import ConnectionLimits, raise_nofile_limit, retry_transient
-from session_server.engines.sglang import (
-    SGLangAdapter,
-    parse_sglang_generate,
-    parse_sglang_stream,
-)
+from session_server.engines.sglang import SGLangAdapter
+from session_server.engines.sglang_replies import parse_sglang_generate, parse_sglang_stream
 from session_server.engines.vllm import VLLMAdapter
 from session_server.engines.vllm_replies import (
     parse_vllm_completions,

@@ -1,12 +1,12 @@
 """The engine seam: what every adapter must do, and what some declare they can.
 
 Session code talks to engines only through `EngineAdapter`; every SGLang/vLLM field
-name, mode name and rule lives inside its adapter module (sglang.py, vllm.py).
-Optional capabilities are declared by the adapter class (`EngineCapabilities`) and
-reached through the accessors below, never discovered with `getattr`: a caller can
-then tell "this engine cannot" from "this adapter forgot".
-Adapters translate third-party and wire errors into the tree in
-`session_server.errors` at this boundary.
+name, mode name and rule lives inside its adapter module (sglang.py, vllm.py, and
+the parsers of their replies, sglang_replies.py, vllm_replies.py). Optional
+capabilities are declared by the adapter class (`EngineCapabilities`) and reached
+through the accessors below, never discovered with `getattr`: a caller can then tell
+"this engine cannot" from "this adapter forgot". Adapters translate third-party and
+wire errors into the tree in `session_server.errors` at this boundary.
 
 `GenerateResult` is deliberately *raw*: ids and logprobs are kept exactly as the
 engine sent them (possibly bools, strings, NaN) so that `trajectory.validate`
