@@ -64,7 +64,7 @@ class Cluster:
         self._seq = 0
         self.stats = Stats()
         self.now = 0.0
-        self.want_hashes = getattr(policy, "name", "") == "cache_aware"
+        self.want_hashes = policy.needs_prefix_hashes
 
     def push(self, t: float, kind: str, payload: Any) -> None:
         self._seq += 1

@@ -1,11 +1,12 @@
 """Engine fan-out of the control plane: one control call on every engine at once.
 
-Mode mapping. `abort`: both engines have it (running requests return partial
-output with finish `abort`). `keep`: vLLM `keep`, SGLang `in_place` (requests
-freeze with their KV). `wait` (drain): the plane first drains our in-flight requests
+Only the orchestration lives here; what each engine calls a pause mode, how it aborts
+many requests and whether it takes a weight version are its adapter's (engines/).
+`abort`: running requests return partial output with finish `abort`. `keep`: requests
+freeze with their KV. `wait` (drain): the plane first drains our in-flight requests
 with the gate closed (bounded by its `drain_timeout_s`; in a cluster every instance
-drains before any pauses, control/cluster_pause.py), then vLLM pauses `wait` and
-SGLang, which has no drain mode, is frozen `in_place`.
+drains before any pauses, control/cluster_pause.py), then each engine pauses in the
+mode its adapter names for `wait` (`EngineAdapter.pause_mode`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from session_server.engines.base import EngineAdapter
+from session_server.engines.base import EngineAdapter, version_pushing
 
 __all__ = ["CallableSource", "EngineSource", "abort_lora_on", "fan_out", "pause_engine", "push_version"]
 
 log = logging.getLogger(__name__)
-
-_SGLANG_MODE = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 
 Report = dict[str, dict[str, Any]]
 
@@ -55,7 +54,7 @@ async def fan_out(
     outcomes = await asyncio.gather(*(call(a) for a in targets), return_exceptions=True)
     report: Report = {}
     for a, out in zip(targets, outcomes, strict=True):
-        key = str(getattr(a, "base_url", repr(a)))
+        key = str(a.base_url)
         if isinstance(out, BaseException):
             on_failure(op)
             log.warning("control %s failed on %s: %s", op, key, out)
@@ -66,29 +65,23 @@ async def fan_out(
 
 
 async def pause_engine(adapter: EngineAdapter, mode: str) -> dict[str, Any]:
-    """Pause one engine in `mode` (mapped to its own name). For `wait` the plane has
-    drained our requests first (SGLang has no drain mode: it is then frozen in place)."""
-    if getattr(adapter, "protocol", None) == "sglang":
-        await adapter.pause(_SGLANG_MODE[mode])
-        return {"engine_mode": _SGLANG_MODE[mode]}
-    await adapter.pause(mode)
-    return {"engine_mode": mode}
+    """Pause one engine in `mode`, under the name its adapter gives it. For `wait` the
+    plane has drained our requests first."""
+    engine_mode = adapter.pause_mode(mode)
+    await adapter.pause(engine_mode)
+    return {"engine_mode": engine_mode}
 
 
-async def abort_lora_on(adapter: Any, rids: Sequence[str]) -> dict[str, Any]:
-    """Abort `rids` (one LoRA adapter's requests on this engine) with the engine's bulk
-    `abort`: SGLang takes one id per call, vLLM a list."""
+async def abort_lora_on(adapter: EngineAdapter, rids: Sequence[str]) -> dict[str, Any]:
+    """Abort `rids` (one LoRA adapter's requests on this engine) in the engine's bulk form."""
     if rids:
-        if getattr(adapter, "protocol", None) == "sglang":
-            await asyncio.gather(*(adapter.abort(rid) for rid in rids))
-        else:
-            await adapter.abort(list(rids))
+        await adapter.abort_requests(rids)
     return {"aborted": len(rids)}
 
 
-async def push_version(adapter: Any, version: str) -> dict[str, Any]:
-    """Set the version an engine reports (`update_weight_version`), where its adapter can."""
-    update = getattr(adapter, "update_weight_version", None)
-    if update is None:
-        return {"pushed": False, "reason": f"no version endpoint for {getattr(adapter, 'protocol', '?')} engines"}
-    return dict(await update(version))
+async def push_version(adapter: EngineAdapter, version: str) -> dict[str, Any]:
+    """Set the version an engine reports, where its adapter declares it can."""
+    pusher = version_pushing(adapter)
+    if pusher is None:
+        return {"pushed": False, "reason": f"no version endpoint for {adapter.protocol} engines"}
+    return dict(await pusher.update_weight_version(version))

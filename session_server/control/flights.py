@@ -79,10 +79,7 @@ class EngineAborts:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def send(self, adapter: Any, rid: str) -> None:
-        fn = getattr(adapter, "abort_request", None)
-        if fn is None:
-            self.metrics.engine_aborts_total.labels("unsupported").inc()
-            return
+        fn = adapter.abort_request  # every adapter can (engines/base.py `EngineAdapter`)
 
         async def run() -> None:
             try:
@@ -90,7 +87,7 @@ class EngineAborts:
                 self.metrics.engine_aborts_total.labels("sent").inc()
             except Exception as exc:
                 self.metrics.engine_aborts_total.labels("failed").inc()
-                log.warning("abort of %s on %s failed: %r", rid, getattr(adapter, "base_url", "?"), exc)
+                log.warning("abort of %s on %s failed: %r", rid, adapter.base_url, exc)
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)

@@ -46,6 +46,7 @@ from functools import partial
 from typing import Any
 
 from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenDelta
+from session_server.engines.base import streaming as streaming_of
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
 from trajectory.errors import ValidationError
 from trajectory.validate import Expectations
@@ -168,14 +169,13 @@ class _Turn:
         self.adapter, self.request, self.control = adapter, request, control
         self.expect, self.on_abort, self.deadline, self.admit = expect, on_abort, deadline, admit
         self.on_delta = on_delta
-        self.engine = str(getattr(adapter, "base_url", ""))
+        self.engine = str(adapter.base_url)
         self.state = TurnState(remaining=request.max_tokens, lag=LagBound(request.max_weight_lag),
                                last_version=None if expect is None else expect.last_weight_version)
-        self.slot = getattr(adapter, "slot", None)
         self.first_salt = control.cache_salt()
         self.constrained = request.sampling.constraint is not None
-        self.streaming = (getattr(adapter, "generate_stream", None)
-                          if on_delta is not None and not self.constrained else None)
+        streamer = streaming_of(adapter) if on_delta is not None and not self.constrained else None
+        self.streaming = None if streamer is None else streamer.generate_stream
         self.stops = (StopStrings(request.sampling.stop, decode)
                       if decode and request.sampling.stop and not self.constrained else None)
         self.steps: dict[Phase, Callable[[], Awaitable[Phase]]] = {
@@ -216,8 +216,7 @@ class _Turn:
             guess = None if not st.counts.rids else (
                 len(request.input_ids) + len(st.acc.ids) if salt_now != self.first_salt else len(st.acc.ids))
             await enter_by(held, self.admit(guess), self.deadline, f"prefill admission on {self.engine}")
-        if self.slot is not None:
-            await enter_by(held, self.slot(), self.deadline, f"a generation slot on {self.engine}")
+        await enter_by(held, self.adapter.slot(), self.deadline, f"a generation slot on {self.engine}")
         if control.blocked(request.lora):
             return Phase.WAIT_GATE  # closed again while we queued: release everything, wait again
         if st.first is not None and st.lag.ends_before(len(st.acc.ids), control.weight_version):
@@ -242,7 +241,7 @@ class _Turn:
             max_tokens=st.remaining,
             cache_salt=salted(request.cache_salt, control.cache_salt()),
             timeout_s=max(0.001, self.deadline - time.monotonic()),
-            slot_held=self.slot is not None,
+            slot_held=True,
             routed_experts_start=st.acc.routed_start(request),  # rows already held (R3)
         )
         with (control.track_flight(seg_rid, engine=self.engine, lora=request.lora),

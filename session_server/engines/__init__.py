@@ -7,19 +7,17 @@ from typing import Any
 from session_server.engines.admission_check import detect_protocol, parse_engine_spec
 from session_server.engines.base import (
     EngineAdapter,
+    EngineCapabilities,
     FinishReason,
     GenerateRequest,
     GenerateResult,
     SamplingParams,
 )
 from session_server.engines.http import ConnectionLimits, raise_nofile_limit, retry_transient
-from session_server.engines.sglang import (
-    SGLangAdapter,
-    parse_sglang_generate,
-    parse_sglang_stream,
-)
-from session_server.engines.vllm import (
-    VLLMAdapter,
+from session_server.engines.sglang import SGLangAdapter
+from session_server.engines.sglang_replies import parse_sglang_generate, parse_sglang_stream
+from session_server.engines.vllm import VLLMAdapter
+from session_server.engines.vllm_replies import (
     parse_vllm_completions,
     parse_vllm_generate,
     parse_vllm_logprob_content,
@@ -28,6 +26,7 @@ from session_server.engines.vllm import (
 __all__ = [
     "ConnectionLimits",
     "EngineAdapter",
+    "EngineCapabilities",
     "FinishReason",
     "GenerateRequest",
     "GenerateResult",

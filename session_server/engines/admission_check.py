@@ -1,15 +1,15 @@
 """The admission check of an engine (`POST /engines`, `--engine`): parse `sglang=URL` /
 `vllm=URL` specs, detect the protocol a URL speaks, and verify it really serves it.
 
-SGLang answers `/get_model_info` (or `/get_server_info` in other builds); vLLM answers
-`/v1/models` but not those. SGLang also serves `/v1/models`, so it is tried first.
-Whether a vLLM server has the token-in endpoint is found by `VLLMAdapter.discover`.
+Detection: SGLang answers `/get_model_info` (or `/get_server_info` in other builds);
+vLLM answers `/v1/models` but not those. SGLang also serves `/v1/models`, so it is
+tried first. Verification is each adapter's `prove_protocol`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import msgspec
@@ -21,6 +21,9 @@ from session_server.errors import (
     UpstreamTimeout,
     UpstreamTransportError,
 )
+
+if TYPE_CHECKING:
+    from session_server.engines.base import EngineAdapter
 
 __all__ = ["PROTOCOLS", "EngineRefused", "check_engine_spec", "detect_protocol", "parse_engine_spec", "verify_engine"]
 
@@ -90,26 +93,15 @@ class EngineRefused(Exception):
     """The URL answers, but not as the declared protocol: it must not be admitted."""
 
 
-async def verify_engine(adapter: Any, *, timeout_s: float = 10.0) -> None:
+async def verify_engine(adapter: EngineAdapter, *, timeout_s: float = 10.0) -> None:
     """Prove `adapter`'s URL speaks its declared protocol before it takes traffic.
 
-    SGLang: `/get_model_info` is a JSON object naming a generation model (`model_path`,
-    `is_generation` not false). vLLM: `/v1/models` names a model and the token-in
-    endpoint check answers (a validation error proves the route; a 404 falls back to
-    `/v1/completions`, which `/v1/models` already vouches for). No generation is sent,
-    so engine request logs hold only real turns. Unreachable (transport errors,
+    What proves it is the adapter's own (`EngineAdapter.prove_protocol`); no generation
+    is sent, so engine request logs hold only real turns. Unreachable (transport errors,
     timeouts) propagates as the EngineError it is, so a caller can still add an engine
     that is not up yet as unhealthy; anything else is `EngineRefused` saying what was wrong."""
     try:
-        if adapter.protocol == "sglang":
-            info = await asyncio.wait_for(adapter.model_info(), timeout_s)
-            if not isinstance(info, dict) or "model_path" not in info:
-                raise EngineRefused(
-                    f"{adapter.base_url}: /get_model_info is not SGLang's (no model_path): {str(info)[:200]}")
-            if info.get("is_generation") is False:
-                raise EngineRefused(f"{adapter.base_url}: the served model is not a generation model")
-        else:
-            await asyncio.wait_for(adapter.discover(), timeout_s)
+        await asyncio.wait_for(adapter.prove_protocol(), timeout_s)
     except (UpstreamTransportError, UpstreamTimeout, TimeoutError):
         raise
     except EngineRefused:

@@ -1,9 +1,12 @@
-"""The engine seam: one required coroutine per adapter.
+"""The engine seam: what every adapter must do, and what some declare they can.
 
-Session code talks to engines only through `EngineAdapter.generate`; every
-SGLang/vLLM field name lives inside its adapter module (sglang.py, vllm.py).
-Adapters translate third-party and wire errors into the tree in
-`session_server.errors` at this boundary.
+Session code talks to engines only through `EngineAdapter`; every SGLang/vLLM field
+name, mode name and rule lives inside its adapter module (sglang.py, vllm.py, and
+the parsers of their replies, sglang_replies.py, vllm_replies.py). Optional
+capabilities are declared by the adapter class (`EngineCapabilities`) and reached
+through the accessors below, never discovered with `getattr`: a caller can then tell
+"this engine cannot" from "this adapter forgot". Adapters translate third-party and
+wire errors into the tree in `session_server.errors` at this boundary.
 
 `GenerateResult` is deliberately *raw*: ids and logprobs are kept exactly as the
 engine sent them (possibly bools, strings, NaN) so that `trajectory.validate`
@@ -13,10 +16,10 @@ normalise the *shape* (where the ids are, what the finish reason is).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -113,7 +116,7 @@ class GenerateResult:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """Tokens a streamed generation sampled since its last delta (issue 12.2), values raw
+    """Tokens a streamed generation sampled since its last delta, values raw
     as the engine sent them; the stream's final `GenerateResult` is what is validated."""
 
     ids: Sequence[Any]
@@ -126,18 +129,29 @@ StreamItem = TokenDelta | GenerateResult
 `GenerateResult` a non-streamed `generate` of the request would return)."""
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an adapter can do beyond the required `EngineAdapter` members, declared once
+    by its class. Each flag promises the methods of the small protocol named beside it;
+    callers reach them through the accessor of the same name (`streaming(adapter)` ...),
+    which answers None where the engine cannot."""
+
+    streams: bool = False  # `Streaming.generate_stream`: the engine's own token stream
+    reports_load: bool = False  # `LoadReporting.load_by_rank`: the engine's own queue per DP rank
+    reports_dp_size: bool = False  # `DPSizeReporting.dp_size`: how many DP ranks it serves
+    names_model: bool = False  # `ModelNaming.served_model_path`: the model it was started with
+    pushes_weight_version: bool = False  # `VersionPushing.update_weight_version`
+
+
 @runtime_checkable
 class EngineAdapter(Protocol):
     """One engine endpoint (one base URL, possibly several DP ranks): the typed control
-    protocol the rest of the server uses, reached through `engines.registry`.
-
-    Optional capabilities, looked up with `getattr` where used: `generate_stream(request)`
-    (an async iterator of `StreamItem`: the engine's own stream, issue 12.2), `get_load()` (the load
-    the engine reports about itself, SGLang), `dp_size()` (SGLang), and the
-    protocol-specific bulk `abort(...)` a per-LoRA pause uses (see control/fanout.py)."""
+    protocol the rest of the server uses, reached through `engines.registry`. Every
+    member here is required; optional ones are declared in `capabilities`."""
 
     protocol: str  # "sglang" | "vllm"
     base_url: str
+    capabilities: EngineCapabilities
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """Run one generation; raise `session_server.errors.EngineError` subclasses on failure."""
@@ -147,8 +161,18 @@ class EngineAdapter(Protocol):
         """Abort one request by id (its turn stopped waiting for it)."""
         ...
 
+    async def abort_requests(self, rids: Sequence[str]) -> None:
+        """Abort these requests (one LoRA adapter's, on a per-LoRA `abort` pause) in the
+        engine's bulk form; an empty list aborts nothing (never "everything")."""
+        ...
+
+    def pause_mode(self, mode: str) -> str:
+        """The engine's own pause mode for the plane's `abort` / `keep` / `wait` (for
+        `wait` the plane has already drained its own requests)."""
+        ...
+
     async def pause(self, mode: str = "abort") -> None:
-        """Pause generation in the engine's own mode name (see control/fanout.py)."""
+        """Pause generation in the engine's own mode name (`pause_mode`)."""
         ...
 
     async def resume(self) -> None:
@@ -166,3 +190,59 @@ class EngineAdapter(Protocol):
     async def health(self) -> bool:
         """Active health check: does the engine answer healthy right now."""
         ...
+
+    async def prove_protocol(self) -> None:
+        """Admission: raise `admission_check.EngineRefused` unless the URL answers as this
+        protocol (engine errors propagate); sends no generation."""
+        ...
+
+
+class Streaming(EngineAdapter, Protocol):
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
+        """The engine's own stream: `TokenDelta`s as it samples, then the final result
+        (the same `GenerateResult` a non-streamed `generate` of the request returns)."""
+        ...
+
+
+class LoadReporting(EngineAdapter, Protocol):
+    async def load_by_rank(self) -> dict[int, int]:
+        """Running + waiting requests per DP rank, as the engine reports them (engines/load.py)."""
+        ...
+
+
+class DPSizeReporting(EngineAdapter, Protocol):
+    async def dp_size(self) -> int:
+        """How many DP ranks the engine serves (each is a routing target)."""
+        ...
+
+
+class ModelNaming(EngineAdapter, Protocol):
+    async def served_model_path(self) -> str | None:
+        """The served model's path or hub name; None when the engine does not say."""
+        ...
+
+
+class VersionPushing(EngineAdapter, Protocol):
+    async def update_weight_version(self, version: str) -> dict[str, Any]:
+        """Set the weight version the engine reports for what it samples from now on."""
+        ...
+
+
+def streaming(adapter: EngineAdapter) -> Streaming | None:
+    return cast(Streaming, adapter) if adapter.capabilities.streams else None
+
+
+def load_reporting(adapter: EngineAdapter) -> LoadReporting | None:
+    return cast(LoadReporting, adapter) if adapter.capabilities.reports_load else None
+
+
+def dp_size_reporting(adapter: EngineAdapter) -> DPSizeReporting | None:
+    return cast(DPSizeReporting, adapter) if adapter.capabilities.reports_dp_size else None
+
+
+def model_naming(adapter: EngineAdapter) -> ModelNaming | None:
+    return cast(ModelNaming, adapter) if adapter.capabilities.names_model else None
+
+
+def version_pushing(adapter: EngineAdapter) -> VersionPushing | None:
+    return cast(VersionPushing, adapter) if adapter.capabilities.pushes_weight_version else None

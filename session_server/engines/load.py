@@ -1,4 +1,4 @@
-"""The load an engine reports about itself, as requests per DP rank (issue 14.4).
+"""The load an engine reports about itself, as requests per DP rank.
 
 N server instances share the engines and tell each other nothing; each learns what the
 others put on an engine from the engine itself, and placement of new sessions adds it

@@ -22,7 +22,7 @@ from ..model_config import model_routed_shape
 from ..routing.pool import Engine, EnginePool
 from . import make_adapter
 from .admission_check import EngineRefused, parse_engine_spec, verify_engine
-from .base import EngineAdapter
+from .base import EngineAdapter, dp_size_reporting, load_reporting, model_naming
 
 __all__ = ["EngineRegistry"]
 
@@ -69,10 +69,10 @@ class EngineRegistry:
             healthy = False
         if dp_size is None:
             dp_size = 1
-            ask_dp_size = getattr(adapter, "dp_size", None)  # SGLang reports dp_size; vLLM does not
-            if ask_dp_size is not None and healthy:
+            reporter = dp_size_reporting(adapter)  # SGLang reports dp_size; vLLM does not
+            if reporter is not None and healthy:
                 try:
-                    dp_size = await ask_dp_size()
+                    dp_size = await reporter.dp_size()
                 except EngineError as exc:
                     log.warning("engine %s not reachable at start-up (%s); marked unhealthy", spec, exc)
                     healthy = False
@@ -189,11 +189,12 @@ class EngineRegistry:
         """Ask `engine` for its own load (SGLang `/get_load`, vLLM `/metrics`; engines/load.py)
         and hand it to the routing pool; an engine that does not answer counts as unknown
         (nothing added), never as an error."""
-        fn = getattr(self._adapters.get(engine.id), "load_by_rank", None)
+        adapter = self._adapters.get(engine.id)
+        reporter = None if adapter is None else load_reporting(adapter)
         by_rank: dict[int, int] | None = None
-        if fn is not None and engine.healthy:
+        if reporter is not None and engine.healthy:
             try:
-                by_rank = await asyncio.wait_for(fn(), timeout_s)
+                by_rank = await asyncio.wait_for(reporter.load_by_rank(), timeout_s)
             except Exception as exc:  # a load poll informs placement; it never fails anything
                 log.debug("load poll of %s failed: %r", engine.id, exc)
         engine.reported_load = None if by_rank is None else [
@@ -201,8 +202,8 @@ class EngineRegistry:
         self.pool.set_engine_load(engine.id, by_rank)
 
     async def poll_loads(self, interval_s: float) -> None:
-        """Every `interval_s`, every engine's own load at once (issue 14.4: instances that
-        share engines learn each other's load from them); runs until cancelled."""
+        """Every `interval_s`, every engine's own load at once (instances that share
+        engines learn each other's load from them); runs until cancelled."""
         while True:
             engines = list(self.pool.engines.values())
             await asyncio.gather(*(self.poll_load(e, timeout_s=max(1.0, interval_s)) for e in engines))
@@ -259,11 +260,11 @@ async def learn_routed_shape(adapter: EngineAdapter, timeout_s: float = 10.0) ->
     name the model). None when the engine does not say or the config cannot be read here
     (an engine on another machine, a hub model not in the local cache): routing replay
     then needs the settings. Never fails an engine's admission."""
-    ask = getattr(adapter, "served_model_path", None)
-    if ask is None:
+    naming = model_naming(adapter)
+    if naming is None:
         return None
     try:
-        path = await asyncio.wait_for(ask(), timeout_s)
+        path = await asyncio.wait_for(naming.served_model_path(), timeout_s)
         return None if path is None else await asyncio.to_thread(model_routed_shape, path)
     except Exception as exc:  # a best-effort read: the settings still supply the shape
         log.info("engine %s: no routed-experts shape learned (%r)", adapter.base_url, exc)

@@ -4,7 +4,7 @@ Walks the same ring as `consistent_hash` but skips a target whose load would
 exceed ceil(c * (total + 1) / healthy targets): affinity until a target is hot,
 then the overflow spills clockwise (and loses its cache). Load is the target's
 `placement_load`: our in-flight turns plus what the engine reports beyond them
-(other instances' work, issue 14.4, as of the last poll), so the bound counts what
+(other instances' work, as of the last poll), so the bound counts what
 every instance put on a target, not only this one's turns.
 """
 

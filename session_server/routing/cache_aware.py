@@ -7,7 +7,7 @@ least-loaded target wins; else the target with the longest matched prefix wins
 when matched / total > cache_threshold, otherwise the target with the smallest
 tree. Defaults are the SGLang CLI's (the Rust defaults are 0.5 / 32 / 1.1).
 Needs `RoutingSignals.prefix_hashes`; without them every request is a miss.
-Load is `placement_load` (ours plus the engine-reported rest, issue 14.4): SGLang's
+Load is `placement_load` (ours plus the engine-reported rest): SGLang's
 router sees every request because it is the only router; N instances see each
 other's work only through the engines' own reports.
 """
@@ -30,6 +30,7 @@ class CacheAwareConfig:
 
 class CacheAware(PolicyBase):
     name = "cache_aware"
+    needs_prefix_hashes = True
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = config or CacheAwareConfig()

@@ -3,10 +3,12 @@
 A policy is a pure object: it sees immutable `TargetView`s and an injected clock
 value (inside one `RoutingSignals`) and returns a target id, so the same code runs
 in the server (`pool.py`) and in the discrete-event simulator
-(`bench/routing_sim.py`). One required method, `select`; optional hooks have
-no-op defaults in `PolicyBase`. New signals are new optional fields of
-`RoutingSignals`, never new parameters. Each policy lives in its own module whose
-name equals the policy's `name` and its config tag (`factory.make_policy`).
+(`bench/routing_sim.py`). One required method, `select`, and two declared
+attributes: `name`, and `needs_prefix_hashes` (whether it reads the one signal that
+costs a pass over the prompt); optional hooks have no-op defaults in `PolicyBase`.
+New signals are new optional fields of `RoutingSignals`, never new parameters. Each
+policy lives in its own module whose name equals the policy's `name` and its config
+tag (`factory.make_policy`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class TargetView:
     kv_capacity_tokens: int | None = None
     engine_id: str = ""
     # requests the engine reports on this rank beyond this instance's own in-flight ones
-    # (other instances' work, learned from the engine; issue 14.4): placement adds it
+    # (other instances' work, learned from the engine): placement adds it
     external_load: int = 0
 
     @property
@@ -50,7 +52,8 @@ class RoutingSignals:
     """Everything a policy may use for one decision; every signal past `targets` is optional.
 
     `context_tokens` is the full prompt length of this turn; `prefix_hashes` is
-    `prefix_block_hashes(prompt_ids)` (only `cache_aware` reads it).
+    `prefix_block_hashes(prompt_ids)`, computed only for a policy that
+    `needs_prefix_hashes` (`cache_aware`).
     """
 
     session_id: str
@@ -63,6 +66,9 @@ class RoutingSignals:
 
 class RoutingPolicy(Protocol):
     name: str
+    # the policy reads `RoutingSignals.prefix_hashes`: only then does the caller pay for
+    # hashing the whole prompt (`prefix_block_hashes`) on every turn
+    needs_prefix_hashes: bool
 
     def select(self, signals: RoutingSignals) -> str | None:
         """Target id for this session's next turn, or None when no target is healthy."""
@@ -81,6 +87,7 @@ class PolicyBase:
     """No-op defaults for the optional hooks; policies override what they need."""
 
     name = "base"
+    needs_prefix_hashes = False
 
     def on_turn_complete(self, session_id: str, target_id: str, now_s: float) -> None:
         return None

@@ -27,7 +27,6 @@ class Engine:
     id: str
     dp_size: int = 1
     healthy: bool = True
-    last_failure_s: float | None = None
     consecutive_errors: int = 0  # engine-side 5xx in a row; a success resets it
     failed_health_checks: int = 0  # failed active health checks in a row; a healthy one resets it
     reported_load: Any = None  # what the engine says about its own load (SGLang /get_load)
@@ -42,7 +41,7 @@ class TargetStats:
     resident_tokens: int = 0
     pending_prefill_tokens: int = 0
     kv_capacity_tokens: int | None = None
-    external_load: int = 0  # engine-reported requests beyond ours at the last poll (issue 14.4)
+    external_load: int = 0  # engine-reported requests beyond ours at the last poll
 
     @property
     def id(self) -> str:
@@ -201,7 +200,7 @@ class EnginePool:
         """What `engine_id` reports running + waiting per DP rank (None: unknown). The
         part beyond our own in-flight turns is other instances' work; new placements add
         it to our count (`TargetView.placement_load`), so instances sharing engines
-        spread without talking to each other (issue 14.4). An engine we know as one
+        spread without talking to each other. An engine we know as one
         target (vLLM does not report its DP size) counts every rank it reports: its
         own balancer spreads our requests over them."""
         eng = self.engines.get(engine_id)
@@ -226,7 +225,6 @@ class EnginePool:
         eng = self.engines.get(engine_id)
         if eng is not None:
             eng.healthy = False
-            eng.last_failure_s = self._clock()
             for sid in [
                 s for s, (tid, _) in self._cached.items() if tid.startswith(f"{engine_id}/")
             ]:

@@ -13,8 +13,8 @@
   moves. Homes are never restored: a recovered engine gets only new placements.
 
 Placement's load is `placement_load`: this instance's in-flight turns plus the
-requests the engine reported beyond them at the last poll (other instances', issue
-14.4). Migration counts only this instance's own turns: every instance sees the same
+requests the engine reported beyond them at the last poll (other instances').
+Migration counts only this instance's own turns: every instance sees the same
 polled report, up to a poll period old, so migrating on it would move all instances'
 sessions off one engine at once, and back at the next poll, re-prefilling each time.
 """
@@ -54,7 +54,7 @@ class StickyCost(PolicyBase):
         """Estimated seconds before a new prompt of `prompt_tokens` finishes prefill on `t`."""
         cfg = self.config
         cost = (t.pending_prefill_tokens + prompt_tokens) / cfg.prefill_tokens_per_s
-        cost += t.placement_load * cfg.in_flight_cost_s  # + other instances' load (issue 14.4)
+        cost += t.placement_load * cfg.in_flight_cost_s  # + other instances' load
         cap = t.kv_capacity_tokens
         if cap is not None and t.resident_tokens + prompt_tokens > cfg.kv_high_water * cap:
             cost += cfg.kv_barrier_s

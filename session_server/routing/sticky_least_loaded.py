@@ -1,7 +1,7 @@
 """`sticky_least_loaded`: stay home while home is healthy; place on the fewest active.
 
 Placement key: (load, resident sessions, rendezvous hash), where load is our
-in-flight turns plus the engine-reported rest (`placement_load`, issue 14.4). Never
+in-flight turns plus the engine-reported rest (`placement_load`). Never
 migrates a live home; blind to prefill cost and KV pressure (see `sticky_cost`).
 """
 

@@ -78,7 +78,7 @@ async def dispatch(
     generation; pauses are survived there (abort, accumulate, resubmit).
     `on_routed` is called once, when the first target is chosen."""
     hashes = None
-    if ctx.engines.policy.name == "cache_aware":
+    if ctx.engines.policy.needs_prefix_hashes:
         hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
     attempts = 2 if len(ctx.engines.engines) > 1 else 1
     deadline = time.monotonic() + greq.timeout_s  # once: a re-home does not restart the clock
@@ -158,8 +158,9 @@ def _output_text(ctx: ServerContext) -> Callable[[Sequence[Any]], str]:
 def _admission(
     ctx: ServerContext, engine_id: str, uncached: int
 ) -> Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]]:
-    """Prefill admission per segment, never held at the pause gate (issue 8): a resumed
-    segment passes its own uncached guess, the first one the routing estimate."""
+    """Prefill admission per segment, never held at the pause gate (`generate_resilient`
+    takes it only once the gate is open): a resumed segment passes its own uncached
+    guess, the first one the routing estimate."""
 
     def admit(guess: int | None) -> contextlib.AbstractAsyncContextManager[Any]:
         return ctx.admission.acquire(engine_id, uncached if guess is None else guess)

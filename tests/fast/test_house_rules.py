@@ -143,7 +143,9 @@ def routing_policies() -> frozenset[str]:
 
 ENGINE_ADAPTERS = (
     "session_server.engines.sglang",
+    "session_server.engines.sglang_replies",
     "session_server.engines.vllm",
+    "session_server.engines.vllm_replies",
     "session_server.engines.http",
 )
 # the entry points that may start simulated engines (the `sim-engine` and `demo` commands)

@@ -2,7 +2,7 @@
 random-weight Qwen3 (tests/fixtures/engines/SOURCES.md, "Captured here from a real engine";
 re-capture with tests/engine/capture_vllm_fixtures.py).
 
-Each captured body goes through the pure parsers of session_server/engines/vllm.py exactly
+Each captured body goes through the pure parsers of session_server/engines/vllm_replies.py exactly
 as it came off the wire; facts of the wire that the parsers do not expose (weight version
 spans as the engine sent them, the `generate-tokens-` id prefix, which abort id works) are
 pinned on the raw JSON."""
