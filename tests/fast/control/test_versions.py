@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from session_server.control import ControlPlane, generate_resilient
 from session_server.engines import GenerateRequest
+from session_server.engines.base import EngineCapabilities
 from session_server.sim import SimModel, running_sim
 from tests.fast.control.conftest import Spy, make_adapter
 from trajectory.errors import ValidationError
@@ -152,6 +153,7 @@ async def test_a_stale_version_on_an_aborted_partial_is_counted_not_a_502(
 async def test_a_failed_push_is_reported_per_engine(qwen3_model: SimModel) -> None:
     class Down:
         protocol, base_url = "vllm", "http://down"
+        capabilities = EngineCapabilities(pushes_weight_version=True)  # declared: the push reaches it and fails
 
         async def update_weight_version(self, version: str) -> dict[str, object]:
             raise ConnectionError("refused")
@@ -164,6 +166,7 @@ async def test_a_failed_push_is_reported_per_engine(qwen3_model: SimModel) -> No
         finally:
             await up.aclose()
     assert not report["ok"] and report["failed"] == ["http://down"]
+    assert "refused" in str(report["engines"]["http://down"]), report  # its own failure, not a missing capability
     assert report["engines"][url] == {"ok": True, "pushed": True}
     assert control.weight_version == 4, "the version applies here even when an engine missed it"
 
