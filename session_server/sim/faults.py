@@ -16,17 +16,17 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 from session_server.sim.routed import ROUTED_FAULTS
 
 if TYPE_CHECKING:
-    from session_server.sim.engine import EngineCore, Job, Outcome
+    from session_server.sim.job import Job, Outcome
     from session_server.sim.sampler import SimModel
 
-__all__ = ["FAULT_KINDS", "VALUE_FAULTS", "FaultQueue", "abort_at", "answer_fault", "apply_value_fault",
+__all__ = ["FAULT_KINDS", "VALUE_FAULTS", "FaultHost", "FaultQueue", "abort_at", "answer_fault", "apply_value_fault",
            "stream_view"]
 
 FAULT_KINDS = (
@@ -111,8 +111,17 @@ def abort_at(fault: str | None, protocol: str, planned_left: int, max_tokens: in
     return None
 
 
+class FaultHost(Protocol):
+    """What a whole-answer fault needs of the engine: its request log and its shutdown
+    signal (the core provides both; naming them here keeps faults below the core)."""
+
+    closing: asyncio.Event
+
+    def log(self, job: Job, out: Outcome | None, status: int) -> None: ...
+
+
 async def answer_fault(
-    engine: EngineCore, request: web.Request, job: Job, error: ErrorResponder
+    engine: FaultHost, request: web.Request, job: Job, error: ErrorResponder
 ) -> web.StreamResponse | None:
     """Faults that replace the whole answer; None when the request should run."""
     kind = job.fault

@@ -9,8 +9,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from session_server.sim.engine import PAUSE_MODES, EngineCore, Job, Outcome
+from session_server.sim.engine import PAUSE_MODES, EngineCore
 from session_server.sim.faults import answer_fault, stream_view
+from session_server.sim.job import Job, Outcome
 from session_server.sim.routed import DEFAULT_ROUTED, RoutedSpec, sglang_payload
 from session_server.sim.wire import (
     ENCODER,

@@ -13,8 +13,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from session_server.sim.engine import EngineCore, Job, Outcome
+from session_server.sim.engine import EngineCore
 from session_server.sim.faults import VALUE_FAULTS, answer_fault, stream_view
+from session_server.sim.job import Job, Outcome
 from session_server.sim.routed import RoutedSpec, vllm_payload
 from session_server.sim.wire import (
     ENCODER,

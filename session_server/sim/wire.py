@@ -10,8 +10,9 @@ import msgspec
 from aiohttp import web
 
 from session_server.sim.constrained import ConstraintError, constrained_text
-from session_server.sim.engine import EngineCore, Job, Outcome
+from session_server.sim.engine import EngineCore
 from session_server.sim.faults import ErrorResponder, answer_fault, apply_value_fault
+from session_server.sim.job import Job, Outcome
 
 __all__ = ["ENCODER", "Constraint", "attach_constraint", "json_response", "padding_payload",
            "run_job", "salt", "stop_strings", "trim_at_stop"]
