@@ -201,3 +201,114 @@ def test_server_never_imports_the_simulator() -> None:
         return _within(m, ["session_server"]) and not _within(m, ["session_server.sim", *SIM_USERS])
 
     assert _violations(server, _under("session_server.sim")) == {}
+
+
+# The layers, top to bottom. A module may import its own layer or any layer below it,
+# never one above. The longest matching prefix names a module's layer.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("tools", ("session_server.ops", "session_server.client", "session_server.sim")),
+    ("app", ("session_server.app", "session_server.lifecycle")),
+    ("api", ("session_server.api", "session_server.auth")),
+    ("turn", ("session_server.turn",)),
+    ("wiring", ("session_server.context", "session_server.settings")),
+    ("engine side", ("session_server.control", "session_server.routing", "session_server.engines")),
+    ("foundation", ("session_server.errors", "session_server.metrics", "session_server.offload",
+                    "session_server.sessions", "session_server.model_config", "session_server.routed",
+                    "session_server.structured", "session_server.grammar", "session_server.loopback",
+                    "session_server.parent_death")),
+    ("trajectory", ("trajectory",)),
+)
+MAX_MODULE_LINES = 450
+
+
+def layer_of(module: str) -> int | None:
+    """The index in `LAYERS` of the longest prefix that names `module` (None: unplaced)."""
+    best: tuple[int, int] | None = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _within(module, [prefix]) and (best is None or len(prefix) > best[1]):
+                best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def _edges() -> dict[str, set[str]]:
+    """Direct imports between project modules, package `__init__`s left out (importing
+    `a.b.c` runs `a.b`'s `__init__`, which is not what the module's code depends on)."""
+    mods = _modules()
+    inits = {m for m, p in mods.items() if p.name == "__init__.py"}
+    return {m: {d for d in direct_imports(m) if d in mods and d != m and d not in inits}
+            for m in mods if m not in inits}
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in _modules() if m not in PACKAGES and layer_of(m) is None)
+    assert unplaced == [], "place these in LAYERS (and in docs/architecture.md)"
+
+
+def test_layers_import_only_downward() -> None:
+    """`tools → app → api → turn → wiring → {control, routing, engines} → foundation →
+    trajectory`: an import that runs up a layer is a callback waiting to happen."""
+    upward = sorted(
+        f"{m} ({LAYERS[lm][0]}) imports {d} ({LAYERS[ld][0]})"
+        for m, deps in _edges().items() if (lm := layer_of(m)) is not None
+        for d in deps if (ld := layer_of(d)) is not None and ld < lm
+    )
+    assert upward == []
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next((c for c in children if c in edges), None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_circle_finder_finds_a_circle() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles() -> None:
+    """Type-only imports count: a circle through `TYPE_CHECKING` is still two modules that
+    cannot be understood apart."""
+    assert _circles(_edges()) == []
+
+
+def test_no_module_over_the_line_cap() -> None:
+    over = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert over == {}
