@@ -19,7 +19,6 @@ from .api.dialects import anthropic_messages as anthropic
 from .api.edge import install_openapi
 from .api.error_map import install_error_map
 from .api.models import (
-    ChatRequest,
     EngineAdd,
     PauseRequest,
     ResumeRequest,
@@ -40,6 +39,7 @@ from .lifecycle import (
     shutdown,
     start_background,
 )
+from .turn.chat_request import ChatRequest
 
 __all__ = ["AppConfig", "create_app", "session_view"]
 

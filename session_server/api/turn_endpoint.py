@@ -31,13 +31,13 @@ from starlette.responses import Response, StreamingResponse
 from ..context import ServerContext, log
 from ..errors import CommittedUnanswered
 from ..sessions import Session
+from ..turn.chat_request import ChatRequest
 from ..turn.live import LiveTurn
 from ..turn.output import Rendered
 from ..turn.pipeline import ClientWatch, TurnRunner
 from ..turn.replay import Follow, Refuse, Replay, ReplayLog, RunFresh, identify
 from .dialects import Dialect, SessionBound, as_response, render
 from .edge import read_body
-from .models import ChatRequest
 
 __all__ = ["TurnEndpoint"]
 

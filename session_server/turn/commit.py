@@ -22,7 +22,6 @@ from trajectory.errors import ValidationError
 from trajectory.tree import ROLLBACK_REASON, Branch
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
-from ..api.models import ChatRequest
 from ..context import ServerContext, log
 from ..control import ResilientResult
 from ..engines.base import GenerateResult
@@ -30,6 +29,7 @@ from ..errors import InternalInvariant, UpstreamInvalid
 from ..routed import join, wire_size
 from ..sessions import Claim, Session
 from ..structured import apply_output_policy
+from .chat_request import ChatRequest
 from .engine_request import EngineCall
 from .prepare import Prepared
 

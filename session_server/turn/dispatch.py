@@ -21,7 +21,6 @@ from typing import Any
 from trajectory.codec.probe import decode_text
 from trajectory.validate import Expectations, is_int
 
-from ..api.models import ChatRequest
 from ..context import ServerContext, log
 from ..control import ResilientResult, generate_resilient
 from ..engines.base import GenerateRequest, TokenDelta
@@ -30,6 +29,7 @@ from ..routing import prefix_block_hashes, record_failure
 from ..routing.pool import TargetStats
 from ..sessions import Session
 from ..structured import engine_refusal
+from .chat_request import ChatRequest
 from .engine_request import EngineCall
 
 __all__ = ["Generated", "dispatch", "generate"]

@@ -17,13 +17,13 @@ import numpy as np
 from trajectory.routed import coverage_end
 from trajectory.validate import Expectations
 
-from ..api.models import ChatRequest, SessionSampling
 from ..context import ServerContext
 from ..control import new_request_id
 from ..engines.base import GenerateRequest, SamplingParams
 from ..errors import BadRequest
 from ..sessions import Session
 from ..structured import Constraint
+from .chat_request import ChatRequest, SessionSampling
 from .prepare import Prepared
 
 __all__ = ["EngineCall", "engine_request"]

@@ -73,8 +73,8 @@ from .output import Rendered, TurnOutput
 from .text_stream import TextStreamer, think_close_ids
 
 if TYPE_CHECKING:
-    from ..api.models import ChatRequest
     from ..context import ServerContext
+    from .chat_request import ChatRequest
     from .commit import Checked
     from .engine_request import EngineCall
     from .prepare import Prepared

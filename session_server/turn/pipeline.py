@@ -31,11 +31,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from ..api.models import ChatRequest
 from ..context import ServerContext
 from ..engines.base import TokenDelta
 from ..errors import ClientGone, SessionBusy, SessionClosed
 from ..sessions import Claim, Session, SessionState
+from .chat_request import ChatRequest
 from .commit import Checked, Committed, PendingTurn, commit, validate
 from .dispatch import Generated, generate
 from .engine_request import EngineCall, engine_request

@@ -20,11 +20,11 @@ from trajectory.history import attach
 from trajectory.messages import inlined_reasoning
 from trajectory.tree import TrajectoryTree
 
-from ..api.models import ChatRequest
 from ..context import ServerContext
 from ..errors import BadRequest, BranchLimit, HistoryMismatch
 from ..sessions import Session
 from ..structured import Constraint, request_constraint
+from .chat_request import ChatRequest
 
 __all__ = ["Prepared", "Rendered", "check_branch_cap", "client_messages", "last_weight_version", "prepare", "render"]
 

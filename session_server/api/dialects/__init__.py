@@ -23,8 +23,8 @@ from starlette.responses import Response, StreamingResponse
 
 from ...context import ServerContext
 from ...sessions import Session
+from ...turn.chat_request import ChatRequest
 from ...turn.output import Rendered, TurnOutput
-from ..models import ChatRequest
 from ..stream_events import StreamEncoder
 from .anthropic_messages import ANTHROPIC_MESSAGES, AnthropicMessages
 from .openai_chat import OPENAI_CHAT, OpenAIChat

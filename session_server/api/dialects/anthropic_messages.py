@@ -55,8 +55,9 @@ from typing import Any
 import orjson
 
 from ...errors import InternalInvariant, ServiceError
+from ...turn.chat_request import ChatRequest
 from ...turn.pipeline import TurnOutput
-from ..models import ChatRequest, parse_json_model
+from ..models import parse_json_model
 from ..stream_events import (
     ContentDelta,
     ReasoningDelta,

@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from ...errors import BadRequest
-from ..models import (
+from ...turn.chat_request import (
     MAX_STOPS,
     ChatRequest,
     StopStr,

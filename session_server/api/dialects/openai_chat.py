@@ -17,8 +17,9 @@ import orjson
 
 from trajectory.codec.probe import decode_text
 
+from ...turn.chat_request import ChatRequest
 from ...turn.pipeline import TurnOutput
-from ..models import ChatRequest, parse_json_model
+from ..models import parse_json_model
 from ..stream_events import (
     ContentDelta,
     ReasoningDelta,

@@ -37,8 +37,8 @@ from typing import Any
 import orjson
 
 from ...errors import NotFound, shown
+from ...turn.chat_request import ChatRequest
 from ...turn.pipeline import TurnOutput
-from ..models import ChatRequest
 from ..stream_events import replay
 from .openai_responses_output import (
     ResponsesStreamEncoder,

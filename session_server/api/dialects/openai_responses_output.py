@@ -19,8 +19,8 @@ import orjson
 
 from trajectory.codec.probe import decode_text
 
+from ...turn.chat_request import ChatRequest
 from ...turn.pipeline import TurnOutput
-from ..models import ChatRequest
 from ..stream_events import (
     ContentDelta,
     ReasoningDelta,

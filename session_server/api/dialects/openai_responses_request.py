@@ -26,14 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Vali
 from trajectory.errors import BranchError
 
 from ...errors import BadRequest, NotFound, shown
-from ..models import (
-    ChatRequest,
-    SamplingFields,
-    TemplateKwargs,
-    TimeoutS,
-    WeightLag,
-    parse_json_model,
-)
+from ...turn.chat_request import ChatRequest, SamplingFields, TemplateKwargs, TimeoutS, WeightLag
+from ..models import parse_json_model
 
 _log = logging.getLogger("session_server")
 _MODEL = "tito-session"

@@ -157,9 +157,9 @@ def test_forced_tool_call_missing_is_502_unless_cut_short() -> None:
 
     import numpy as np
 
-    from session_server.api.models import ChatRequest
     from session_server.errors import UpstreamInvalid
     from session_server.structured import apply_output_policy
+    from session_server.turn.chat_request import ChatRequest
     from trajectory.codec.base import ParsedAssistant
 
     req = ChatRequest(messages=MSG, tools=TOOLS, tool_choice="required")

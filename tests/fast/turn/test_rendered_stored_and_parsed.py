@@ -214,8 +214,9 @@ async def test_streamed_tool_only_turn_carries_its_logprobs(qwen3_dir: Path) -> 
 @pytest.mark.parametrize("role", [["user"], {"r": 1}, 3, None])
 def test_a_role_that_is_not_a_string_is_400_not_500(role: Any) -> None:
     """Found by the fuzz test: a list role was a TypeError (unhashable) inside validation."""
-    from session_server.api.models import ChatRequest, parse_json_model
+    from session_server.api.models import parse_json_model
     from session_server.errors import BadRequest
+    from session_server.turn.chat_request import ChatRequest
 
     body = json.dumps({"messages": [{"role": role, "content": "hi"}]}).encode()
     with pytest.raises(BadRequest, match="role must be one of"):
