@@ -10,9 +10,9 @@ from trajectory.codec.base import ChatCodec
 
 from .control import ControlPlane
 from .engines.registry import EngineRegistry
+from .engines.reply_decoder import ReplyDecoder
 from .metrics import Metrics
 from .offload import CpuOffload
-from .reply_decoder import ReplyDecoder
 from .routed import RoutedShape
 from .routing.admission import PrefillAdmission
 from .routing.pool import EnginePool

@@ -29,11 +29,11 @@ from .control.peer_sync import sync_from_peers
 from .control.relay import PeerRelay
 from .engines.admission_check import parse_engine_spec
 from .engines.registry import EngineRegistry
+from .engines.reply_decoder import ReplyDecoder
 from .errors import BadRequest
 from .metrics import Metrics
 from .model_config import model_routed_shape, model_vocab_size
 from .offload import CpuOffload
-from .reply_decoder import ReplyDecoder
 from .routing import AdmissionConfig, PrefillAdmission, health_check_loop, make_policy
 from .routing.pool import EnginePool
 from .sessions import SessionStore

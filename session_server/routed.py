@@ -24,7 +24,7 @@ pieces' rows line up with their tokens and with each other (the gap check) and
 concatenates them. Everything here is O(payload): it runs off the event loop.
 
 A base64 payload is decoded where the reply was parsed (`predecode`, in the reply
-decoder's worker process, session_server/reply_decoder.py): `binascii` holds the
+decoder's worker process, session_server/engines/reply_decoder.py): `binascii` holds the
 GIL for the whole payload (~30 ms for 4K positions x 60 x 8 as int32, 10.5 MB),
 which in this process stalls the event loop however it is threaded. Only the ids
 come back, narrowed (2 MB instead of 10.5); `join` takes either form and checks

@@ -46,16 +46,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trajectory.codec.parsing import new_call_id, tool_names
 from trajectory.errors import CodecError
 
-from ..api.stream_events import (
-    StreamEncoder,
-    StreamEvent,
-    TokensDelta,
-    ToolArgumentsDelta,
-    ToolCallStarted,
-    TurnCommitted,
-    TurnFailed,
-    TurnStarted,
-)
 from ..control import new_request_id
 from ..engines.base import TokenDelta
 from ..errors import BadRequest, ServiceError, StreamOverflow, UpstreamInvalid, from_library
@@ -70,6 +60,16 @@ from .incremental import (
 )
 from .outbox import Outbox, drain, with_keepalives
 from .output import Rendered, TurnOutput
+from .stream_events import (
+    StreamEncoder,
+    StreamEvent,
+    TokensDelta,
+    ToolArgumentsDelta,
+    ToolCallStarted,
+    TurnCommitted,
+    TurnFailed,
+    TurnStarted,
+)
 from .text_stream import TextStreamer, think_close_ids
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..api.stream_events import ContentDelta, ReasoningDelta, StreamEvent
 from ..errors import UpstreamInvalid
+from .stream_events import ContentDelta, ReasoningDelta, StreamEvent
 
 __all__ = ["TextStreamer", "think_close_ids"]
 

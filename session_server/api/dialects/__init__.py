@@ -25,7 +25,7 @@ from ...context import ServerContext
 from ...sessions import Session
 from ...turn.chat_request import ChatRequest
 from ...turn.output import Rendered, TurnOutput
-from ..stream_events import StreamEncoder
+from ...turn.stream_events import StreamEncoder
 from .anthropic_messages import ANTHROPIC_MESSAGES, AnthropicMessages
 from .openai_chat import OPENAI_CHAT, OpenAIChat
 from .openai_responses import OPENAI_RESPONSES, OpenAIResponses

@@ -57,8 +57,7 @@ import orjson
 from ...errors import InternalInvariant, ServiceError
 from ...turn.chat_request import ChatRequest
 from ...turn.pipeline import TurnOutput
-from ..models import parse_json_model
-from ..stream_events import (
+from ...turn.stream_events import (
     ContentDelta,
     ReasoningDelta,
     StreamEvent,
@@ -70,6 +69,7 @@ from ..stream_events import (
     TurnStarted,
     replay,
 )
+from ..models import parse_json_model
 from .anthropic_messages_request import CountTokensRequest, MessagesRequest, to_chat_request
 
 __all__ = ["ANTHROPIC_MESSAGES", "AnthropicMessages", "MessagesRequest", "error_body", "owns_path"]

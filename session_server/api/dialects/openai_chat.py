@@ -19,8 +19,7 @@ from trajectory.codec.probe import decode_text
 
 from ...turn.chat_request import ChatRequest
 from ...turn.pipeline import TurnOutput
-from ..models import parse_json_model
-from ..stream_events import (
+from ...turn.stream_events import (
     ContentDelta,
     ReasoningDelta,
     StreamEvent,
@@ -31,6 +30,7 @@ from ..stream_events import (
     TurnStarted,
     replay,
 )
+from ..models import parse_json_model
 
 _MODEL = "tito-session"
 

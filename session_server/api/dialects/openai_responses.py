@@ -39,7 +39,7 @@ import orjson
 from ...errors import NotFound, shown
 from ...turn.chat_request import ChatRequest
 from ...turn.pipeline import TurnOutput
-from ..stream_events import replay
+from ...turn.stream_events import replay
 from .openai_responses_output import (
     ResponsesStreamEncoder,
     StoredResponse,

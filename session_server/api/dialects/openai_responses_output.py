@@ -21,7 +21,7 @@ from trajectory.codec.probe import decode_text
 
 from ...turn.chat_request import ChatRequest
 from ...turn.pipeline import TurnOutput
-from ..stream_events import (
+from ...turn.stream_events import (
     ContentDelta,
     ReasoningDelta,
     StreamEvent,

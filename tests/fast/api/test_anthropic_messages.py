@@ -28,7 +28,10 @@ from session_server.api.dialects.anthropic_messages import (  # noqa: E402
     message_body,
     stop_reason,
 )
-from session_server.api.stream_events import (  # noqa: E402
+from session_server.context import Settings  # noqa: E402
+from session_server.ops.demo import TOOLS, run_tool  # noqa: E402
+from session_server.turn.pipeline import TurnOutput  # noqa: E402
+from session_server.turn.stream_events import (  # noqa: E402
     ContentDelta,
     ReasoningDelta,
     ToolArgumentsDelta,
@@ -37,9 +40,6 @@ from session_server.api.stream_events import (  # noqa: E402
     TurnFailed,
     TurnStarted,
 )
-from session_server.context import Settings  # noqa: E402
-from session_server.ops.demo import TOOLS, run_tool  # noqa: E402
-from session_server.turn.pipeline import TurnOutput  # noqa: E402
 
 from ..e2e.test_openai_client_episodes import assert_trajectory_matches_engine  # noqa: E402
 from ..stack import live_stack  # noqa: E402

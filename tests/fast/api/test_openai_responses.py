@@ -20,9 +20,9 @@ from session_server.api.dialects.openai_responses_request import (
     input_messages,
     parse_responses,
 )
-from session_server.api.stream_events import TurnFailed, TurnStarted
 from session_server.errors import BadRequest, NotFound
 from session_server.ops.demo import TOOLS, run_tool
+from session_server.turn.stream_events import TurnFailed, TurnStarted
 
 from ..e2e.test_openai_client_episodes import assert_trajectory_matches_engine
 from ..stack import Stack, live_stack

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from session_server.api.stream_events import ContentDelta, ReasoningDelta
+from session_server.turn.stream_events import ContentDelta, ReasoningDelta
 from session_server.turn.text_stream import TextStreamer
 from trajectory.codec.parsing import parse_hermes, split_reasoning
 

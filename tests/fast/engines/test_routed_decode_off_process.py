@@ -14,10 +14,10 @@ import orjson
 import pytest
 
 from session_server.engines.base import GenerateResult
+from session_server.engines.reply_decoder import ReplyDecoder
 from session_server.engines.sglang import parse_sglang_generate
 from session_server.errors import UpstreamInvalid
 from session_server.offload import CpuOffload
-from session_server.reply_decoder import ReplyDecoder
 from session_server.routed import Decoded, Piece, RoutedShape, join, predecode, wire_size
 from session_server.sim.routed import RoutedSpec, line_rows, sglang_payload, vllm_payload
 

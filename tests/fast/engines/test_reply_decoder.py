@@ -6,10 +6,10 @@ import pickle
 
 import pytest
 
+from session_server.engines.reply_decoder import ReplyDecoder
 from session_server.engines.sglang import parse_sglang_generate
 from session_server.errors import UpstreamHTTPError, UpstreamInvalid, UpstreamTransportError
 from session_server.offload import CpuOffload
-from session_server.reply_decoder import ReplyDecoder
 
 
 def test_engine_errors_survive_pickling_with_their_attributes() -> None:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..turn.output import TurnOutput
+from .output import TurnOutput
 
 
 @dataclass(frozen=True)

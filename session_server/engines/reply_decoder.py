@@ -28,11 +28,11 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from .engines.base import GenerateResult
-from .offload import CpuOffload
-from .parent_death import ENV as DIE_WITH_ENV
-from .parent_death import arm_pool_worker
-from .routed import predecode
+from ..offload import CpuOffload
+from ..parent_death import ENV as DIE_WITH_ENV
+from ..parent_death import arm_pool_worker
+from ..routed import predecode
+from .base import GenerateResult
 
 LARGE_REPLY_BYTES = 256 * 1024
 

@@ -11,7 +11,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from session_server.api.dialects.openai_chat import ChatStreamEncoder
-from session_server.api.stream_events import (
+from session_server.turn.pipeline import TurnOutput
+from session_server.turn.stream_events import (
     ContentDelta,
     ToolArgumentsDelta,
     ToolCallStarted,
@@ -20,7 +21,6 @@ from session_server.api.stream_events import (
     TurnStarted,
     replay,
 )
-from session_server.turn.pipeline import TurnOutput
 
 MESSAGE = {
     "role": "assistant",
