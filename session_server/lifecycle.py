@@ -27,10 +27,8 @@ from .context import ServerContext, log
 from .control import ControlPlane
 from .control.peer_sync import sync_from_peers
 from .control.relay import PeerRelay
-from .engines.admission_check import parse_engine_spec
 from .engines.registry import EngineRegistry
 from .engines.reply_decoder import ReplyDecoder
-from .errors import BadRequest
 from .metrics import Metrics
 from .model_config import model_routed_shape, model_vocab_size
 from .offload import CpuOffload
@@ -39,7 +37,7 @@ from .routing.pool import EnginePool
 from .sessions import SessionStore
 from .settings import Settings
 
-__all__ = ["AppConfig", "Background", "build_context", "engine_url", "join_cluster", "open_relay", "shutdown",
+__all__ = ["AppConfig", "Background", "build_context", "join_cluster", "open_relay", "shutdown",
            "start_background"]
 
 
@@ -156,18 +154,6 @@ async def _sync(relay: PeerRelay, ctx: ServerContext) -> None:
         log.info("joined the cluster: %s", orjson.dumps(outcome.as_dict()).decode())
     else:
         log.info("no peer answered: serving with this instance's own state")
-
-
-def engine_url(spec: str) -> str:
-    """The base URL an engine address (`[protocol=]URL`) names, as the registry keys its
-    engines; a malformed one is a 400."""
-    try:
-        base_url = parse_engine_spec(spec)[1]
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from exc
-    if not base_url:
-        raise BadRequest("url must name an engine, e.g. http://gpu-node:30000")
-    return base_url
 
 
 async def loop_lag_probe(metrics: Metrics, interval_s: float) -> None:

@@ -34,6 +34,18 @@ class EngineRegistry:
 
     `adapter_options` go to every adapter built from a spec (e.g. `offload`)."""
 
+    @staticmethod
+    def base_url_of(spec: str) -> str:
+        """The base URL an engine address (`[protocol=]URL`) names, as engines are keyed
+        here; a malformed one is a 400."""
+        try:
+            base_url = parse_engine_spec(spec)[1]
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        if not base_url:
+            raise BadRequest("url must name an engine, e.g. http://gpu-node:30000")
+        return base_url
+
     def __init__(self, pool: EnginePool, **adapter_options: Any) -> None:
         self.pool = pool
         self._adapters: dict[str, EngineAdapter] = {}

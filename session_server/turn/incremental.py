@@ -17,15 +17,18 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from trajectory.codec.families import IncrementalKind, incremental_parser
 from trajectory.codec.json_stream import CanonicalJson, JsonStreamError
 from trajectory.codec.parsing import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 from trajectory.codec.probe import decode_text
 
+from .incremental_calls import CallArgs, CallReader, CallStart, partial_marker
+from .incremental_glm import GlmCalls
+
 __all__ = [
-    "CallArgs", "CallReader", "CallStart", "FieldSplitter", "Grammar", "HermesCalls", "IncrementalDecoder",
+    "FieldSplitter", "Grammar", "HermesCalls", "IncrementalDecoder",
     "IncrementalText", "calls_for", "grammar_for",
 ]
 
@@ -88,12 +91,7 @@ class IncrementalDecoder:
         return out
 
 
-def _partial(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
+
 
 
 class FieldSplitter:
@@ -159,7 +157,7 @@ class FieldSplitter:
             self._drop(i)
             self._close_think()
             return
-        avail = len(self._buf) - _partial(self._buf, THINK_CLOSE)
+        avail = len(self._buf) - partial_marker(self._buf, THINK_CLOSE)
         self._drop(self._reason_text(out, self._buf[:avail], final=False))
 
     def _close_think(self) -> None:
@@ -200,7 +198,7 @@ class FieldSplitter:
         end, last = len(self._buf), False
         if g.tools:
             i = self._find(TOOL_OPEN)
-            end, last = (i, True) if i >= 0 else (end - _partial(self._buf, TOOL_OPEN), False)
+            end, last = (i, True) if i >= 0 else (end - partial_marker(self._buf, TOOL_OPEN), False)
         body = self._buf[:end]
         if last and g.hermes:  # parse_hermes drops one newline: a prefix of the content, call or no call
             body = body[:-1] if body.endswith("\n") else body
@@ -219,22 +217,6 @@ class FieldSplitter:
         """In state `done`: the text not sent as a field (the calls), handed over once."""
         text, self._buf, self._scan = self._buf, "", 0
         return text
-
-
-@dataclass(frozen=True)
-class CallStart:
-    """Tool call `index` begins: its name is complete, offered, and the arguments object opened."""
-
-    index: int
-    name: str
-
-
-@dataclass(frozen=True)
-class CallArgs:
-    """More canonical (`json.dumps`) text of tool call `index`'s arguments."""
-
-    index: int
-    text: str
 
 
 _JSON_WS = " \t\r\n"  # what parse_hermes skips around and between calls
@@ -322,20 +304,12 @@ class HermesCalls:
         return text[len(take):]
 
 
-class CallReader(Protocol):
-    """What reads a family's tool calls from the text `FieldSplitter.take` hands over."""
-
-    def feed(self, text: str) -> list[CallStart | CallArgs]: ...
-
-
 def calls_for(grammar: Grammar, names: frozenset[str]) -> CallReader | None:
     """The tool-call reader of `grammar`'s family (hermes JSON, GLM XML), or None: then
     calls are sent whole once the message is parsed."""
     if grammar.hermes:
         return HermesCalls(names)
     if grammar.glm:
-        from .incremental_glm import GlmCalls  # it builds on this module's pieces
-
         return GlmCalls(names)
     return None
 

@@ -31,7 +31,7 @@ import json
 from trajectory.codec.json_stream import CanonicalJson, DuplicateKey, JsonStreamError
 from trajectory.codec.parsing import TOOL_CLOSE, TOOL_OPEN, _glm_value
 
-from .incremental import CallArgs, CallStart, _partial
+from .incremental_calls import CallArgs, CallStart, partial_marker
 
 __all__ = ["GlmCalls"]
 
@@ -131,7 +131,7 @@ class GlmCalls:
 
     def _held(self, *markers: str) -> int:
         """How much of `_buf`'s end may still start one of `markers`."""
-        return max(_partial(self._buf, m) for m in markers)
+        return max(partial_marker(self._buf, m) for m in markers)
 
     def _seek(self, out: list[Piece]) -> bool:
         hit = self._find(TOOL_OPEN)

@@ -49,15 +49,8 @@ from trajectory.errors import CodecError
 from ..control import new_request_id
 from ..engines.base import TokenDelta
 from ..errors import BadRequest, ServiceError, StreamOverflow, UpstreamInvalid, from_library
-from .incremental import (
-    CallArgs,
-    CallStart,
-    FieldSplitter,
-    IncrementalDecoder,
-    IncrementalText,
-    calls_for,
-    grammar_for,
-)
+from .incremental import FieldSplitter, IncrementalDecoder, IncrementalText, calls_for, grammar_for
+from .incremental_calls import CallArgs, CallStart
 from .outbox import Outbox, drain, with_keepalives
 from .output import Rendered, TurnOutput
 from .stream_events import (

@@ -17,7 +17,6 @@ from fastapi.responses import Response
 from ...context import ServerContext
 from ...control.fanout import push_version
 from ...errors import EngineError, NotFound, shown
-from ...lifecycle import engine_url
 from ..cluster_rules import added_everywhere, removed_everywhere
 from ..edge import route_doc
 from ..models import EngineAdd, parse_json_model
@@ -101,7 +100,7 @@ async def remove_engine_by_url(request: Request, url: str) -> Response:
     form to use behind a proxy, where engine ids are per instance. 404 only when no
     instance had it."""
     ctx = ctx_of(request)
-    base_url = engine_url(url)
+    base_url = ctx.registry.base_url_of(url)
     found = ctx.registry.find(base_url)
     return await _remove(request, ctx, base_url, found.id if found is not None else None,
                          {"removed_here": found is not None, "base_url": base_url})

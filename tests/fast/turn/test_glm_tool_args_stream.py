@@ -14,14 +14,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from session_server.turn.incremental import (
-    CallArgs,
-    CallStart,
     FieldSplitter,
     IncrementalDecoder,
     IncrementalText,
     calls_for,
     grammar_for,
 )
+from session_server.turn.incremental_calls import CallArgs, CallStart
 from session_server.turn.incremental_glm import GlmCalls
 from trajectory.codec import load_codec
 from trajectory.codec.parsing import parse_glm, tool_names

@@ -13,14 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from session_server.turn.incremental import (
-    CallArgs,
-    CallStart,
     FieldSplitter,
     HermesCalls,
     IncrementalDecoder,
     IncrementalText,
     grammar_for,
 )
+from session_server.turn.incremental_calls import CallArgs, CallStart
 from trajectory.codec import load_codec
 from trajectory.codec.parsing import tool_names
 
