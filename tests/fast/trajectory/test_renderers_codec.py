@@ -64,7 +64,7 @@ def _pinned_today(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from transformers.utils import chat_template_utils
 
-    from trajectory.codec import renderers_codec
+    from trajectory.codec import renderers_rules
 
     class _Fixed(real_datetime.datetime):
         @classmethod
@@ -72,7 +72,7 @@ def _pinned_today(monkeypatch: pytest.MonkeyPatch) -> None:
             return real_datetime.datetime(2025, 3, 3, 12, 0, 0)
 
     monkeypatch.setattr(chat_template_utils, "datetime", _Fixed)
-    monkeypatch.setattr(renderers_codec, "datetime", _Fixed)
+    monkeypatch.setattr(renderers_rules, "datetime", _Fixed)
 
 
 # family -> why our own codec serves it and the renderer's contract is not run here
