@@ -142,7 +142,7 @@ class StreamOverflow(ServiceError):
 
 
 class WrongInstance(ServiceError):
-    """The session id's prefix names another instance of the cluster (issue 14.1): the
+    """The session id's prefix names another instance of the cluster: the
     proxy in front routed it here by mistake. 421 Misdirected Request, so it is never
     mistaken for "this session is gone"; nothing here was created or touched."""
 

@@ -37,7 +37,7 @@ MAX_DIAGNOSTICS = 256  # per session, the newest kept (Session.note)
 ID_SEPARATOR = "."
 """Between the instance id and the random part of a session id (`{instance}.{32 hex}`):
 instance ids are `[a-z0-9-]` (settings.py), so the first dot ends the instance, and a
-proxy routes a session's requests by that prefix of the path alone (issue 14.1)."""
+proxy routes a session's requests by that prefix of the path alone."""
 
 
 # no '.', the separator in session ids; DNS-label-like so a pod name fits (settings.py checks it)
@@ -80,7 +80,7 @@ class SessionConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     history_policy: HistoryPolicy = HistoryPolicy.APPEND
     routing_replay: bool = False  # ask the engine for routed experts and store them (R3)
-    max_weight_lag: int | None = None  # weight versions a turn may span (issue 13.5); None: unbounded
+    max_weight_lag: int | None = None  # weight versions a turn may span; None: unbounded
 
 
 @dataclass
@@ -92,7 +92,7 @@ class ControlTotals:
     paused_wait_s: float = 0.0
     version_mismatches: int = 0
     dropped_tokens: int = 0  # constrained partials regenerated after a pause
-    ended_stale: int = 0  # turns ended at an update by max_weight_lag (issue 13.5)
+    ended_stale: int = 0  # turns ended at an update by max_weight_lag
 
     def add(self, result: Any) -> None:
         self.aborts += result.aborts
@@ -182,7 +182,7 @@ class SessionStore:
 
     TTL expiry keeps a min-heap of ``(deadline, session_id)`` so that a sweep
     costs O(due · log n), not a scan of every session (a scan of 100K sessions
-    held the loop ~30-50 ms every sweep, issue 8). Invariant: every session in
+    held the loop ~30-50 ms every sweep). Invariant: every session in
     the store has exactly one heap entry, and its key is a *lower bound* of the
     session's real deadline (`_deadline`). Using a session (claim, release, or a
     read that refreshes `last_used`) therefore only sets `last_used`: when its

@@ -108,7 +108,7 @@ class Settings(BaseSettings):
         "at most 32 (unset: random per start)")
     peers: list[str] = Field(
         [], description="base URLs of the other instances of this cluster (`session-server cluster` sets "
-        "them): a control-plane request received here is relayed to each (issue 14.3); repeat the flag, "
+        "them): a control-plane request received here is relayed to each; repeat the flag, "
         "or a JSON list in the environment")
     routing_replay: bool = Field(
         False, description="sessions record the engine's routed experts (R3) unless they set routing_replay")

@@ -1,7 +1,7 @@
 """`tool_choice` and `response_format`: typed request models and the engine constraint they imply.
 
 Both fields are honoured with the engines' constrained decoding on the token-in
-path, never ignored (issue 16 item 3):
+path, never ignored:
 
 - `response_format` `json_schema` -> a `json_schema` constraint (the schema as JSON
   text); `json_object` -> the schema `{"type": "object"}`; `text` -> nothing.

@@ -121,7 +121,7 @@ def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
         for route, path in schema.get("paths", {}).items():
             for op in path.values():
                 op.get("responses", {}).pop("422", None)
-                if "{sid}" in route:  # any session route may meet a misrouted id (issue 14.1)
+                if "{sid}" in route:  # any session route may meet a misrouted id
                     op.setdefault("responses", {})["421"] = wrong_instance
         return schema
 
@@ -134,7 +134,7 @@ class ContainErrors:
     Starlette's ServerErrorMiddleware sends its handler's response and then re-raises
     (so servers can log it); uvicorn's protocol, seeing an exception after the
     response started, closes the transport. The client's next request on that
-    keep-alive connection, maybe another agent's, then meets a reset (issue 16.7).
+    keep-alive connection, maybe another agent's, then meets a reset.
     Contained here, the response is complete and uvicorn keeps the connection. An
     error after the response started is re-raised: closing is the only honest end
     of a half-sent body."""

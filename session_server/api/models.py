@@ -65,7 +65,7 @@ class SessionCreate(BaseModel):
 
 
 class RewardRequest(BaseModel):
-    """`POST /sessions/{sid}/reward`: a reward for the session's samples (issue 10.4)."""
+    """`POST /sessions/{sid}/reward`: a reward for the session's samples."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -87,7 +87,7 @@ Picker = Annotated[str, AfterValidator(_known_picker)]
 
 
 class SamplesBatch(BaseModel):
-    """`POST /samples`: the samples of many sessions in one streamed payload (issue 10.5)."""
+    """`POST /samples`: the samples of many sessions in one streamed payload."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,4 +1,4 @@
-"""The staleness bound of one turn (`max_weight_lag`, issue 13.5; DESIGN.md s9).
+"""The staleness bound of one turn (`max_weight_lag`).
 
 `max_weight_lag=K` bounds how many weight versions a turn's sampled tokens may span:
 K=1 means every token comes from one version, K=2 allows one update, None (the

@@ -1,4 +1,4 @@
-"""A starting instance takes the cluster's control state from its peers (issue 14).
+"""A starting instance takes the cluster's control state from its peers.
 
 A worker that restarts (the cluster supervisor's, a Kubernetes pod) comes back with
 its command line's state: not paused, the flag's weight version (or none), the flag's

@@ -1,4 +1,4 @@
-"""Cluster-wide control: relay a control request to the other instances (issue 14.3).
+"""Cluster-wide control: relay a control request to the other instances.
 
 N `serve` processes share the engines and no state: a trainer sends `pause`, `resume`,
 `weight_version` and engine changes to any one of them, which applies the request

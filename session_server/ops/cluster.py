@@ -1,4 +1,4 @@
-"""`session-server cluster`: N `serve` processes behind HAProxy on one machine (issue 14.2).
+"""`session-server cluster`: N `serve` processes behind HAProxy on one machine.
 
 Why HAProxy and not a proxy of our own: users scale with parts they already run, and
 a session's requests must reach the one process that holds it in memory. Every

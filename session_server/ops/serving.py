@@ -1,7 +1,7 @@
 """uvicorn options for every way this server is served (`serve`, the test harness).
 
 One place, so the settings a benchmark or a test measures are the ones
-production runs with (issue 15).
+production runs with.
 
 Keep-alive. uvicorn closes a keep-alive connection idle for `timeout_keep_alive`
 seconds, 5 by default. A client pool that took such a connection just before

@@ -1,6 +1,6 @@
 """`verify-template --engine URL`: drive a real (or simulated) engine through our server
 and check, per turn, that what the session stores is token-exact with what went over
-the wire to the engine and back (issue 11.4).
+the wire to the engine and back.
 
 The engine samples what it likes, so nothing here judges content. A recording proxy
 sits between our server and the engine (127.0.0.1, free port) and keeps every

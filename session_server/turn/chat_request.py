@@ -104,13 +104,13 @@ def _template_kwargs(v: dict[str, Any]) -> dict[str, Any]:
 
 
 def _stop_list(v: str | list[str]) -> list[str]:
-    """One stop string is a list of one, never its characters (issue 16.4)."""
+    """One stop string is a list of one, never its characters."""
     return [v] if isinstance(v, str) else v
 
 
 TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
 Tokens = Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS_LIMIT)]
-# weight versions one turn's sampled tokens may span (issue 13.5, control/lag.py); None: unbounded
+# weight versions one turn's sampled tokens may span (control/lag.py); None: unbounded
 WeightLag = Annotated[int, Field(strict=True, ge=1, le=INT64_MAX)]
 # `strict`: a JSON number only (an integer is a number); `true`, `"0.5"` are a 400, never
 # read as 1.0 / 0.5 (pydantic's lax mode would): OpenAI and Anthropic type these `float`
@@ -230,7 +230,7 @@ class ChatRequest(SamplingFields):
     n: int = Field(default=1, strict=True)
     chat_template_kwargs: TemplateKwargs | None = None
     timeout_s: TimeoutS | None = None
-    max_weight_lag: WeightLag | None = None  # overrides the session's (issue 13.5)
+    max_weight_lag: WeightLag | None = None  # overrides the session's
 
     @field_validator("n")
     @classmethod
@@ -259,7 +259,7 @@ class ChatRequest(SamplingFields):
 
 
 def _check_content(where: str, content: Any) -> None:
-    """Text only (issue 8.2): a string, null, or a list of `text` parts (joined when
+    """Text only: a string, null, or a list of `text` parts (joined when
     rendered). Any other part (image_url, input_audio, ...) is refused by its type:
     this server serves text models, and a part dropped silently would leave the
     model answering a prompt the client did not send."""
@@ -279,7 +279,7 @@ def _check_content(where: str, content: Any) -> None:
 def _check_tool_calls(where: str, calls: Any) -> None:
     """Assistant tool calls as OpenAI sends them: `function.name` a string, `arguments` a
     JSON object (as a JSON string, or already an object). Templates receive the parsed
-    object (GLM iterates it as a mapping), so anything else is a 400 here (issue 8.2)."""
+    object (GLM iterates it as a mapping), so anything else is a 400 here."""
     if not isinstance(calls, list):
         raise ValueError(f"{where} must be a list")
     for j, tc in enumerate(calls):

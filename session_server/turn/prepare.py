@@ -75,8 +75,8 @@ class Rendered:
 
 
 def client_messages(messages: Sequence[dict[str, Any]], developer_role: bool) -> list[dict[str, Any]]:
-    """The messages as the client sent them, which are rendered and stored (issue 8.2;
-    they are only *compared* in normal form). One rule for `developer` (issue 8.8): a
+    """The messages as the client sent them, which are rendered and stored
+    (they are only *compared* in normal form). One rule for `developer`: a
     template without that role gets it as `system`, on turn 0 and every later turn."""
     if developer_role:
         return list(messages)
