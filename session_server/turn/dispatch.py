@@ -78,9 +78,9 @@ async def dispatch(
     generation; pauses are survived there (abort, accumulate, resubmit).
     `on_routed` is called once, when the first target is chosen."""
     hashes = None
-    if ctx.engines.policy.needs_prefix_hashes:
+    if ctx.pool.policy.needs_prefix_hashes:
         hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
-    attempts = 2 if len(ctx.engines.engines) > 1 else 1
+    attempts = 2 if len(ctx.pool.engines) > 1 else 1
     deadline = time.monotonic() + greq.timeout_s  # once: a re-home does not restart the clock
     shown = 0
 
@@ -107,7 +107,7 @@ async def dispatch(
 
 def route(ctx: ServerContext, session: Session, context_tokens: int, hashes: Any) -> TargetStats:
     """The session's target under the routing policy; it becomes the session's home."""
-    target = ctx.engines.select(session.id, session.home, context_tokens=context_tokens, prefix_hashes=hashes)
+    target = ctx.pool.select(session.id, session.home, context_tokens=context_tokens, prefix_hashes=hashes)
     session.home = target.id
     return target
 
@@ -118,7 +118,7 @@ async def _attempt(
 ) -> ResilientResult | _EngineDown:
     """One try on `target`, its load and outcome booked there (in flight, cache estimate,
     engine health). A dead engine is returned, not raised, so the caller can re-home."""
-    engines = ctx.engines
+    engines = ctx.pool
     engine = engines.engine_of(target)
     adapter = ctx.registry.adapter(engine.id)
     n = len(greq.input_ids)
@@ -172,7 +172,7 @@ async def _engine_down(ctx: ServerContext, engine_id: str, exc: UpstreamTranspor
     """Book a transport failure; True when the engine is now dead. A refused connection
     is dead at once (`record_failure`); a drop is the engine dying only when its health
     check fails too."""
-    engines = ctx.engines
+    engines = ctx.pool
     if record_failure(engines, engine_id, exc):
         return True
     if not exc.transient and not await ctx.registry.answers_health(engine_id):
