@@ -32,7 +32,7 @@ from ..structured import engine_refusal
 from .chat_request import ChatRequest
 from .engine_request import EngineCall
 
-__all__ = ["Generated", "dispatch", "generate"]
+__all__ = ["Generated", "dispatch", "generate_turn"]
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,14 @@ class _EngineDown:
     error: UpstreamTransportError
 
 
-async def generate(
-    ctx: ServerContext, session: Session, req: ChatRequest, call: EngineCall, on_routed: Callable[[], None],
+async def generate_turn(
+    ctx: ServerContext, session: Session, req: ChatRequest, call: EngineCall, on_placed: Callable[[], None],
     on_delta: Callable[[TokenDelta], None] | None = None,
 ) -> Generated:
     """Route, admit and generate; an engine's 4xx on a constraint is the client's 400.
     `on_delta`: a streamed turn's engine deltas (`generate_resilient`)."""
     try:
-        return await dispatch(ctx, session, call.greq, call.expect, on_routed, on_delta)
+        return await dispatch(ctx, session, call.greq, call.expect, on_placed, on_delta)
     except UpstreamHTTPError as exc:
         refusal = engine_refusal(exc, call.greq.sampling.constraint, req)
         if refusal is not None:
@@ -68,7 +68,7 @@ async def generate(
 
 async def dispatch(
     ctx: ServerContext, session: Session, greq: GenerateRequest, expect: Expectations,
-    on_routed: Callable[[], None], on_delta: Callable[[TokenDelta], None] | None = None,
+    on_placed: Callable[[], None], on_delta: Callable[[TokenDelta], None] | None = None,
 ) -> Generated:
     """Send to the session's home; when that engine is down, re-home once and retry.
 
@@ -76,7 +76,7 @@ async def dispatch(
     `generate_resilient`: the pause gate, prefill admission (a large uncached
     prefill waits in the server for its engine), a generation slot, and the
     generation; pauses are survived there (abort, accumulate, resubmit).
-    `on_routed` is called once, when the first target is chosen."""
+    `on_placed` is called once, when the first target is chosen."""
     hashes = None
     if ctx.pool.policy.needs_prefix_hashes:
         hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
@@ -93,7 +93,7 @@ async def dispatch(
     for attempt in range(attempts):
         target = route(ctx, session, len(greq.input_ids), hashes)
         if attempt == 0:
-            on_routed()  # the engine request built and its target chosen
+            on_placed()  # the engine request built and its target chosen
         got = await _attempt(ctx, session, target, greq, expect, deadline, forward if on_delta else None)
         if not isinstance(got, _EngineDown):
             return Generated(result=got, target_id=target.id)

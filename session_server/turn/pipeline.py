@@ -37,7 +37,7 @@ from ..errors import ClientGone, SessionBusy, SessionClosed
 from ..sessions import Claim, Session, SessionState
 from .chat_request import ChatRequest
 from .commit import Checked, Committed, PendingTurn, commit, validate
-from .dispatch import Generated, generate
+from .dispatch import Generated, generate_turn
 from .engine_request import EngineCall, engine_request
 from .output import TurnOutput
 from .prepare import Prepared, check_branch_cap, prepare, render_prompt
@@ -248,7 +248,7 @@ class TurnRunner:
         live: TurnStream | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """The phases in order, each lapped under its own name (parse and claim were lapped
-        by `run`; `route` is lapped inside generate, when the first target is chosen)."""
+        by `run`; `route` is lapped inside `generate_turn`, when the first target is chosen)."""
         ctx = self.ctx
         prep = await self._prepare(session, req, body_len)
         timer.lap("prepare")
@@ -260,7 +260,7 @@ class TurnRunner:
                               request_id=live.request_id if live is not None else None)
         streams = live is not None and live.begin(req, call, prompt.prep)
         on_delta = live.on_delta if live is not None and streams else None
-        gen = await generate(ctx, session, req, call, on_routed=lambda: timer.lap("route"), on_delta=on_delta)
+        gen = await generate_turn(ctx, session, req, call, on_placed=lambda: timer.lap("route"), on_delta=on_delta)
         timer.lap("generate")
         checked = await validate(ctx, gen.result, call.expect, req, prompt.prep, call)
         if live is not None and streams:
