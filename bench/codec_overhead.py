@@ -13,7 +13,7 @@ bytes per stored token of the 100K trajectory (target <= 12).
 
 `--family` is one of our hand-written families (qwen3, llama3, llama3.1, glm4moe:
 offline tokenizers with the real templates), a `renderers`-backed family of
-`tests/fast/trajectory/renderer_families.py` (e.g. qwen3.5, glm-4.7; issue 11; gemma-4
+`tests/fast/trajectory/renderer_families.py` (e.g. qwen3.5, glm-4.7; gemma-4
 runs our Gemma4Codec, which serves it), or
 `all` (every one of both; a family whose codec cannot run the turn is reported
 with its error).

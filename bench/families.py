@@ -1,4 +1,4 @@
-"""Per-family report (issue 11): detection, append-only roles, bridge vs the full
+"""Per-family report: detection, append-only roles, bridge vs the full
 template render, parse round-trips, and per-turn cost at 1K and 100K tokens.
 
 For every tokenizer we can build offline (our four families; the `renderers`

@@ -10,7 +10,7 @@ Errors are counted per phase (create / chat / delete) by exception class or
 HTTP status, with the machine's TCP counters (ListenOverflows and friends from
 /proc/net/netstat and /proc/net/snmp) before and after each level. `--cpu-hog N`
 runs N busy-looping processes beside the server for the whole run: production
-rollout hosts share the CPU with agents, sandboxes and tools (issue 15).
+rollout hosts share the CPU with agents, sandboxes and tools.
 
     python bench/load_test.py --json bench/results/load_test.json [--levels 500,1000] [--cpu-hog 1]
 """

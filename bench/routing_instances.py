@@ -1,4 +1,4 @@
-"""Routing simulation with N independent server instances over the same engines (issue 14.4).
+"""Routing simulation with N independent server instances over the same engines.
 
 The cluster of `routing_sim.py` (same engines, workload and cost model), but the
 sessions are spread over N server instances (session i on instance i mod N, as a

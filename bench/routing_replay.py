@@ -1,4 +1,4 @@
-"""Routing replay (R3, issue 13): what recording routed experts costs one server process.
+"""Routing replay (R3): what recording routed experts costs one server process.
 
 Workload: a zero-latency simulated SGLang engine of a 60-layer, top-8 MoE (128
 experts), `--sessions` concurrent sessions each running `--turns` turns whose

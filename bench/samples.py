@@ -21,7 +21,7 @@ No server: trees are built the way the server commits turns
    (a `tracemalloc` snapshot diff around building it; numpy reports its buffers
    to tracemalloc), divided by the *unique* tokens: the tokens each branch added
    after its fork point, summed over branches (the same number for both trees).
-   Target: forked / linear <= 1.10 (issue 10 item 1). Turns carry no messages
+   Target: forked / linear <= 1.10. Turns carry no messages
    here, so the number is about token storage.
 
     python bench/samples.py --json bench/results/samples.json

@@ -1,4 +1,4 @@
-"""Scale-out (issue 14.5): small turns/s and p99 for 1, 2 and 4 `serve` processes.
+"""Scale-out: small turns/s and p99 for 1, 2 and 4 `serve` processes.
 
 Each configuration serves the same closed loop of `--agents` concurrent agents for
 `--duration-s` seconds: an agent creates a session, plays `--turns` small turns

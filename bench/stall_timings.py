@@ -1,6 +1,6 @@
 """Time each event-loop stall source directly: the longest uninterrupted piece of work.
 
-Issue 8 ("loop stalls that grow with context or session count"). For each source
+("loop stalls that grow with context or session count"). For each source
 this measures the longest single step the event loop runs without yielding:
 
 * TTL sweep at `--sessions` idle sessions (none due, 1% due, all due): the longest

@@ -1,4 +1,4 @@
-"""Real streaming (issue 12.2): how much later than the engine's first token does the
+"""Real streaming: how much later than the engine's first token does the
 agent see its first delta, and do the deltas add up to the committed message?
 
 Workload: a simulated engine (`--latency-ms` per token, separate process) behind the

@@ -33,7 +33,7 @@ class ServerContext:
     codec: ChatCodec
     tokenizer: Any
     vocab_size: int  # the model's rows: the bound on sampled ids (model_config.py), >= the tokenizer's
-    engines: EnginePool  # routing bookkeeping (targets, load, homes)
+    pool: EnginePool  # routing bookkeeping (targets, load, homes)
     registry: EngineRegistry  # engine lifecycle and adapters: the only way to an engine
     decoder: ReplyDecoder
     control: ControlPlane

@@ -74,7 +74,7 @@ async def build_context(config: AppConfig) -> ServerContext:
     metrics = Metrics()
     control = ControlPlane(
         registry,
-        registry=metrics.registry,
+        metrics_registry=metrics.registry,
         grace_s=settings.pause_grace_s,
         drain_timeout_s=settings.pause_drain_timeout_s,
     )
@@ -88,7 +88,7 @@ async def build_context(config: AppConfig) -> ServerContext:
         codec=codec,
         tokenizer=tok,
         vocab_size=vocab_size,
-        engines=engines,
+        pool=engines,
         registry=registry,
         decoder=decoder,
         control=control,
@@ -111,7 +111,7 @@ class Background:
 
 def start_background(ctx: ServerContext) -> Background:
     """Start the TTL sweeper and the engine health checks; freeze start-up objects."""
-    settings, engines, registry = ctx.settings, ctx.engines, ctx.registry
+    settings, engines, registry = ctx.settings, ctx.pool, ctx.registry
     sweeper = asyncio.create_task(sweep(ctx), name="tito-ttl-sweeper")
     stop_health_checks = asyncio.Event()
     checker = asyncio.create_task(

@@ -59,7 +59,7 @@ class ControlPlane:
         self,
         engines: EngineSource | Callable[[], Iterable[EngineAdapter]],
         *,
-        registry: CollectorRegistry | None = None,
+        metrics_registry: CollectorRegistry | None = None,
         grace_s: float = 0.05,
         drain_timeout_s: float = 60.0,
         weight_version: int | None = None,
@@ -70,7 +70,7 @@ class ControlPlane:
         self._engines: EngineSource = fanout.CallableSource(engines) if callable(engines) else engines
         self.on_weight_version: list[Callable[[int], None]] = []  # each new version (the pool, lag.py)
         self.on_resume: list[Callable[[], None]] = []  # as the engines resume (versions.py: splits)
-        self.metrics = ControlMetrics(registry)
+        self.metrics = ControlMetrics(metrics_registry)
         self.flights = Flights()
         self.aborts = EngineAborts(self.metrics, abort_timeout_s)
         self.grace_s = grace_s

@@ -30,16 +30,10 @@ _BUILD_VERSION = "1"  # bump when the corpus or the recipe changes (cache key)
 
 
 @dataclass(frozen=True)
-class _FamilySpec:
+class _FamilySpec(SimTokenizer):
     """What one build needs: the registry's tokenizer data and the template file it carries."""
 
-    template_file: str
-    special_tokens: tuple[str, ...]
-    bos: str | None
-    eos: str
-    pad: str
-    prepend_bos: bool  # real Llama tokenizers add BOS on encode(add_special_tokens=True)
-    split_pattern: str
+    template_file: str = ""
 
 
 def family_spec_tokens(family: str) -> tuple[str, ...]:
@@ -62,8 +56,8 @@ def _spec(family: str) -> _FamilySpec:
     if spec is None or spec.sim is None or spec.template_file is None:
         raise ValueError(f"unknown tokenizer family {family!r}; expected one of {FAMILIES}")
     sim: SimTokenizer = spec.sim
-    return _FamilySpec(spec.template_file, sim.special_tokens, sim.bos, sim.eos, sim.pad, sim.prepend_bos,
-                       sim.split_pattern)
+    return _FamilySpec(sim.special_tokens, sim.bos, sim.eos, sim.pad, sim.prepend_bos, sim.split_pattern,
+                       template_file=spec.template_file)
 
 
 def _corpus() -> list[str]:
@@ -226,7 +220,7 @@ def build_template_tokenizer(
 ) -> Path:
     """An offline tokenizer for any template: the given special tokens (BOS/EOS
     included) on the shared BPE, carrying `template` verbatim."""
-    spec = _FamilySpec("", tuple(dict.fromkeys(special_tokens)), bos, eos, pad or eos, False, QWEN_SPLIT)
+    spec = _FamilySpec(tuple(dict.fromkeys(special_tokens)), bos, eos, pad or eos, False, QWEN_SPLIT)
     return _save(spec, template, Path(out_dir))
 
 

@@ -32,7 +32,7 @@ from ..structured import engine_refusal
 from .chat_request import ChatRequest
 from .engine_request import EngineCall
 
-__all__ = ["Generated", "dispatch", "generate"]
+__all__ = ["Generated", "dispatch", "generate_turn"]
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,14 @@ class _EngineDown:
     error: UpstreamTransportError
 
 
-async def generate(
-    ctx: ServerContext, session: Session, req: ChatRequest, call: EngineCall, on_routed: Callable[[], None],
+async def generate_turn(
+    ctx: ServerContext, session: Session, req: ChatRequest, call: EngineCall, on_placed: Callable[[], None],
     on_delta: Callable[[TokenDelta], None] | None = None,
 ) -> Generated:
     """Route, admit and generate; an engine's 4xx on a constraint is the client's 400.
     `on_delta`: a streamed turn's engine deltas (`generate_resilient`)."""
     try:
-        return await dispatch(ctx, session, call.greq, call.expect, on_routed, on_delta)
+        return await dispatch(ctx, session, call.greq, call.expect, on_placed, on_delta)
     except UpstreamHTTPError as exc:
         refusal = engine_refusal(exc, call.greq.sampling.constraint, req)
         if refusal is not None:
@@ -68,7 +68,7 @@ async def generate(
 
 async def dispatch(
     ctx: ServerContext, session: Session, greq: GenerateRequest, expect: Expectations,
-    on_routed: Callable[[], None], on_delta: Callable[[TokenDelta], None] | None = None,
+    on_placed: Callable[[], None], on_delta: Callable[[TokenDelta], None] | None = None,
 ) -> Generated:
     """Send to the session's home; when that engine is down, re-home once and retry.
 
@@ -76,11 +76,11 @@ async def dispatch(
     `generate_resilient`: the pause gate, prefill admission (a large uncached
     prefill waits in the server for its engine), a generation slot, and the
     generation; pauses are survived there (abort, accumulate, resubmit).
-    `on_routed` is called once, when the first target is chosen."""
+    `on_placed` is called once, when the first target is chosen."""
     hashes = None
-    if ctx.engines.policy.needs_prefix_hashes:
+    if ctx.pool.policy.needs_prefix_hashes:
         hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
-    attempts = 2 if len(ctx.engines.engines) > 1 else 1
+    attempts = 2 if len(ctx.pool.engines) > 1 else 1
     deadline = time.monotonic() + greq.timeout_s  # once: a re-home does not restart the clock
     shown = 0
 
@@ -93,7 +93,7 @@ async def dispatch(
     for attempt in range(attempts):
         target = route(ctx, session, len(greq.input_ids), hashes)
         if attempt == 0:
-            on_routed()  # the engine request built and its target chosen
+            on_placed()  # the engine request built and its target chosen
         got = await _attempt(ctx, session, target, greq, expect, deadline, forward if on_delta else None)
         if not isinstance(got, _EngineDown):
             return Generated(result=got, target_id=target.id)
@@ -107,7 +107,7 @@ async def dispatch(
 
 def route(ctx: ServerContext, session: Session, context_tokens: int, hashes: Any) -> TargetStats:
     """The session's target under the routing policy; it becomes the session's home."""
-    target = ctx.engines.select(session.id, session.home, context_tokens=context_tokens, prefix_hashes=hashes)
+    target = ctx.pool.select(session.id, session.home, context_tokens=context_tokens, prefix_hashes=hashes)
     session.home = target.id
     return target
 
@@ -118,7 +118,7 @@ async def _attempt(
 ) -> ResilientResult | _EngineDown:
     """One try on `target`, its load and outcome booked there (in flight, cache estimate,
     engine health). A dead engine is returned, not raised, so the caller can re-home."""
-    engines = ctx.engines
+    engines = ctx.pool
     engine = engines.engine_of(target)
     adapter = ctx.registry.adapter(engine.id)
     n = len(greq.input_ids)
@@ -172,7 +172,7 @@ async def _engine_down(ctx: ServerContext, engine_id: str, exc: UpstreamTranspor
     """Book a transport failure; True when the engine is now dead. A refused connection
     is dead at once (`record_failure`); a drop is the engine dying only when its health
     check fails too."""
-    engines = ctx.engines
+    engines = ctx.pool
     if record_failure(engines, engine_id, exc):
         return True
     if not exc.transient and not await ctx.registry.answers_health(engine_id):

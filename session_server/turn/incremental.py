@@ -6,7 +6,7 @@ and `FieldSplitter` splits that text into reasoning and content with a small sta
 machine driven by the codec's markers (`<think>`, `</think>`, `<tool_call>`), holding
 back only what more tokens could still change: a suffix that may start a marker, the
 whitespace the parsers strip, content once a tool call opens. It mirrors the parse of
-the families it covers: `grammar_for` builds the grammar of the incremental parser kind
+the families it covers: `markup_for` builds the markup of the incremental parser kind
 the family registry declares for the codec (`trajectory.codec.families`); a codec
 whose kind is NONE falls back to the whole-parse `TextStreamer` (off the loop). What it holds back is sent by `TextStreamer.tail`-style
 checks once the whole message is parsed.
@@ -28,13 +28,13 @@ from .incremental_calls import CallArgs, CallReader, CallStart, partial_marker
 from .incremental_glm import GlmCalls
 
 __all__ = [
-    "FieldSplitter", "Grammar", "HermesCalls", "IncrementalDecoder",
-    "IncrementalText", "calls_for", "grammar_for",
+    "FieldSplitter", "Markup", "HermesCalls", "IncrementalDecoder",
+    "IncrementalText", "calls_for", "markup_for",
 ]
 
 
 @dataclass(frozen=True)
-class Grammar:
+class Markup:
     """How a family's `parse_text` shapes the fields (what the splitter must mirror)."""
 
     think: bool  # thinking on and the family splits `<think>...</think>`
@@ -46,19 +46,19 @@ class Grammar:
     glm: bool = False  # calls are `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>` (parse_glm)
 
 
-def grammar_for(codec: Any, *, tools: bool, template_kwargs: Mapping[str, Any] | None) -> Grammar | None:
-    """The grammar of `codec`'s parse, from the incremental parser kind the family
+def markup_for(codec: Any, *, tools: bool, template_kwargs: Mapping[str, Any] | None) -> Markup | None:
+    """The markup of `codec`'s parse, from the incremental parser kind the family
     registry declares for it; None when no parser here mirrors it (kind NONE)."""
     parser = incremental_parser(codec)
     if parser.kind is IncrementalKind.PLAIN:
-        return Grammar(think=False, tools=False)
+        return Markup(think=False, tools=False)
     calls = tools and parser.tool_calls
     if parser.kind is IncrementalKind.HERMES:
         thinking = parser.reasoning and bool(codec.thinking(template_kwargs))
-        return Grammar(think=thinking, tools=calls, hermes=calls)
+        return Markup(think=thinking, tools=calls, hermes=calls)
     if parser.kind is IncrementalKind.GLM:
         thinking = parser.reasoning and bool(codec.thinking(template_kwargs))
-        return Grammar(think=thinking, tools=calls, reasoning_ws=None, lstrip_after_think=False, glm_content=True,
+        return Markup(think=thinking, tools=calls, reasoning_ws=None, lstrip_after_think=False, glm_content=True,
                        glm=calls)
     return None
 
@@ -95,13 +95,13 @@ class IncrementalDecoder:
 
 
 class FieldSplitter:
-    """Reasoning / content deltas of a text fed in pieces, as `Grammar`'s parse gives them
+    """Reasoning / content deltas of a text fed in pieces, as `Markup`'s parse gives them
     for the whole text, minus what could still change. States: `pre` (maybe `<think>`),
     `unknown` (thinking on, no `<think>`: wait for `</think>`), `reason`, `content`, `done`."""
 
-    def __init__(self, grammar: Grammar) -> None:
-        self.g = grammar
-        self.state = "pre" if grammar.think else "content"
+    def __init__(self, markup: Markup) -> None:
+        self.g = markup
+        self.state = "pre" if markup.think else "content"
         self._buf = ""  # text of the current state not yet sent
         self._scan = 0  # no marker starts in `_buf` before this
         self._started = False  # the current field's leading strip is done
@@ -304,12 +304,12 @@ class HermesCalls:
         return text[len(take):]
 
 
-def calls_for(grammar: Grammar, names: frozenset[str]) -> CallReader | None:
-    """The tool-call reader of `grammar`'s family (hermes JSON, GLM XML), or None: then
+def calls_for(markup: Markup, names: frozenset[str]) -> CallReader | None:
+    """The tool-call reader of `markup`'s family (hermes JSON, GLM XML), or None: then
     calls are sent whole once the message is parsed."""
-    if grammar.hermes:
+    if markup.hermes:
         return HermesCalls(names)
-    if grammar.glm:
+    if markup.glm:
         return GlmCalls(names)
     return None
 

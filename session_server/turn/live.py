@@ -49,7 +49,7 @@ from trajectory.errors import CodecError
 from ..control import new_request_id
 from ..engines.base import TokenDelta
 from ..errors import BadRequest, ServiceError, StreamOverflow, UpstreamInvalid, from_library
-from .incremental import FieldSplitter, IncrementalDecoder, IncrementalText, calls_for, grammar_for
+from .incremental import FieldSplitter, IncrementalDecoder, IncrementalText, calls_for, markup_for
 from .incremental_calls import CallArgs, CallStart
 from .outbox import Outbox, drain, with_keepalives
 from .output import Rendered, TurnOutput
@@ -170,11 +170,11 @@ class LiveTurn:
         tok = getattr(ctx.codec, "tokenizer", ctx.tokenizer)
         self._text = TextStreamer(parse, think_close_ids(tok), tools=bool(tools))
         names = tool_names(tools)
-        grammar = grammar_for(ctx.codec, tools=bool(names), template_kwargs=kwargs)
-        if grammar is not None:
+        markup = markup_for(ctx.codec, tools=bool(names), template_kwargs=kwargs)
+        if markup is not None:
             stops = getattr(ctx.codec, "stop_token_ids", ())
-            calls = calls_for(grammar, names)
-            self._inc = IncrementalText(IncrementalDecoder(tok, stops), FieldSplitter(grammar), calls)
+            calls = calls_for(markup, names)
+            self._inc = IncrementalText(IncrementalDecoder(tok, stops), FieldSplitter(markup), calls)
         self._emit(TurnStarted(call.greq.request_id, len(call.greq.input_ids)))
         self.started.set()
         self.opened.set()

@@ -7,7 +7,7 @@ typed inputs and outputs (frozen values), each timed under its own name
     parse      the dialect's (offload, lock)  body -> ChatRequest (before the claim: see `run`)
     claim      run (here)                    the session, for this request only (queued while busy)
     prepare    prepare.py (lock, offload)    -> Prepared: append / rollback / fork
-    render     prepare.py (offload)          -> Rendered: prompt ids (+ a template fork)
+    render     prepare.py (offload)          -> Prompt: prompt ids (+ a template fork)
     route      engine_request.py, dispatch.py  -> EngineCall; a target chosen
     generate   dispatch.py                   admitted, generated through pauses -> Generated
     validate   commit.py (offload)           -> Checked
@@ -37,10 +37,10 @@ from ..errors import ClientGone, SessionBusy, SessionClosed
 from ..sessions import Claim, Session, SessionState
 from .chat_request import ChatRequest
 from .commit import Checked, Committed, PendingTurn, commit, validate
-from .dispatch import Generated, generate
+from .dispatch import Generated, generate_turn
 from .engine_request import EngineCall, engine_request
 from .output import TurnOutput
-from .prepare import Prepared, check_branch_cap, prepare, render
+from .prepare import Prepared, check_branch_cap, prepare, render_prompt
 
 __all__ = ["ClientWatch", "TurnOutput", "TurnRunner", "TurnStream"]
 
@@ -248,25 +248,25 @@ class TurnRunner:
         live: TurnStream | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """The phases in order, each lapped under its own name (parse and claim were lapped
-        by `run`; `route` is lapped inside generate, when the first target is chosen)."""
+        by `run`; `route` is lapped inside `generate_turn`, when the first target is chosen)."""
         ctx = self.ctx
         prep = await self._prepare(session, req, body_len)
         timer.lap("prepare")
-        rendered = await render(ctx, session, prep)
+        prompt = await render_prompt(ctx, session, prep)
         timer.lap("render")
-        check_branch_cap(ctx, session, rendered.prep)
+        check_branch_cap(ctx, session, prompt.prep)
         # a stream that began before its turn has announced this id (Responses' response.created)
-        call = engine_request(ctx, session, req, rendered.prep, rendered.prompt_ids,
+        call = engine_request(ctx, session, req, prompt.prep, prompt.prompt_ids,
                               request_id=live.request_id if live is not None else None)
-        streams = live is not None and live.begin(req, call, rendered.prep)
+        streams = live is not None and live.begin(req, call, prompt.prep)
         on_delta = live.on_delta if live is not None and streams else None
-        gen = await generate(ctx, session, req, call, on_routed=lambda: timer.lap("route"), on_delta=on_delta)
+        gen = await generate_turn(ctx, session, req, call, on_placed=lambda: timer.lap("route"), on_delta=on_delta)
         timer.lap("generate")
-        checked = await validate(ctx, gen.result, call.expect, req, rendered.prep, call)
+        checked = await validate(ctx, gen.result, call.expect, req, prompt.prep, call)
         if live is not None and streams:
             checked = live.check(checked)  # a stream that disagrees commits nothing
         timer.lap("validate")
-        done = await commit(ctx, session, claim, PendingTurn(rendered.prep, rendered.prompt_ids, call, gen.result,
+        done = await commit(ctx, session, claim, PendingTurn(prompt.prep, prompt.prompt_ids, call, gen.result,
                                                               checked, gen.target_id))
         timer.lap("commit")
         timer.total()
@@ -283,8 +283,8 @@ class TurnRunner:
         ctx.store.touch(session)
         req: ChatRequest = await ctx.offload.run_sized(len(body), parse, body)
         prep = await self._prepare(session, req, len(body))
-        rendered = await render(ctx, session, prep, note=False)
-        return len(rendered.prep.context_ids) + len(rendered.prompt_ids)
+        prompt = await render_prompt(ctx, session, prep, note=False)
+        return len(prompt.prep.context_ids) + len(prompt.prompt_ids)
 
     async def _prepare(self, session: Session, req: ChatRequest, body_len: int) -> Prepared:
         """`prepare` under the session lock. O(history): the agent resends every message,

@@ -2,7 +2,7 @@
 
 `prepare` runs under the session lock, offloaded (O(messages) + one memcpy): it
 reconciles the request's messages with the committed history (append, rollback or
-fork), snapshots the context, and derives the request's constraint. `render` turns
+fork), snapshots the context, and derives the request's constraint. `render_prompt` turns
 the new messages into prompt tokens (O(new tokens)). Both return frozen values.
 """
 
@@ -26,7 +26,7 @@ from ..sessions import Session
 from ..structured import Constraint, request_constraint
 from .chat_request import ChatRequest
 
-__all__ = ["Prepared", "Rendered", "check_branch_cap", "client_messages", "last_weight_version", "prepare", "render"]
+__all__ = ["Prepared", "Prompt", "check_branch_cap", "client_messages", "last_weight_version", "prepare", "render_prompt"]
 
 _TAIL_TOKENS = 16
 
@@ -66,7 +66,7 @@ class Prepared:
 
 
 @dataclass(frozen=True)
-class Rendered:
+class Prompt:
     """The new prompt tokens, and the prepared state they belong to: `prep` itself, or a
     new value when the template policy turned the turn into a fork."""
 
@@ -179,7 +179,7 @@ def last_weight_version(tree: TrajectoryTree) -> Any:
     return None if best is None else best[1]
 
 
-async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: bool = True) -> Rendered:
+async def render_prompt(ctx: ServerContext, session: Session, prep: Prepared, *, note: bool = True) -> Prompt:
     """The new prompt tokens: the whole render at turn 0 or a fork, else only the delta.
     `note=False` (a token count, not a turn): the session's diagnostics stay untouched."""
     codec = ctx.codec
@@ -188,7 +188,7 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: 
         ids = await ctx.offload.run(
             codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
         )
-        return Rendered(list(ids), prep)
+        return Prompt(list(ids), prep)
     result = await ctx.offload.run(
         codec.bridge,
         prep.history,
@@ -218,7 +218,7 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: 
                              context_ids=prep.context_ids[:shared], tail=[int(x) for x in prep.context_ids[:shared][-_TAIL_TOKENS:]],
                              history=list(prep.history[: prep.line_message_counts[k]]), prev_output=None,
                              fork_reason=result.reason.value, fork_detail=result.detail)
-            return Rendered(ids[shared:], forked)
+            return Prompt(ids[shared:], forked)
         raise HistoryMismatch(
             f"cannot prove the committed tokens stay a prefix ({result.reason.value}: {result.detail}); "
             "create the session with history_policy='template' to fork instead"
@@ -227,8 +227,8 @@ async def render(ctx: ServerContext, session: Session, prep: Prepared, *, note: 
         rewrite = _history_rewrite(prep, result.rewrite_offset)
         session_note("history_rewrite", detail="template would re-render earlier turns; kept what the model saw",
                      **rewrite)
-        return Rendered(list(result.prompt_ids), replace(prep, history_rewrite=rewrite))
-    return Rendered(list(result.prompt_ids), prep)
+        return Prompt(list(result.prompt_ids), replace(prep, history_rewrite=rewrite))
+    return Prompt(list(result.prompt_ids), prep)
 
 
 def _rewrite_fork(codec: Any, prep: Prepared, full: list[Message]) -> tuple[list[int], int, int]:
@@ -265,7 +265,7 @@ def _no_note(kind: str, **fields: Any) -> None:
 
 
 def _history_rewrite(prep: Prepared, offset: int | None) -> dict[str, Any]:
-    """The per-turn TITO diagnostic (10.3): which committed turn a full re-render would
+    """The per-turn TITO diagnostic: which committed turn a full re-render would
     change and its first differing token (absolute position; None when the change is in
     the turn's closing tokens or could not be located)."""
     if prep.prev_output is None:

@@ -88,7 +88,7 @@ async def remove_engine(engine_id: str, request: Request, base_url: str | None =
         if found is None:
             raise NotFound(f"no engine at {base_url!r}")
         engine_id = found.id
-    if engine_id not in ctx.engines.engines:
+    if engine_id not in ctx.pool.engines:
         raise NotFound(f"unknown engine {shown(engine_id)}")
     url = ctx.registry.adapter(engine_id).base_url
     return await _remove(request, ctx, url, engine_id, {"removed": engine_id, "base_url": url})

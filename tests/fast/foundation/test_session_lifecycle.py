@@ -56,7 +56,7 @@ async def _until_engine_has_request(st: Stack) -> str:
 
 
 def _assert_no_routing_state(ctx: Any, sid: str) -> None:
-    engines = ctx.engines
+    engines = ctx.pool
     assert sid not in engines._cached and sid not in engines._pending
     assert all(sid not in t.sessions for t in engines.targets.values())
 
@@ -140,7 +140,7 @@ async def test_ttl_expiry_forgets_routing_state(qwen3_dir: Path) -> None:
         assert (await st.chat(sid)).status_code == 200
         ctx = _ctx(st)
         home = ctx.store.get(sid).home  # the turn left an affinity estimate: its home has the context cached
-        assert home is not None and ctx.engines.uncached_tokens(sid, home, 10**6) < 10**6
+        assert home is not None and ctx.pool.uncached_tokens(sid, home, 10**6) < 10**6
 
         async def gone() -> bool:
             return sid not in ctx.store.all()
@@ -175,10 +175,10 @@ async def test_churn_10k_sessions_leaves_every_per_session_table_empty(qwen3_dir
             s = ctx.store.create(SessionConfig(ttl_s=1.0))
             if i % 50 == 0:
                 assert (await st.http.get(f"/sessions/{s.id}")).status_code == 200
-            target = ctx.engines.select(s.id, s.home, context_tokens=100 + i % 7)
+            target = ctx.pool.select(s.id, s.home, context_tokens=100 + i % 7)
             s.home = target.id
-            ctx.engines.on_turn_complete(target, s.id, ok=True, total_tokens=120)
-            peak = max(peak, len(ctx.engines._cached))
+            ctx.pool.on_turn_complete(target, s.id, ok=True, total_tokens=120)
+            peak = max(peak, len(ctx.pool._cached))
             if i % 2 == 0:
                 ctx.store.close(s.id)  # what DELETE does
         assert peak > 1000  # the tables did fill up
@@ -189,7 +189,7 @@ async def test_churn_10k_sessions_leaves_every_per_session_table_empty(qwen3_dir
             return len(ctx.store) == 0
 
         assert await _until(all_gone, timeout_s=20.0), f"{len(ctx.store)} sessions left"
-        engines = ctx.engines
+        engines = ctx.pool
         assert engines._cached == {} and engines._pending == {}
         for t in engines.targets.values():
             assert t.sessions == set() and t.resident_tokens == 0
@@ -267,12 +267,12 @@ async def test_overload_and_unavailable_answers_carry_retry_after(qwen3_dir: Pat
         r = await st.http.post("/sessions", json={})
         assert (r.status_code, r.json()["error"]["type"], r.headers.get("retry-after")) == (429, "over_capacity", "5")
         ctx = _ctx(st)
-        for eid in list(ctx.engines.engines):
-            ctx.engines.mark_failed(eid)
+        for eid in list(ctx.pool.engines):
+            ctx.pool.mark_failed(eid)
         r = await st.chat(sid)
         assert (r.status_code, r.json()["error"]["type"], r.headers.get("retry-after")) == (503, "no_healthy_engine", "5")
-        for eid in list(ctx.engines.engines):
-            ctx.engines.mark_healthy(eid)
+        for eid in list(ctx.pool.engines):
+            ctx.pool.mark_healthy(eid)
         assert (await st.http.post("/control/pause", json={"mode": "abort"})).status_code == 200
         r = await st.chat(sid, {**CHAT, "timeout_s": 0.2})
         assert (r.status_code, r.json()["error"]["type"], r.headers.get("retry-after")) == (503, "paused", "10")

@@ -18,7 +18,7 @@ from session_server.turn.incremental import (
     IncrementalDecoder,
     IncrementalText,
     calls_for,
-    grammar_for,
+    markup_for,
 )
 from session_server.turn.incremental_calls import CallArgs, CallStart
 from session_server.turn.incremental_glm import GlmCalls
@@ -59,11 +59,11 @@ _CALLS = st.lists(st.tuples(st.sampled_from(NAMES), st.dictionaries(_KEYS, _VALU
 def _feed(codec: Any, ids: list[int], cuts: list[int], final: list[tuple[str, str]]) -> tuple[dict[int, list[str]], int]:
     """Stream `ids` split at `cuts`; after every chunk each streamed call must be a prefix
     of `final`'s. (the streamed calls, how many argument pieces came)."""
-    grammar = grammar_for(codec, tools=True, template_kwargs=None)
-    assert grammar is not None and grammar.glm
-    reader = calls_for(grammar, tool_names(TOOLS))
+    markup = markup_for(codec, tools=True, template_kwargs=None)
+    assert markup is not None and markup.glm
+    reader = calls_for(markup, tool_names(TOOLS))
     assert isinstance(reader, GlmCalls)
-    inc = IncrementalText(IncrementalDecoder(codec.tokenizer, codec.stop_token_ids), FieldSplitter(grammar), reader)
+    inc = IncrementalText(IncrementalDecoder(codec.tokenizer, codec.stop_token_ids), FieldSplitter(markup), reader)
     calls: dict[int, list[str]] = {}
     pieces = 0
     bounds = [0, *sorted({c % (len(ids) + 1) for c in cuts}), len(ids)]

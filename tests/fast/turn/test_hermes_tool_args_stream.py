@@ -17,7 +17,7 @@ from session_server.turn.incremental import (
     HermesCalls,
     IncrementalDecoder,
     IncrementalText,
-    grammar_for,
+    markup_for,
 )
 from session_server.turn.incremental_calls import CallArgs, CallStart
 from trajectory.codec import load_codec
@@ -55,9 +55,9 @@ def _kw(text: str) -> dict[str, Any] | None:
 def _run(codec: Any, text: str, cuts: list[int], kw: Any = None) -> tuple[dict[str, Any], dict[int, list[str]], Any]:
     tools = TOOLS
     ids = [int(t) for t in codec.tokenizer.encode(text, add_special_tokens=False)]
-    grammar = grammar_for(codec, tools=True, template_kwargs=kw)
-    assert grammar is not None and grammar.hermes
-    inc = IncrementalText(IncrementalDecoder(codec.tokenizer, codec.stop_token_ids), FieldSplitter(grammar),
+    markup = markup_for(codec, tools=True, template_kwargs=kw)
+    assert markup is not None and markup.hermes
+    inc = IncrementalText(IncrementalDecoder(codec.tokenizer, codec.stop_token_ids), FieldSplitter(markup),
                           HermesCalls(tool_names(tools)))
     fields = {"reasoning_content": "", "content": ""}
     calls: dict[int, list[str]] = {}

@@ -15,7 +15,7 @@ from session_server.turn.incremental import (
     FieldSplitter,
     IncrementalDecoder,
     IncrementalText,
-    grammar_for,
+    markup_for,
 )
 from trajectory.codec import load_codec
 from trajectory.codec.parsing import tool_names
@@ -48,9 +48,9 @@ class Counting:
 
 
 def _stream(codec: Any, ids: list[int], cuts: list[int], tools: Any, kw: Any) -> tuple[dict[str, str], dict[str, str]]:
-    grammar = grammar_for(codec, tools=bool(tool_names(tools)), template_kwargs=kw)
-    assert grammar is not None
-    inc = IncrementalText(IncrementalDecoder(codec.tokenizer, codec.stop_token_ids), FieldSplitter(grammar))
+    markup = markup_for(codec, tools=bool(tool_names(tools)), template_kwargs=kw)
+    assert markup is not None
+    inc = IncrementalText(IncrementalDecoder(codec.tokenizer, codec.stop_token_ids), FieldSplitter(markup))
     sent = {"reasoning_content": "", "content": ""}
     for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True):
         for name, text in inc.feed(ids[a:b]):
@@ -92,7 +92,7 @@ def test_incremental_decodes_a_bounded_window_per_chunk(load_tokenizer: Any) -> 
     tok = Counting(codec.tokenizer)
     ids = codec.tokenizer.encode("<think>\n" + "word 日本 " * 400 + "\n</think>\n\n" + "x 🙂 " * 400,
                                  add_special_tokens=False)
-    inc = IncrementalText(IncrementalDecoder(tok, codec.stop_token_ids), FieldSplitter(grammar_for(codec, tools=False, template_kwargs=None)))  # type: ignore[arg-type]
+    inc = IncrementalText(IncrementalDecoder(tok, codec.stop_token_ids), FieldSplitter(markup_for(codec, tools=False, template_kwargs=None)))  # type: ignore[arg-type]
     worst = 0
     for t in ids:
         before = tok.decoded
@@ -106,8 +106,8 @@ def test_generic_template_without_markers_streams_everything(load_tokenizer: Any
     from trajectory.codec.template import TemplateCodec
 
     codec = load_codec(load_tokenizer("qwen3"))
-    grammar = grammar_for(TemplateCodec.__new__(TemplateCodec), tools=True, template_kwargs=None)
-    assert grammar is not None and not grammar.think and not grammar.tools
-    inc = IncrementalText(IncrementalDecoder(codec.tokenizer), FieldSplitter(grammar))
+    markup = markup_for(TemplateCodec.__new__(TemplateCodec), tools=True, template_kwargs=None)
+    assert markup is not None and not markup.think and not markup.tools
+    inc = IncrementalText(IncrementalDecoder(codec.tokenizer), FieldSplitter(markup))
     ids = codec.tokenizer.encode("<think>a</think> 🙂 <tool_call>", add_special_tokens=False)
     assert "".join(t for _, t in (p for i in ids for p in inc.feed([i]))) == "<think>a</think> 🙂 <tool_call>"

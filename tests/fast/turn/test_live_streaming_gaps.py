@@ -3,7 +3,7 @@
 - a stream that fails validation (the engine's streamed ids disagree with its final
   answer, a chunk with a bad id or logprob, streamed text the final parse does not
   extend) ends with the dialect's error event and commits nothing, in every dialect;
-- the fallback whole-parse path (a family `incremental.grammar_for` does not cover)
+- the fallback whole-parse path (a family `incremental.markup_for` does not cover)
   streams text while the engine runs;
 - a streamed request survives a transient connect error before anything was shown;
 - a streamed request that carries a retry marker keeps its turn for the replay grace
@@ -150,17 +150,17 @@ async def test_a_chunk_with_a_bad_id_or_logprob_fails_the_turn_unshown(
 
 
 async def test_the_fallback_parse_streams_text_before_the_engine_finishes(tokenizer_dirs: dict[str, Path]) -> None:
-    """Llama 3.x has no incremental grammar (`grammar_for` is None): its text deltas come
+    """Llama 3.x has no incremental markup (`markup_for` is None): its text deltas come
     from the whole-parse fallback, still while the engine samples."""
     import time
 
     from openai import AsyncOpenAI
 
-    from session_server.turn.incremental import grammar_for
+    from session_server.turn.incremental import markup_for
     from trajectory.codec import load_codec
 
     llama = tokenizer_dirs["llama3.1"]
-    assert grammar_for(load_codec(str(llama)), tools=False, template_kwargs=None) is None
+    assert markup_for(load_codec(str(llama)), tools=False, template_kwargs=None) is None
     async with live_stack(llama, "sglang", latency_ms=4) as st:
         sid = await st.session()
         oai = AsyncOpenAI(base_url=f"{st.url}/sessions/{sid}/v1", api_key="x", max_retries=0)

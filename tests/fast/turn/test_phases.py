@@ -27,9 +27,9 @@ def test_phase_values_are_frozen() -> None:
     from session_server.turn.dispatch import Generated
     from session_server.turn.engine_request import EngineCall
     from session_server.turn.pipeline import TurnOutput
-    from session_server.turn.prepare import Prepared, Rendered
+    from session_server.turn.prepare import Prepared, Prompt
 
-    for cls in (Prepared, Rendered, EngineCall, Generated, Checked, Committed, TurnOutput):
+    for cls in (Prepared, Prompt, EngineCall, Generated, Checked, Committed, TurnOutput):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls.__name__  # type: ignore[attr-defined]
 
 
