@@ -1,6 +1,6 @@
 """Is `/health` still fast while the server moves ~1.3 MiB engine replies?
 
-Workload (DESIGN.md s11, after miles PR #1468): a zero-latency simulated engine
+Workload (after miles PR #1468): a zero-latency simulated engine
 whose every reply carries a routed-experts payload (900 rows x 256 floats as
 nested JSON lists, or the same as one base64 string); waves of K=64 concurrent
 first-turn chats, each on a new connection, for `--seconds`; `/health` polled in

@@ -1,6 +1,6 @@
 """Routing simulation: the server's policy objects driving a discrete-event cluster.
 
-The entry point (DESIGN.md sections 8 and 11): runs every policy on one scenario
+The entry point: runs every policy on one scenario
 and writes the report. The pieces, one job each:
 
 - `routing_workload.py`: scenarios (`SimConfig`) and the scripted sessions of an

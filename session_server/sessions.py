@@ -70,7 +70,7 @@ class IllegalTransition(RuntimeError):
 
 @dataclass
 class SessionConfig:
-    """What a client chose at creation (DESIGN.md s4)."""
+    """What a client chose at creation."""
 
     ttl_s: float
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -1,7 +1,7 @@
 """Message normalisation and tolerant matching of OpenAI chat messages.
 
 Owns deciding whether a message a client sends back is "the same" as the one we
-stored (DESIGN.md s5, message matching): role, content (content parts flattened
+stored (message matching): role, content (content parts flattened
 to text), tool_calls (arguments compared as parsed JSON, ids compared),
 tool_call_id and name. `reasoning_content` is compared only when both sides
 carry it, because clients routinely drop it or echo it back.

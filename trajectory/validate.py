@@ -1,4 +1,4 @@
-"""Strict checks of one engine result before anything is committed (DESIGN.md s7).
+"""Strict checks of one engine result before anything is committed.
 
 `validate_generation` takes any object shaped like the engine seam's
 `GenerateResult` (duck-typed through `GenerationLike`, so this pure library

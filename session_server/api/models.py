@@ -166,6 +166,6 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Every error the server answers with (DESIGN s8): `{"error": {"type", "message"}}`."""
+    """Every error the server answers with: `{"error": {"type", "message"}}`."""
 
     error: ErrorDetail

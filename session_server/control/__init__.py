@@ -1,4 +1,4 @@
-"""The weight-update control plane: pause, abort, resume without losing a token (DESIGN.md s9).
+"""The weight-update control plane: pause, abort, resume without losing a token.
 
 - plane.py: `ControlPlane`, the server-wide plane (pause gate, in-flight registry,
   weight version and cache salt, engine fan-out through fanout.py, metrics.py);

@@ -1,7 +1,7 @@
 """Routing turns to (engine, dp_rank) targets: policies, pool, admission, health.
 
 One policy per module behind `policy.RoutingPolicy`; `make_policy(name, **cfg)`
-builds one by name. See DESIGN.md section 8.
+builds one by name. See docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The pipeline of one chat turn (DESIGN.md s3): the one place that sequences the phases.
+"""The pipeline of one chat turn: the one place that sequences the phases.
 
 `TurnRunner._turn` reads top to bottom as the phases, each a short function with
 typed inputs and outputs (frozen values), each timed under its own name

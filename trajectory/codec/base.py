@@ -42,7 +42,7 @@ Message = Mapping[str, Any]
 
 
 class HistoryPolicy(enum.StrEnum):
-    """What to do when the template would rewrite earlier turns (DESIGN.md s5)."""
+    """What to do when the template would rewrite earlier turns."""
 
     APPEND = "append"  # keep what the model saw; bridge the new messages anyway
     TEMPLATE = "template"  # follow the template: refuse, so the caller forks a branch
@@ -98,7 +98,7 @@ class ParsedToolCall:
 
 @dataclass(frozen=True)
 class ParsedAssistant:
-    """An assistant message recovered from sampled ids (DESIGN.md s6)."""
+    """An assistant message recovered from sampled ids."""
 
     content: str | None
     reasoning_content: str | None

@@ -1,4 +1,4 @@
-"""Parsing sampled assistant text into reasoning, content and tool calls (DESIGN.md s6).
+"""Parsing sampled assistant text into reasoning, content and tool calls.
 
 Owns the family-specific tool-call grammars (Hermes/Qwen JSON in `<tool_call>`,
 Llama 3.1 bare JSON, GLM `<arg_key>/<arg_value>` XML) and reasoning splitting.

@@ -1,4 +1,4 @@
-"""Probing a chat template with its own tokenizer (DESIGN.md s5).
+"""Probing a chat template with its own tokenizer.
 
 Owns rendering/encoding helpers shared by every codec and `probe_template`,
 which derives, from probe conversations rendered by the tokenizer's own

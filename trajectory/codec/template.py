@@ -1,4 +1,4 @@
-"""The template-driven codec every family builds on (DESIGN.md s5).
+"""The template-driven codec every family builds on.
 
 Owns render_first, close_turn, bridge and canonical_assistant_ids, all derived
 from the tokenizer's own chat template via `probe_template` and re-verified on

@@ -1,4 +1,4 @@
-"""Tolerant message matching (DESIGN.md s5)."""
+"""Tolerant message matching."""
 
 from __future__ import annotations
 
