@@ -195,6 +195,9 @@ class VLLMWire:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError as exc:
             return vllm_error(400, f"invalid JSON: {exc}")
+        if path == "/v1/completions" and body.get("stream_options") and not body.get("stream"):
+            # vLLM 0.32 refuses this (entrypoints/openai/completion/protocol.py, validate_stream_options)
+            return vllm_error(400, "Stream options can only be defined when `stream=True`.")
         job = self._job(request, body, ids_key, path)
         if isinstance(job, web.Response):
             return job
