@@ -42,9 +42,9 @@ from trajectory.codec.kimi import KimiCodec
 from trajectory.codec.llama3 import Llama3Codec
 from trajectory.codec.llama31 import Llama31Codec
 from trajectory.codec.probe import decode_text, probe_template
-from trajectory.codec.registry import validate_probe
 from trajectory.codec.renderers_codec import RenderersCodec
 from trajectory.codec.template import TemplateCodec
+from trajectory.codec.template_checks import validate_probe
 from trajectory.errors import TemplateNotSupported
 
 __all__ = [

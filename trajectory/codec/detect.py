@@ -35,7 +35,7 @@ the family registry's (`families.FAMILIES`); this module only applies it, in ord
    (qwen3.5/qwen3.6) resolve to the earliest listed;
 4. no probe match: the template's marker hint names one of our families and the
    probed end-of-turn, gap and generation prompt equal that family's exact data
-   (`registry.match_markers` + `validate_probe`, today's behaviour for variants of
+   (`template_checks.match_markers` + `validate_probe`, today's behaviour for variants of
    our templates, e.g. Llama 3.2 served by the llama3.1 codec);
 5. nothing: `generic`, our prober + verifier (which serves an append-only
    template or refuses it with `TemplateNotSupported`).
@@ -60,13 +60,13 @@ from trajectory.codec.families import (
     template_families,
 )
 from trajectory.codec.probe import decode_text, probe_template, render_form
-from trajectory.codec.registry import (
+from trajectory.codec.renderers_codec import RenderersCodec
+from trajectory.codec.template_checks import (
     match_digest,
     match_markers,
     reference_template,
     validate_probe,
 )
-from trajectory.codec.renderers_codec import RenderersCodec
 from trajectory.errors import TemplateNotSupported
 
 __all__ = [

@@ -5,7 +5,7 @@ how detection finds it (the packaged reference template and the exact probe data
 must give, the marker hint tried after the probes, or a detector tried before them),
 its tool-call format, which incremental (while-sampling) parser mirrors its parse, and
 the offline tokenizer the simulator and tests build for it. Detection (`detect.py`),
-the probe checks (`registry.py`), `codec_for` (`__init__.py`), the `renderers` codec,
+the probe checks (`template_checks.py`), `codec_for` (`__init__.py`), the `renderers` codec,
 the simulator's tokenizers, the server's incremental parsers and the settings help all
 read this table; none keeps a list of its own. The table is checked when this module
 is imported (`_validate`): a family added with inconsistent data fails at import, not
