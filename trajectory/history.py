@@ -6,6 +6,9 @@ the new tail (the normal case), roll back to an earlier checkpoint (a retry),
 or fork a fresh branch (the history was rewritten). Pure, O(messages); message
 equality is injected, since what counts as "the same message" (content parts,
 tool-call JSON, dropped ``reasoning_content``) is the codec's business.
+
+`attach` is the same decision over a whole tree (any line, not only the active one):
+the session server uses it; `reconcile` serves a worker that keeps one linear line.
 """
 
 from __future__ import annotations
