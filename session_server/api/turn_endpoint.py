@@ -105,6 +105,7 @@ class TurnEndpoint:
         watch = fresh.held(_client_gone(request))
         task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch)))
         task.add_done_callback(live.on_done)
+        task.add_done_callback(fresh.settle)
         opened = asyncio.ensure_future(live.opened.wait())
         try:
             await asyncio.wait([task, opened], return_when=asyncio.FIRST_COMPLETED)

@@ -53,6 +53,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import BadRequest, CommittedUnanswered, IdempotencyKeyReused
 from ..metrics import Metrics
@@ -206,6 +207,15 @@ class RunFresh:
             raise
         log._store(self._session_id, entry, rendered)
         return rendered
+
+    def settle(self, task: asyncio.Future[Any]) -> None:
+        """A done-callback for the task that runs `keep`: a task cancelled before its
+        first step never ran `keep`, so its entry would stay in flight and every retry
+        would wait on it forever; here it goes as a failed original's does."""
+        log, entry = self._log, self._entry
+        if log is not None and entry is not None and not entry.done.is_set():
+            log._drop(self._session_id, entry)
+            entry.done.set()
 
 
 Decision = Refuse | Replay | Follow | RunFresh

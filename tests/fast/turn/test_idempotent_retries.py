@@ -282,6 +282,27 @@ async def test_stored_responses_are_bounded_per_session_and_in_bytes() -> None:
     assert log.stored_bytes == 0
 
 
+async def test_an_original_cancelled_before_it_started_leaves_no_entry_a_retry_waits_on() -> None:
+    """The turn's task is cancelled before its first step (its `keep` never ran): the
+    retry runs afresh at once instead of waiting for an original that will never end."""
+    log = ReplayLog(Metrics(), per_session=2, max_bytes=1 << 20, grace_s=0.0)
+    first = await log.decide(Ident("s", "openai_chat", b"d", None, 0))
+    assert isinstance(first, RunFresh) and first.recorded
+
+    async def produce() -> Rendered:
+        return Rendered("application/json", body=b"{}")
+
+    turn = produce()
+    task = asyncio.ensure_future(first.keep(turn))
+    task.add_done_callback(first.settle)
+    task.cancel()  # before the loop ever ran it
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    turn.close()
+    retry = await asyncio.wait_for(log.decide(Ident("s", "openai_chat", b"d", None, 1)), 2.0)
+    assert isinstance(retry, RunFresh)
+
+
 # --- hypothesis: interleaved duplicates, timeouts and waits -------------------------------
 
 OPS = st.lists(
