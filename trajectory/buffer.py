@@ -8,7 +8,7 @@ never exceeds 1.25x the stored length and the allocation stays below
 no per-token Python objects; readers get read-only views of the used length.
 
 The buffer is deliberately dumb: it checks shapes, not meaning. What a mask or
-a logprob may be is `trajectory.linear`'s business.
+a logprob may be is `trajectory.line_checks`' business (what a committed line accepts).
 
 A buffer can be *shared*: a branch forked from a trajectory references the
 first ``n`` tokens of its parent's buffer instead of copying them, and `pin(n)`
