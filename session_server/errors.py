@@ -32,7 +32,7 @@
     └── DrainTimeout                     504 drain_timeout (a wait pause's turns outlived the drain: no engine paused)
 
 `from_http_status` builds a plain `ServiceError` with type `http_error` for any other
-framework-level status. `tests/fast/server/test_errors_tree.py` keeps this drawing
+framework-level status. `tests/fast/foundation/test_errors_tree.py` keeps this drawing
 equal to the classes.
 
 `details` (None: none) are extra top-level fields of the error body: a pause that failed

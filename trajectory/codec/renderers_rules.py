@@ -1,7 +1,7 @@
 """Our rules over a `renderers` renderer (`renderers_codec.py` serves it).
 
 Parsing keeps our rules, whatever the renderer's parser accepts (every codec keeps
-them; tests/fast/trajectory/test_codec_parse_rules.py checks each family):
+them; tests/fast/trajectory/test_every_codec_parses_by_one_rule.py checks each family):
 
 - text is decoded exactly: the renderer is handed `ExactDecode(tokenizer)`, whose
   `decode` always turns `clean_up_tokenization_spaces` off (the real Llama 3.2

@@ -16,7 +16,7 @@ template's rule instead:
   declares only non-string types (then the call stays `invalid_json`).
 
 Irreducible ambiguity (the template writes both the same way; pinned by
-test_11_4_xml_arguments_ambiguity): without a schema saying "string", a string that is
+test_xml_arguments_ambiguity): without a schema saying "string", a string that is
 JSON (`"75001"`, `"true"`, `"null"`, `'{"a": 1}'`) or reads `True`/`False`/`None` comes
 back as the number / boolean / null / object; a string's leading and trailing whitespace
 is lost (the parser strips the `\\n` the template puts around the value).
