@@ -231,13 +231,16 @@ def layer_of(module: str) -> int | None:
     return None if best is None else best[0]
 
 
-def _edges() -> dict[str, set[str]]:
-    """Direct imports between project modules, package `__init__`s left out (importing
-    `a.b.c` runs `a.b`'s `__init__`, which is not what the module's code depends on)."""
+def _edges(*, packages: bool = False) -> dict[str, set[str]]:
+    """Direct imports between project modules. Without `packages`, package `__init__`s
+    are left out (a package re-exports its modules, so every `from pkg import name` in
+    them would read as a circle); with it, a package named in an import is an edge too,
+    as the layers must see it (`from ..control import X` depends on control's layer)."""
     mods = _modules()
     inits = {m for m, p in mods.items() if p.name == "__init__.py"}
-    return {m: {d for d in direct_imports(m) if d in mods and d != m and d not in inits}
-            for m in mods if m not in inits}
+    keep = set() if packages else inits
+    return {m: {d for d in direct_imports(m) if d in mods and d != m and d not in keep}
+            for m in mods if m not in keep}
 
 
 def test_every_module_has_a_layer() -> None:
@@ -250,7 +253,7 @@ def test_layers_import_only_downward() -> None:
     trajectory`: an import that runs up a layer is a callback waiting to happen."""
     upward = sorted(
         f"{m} ({LAYERS[lm][0]}) imports {d} ({LAYERS[ld][0]})"
-        for m, deps in _edges().items() if (lm := layer_of(m)) is not None
+        for m, deps in _edges(packages=True).items() if (lm := layer_of(m)) is not None
         for d in deps if (ld := layer_of(d)) is not None and ld < lm
     )
     assert upward == []
