@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trajectory.codec.render import render_chat
 from trajectory.errors import TemplateNotSupported
 from trajectory.messages import flatten_content, parse_arguments
 
@@ -62,13 +63,14 @@ def render_text(
     add_generation_prompt: bool,
     template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The template's text for `messages` (tokenize=False; v5-safe)."""
-    out = tokenizer.apply_chat_template(
+    """The template's text for `messages`: `apply_chat_template(tokenize=False)`'s
+    (rendered by `render.render_chat`, which gives the same text at a fraction of the cost)."""
+    out = render_chat(
+        tokenizer,
         [render_form(m) for m in messages],
         tools=list(tools) if tools else None,
         add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **dict(template_kwargs or {}),
+        template_kwargs=template_kwargs,
     )
     if not isinstance(out, str):
         raise TemplateNotSupported(f"apply_chat_template(tokenize=False) returned {type(out)}")
@@ -76,7 +78,16 @@ def render_text(
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
-    """Ids of already-rendered template text (the template places BOS itself)."""
+    """Ids of already-rendered template text (the template places BOS itself).
+
+    A fast tokenizer's Rust core is asked directly when its state is the one
+    transformers' `encode(add_special_tokens=False)` would set (no truncation, no
+    padding, special tokens matched): the same ids without the wrapper's per-call
+    cost, which exceeds the encoding of a short turn."""
+    core = getattr(tokenizer, "backend_tokenizer", None)
+    if (core is not None and core.truncation is None and core.padding is None
+            and not getattr(tokenizer, "split_special_tokens", False) and not core.encode_special_tokens):
+        return core.encode(text, add_special_tokens=False).ids  # type: ignore[no-any-return]
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -28,6 +28,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 from trajectory.codec.base import (
     BridgeRefusal,
     BridgeResult,
@@ -52,6 +54,8 @@ from trajectory.codec.probe import (
 )
 from trajectory.errors import CodecError
 
+_HEADS_KEPT = 64  # `_head_ids` entries per codec (one per distinct tools list)
+
 
 class TemplateCodec:
     """A `ChatCodec` driven by the tokenizer's chat template; subclasses parse."""
@@ -62,6 +66,7 @@ class TemplateCodec:
     def __init__(self, tokenizer: Any, probe: ProbeResult | None = None) -> None:
         self.tokenizer = tokenizer
         self.probe = probe if probe is not None else probe_template(tokenizer)
+        self._window_heads: dict[bytes, list[int]] = {}  # `_head_ids`
         self.vocab_size = len(tokenizer)
         self.eot_ids = self.probe.eot_ids + self._ids_of(self.extra_eot_tokens())
         self.generation_prompt_ids = self.probe.generation_prompt_ids
@@ -207,7 +212,8 @@ class TemplateCodec:
             delta = delta[1:]  # the model sampled this role token as its stop token
         offset = None
         if rewrites and policy != HistoryPolicy.TEMPLATE:
-            offset = self._rewrite_offset(window, new, tools=tools, template_kwargs=kw)
+            offset = self._rewrite_offset(window, new, tools=tools, template_kwargs=kw,
+                                          rendered=(h_text, hn_text))
         return BridgeResult(prompt_ids=list(delta), rewrites_history=rewrites, rewrite_offset=offset)
 
     def _role_mismatch(self, tail: Sequence[int], ids_b: list[int], ids_bn: list[int]) -> BridgeRefusal | None:
@@ -235,15 +241,20 @@ class TemplateCodec:
             return None
         return hn_ids[len(h_ids) - gap_len :]
 
-    def _rewrite_offset(self, window: list, new: list, *, tools: Any, template_kwargs: Any) -> int | None:
+    def _rewrite_offset(self, window: list, new: list, *, tools: Any, template_kwargs: Any,
+                        rendered: tuple[str, str] | None = None) -> int | None:
         """First token of the window's last assistant message that the re-render with
         `new` changes, counted from that message's output (the tokens after the
         generation prompt). O(one turn): only the window is tokenized, and only on
-        a turn that rewrites."""
+        a turn that rewrites. `rendered`: the window's texts without and with `new`
+        when the caller has them; the head (the window before its last message, with
+        the generation prompt) depends only on the tools and kwargs and is kept."""
         try:
-            before = self._ids(window, tools=tools, gen=False, template_kwargs=template_kwargs)
-            after = self._ids(window + new, tools=tools, gen=True, template_kwargs=template_kwargs)
-            head = self._ids(window[:-1], tools=tools, gen=True, template_kwargs=template_kwargs)
+            if rendered is None:
+                rendered = (self._render(window, tools=tools, gen=False, template_kwargs=template_kwargs),
+                            self._render(window + new, tools=tools, gen=True, template_kwargs=template_kwargs))
+            before, after = encode(self.tokenizer, rendered[0]), encode(self.tokenizer, rendered[1])
+            head = self._head_ids(window[:-1], tools=tools, template_kwargs=template_kwargs)
         except Exception:  # a diagnostic never fails a turn
             return None
         j = next((i for i, (x, y) in enumerate(zip(before, after, strict=False)) if x != y),
@@ -251,6 +262,22 @@ class TemplateCodec:
         if not is_prefix(head, before) or j < len(head):
             return None
         return j - len(head)
+
+    def _head_ids(self, head: list, *, tools: Any, template_kwargs: Any) -> list[int]:
+        """Ids of `head` (fixed messages) with the generation prompt, kept per tools and
+        kwargs: a render is a function of its inputs (the comparison kwargs pin a date)."""
+        try:
+            key: bytes | None = orjson.dumps([head, tools, template_kwargs], option=orjson.OPT_SORT_KEYS)
+        except TypeError:
+            key = None
+        ids = self._window_heads.get(key) if key is not None else None
+        if ids is None:
+            ids = self._ids(head, tools=tools, gen=True, template_kwargs=template_kwargs)
+            if key is not None:
+                if len(self._window_heads) >= _HEADS_KEPT:
+                    self._window_heads.clear()
+                self._window_heads[key] = ids
+        return ids
 
     def same_tools(
         self,
