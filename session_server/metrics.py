@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PHASES = ("claim", "parse", "prepare", "render", "route", "generate", "validate", "commit", "respond", "total")
@@ -13,6 +15,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._phase_children: dict[str, Any] = {}
         self.turn_phase_seconds = Histogram(
             "tito_turn_phase_seconds", "Turn latency by pipeline phase", ["phase"],
             buckets=_LATENCY_BUCKETS_S, registry=r,
@@ -49,7 +52,12 @@ class Metrics:
         )
 
     def observe_phase(self, phase: str, seconds: float) -> None:
-        self.turn_phase_seconds.labels(phase=phase).observe(seconds)
+        # the labelled child kept per phase: `labels()` takes a lock and builds a key on
+        # every call, eight times per turn
+        child = self._phase_children.get(phase)
+        if child is None:
+            child = self._phase_children[phase] = self.turn_phase_seconds.labels(phase=phase)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -129,6 +129,9 @@ def translate_errors(method: str, url: str, *, engine: str, timeout_s: float | N
         ) from exc
 
 
+_JITTER = random.Random()
+
+
 async def retry_transient(
     op: Callable[[], Awaitable[T]],
     *,
@@ -138,8 +141,10 @@ async def retry_transient(
     rng: random.Random | None = None,
 ) -> T:
     """Run `op`, retrying only `UpstreamTransportError(transient=True)` with exponential
-    backoff and full jitter (so a restarted engine is not hit by a synchronized herd)."""
-    rng = rng or random.Random()
+    backoff and full jitter (so a restarted engine is not hit by a synchronized herd).
+    The default generator is the process's one: seeding a new one from the OS on every
+    call cost more than the rest of a small request's bookkeeping."""
+    rng = rng or _JITTER
     attempt = 0
     while True:
         try:

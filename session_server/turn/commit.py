@@ -1,6 +1,6 @@
 """Validate and commit: what the engine returned, checked, parsed and stored.
 
-`validate` (offloaded, O(output)) checks the engine's output against the request's
+`validate` (O(output); offloaded unless short) checks the engine's output against the request's
 `Expectations`, parses it as this request asked and computes repair tokens: a frozen
 `Checked`. `commit` (under the session lock, with no await inside, so a cancel never
 half-commits) applies the branch change decided at prepare and appends the turn, all
@@ -72,17 +72,33 @@ class Committed:
     branch_id: int
 
 
+INLINE_OUTPUT_TOKENS = 256
+"""Outputs up to this many tokens (without routed experts) are checked on the loop: the
+check is O(output), tens of microseconds here, less than a thread hop and its hand-back."""
+
+
 async def validate(
     ctx: ServerContext, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared,
     call: EngineCall | None = None,
 ) -> Checked:
     """The engine output validated, parsed and shaped by the request's output policy;
-    with routing replay, its routed experts decoded and gap-checked (offload)."""
-    valid, parsed, repair, extra = await ctx.offload.run(_check_output, ctx, result, expect, req, prep)
+    with routing replay, its routed experts decoded and gap-checked. One offload hop,
+    none for a short output without routed experts."""
+    routed = call is not None and call.greq.return_routed_experts
+    if not routed and len(result.output_ids) <= INLINE_OUTPUT_TOKENS:
+        return _checked(ctx, result, expect, req, prep, call)
+    return await ctx.offload.run(_checked, ctx, result, expect, req, prep, call)
+
+
+def _checked(
+    ctx: ServerContext, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared,
+    call: EngineCall | None,
+) -> Checked:
+    valid, parsed, repair, extra = _check_output(ctx, result, expect, req, prep)
     routed = None
     if call is not None and call.greq.return_routed_experts:
-        routed = await ctx.offload.run(_routed_rows, ctx, call, result)
-    parsed, message = await ctx.offload.run(_shaped, parsed, req, ctx.codec, valid)
+        routed = _routed_rows(ctx, call, result)
+    parsed, message = _shaped(parsed, req, ctx.codec, valid)
     finish = valid.finish_reason
     if finish == "stop" and parsed.tool_calls:
         finish = "tool_calls"
