@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trajectory.codec.pieces import piece_encoder
 from trajectory.codec.render import render_chat
 from trajectory.errors import TemplateNotSupported
 from trajectory.messages import flatten_content, parse_arguments
@@ -83,10 +84,14 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     A fast tokenizer's Rust core is asked directly when its state is the one
     transformers' `encode(add_special_tokens=False)` would set (no truncation, no
     padding, special tokens matched): the same ids without the wrapper's per-call
-    cost, which exceeds the encoding of a short turn."""
+    cost, which exceeds the encoding of a short turn. Where its description allows
+    (`pieces.py`), only the pieces between added tokens not seen before are tokenized."""
     core = getattr(tokenizer, "backend_tokenizer", None)
     if (core is not None and core.truncation is None and core.padding is None
             and not getattr(tokenizer, "split_special_tokens", False) and not core.encode_special_tokens):
+        pieces = piece_encoder(core)
+        if pieces is not None:
+            return pieces.encode(text)
         return core.encode(text, add_special_tokens=False).ids  # type: ignore[no-any-return]
     return list(tokenizer.encode(text, add_special_tokens=False))
 
