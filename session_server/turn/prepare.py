@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
+import orjson
 
 from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message, RefusalReason
 from trajectory.history import attach
@@ -22,6 +23,7 @@ from trajectory.tree import TrajectoryTree
 
 from ..context import ServerContext
 from ..errors import BadRequest, BranchLimit, HistoryMismatch
+from ..offload import INLINE_BYTES
 from ..sessions import Session
 from ..structured import Constraint, request_constraint
 from .chat_request import ChatRequest
@@ -185,11 +187,17 @@ async def render_prompt(ctx: ServerContext, session: Session, prep: Prepared, *,
     codec = ctx.codec
     session_note = session.note if note else _no_note
     if prep.kind in ("first", "fork"):
-        ids = await ctx.offload.run(
+        ids = await ctx.offload.run_sized(
+            _render_size(prep.new_messages, prep.tools),
             codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
         )
         return Prompt(list(ids), prep)
-    result = await ctx.offload.run(
+    template = session.config.history_policy is HistoryPolicy.TEMPLATE
+    # APPEND renders the last turn and the new messages (with the tools): small ones on
+    # the loop, as small bodies are parsed there; TEMPLATE reads the whole context
+    size = INLINE_BYTES if template else _render_size([*prep.history[-1:], *prep.new_messages], prep.tools)
+    result = await ctx.offload.run_sized(
+        size,
         codec.bridge,
         prep.history,
         prep.tail,
@@ -200,8 +208,7 @@ async def render_prompt(ctx: ServerContext, session: Session, prep: Prepared, *,
         # TEMPLATE is exact by definition: the codec compares every committed id with
         # the full re-render (O(context), in the pool); APPEND stays O(new tokens)
         # (the int32 array itself: the codec reads it in the pool, no copy on the loop)
-        committed=cast("Sequence[int]", prep.context_ids)
-        if session.config.history_policy is HistoryPolicy.TEMPLATE else None,
+        committed=cast("Sequence[int]", prep.context_ids) if template else None,
     )
     if isinstance(result, BridgeRefusal):
         if (session.config.history_policy is HistoryPolicy.TEMPLATE
@@ -258,6 +265,22 @@ def _fork_point(prep: Prepared, full: Sequence[int]) -> tuple[int, int]:
     k = bisect_right(cps, same) - 1
     limit = prep.line_output_starts[k] if k < len(prep.line_output_starts) else cps[k]
     return k, min(same, limit)
+
+
+def _render_size(messages: Sequence[Message], tools: Any) -> int:
+    """About the characters a render of `messages` with `tools` reads (the offload
+    threshold's measure): message text, tool-call arguments and the tools' schemas."""
+    size = 0
+    try:
+        for m in messages:
+            content = m.get("content")
+            size += len(content) if isinstance(content, str) else len(orjson.dumps(content))
+            for key in ("tool_calls", "reasoning_content"):
+                if m.get(key):
+                    size += len(orjson.dumps(m[key]))
+        return size + (len(orjson.dumps(tools)) if tools else 0)
+    except TypeError:  # not JSON data: measure nothing, offload
+        return INLINE_BYTES
 
 
 def _no_note(kind: str, **fields: Any) -> None:

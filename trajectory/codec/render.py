@@ -32,6 +32,7 @@ repeated through transformers, so every error is transformers' own.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -153,9 +154,22 @@ _slots: dict[str, _Slot] = {}  # template text -> slot (templates are few and lo
 _SLOT_LIMIT = 256
 
 
+_plain_specials: weakref.WeakKeyDictionary[Any, tuple[dict[str, Any], dict[str, Any]]] = weakref.WeakKeyDictionary()
+
+
 def _special_tokens(tokenizer: Any) -> dict[str, Any]:
-    """The tokenizer's special-tokens map as plain template data, as transformers passes it."""
-    return _transformers_plain(dict(tokenizer.special_tokens_map))  # type: ignore[no-any-return,misc]
+    """The tokenizer's special-tokens map as plain template data, as transformers passes
+    it; the plain copy is kept while the map stays equal (it is read on every render)."""
+    tokens = dict(tokenizer.special_tokens_map)
+    try:
+        kept = _plain_specials.get(tokenizer)
+    except TypeError:  # not weak-referenceable
+        return _transformers_plain(tokens)  # type: ignore[no-any-return]
+    if kept is not None and kept[0] == tokens:
+        return kept[1]
+    plain = _transformers_plain(tokens)
+    _plain_specials[tokenizer] = (tokens, plain)
+    return plain  # type: ignore[no-any-return]
 
 
 def _slot(tokenizer: Any, template: str) -> _Slot:
