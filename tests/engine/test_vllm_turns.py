@@ -261,10 +261,10 @@ async def test_an_engine_reporting_its_unset_version_never_overrides_the_trainer
 
 
 async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:
-    """A streaming client hangs up mid-turn: vLLM's running count drops to 0 and it has
-    sampled far fewer than the request's 3,000 tokens (its own token counter, which a
-    request of an earlier test finishing late cannot push near that), the engine's reply
-    was cut, not read to its end, and nothing is committed. Random weights can sample an
+    """A streaming client hangs up mid-turn: vLLM's running count drops to 0, it sampled
+    few tokens after the hang-up and fewer than the request's 3,000 in all (its own
+    token counter; it starts only once nothing runs or waits), the engine's reply was
+    cut, not read to its end, and nothing is committed. Random weights can sample an
     end of turn early: a request the engine ended by itself before the hang-up is not the
     case under test and is tried again."""
     async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
@@ -285,8 +285,10 @@ async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> No
                 await wait_until(lambda e=ex: _busy_or_ended(stack, e), 60, "vLLM to count the request running")
                 if ex.finished():
                     continue  # the engine ended the turn by itself before the hang-up
+                at_hang_up = await engine_generated(stack.engine.url)
             await wait_until(lambda: _idle(stack), 15, "vLLM's running count to drop")
-            sampled = await engine_generated(stack.engine.url) - generated
+            end = await engine_generated(stack.engine.url)
+            sampled, after_hang_up = end - generated, end - at_hang_up
 
             async def discarded(s: str = sid) -> bool:  # the server counts it as its cancellation unwinds
                 return bool((await http.get(f"/sessions/{s}")).json()["turns_discarded"] == 1)
@@ -297,7 +299,10 @@ async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> No
         else:
             raise AssertionError("every try ended at the engine before the client hung up")
     assert not ex.done and not ex.finished(), "the engine's stream was cut, not read to its end"
-    assert sampled < 1500, f"vLLM sampled {sampled} tokens: the request ran on after the hang-up"
+    # the running gauge lags, so how much ran before the hang-up varies with the machine's
+    # load; what the abort decides is what runs after it
+    assert after_hang_up < 1000, f"vLLM sampled {after_hang_up} tokens after the hang-up"
+    assert sampled < 3000, f"vLLM sampled {sampled} tokens: the request ran to its end"
     assert view["turns"] == 0 and view["turns_discarded"] == 1
     assert len(stack.rec.generations()[sent:]) == 1
 
