@@ -129,9 +129,6 @@ def translate_errors(method: str, url: str, *, engine: str, timeout_s: float | N
         ) from exc
 
 
-_JITTER = random.Random()
-
-
 async def retry_transient(
     op: Callable[[], Awaitable[T]],
     *,
@@ -142,9 +139,9 @@ async def retry_transient(
 ) -> T:
     """Run `op`, retrying only `UpstreamTransportError(transient=True)` with exponential
     backoff and full jitter (so a restarted engine is not hit by a synchronized herd).
-    The default generator is the process's one: seeding a new one from the OS on every
-    call cost more than the rest of a small request's bookkeeping."""
-    rng = rng or _JITTER
+    The default generator is `random`'s own (reseeded in a forked child): seeding a new
+    one from the OS on every call cost more than the rest of a small request's bookkeeping."""
+    uniform = rng.uniform if rng is not None else random.uniform
     attempt = 0
     while True:
         try:
@@ -154,7 +151,7 @@ async def retry_transient(
                 raise
             cap = min(max_delay_s, base_delay_s * (2**attempt))
             attempt += 1
-            await asyncio.sleep(rng.uniform(0.0, cap))
+            await asyncio.sleep(uniform(0.0, cap))
 
 
 def raise_nofile_limit() -> tuple[int, int]:

@@ -74,6 +74,7 @@ TEMPLATE_KWARGS_RESERVED = frozenset(
         "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
         "continue_final_message", "tokenize", "padding", "truncation", "max_length",
         "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+        "sanitize_control_tokens", "conversations",
         # template variables transformers fills from the tokenizer: overriding them would
         # render tokens other than the ones the codec verified at start-up
         "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",

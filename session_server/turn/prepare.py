@@ -188,14 +188,15 @@ async def render_prompt(ctx: ServerContext, session: Session, prep: Prepared, *,
     session_note = session.note if note else _no_note
     if prep.kind in ("first", "fork"):
         ids = await ctx.offload.run_sized(
-            _render_size(prep.new_messages, prep.tools),
+            _inline_size(_render_size(prep.new_messages, prep.tools)),
             codec.render_first, prep.new_messages, tools=prep.tools, template_kwargs=prep.template_kwargs
         )
         return Prompt(list(ids), prep)
     template = session.config.history_policy is HistoryPolicy.TEMPLATE
     # APPEND renders the last turn and the new messages (with the tools): small ones on
-    # the loop, as small bodies are parsed there; TEMPLATE reads the whole context
-    size = INLINE_BYTES if template else _render_size([*prep.history[-1:], *prep.new_messages], prep.tools)
+    # the loop (`RENDER_INLINE_CHARS`); TEMPLATE reads the whole context
+    size = INLINE_BYTES if template else _inline_size(
+        _render_size([*prep.history[-1:], *prep.new_messages], prep.tools))
     result = await ctx.offload.run_sized(
         size,
         codec.bridge,
@@ -267,19 +268,25 @@ def _fork_point(prep: Prepared, full: Sequence[int]) -> tuple[int, int]:
     return k, min(same, limit)
 
 
+RENDER_INLINE_CHARS = 4 * 1024
+"""Renders of less than this (messages and tools, as JSON) run on the loop: rendering
+costs about 0.7 µs per character here, twenty times parsing's, so its threshold is
+lower than `offload.INLINE_BYTES` (a 16 KB render held the loop ~11 ms)."""
+
+
+def _inline_size(chars: int) -> int:
+    """A render's size on `run_sized`'s scale: under it exactly when under `RENDER_INLINE_CHARS`."""
+    return 0 if chars < RENDER_INLINE_CHARS else INLINE_BYTES
+
+
 def _render_size(messages: Sequence[Message], tools: Any) -> int:
-    """About the characters a render of `messages` with `tools` reads (the offload
-    threshold's measure): message text, tool-call arguments and the tools' schemas."""
-    size = 0
+    """The characters a render of `messages` with `tools` reads, measured as their JSON
+    (every field: templates render reasoning under any of its names, and more), or
+    `INLINE_BYTES` (offloaded) for something that is not JSON data."""
     try:
-        for m in messages:
-            content = m.get("content")
-            size += len(content) if isinstance(content, str) else len(orjson.dumps(content))
-            for key in ("tool_calls", "reasoning_content"):
-                if m.get(key):
-                    size += len(orjson.dumps(m[key]))
+        size = sum(len(orjson.dumps(m)) for m in messages)
         return size + (len(orjson.dumps(tools)) if tools else 0)
-    except TypeError:  # not JSON data: measure nothing, offload
+    except TypeError:
         return INLINE_BYTES
 
 

@@ -41,6 +41,7 @@ _PER_PIECE = frozenset({"Split", "ByteLevel", "Digits", "Punctuation", "Whitespa
                         "Metaspace", "Sequence"})
 _KEPT_PIECES = 8192
 _KEPT_CHARS = 4_000_000  # all kept pieces together; cleared when either bound is passed
+_KEPT_PIECE_CHARS = 65_536  # a longer piece (a pasted file) is tokenized each time, never kept
 
 
 def _alternation(tokens: Sequence[str]) -> re.Pattern[str] | None:
@@ -81,6 +82,7 @@ class PieceEncoder:
 
     def __init__(self, core: Any, added: dict[str, int], added_normalized: dict[str, int] | None = None) -> None:
         self._core = core
+        self.vocab_size = core.get_vocab_size(True)  # tokens added later: built again
         self._ids = {**(added_normalized or {}), **added}
         self._raw = _alternation(list(added))
         self._normalized = _alternation(list(added_normalized or {}))
@@ -108,6 +110,8 @@ class PieceEncoder:
         ids = self._kept.get(piece)
         if ids is None:
             ids = self._core.encode(piece, add_special_tokens=False).ids
+            if len(piece) > _KEPT_PIECE_CHARS:
+                return ids  # type: ignore[no-any-return]
             if len(self._kept) >= _KEPT_PIECES or self._chars + len(piece) > _KEPT_CHARS:
                 self._kept = {}
                 self._chars = 0
@@ -121,9 +125,12 @@ _encoders: weakref.WeakKeyDictionary[Any, PieceEncoder | None] = weakref.WeakKey
 
 
 def piece_encoder(core: Any) -> PieceEncoder | None:
-    """The tokenizer core's piece encoder, or None where it must encode whole (built once)."""
+    """The tokenizer core's piece encoder, or None where it must encode whole (built once,
+    and again if tokens were added since)."""
     try:
-        return _encoders[core]
+        kept = _encoders[core]
+        if kept is None or kept.vocab_size == core.get_vocab_size(True):
+            return kept
     except KeyError:
         pass
     except TypeError:  # not weak-referenceable: no encoder kept for it
@@ -152,7 +159,10 @@ def _build(core: Any) -> PieceEncoder | None:
         (normalized if tok.normalized else raw)[tok.content] = tid
     if normalized and not _identity(norm_spec):
         return None
-    encoder = PieceEncoder(core, raw, normalized)
+    try:
+        encoder = PieceEncoder(core, raw, normalized)
+    except (RecursionError, re.error):  # an added token too long for the trie's pattern
+        return None
     for text in _probe_texts([tok.content for tok in added_tokens.values()]):
         if encoder.encode(text) != core.encode(text, add_special_tokens=False).ids:
             return None

@@ -81,19 +81,42 @@ def render_text(
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Ids of already-rendered template text (the template places BOS itself).
 
-    A fast tokenizer's Rust core is asked directly when its state is the one
-    transformers' `encode(add_special_tokens=False)` would set (no truncation, no
-    padding, special tokens matched): the same ids without the wrapper's per-call
-    cost, which exceeds the encoding of a short turn. Where its description allows
-    (`pieces.py`), only the pieces between added tokens not seen before are tokenized."""
+    A fast tokenizer's Rust core is asked directly when its class encodes as
+    transformers' own fast tokenizer does (not a subclass that rewrites the text first,
+    as CodeLlama's infilling split does) and its state is the one
+    `encode(add_special_tokens=False)` would set (no truncation, no padding, special
+    tokens matched): the same ids without the wrapper's per-call cost, which exceeds the
+    encoding of a short turn. Where its description allows (`pieces.py`), only the
+    pieces between added tokens not seen before are tokenized."""
     core = getattr(tokenizer, "backend_tokenizer", None)
-    if (core is not None and core.truncation is None and core.padding is None
-            and not getattr(tokenizer, "split_special_tokens", False) and not core.encode_special_tokens):
+    if (core is not None and _encodes_as_core(type(tokenizer)) and core.truncation is None
+            and core.padding is None and not getattr(tokenizer, "split_special_tokens", False)
+            and not core.encode_special_tokens):
         pieces = piece_encoder(core)
         if pieces is not None:
             return pieces.encode(text)
         return core.encode(text, add_special_tokens=False).ids  # type: ignore[no-any-return]
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+_core_classes: dict[type, bool] = {}
+
+
+def _encodes_as_core(cls: type) -> bool:
+    """Whether `cls` inherits transformers' fast-tokenizer `encode` path unchanged."""
+    known = _core_classes.get(cls)
+    if known is None:
+        base: Any
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+            base = TokenizersBackend
+        except ImportError:  # another transformers: its own path
+            base = None
+        known = base is not None and issubclass(cls, base) and all(
+            getattr(cls, name, None) is getattr(base, name, None)
+            for name in ("encode", "_encode_plus", "__call__", "tokenize"))
+        _core_classes[cls] = known
+    return known
 
 
 def decode_text(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:

@@ -53,6 +53,13 @@ except (ImportError, AttributeError):  # pragma: no cover - another transformers
     _transformers_plain = None
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' alias order
+# names `apply_chat_template` / `render_jinja_template` take as their own arguments: a
+# template kwarg so named means something else there (or raises), so it goes that way
+_OWN_ARGUMENTS = frozenset({
+    "add_generation_prompt", "chat_template", "continue_final_message", "conversation", "conversations",
+    "documents", "max_length", "padding", "return_assistant_tokens_mask", "return_dict", "return_tensors",
+    "sanitize_control_tokens", "tokenize", "tokenizer_kwargs", "tools", "truncation", "messages",
+})
 _DICT_NAMES = frozenset(dir(dict))
 _MEMO_LIMIT = 4096  # (type, name) pairs; a template names a few dozen
 
@@ -175,8 +182,11 @@ def _special_tokens(tokenizer: Any) -> dict[str, Any]:
 def _slot(tokenizer: Any, template: str) -> _Slot:
     slot = _slots.get(template)
     if slot is None:
-        compiled = _compile(template)
-        if compiled is not None and not _agrees(tokenizer, template, compiled):
+        try:
+            compiled = _compile(template)
+            if compiled is not None and not _agrees(tokenizer, template, compiled):
+                compiled = None
+        except Exception:  # a template jinja or the probes cannot take: transformers' path
             compiled = None
         slot = _Slot(template, compiled)
         with _lock:
@@ -196,8 +206,11 @@ def _fast(tokenizer: Any, compiled: Template, messages: Sequence[Mapping[str, An
 def _agrees(tokenizer: Any, template: str, compiled: Template) -> bool:
     """Both ways give the same text, or both raise, on every probe conversation."""
     for messages, tools, gen in _PROBES:
-        if tokenizer.get_chat_template(None, tools) != template:
-            continue  # a named template for the other case (tool_use / default)
+        try:
+            if tokenizer.get_chat_template(None, tools) != template:
+                continue  # a named template for the other case (tool_use / default)
+        except Exception:
+            continue  # no template for this case (a dict without `default`)
         try:
             want = _via_transformers(tokenizer, messages, tools, gen, None)
         except Exception:
@@ -221,7 +234,9 @@ def render_chat(
 ) -> Any:
     """What `tokenizer.apply_chat_template(messages, tokenize=False, ...)` returns."""
     get_template = getattr(tokenizer, "get_chat_template", None)
-    if not messages or get_template is None or _transformers_compile is None:
+    if (not messages or get_template is None or _transformers_compile is None
+            or (template_kwargs and not _OWN_ARGUMENTS.isdisjoint(template_kwargs))
+            or (tools and not all(type(t) is dict for t in tools))):  # callables become schemas there
         return _via_transformers(tokenizer, messages, tools, add_generation_prompt, template_kwargs)
     try:
         template = get_template(None, tools)

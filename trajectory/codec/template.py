@@ -67,6 +67,7 @@ class TemplateCodec:
         self.tokenizer = tokenizer
         self.probe = probe if probe is not None else probe_template(tokenizer)
         self._window_heads: dict[bytes, list[int]] = {}  # `_head_ids`
+        self._dated = "strftime_now" in str(getattr(tokenizer, "chat_template", "") or "")
         self.vocab_size = len(tokenizer)
         self.eot_ids = self.probe.eot_ids + self._ids_of(self.extra_eot_tokens())
         self.generation_prompt_ids = self.probe.generation_prompt_ids
@@ -265,11 +266,14 @@ class TemplateCodec:
 
     def _head_ids(self, head: list, *, tools: Any, template_kwargs: Any) -> list[int]:
         """Ids of `head` (fixed messages) with the generation prompt, kept per tools and
-        kwargs: a render is a function of its inputs (the comparison kwargs pin a date)."""
-        try:
-            key: bytes | None = orjson.dumps([head, tools, template_kwargs], option=orjson.OPT_SORT_KEYS)
-        except TypeError:
-            key = None
+        kwargs: a render is a function of its inputs, unless the template reads the clock
+        (then never kept)."""
+        key: bytes | None = None
+        if not self._dated:  # a template that reads the clock renders differently tomorrow
+            try:  # key order kept: `tojson` renders the tools in their own order
+                key = orjson.dumps([head, tools, template_kwargs])
+            except TypeError:
+                key = None
         ids = self._window_heads.get(key) if key is not None else None
         if ids is None:
             ids = self._ids(head, tools=tools, gen=True, template_kwargs=template_kwargs)

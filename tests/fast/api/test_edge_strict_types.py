@@ -36,6 +36,9 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("messages", "enable_thinking", {"chat_template_kwargs": {"enable_thinking": "no"}}),
     ("chat", "thinking", {"chat_template_kwargs": {"thinking": 0}}),
     ("chat", "reasoning_effort", {"chat_template_kwargs": {"reasoning_effort": 3}}),
+    # apply_chat_template's own arguments are the server's, not template variables
+    ("chat", "sanitize_control_tokens", {"chat_template_kwargs": {"sanitize_control_tokens": True}}),
+    ("chat", "conversations", {"chat_template_kwargs": {"conversations": []}}),
     ("chat", "stream", {"stream": "yes"}),
     ("responses", "stream", {"stream": "yes"}),
     ("messages", "stream", {"stream": "yes"}),

@@ -144,3 +144,44 @@ def test_the_split_matches_leftmost_then_longest(tokens: list[str], text: str) -
     pattern = _alternation(tokens)
     assert pattern is not None
     assert pattern.split(text) == _leftmost_longest(tokens, text)
+
+
+def test_a_long_added_token_is_encoded_whole_or_by_pieces_alike() -> None:
+    """An added token of thousands of characters (deeper than the trie's recursion) is
+    refused for pieces, not an error on every encode."""
+    core = _core(pre_tokenizers.Whitespace())
+    core.add_special_tokens([AddedToken("<" + "x" * 3000 + ">", normalized=False, special=True)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    text = "a<" + "x" * 3000 + ">b"
+    assert encode(tok, text) == list(tok.encode(text, add_special_tokens=False))
+
+
+def test_a_piece_longer_than_the_keep_limit_is_not_kept(tokenizers: dict[str, Any]) -> None:
+    import trajectory.codec.pieces as P
+
+    tok = tokenizers["sim:qwen3"]
+    fresh = P._build(tok.backend_tokenizer)
+    assert fresh is not None
+    text = "word " * (P._KEPT_PIECE_CHARS // 5 + 10)
+    assert fresh.encode(text) == tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert text not in fresh._kept
+
+
+def test_tokens_added_later_are_split_out() -> None:
+    core = _core(pre_tokenizers.Whitespace())
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    assert encode(tok, "a <|new|> b") == list(tok.encode("a <|new|> b", add_special_tokens=False))
+    tok.add_special_tokens({"additional_special_tokens": ["<|new|>"]})
+    assert encode(tok, "a <|new|> b") == list(tok.encode("a <|new|> b", add_special_tokens=False))
+    assert tok.convert_tokens_to_ids("<|new|>") in encode(tok, "a <|new|> b")
+
+
+def test_a_subclass_that_rewrites_text_before_encoding_keeps_its_own_path() -> None:
+    """CodeLlama's tokenizer splits on `<FILL_ME>` in `_encode_plus`: the core alone would not."""
+
+    class Infilling(PreTrainedTokenizerFast):
+        def _encode_plus(self, text: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            return super()._encode_plus(text.replace("b", "a") if isinstance(text, str) else text, *args, **kwargs)
+
+    tok = Infilling(tokenizer_object=_core(pre_tokenizers.Whitespace()))
+    assert encode(tok, "b b") == list(tok.encode("b b", add_special_tokens=False)) == [2, 2]

@@ -184,3 +184,49 @@ def test_encode_leaves_the_core_when_its_state_differs(tokenizer: Any) -> None:
         tokenizer.split_special_tokens = False
         tokenizer.backend_tokenizer.encode_special_tokens = False
     assert encode(tokenizer, text) == whole
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"sanitize_control_tokens": True}, {"conversations": [[{"role": "user", "content": "x"}]]},
+    {"continue_final_message": True}, {"chat_template": "X{{ messages[0].content }}"}, {"documents": []},
+])
+def test_kwargs_named_like_transformers_arguments_get_transformers_answer(tokenizer: Any,
+                                                                          kwargs: dict[str, Any]) -> None:
+    """Such a name is an argument of apply_chat_template, not a template variable: what
+    transformers does with it (render, raise) is what the codec gets."""
+    tokenizer.chat_template = (OURS / "qwen3.jinja").read_text(encoding="utf-8")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    want = _outcome(lambda: _transformers(tokenizer, msgs, None, False, kwargs))
+    got = _outcome(lambda: R.render_chat(tokenizer, msgs, tools=None, add_generation_prompt=False,
+                                         template_kwargs=kwargs))
+    assert got == want
+
+
+def test_a_tool_given_as_a_function_gets_transformers_schema(tokenizer: Any) -> None:
+    def get_weather(city: str) -> str:
+        """Weather for a city.
+
+        Args:
+            city: the city
+        """
+        return city
+
+    tokenizer.chat_template = (OURS / "qwen3.jinja").read_text(encoding="utf-8")
+    msgs = [{"role": "user", "content": "weather?"}]
+    want = _outcome(lambda: _transformers(tokenizer, msgs, [get_weather], True, {}))
+    assert want[0] == "text" and "get_weather" in want[1]
+    got = _outcome(lambda: R.render_chat(tokenizer, msgs, tools=[get_weather],  # type: ignore[list-item]
+                                         add_generation_prompt=True))
+    assert got == want
+
+
+def test_named_templates_without_a_default_render_as_transformers(tokenizer: Any) -> None:
+    tokenizer.chat_template = {"tool_use": "T{{ tools|length }}", "rag": "R"}
+    msgs = [{"role": "user", "content": "x"}]
+    try:
+        for tools in (None, _TOOLS):
+            want = _outcome(lambda t=tools: _transformers(tokenizer, msgs, t, True, {}))
+            got = _outcome(lambda t=tools: R.render_chat(tokenizer, msgs, tools=t, add_generation_prompt=True))
+            assert got == want, tools
+    finally:
+        tokenizer.chat_template = "{{ messages[0].content }}"
