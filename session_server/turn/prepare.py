@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
-import orjson
 
 from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message, RefusalReason
 from trajectory.history import attach
@@ -280,14 +279,29 @@ def _inline_size(chars: int) -> int:
 
 
 def _render_size(messages: Sequence[Message], tools: Any) -> int:
-    """The characters a render of `messages` with `tools` reads, measured as their JSON
-    (every field: templates render reasoning under any of its names, and more), or
-    `INLINE_BYTES` (offloaded) for something that is not JSON data."""
-    try:
-        size = sum(len(orjson.dumps(m)) for m in messages)
-        return size + (len(orjson.dumps(tools)) if tools else 0)
-    except TypeError:
-        return INLINE_BYTES
+    """About the characters a render of `messages` with `tools` reads: every field's text
+    (templates render reasoning under any of its names, and more), counted only up to
+    `RENDER_INLINE_CHARS` so that measuring a large request costs no more than a small one."""
+    return _bounded_size([messages, tools], RENDER_INLINE_CHARS)
+
+
+def _bounded_size(value: Any, budget: int) -> int:
+    """Characters of `value`'s strings (8 per other leaf, keys included), stopping once
+    `budget` is reached."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        items: Any = (x for kv in value.items() for x in kv)
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        return 8
+    size = 0
+    for item in items:
+        size += _bounded_size(item, budget - size)
+        if size >= budget:
+            break
+    return size
 
 
 def _no_note(kind: str, **fields: Any) -> None:

@@ -27,5 +27,25 @@ def test_tools_count() -> None:
     assert _inline_size(_render_size(SMALL, tools)) >= INLINE_BYTES
 
 
-def test_what_is_not_json_is_offloaded() -> None:
-    assert _inline_size(_render_size([{"role": "user", "content": object()}], None)) >= INLINE_BYTES
+def test_content_parts_and_call_arguments_count() -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "t" * 100}] * 50}]
+    calls = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": "v" * RENDER_INLINE_CHARS}}}]}]
+    assert _inline_size(_render_size(parts, None)) >= INLINE_BYTES
+    assert _inline_size(_render_size(calls, None)) >= INLINE_BYTES
+
+
+def test_measuring_stops_at_the_threshold() -> None:
+    """A huge request is not walked to its end on the loop just to learn it is large."""
+    seen = 0
+
+    class Counting(list):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            nonlocal seen
+            for item in super().__iter__():
+                seen += 1
+                yield item
+
+    huge = Counting(["x" * 100] * 100_000)
+    assert _render_size([{"role": "user", "content": huge}], None) >= RENDER_INLINE_CHARS
+    assert seen <= RENDER_INLINE_CHARS // 100 + 1
