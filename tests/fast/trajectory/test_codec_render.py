@@ -77,7 +77,7 @@ def _transformers(tok: Any, msgs: list[dict[str, Any]], tools: Any, gen: bool, k
 def test_every_template_renders_the_same_text_both_ways(tokenizer: Any) -> None:
     """Each template, each conversation: the compiled fast form gives transformers' text
     or raises where transformers raises; and the public entry gives transformers' answer."""
-    assert len(TEMPLATES) >= 29, TEMPLATES
+    assert len(TEMPLATES) >= 28, TEMPLATES  # 23 test-set templates and our 5 (plus the shared 70 where present)
     fast_used = 0
     for path in TEMPLATES:
         tokenizer.chat_template = path.read_text(encoding="utf-8")
