@@ -16,8 +16,9 @@ from fastapi import APIRouter, FastAPI
 
 from .api.dialects import OPENAI_RESPONSES
 from .api.dialects import anthropic_messages as anthropic
+from .api.direct import DirectTurns
 from .api.edge import install_openapi
-from .api.error_map import install_error_map
+from .api.error_map import count_error, install_error_map
 from .api.models import (
     EngineAdd,
     PauseRequest,
@@ -71,6 +72,8 @@ def create_app(config: AppConfig) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_map(app)  # first: every middleware added later wraps its containment
+    # the turn routes skip FastAPI's routing; inside auth, outside the error map's containment
+    app.add_middleware(DirectTurns, on_error=lambda: count_error(app.state, "internal_error"))
     install_openapi(
         app,
         [SessionCreate, ChatRequest, anthropic.MessagesRequest, anthropic.CountTokensRequest, OPENAI_RESPONSES.request_model,

@@ -98,9 +98,26 @@ def _same(na: Mapping[str, Any], nb: Mapping[str, Any]) -> bool:
     return na == nb and _canonical(na) == _canonical(nb)
 
 
+def _identical(a: Any, b: Any) -> bool:
+    """Equal with the same JSON type at every level (key order aside): then they
+    normalise to the same form, so the tolerant comparison is not needed. False is only
+    "not shown here" (a float, whose `==` calls 0.0 and -0.0 equal, is left to it)."""
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind is str or kind is int or kind is bool or a is None:
+        return bool(a == b)
+    if kind is dict:
+        return len(a) == len(b) and all(k in b and _identical(v, b[k]) for k, v in a.items())
+    if kind is list:
+        return len(a) == len(b) and all(map(_identical, a, b))
+    return False
+
+
 def messages_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """True when `a` and `b` are the same message up to tolerated client differences."""
-    return _same(*_comparable(a, b))
+    """True when `a` and `b` are the same message up to tolerated client differences.
+    Most messages of a request are the very ones committed: checked first, cheaply."""
+    return _identical(a, b) or _same(*_comparable(a, b))
 
 
 def match_returned(returned: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -111,6 +128,8 @@ def match_returned(returned: Mapping[str, Any], requested: Mapping[str, Any]) ->
     its content and its calls (names and arguments, in order); the ids are ours
     and were never sampled. Returns None when the messages differ, else the
     renames ``{client id: our id}`` (empty when the ids were kept)."""
+    if _identical(returned, requested):
+        return {}
     na, nb = _comparable(returned, requested)
     calls_a, calls_b = na.get("tool_calls"), nb.get("tool_calls")
     if not calls_a or not calls_b or len(calls_a) != len(calls_b):

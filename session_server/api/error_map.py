@@ -28,7 +28,7 @@ from ..errors import BadRequest, ClientGone, ServiceError, from_http_status, fro
 from .dialects import anthropic_messages as anthropic
 from .edge import ContainErrors, internal_error_body
 
-__all__ = ["error_body", "install_error_map"]
+__all__ = ["error_body", "count_error", "install_error_map", "mapped_error"]
 
 _JSON = "application/json"
 
@@ -38,7 +38,7 @@ def error_body(path: str, exc: ServiceError) -> dict[str, Any]:
     return anthropic.error_body(exc) if anthropic.owns_path(path) else exc.to_body()
 
 
-def _count(state: State, kind: str) -> None:
+def count_error(state: State, kind: str) -> None:
     """One more `tito_errors_total{type=kind}`, once the lifespan has built the metrics."""
     ctx = getattr(state, "ctx", None)
     if ctx is not None:
@@ -46,7 +46,7 @@ def _count(state: State, kind: str) -> None:
 
 
 async def service_error(request: Request, exc: ServiceError) -> Response:
-    _count(request.app.state, exc.type)
+    count_error(request.app.state, exc.type)
     if isinstance(exc, ClientGone):  # nobody is left to read a response
         log.info("%s %s: %s", request.method, request.url.path, exc.message)
     elif exc.status >= 500:
@@ -79,8 +79,23 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     # Reached only by errors outside ContainErrors (another middleware): Starlette
     # re-raises after this response and uvicorn closes the socket, so say so.
     log.exception("unexpected error on %s %s", request.method, request.url.path)
-    _count(request.app.state, "internal_error")
+    count_error(request.app.state, "internal_error")
     return Response(internal_error_body(exc), 500, {"connection": "close"}, media_type=_JSON)
+
+
+_MAPPED: tuple[tuple[type[Exception], Any], ...] = (
+    (ServiceError, service_error), (CodecError, _codec_error),
+    (RequestValidationError, _framework_validation), (StarletteHTTPException, _framework_http))
+
+
+async def mapped_error(request: Request, exc: Exception) -> Response | None:
+    """The map's response to `exc`, None for an exception it does not map (for a route
+    served outside FastAPI's routing, `api/direct.py`; the same handlers as the app's)."""
+    for kind, handler in _MAPPED:
+        if isinstance(exc, kind):
+            response: Response = await handler(request, exc)
+            return response
+    return None
 
 
 def install_error_map(app: FastAPI) -> None:
@@ -88,8 +103,7 @@ def install_error_map(app: FastAPI) -> None:
     a 500 that keeps the connection). Call it before any other middleware is added:
     each one added later wraps it (auth answers its 401 outside it), and ContainErrors
     stays the innermost, right around the routes."""
-    app.add_middleware(ContainErrors, on_error=lambda: _count(app.state, "internal_error"))
-    for kind, handler in ((ServiceError, service_error), (CodecError, _codec_error),
-                          (RequestValidationError, _framework_validation),
-                          (StarletteHTTPException, _framework_http), (Exception, _unexpected)):
+    app.add_middleware(ContainErrors, on_error=lambda: count_error(app.state, "internal_error"))
+    app.exception_handler(Exception)(_unexpected)
+    for kind, handler in _MAPPED:
         app.exception_handler(kind)(handler)

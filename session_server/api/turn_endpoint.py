@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -42,6 +43,7 @@ from .edge import read_body
 __all__ = ["TurnEndpoint"]
 
 SSE = "text/event-stream"
+_UNKNOWN: Any = object()
 
 Parse = Callable[[bytes], ChatRequest]
 """A dialect's parse: request body -> the pipeline's `ChatRequest`."""
@@ -70,6 +72,7 @@ class TurnEndpoint:
         self.replays = ReplayLog(ctx.metrics, per_session=settings.replay_per_session,
                                  max_bytes=settings.replay_store_bytes, grace_s=settings.replay_grace_s)
         ctx.store.on_remove.append(lambda s: self.replays.forget(s.id))  # a session's records go with it
+        self._bound: dict[str, SessionBound | None] = {}
 
     async def handle(self, session_id: str, request: Request, dialect: Dialect) -> Response:
         """One turn of `dialect` on the session: read the body, answer a replayed request
@@ -123,7 +126,9 @@ class TurnEndpoint:
         """The turn through the pipeline, then its response bytes; a response that fails
         after the commit is `CommittedUnanswered` (never retried into a second turn)."""
         ctx, sid = self.ctx, session.id
-        bound = dialect if isinstance(dialect, SessionBound) else None
+        bound = self._bound.get(dialect.name, _UNKNOWN)
+        if bound is _UNKNOWN:  # a Protocol isinstance walks its members: once per dialect
+            bound = self._bound[dialect.name] = dialect if isinstance(dialect, SessionBound) else None
         parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
         req, out = await self.runner.run(sid, body, parse=parse, client_gone=watch, live=live)
         # committed: from here on nothing may turn into a retry that samples the turn again

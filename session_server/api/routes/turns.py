@@ -4,6 +4,8 @@ Responses, each under its session. Thin on purpose: every turn goes through
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -13,7 +15,7 @@ from ..edge import route_doc
 from ..turn_endpoint import TurnEndpoint
 from .common import ctx_of
 
-__all__ = ["router"]
+__all__ = ["DIRECT", "router"]
 
 router = APIRouter()
 
@@ -53,3 +55,13 @@ async def get_response(sid: str, response_id: str, request: Request) -> Response
     s = store.get(sid)
     store.touch(s)
     return Response(content=OPENAI_RESPONSES.stored_body(s, response_id), media_type=_MEDIA[0])
+
+
+DIRECT: dict[str, Callable[[str, Request], Awaitable[Response]]] = {
+    "chat/completions": chat,
+    "messages": messages,
+    "messages/count_tokens": count_tokens,
+    "responses": responses,
+}
+"""The POST routes above by their path after `/sessions/{sid}/v1/`: `api/direct.py` serves
+them without FastAPI's routing (the hot path), calling these same functions."""

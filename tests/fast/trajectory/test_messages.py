@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from trajectory.messages import flatten_content, messages_equal, normalize_message
@@ -111,3 +111,34 @@ def test_inlined_reasoning_recognised_only_when_the_rest_is_ours() -> None:
     assert not inlined_reasoning(ours, {**sent, "tool_calls": []})
     assert not inlined_reasoning(ours, {**sent, "content": "Done."})  # nothing inlined
     assert not inlined_reasoning({**ours, "role": "user"}, sent)
+
+
+_messages = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"])},
+    optional={"content": _json_values | st.just(-0.0) | st.just(0.0), "name": st.text(max_size=2),
+              "reasoning_content": st.none() | st.text(max_size=2), "tool_call_id": st.none() | st.text(max_size=1),
+              "tool_calls": st.lists(st.fixed_dictionaries(
+                  {"id": st.none() | st.text(max_size=1),
+                   "function": st.fixed_dictionaries({"name": st.text(max_size=1), "arguments": _json_values})}),
+                  max_size=2)},
+)
+
+
+@given(_messages, _messages, st.booleans())
+@example({"role": "user", "content": 0.0}, {"role": "user", "content": -0.0}, False)
+@example({"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": {"x": [0.0]}}}]},
+         {"role": "assistant", "tool_calls": [{"id": "b", "function": {"name": "f", "arguments": {"x": [-0.0]}}}]}, False)
+def test_the_quick_identity_check_never_changes_a_comparison(a: dict, b: dict, copy: bool) -> None:
+    """`messages_equal` / `match_returned` answer as the tolerant comparison alone does,
+    for equal messages (a deep copy, the usual case) and for any two."""
+    import copy as _copy
+    from unittest import mock
+
+    from trajectory import messages as m
+
+    if copy:
+        b = _copy.deepcopy(a)
+    fast = (m.messages_equal(a, b), m.match_returned(_copy.deepcopy(a), _copy.deepcopy(b)))
+    with mock.patch.object(m, "_identical", lambda x, y: False):
+        slow = (m.messages_equal(a, b), m.match_returned(_copy.deepcopy(a), _copy.deepcopy(b)))
+    assert fast == slow
