@@ -114,10 +114,23 @@ def _identical(a: Any, b: Any) -> bool:
     return False
 
 
+# the only fields `normalize_message` reads; an absent one reads as None there
+_COMPARED = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
+def _identical_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """`_identical` on every field the comparison reads (others, such as a client's
+    `refusal: null`, it ignores): then both normalise to the same form."""
+    for key in _COMPARED:
+        if not _identical(a.get(key), b.get(key)):
+            return False
+    return True
+
+
 def messages_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """True when `a` and `b` are the same message up to tolerated client differences.
     Most messages of a request are the very ones committed: checked first, cheaply."""
-    return _identical(a, b) or _same(*_comparable(a, b))
+    return _identical_fields(a, b) or _same(*_comparable(a, b))
 
 
 def match_returned(returned: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -128,7 +141,7 @@ def match_returned(returned: Mapping[str, Any], requested: Mapping[str, Any]) ->
     its content and its calls (names and arguments, in order); the ids are ours
     and were never sampled. Returns None when the messages differ, else the
     renames ``{client id: our id}`` (empty when the ids were kept)."""
-    if _identical(returned, requested):
+    if _identical_fields(returned, requested):
         return {}
     na, nb = _comparable(returned, requested)
     calls_a, calls_b = na.get("tool_calls"), nb.get("tool_calls")

@@ -61,6 +61,8 @@ _OWN_ARGUMENTS = frozenset({
     "sanitize_control_tokens", "tokenize", "tokenizer_kwargs", "tools", "truncation", "messages",
 })
 _DICT_NAMES = frozenset(dir(dict))
+_STR_FORMAT = frozenset({"format", "format_map"})
+_BUILTIN_METHOD = type("".startswith)
 _MEMO_LIMIT = 4096  # (type, name) pairs; a template names a few dozen
 
 
@@ -81,12 +83,31 @@ class _OnceCheckedSandbox(ImmutableSandboxedEnvironment):
         return verdict
 
     def getattr(self, obj: Any, attribute: str) -> Any:
-        if type(obj) is dict and attribute not in _DICT_NAMES:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_NAMES:
             try:
                 return obj[attribute]
             except KeyError:
                 return self.undefined(obj=obj, name=attribute)
+        # a string's method (`content.startswith`, `.split`): what the sandbox returns
+        # once it has found it safe, less its per-access checks (str.format is wrapped)
+        if kind is str and attribute not in _STR_FORMAT and self._verdicts.get((str, attribute)):
+            return getattr(obj, attribute)
         return super().getattr(obj, attribute)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        # a string's bound method is safe to call and takes no context: the sandbox's and
+        # the context's checks say so on every call; jinja's loop/block arguments dropped
+        # as `Context.call` drops them
+        if type(__obj) is _BUILTIN_METHOD and type(__obj.__self__) is str and __obj.__name__ not in _STR_FORMAT:
+            kwargs.pop("_block_vars", None)
+            kwargs.pop("_loop_vars", None)
+            try:
+                return __obj(*args, **kwargs)
+            except StopIteration:
+                return __context.environment.undefined(
+                    "value was undefined because a callable raised a StopIteration exception")
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 def _compile(template: str) -> Template | None:

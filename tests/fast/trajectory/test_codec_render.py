@@ -124,6 +124,12 @@ def test_qwen3_renders_any_conversation_the_same(tokenizer: Any, msgs: list[dict
     "{{ messages.append(1) }}",
     "{% for m in messages %}{{ m.update({'role': 'x'}) }}{% endfor %}",
     "{{ raise_exception.__globals__ }}",
+    "{{ '{0.__class__.__mro__}'.format(messages) }}",
+    "{{ '{x.__class__}'.format_map({'x': messages}) }}",
+    "{% set f = 'a'.format %}{{ f.__self__.__class__ }}",
+    # string methods, which the environment then calls without its per-call checks
+    "{% for m in messages %}{{ m.content.startswith('x') }}{{ m.content.split('x', 1) }}"
+    "{{ m.content.__class__ }}{% endfor %}",
 ])
 def test_the_sandbox_still_refuses_what_transformers_refuses(tokenizer: Any, template: str) -> None:
     """Memoised verdicts are the sandbox's verdicts: unsafe attributes and mutation fail
