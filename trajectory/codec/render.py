@@ -62,7 +62,7 @@ _OWN_ARGUMENTS = frozenset({
 })
 _DICT_NAMES = frozenset(dir(dict))
 _STR_FORMAT = frozenset({"format", "format_map"})
-_BUILTIN_METHOD = type("".startswith)
+_BUILTIN_METHOD: Any = type("".startswith)  # builtin_function_or_method
 _MEMO_LIMIT = 4096  # (type, name) pairs; a template names a few dozen
 
 
