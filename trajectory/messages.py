@@ -114,17 +114,24 @@ def _identical(a: Any, b: Any) -> bool:
     return False
 
 
-# the only fields `normalize_message` reads; an absent one reads as None there
-_COMPARED = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+def _no_text(content: Any) -> bool:
+    return content is None or (type(content) is str and not content)
 
 
 def _identical_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """`_identical` on every field the comparison reads (others, such as a client's
-    `refusal: null`, it ignores): then both normalise to the same form."""
-    for key in _COMPARED:
-        if not _identical(a.get(key), b.get(key)):
-            return False
-    return True
+    """The fields `normalize_message` reads, `_identical` as it reads them: content None
+    or "", tool calls absent or empty, an id or name None or absent, reasoning compared
+    only when both carry it (clients drop it). Other keys (a client's `refusal: null`)
+    it ignores. True: both normalise to the same form, so they compare equal."""
+    ca, cb = a.get("content"), b.get("content")
+    ta, tb = a.get("tool_calls"), b.get("tool_calls")
+    ra, rb = a.get("reasoning_content"), b.get("reasoning_content")
+    return (_identical(a.get("role"), b.get("role"))
+            and (_identical(ca, cb) or (_no_text(ca) and _no_text(cb)))
+            and ((not ta and not tb) or _identical(ta, tb))
+            and _identical(a.get("tool_call_id"), b.get("tool_call_id"))
+            and _identical(a.get("name"), b.get("name"))
+            and (not (isinstance(ra, str) and ra and isinstance(rb, str) and rb) or ra == rb))
 
 
 def messages_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
 
 import numpy as np
@@ -112,6 +112,14 @@ class GenerateResult:
     # base64 one into `Decoded` ids in its worker process (session_server/routed.py)
     routed_experts: bytes | Decoded | None = None
     abort_message: str | None = None
+
+
+def parsed_without_routed(parse: Any, body: bytes, /, **kwargs: Any) -> GenerateResult:
+    """`parse(body, **kwargs)` less a routed-experts payload the request did not ask for
+    (a vLLM started with routed experts on sends them for every request): dropped where
+    the reply is parsed, a worker process for a large one, so it never crosses back."""
+    result: GenerateResult = parse(body, **kwargs)
+    return replace(result, routed_experts=None) if result.routed_experts is not None else result
 
 
 @dataclass(frozen=True)

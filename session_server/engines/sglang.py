@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 from typing import Any
 
 from session_server.engines.admission_check import EngineRefused
@@ -18,6 +19,7 @@ from session_server.engines.base import (
     GenerateResult,
     StreamItem,
     optional_sampling_fields,
+    parsed_without_routed,
 )
 from session_server.engines.http import (
     ConnectionLimits,
@@ -119,9 +121,9 @@ class SGLangAdapter:
         if reply.status != 200:
             raise http_error(reply, what=f"sglang {request.request_id}", engine=self.base_url)
         # a reply can carry a ~1.4 MB routed-experts payload: decode it off the event loop
-        return await self._offload(
-            parse_sglang_generate, reply.body, request_id=request.request_id, engine=self.base_url
-        )
+        parse = parse_sglang_generate if request.return_routed_experts else partial(
+            parsed_without_routed, parse_sglang_generate)
+        return await self._offload(parse, reply.body, request_id=request.request_id, engine=self.base_url)
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         """POST /generate with `stream: true`: a `TokenDelta` per frame as the engine sends

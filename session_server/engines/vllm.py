@@ -11,6 +11,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -21,6 +22,7 @@ from session_server.engines.base import (
     GenerateResult,
     StreamItem,
     optional_sampling_fields,
+    parsed_without_routed,
 )
 from session_server.engines.http import (
     ConnectionLimits,
@@ -231,7 +233,9 @@ class VLLMAdapter:
                                          slot_held=request.slot_held)
         if reply.status != 200:
             raise http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
-        parse = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
+        parse: Any = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
+        if not request.return_routed_experts:
+            parse = partial(parsed_without_routed, parse)
         # a reply can carry a large routed-experts payload: decode it off the event loop
         return await self._offload(parse, reply.body, request_id=request.request_id, engine=self.base_url)
 

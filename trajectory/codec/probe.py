@@ -99,12 +99,21 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-_core_classes: dict[type, bool] = {}
+_core_classes: dict[tuple[type, tuple[str, ...]], bool] = {}
+
+
+_ENCODE_PATH = ("encode", "_encode_plus", "__call__", "tokenize")
+_DECODE_PATH = ("decode", "_decode")
 
 
 def _encodes_as_core(cls: type) -> bool:
     """Whether `cls` inherits transformers' fast-tokenizer `encode` path unchanged."""
-    known = _core_classes.get(cls)
+    return _inherits_unchanged(cls, _ENCODE_PATH)
+
+
+def _inherits_unchanged(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether `cls` is transformers' fast tokenizer with `names` as it defines them."""
+    known = _core_classes.get((cls, names))
     if known is None:
         base: Any
         try:
@@ -113,9 +122,8 @@ def _encodes_as_core(cls: type) -> bool:
         except ImportError:  # another transformers: its own path
             base = None
         known = base is not None and issubclass(cls, base) and all(
-            getattr(cls, name, None) is getattr(base, name, None)
-            for name in ("encode", "_encode_plus", "__call__", "tokenize"))
-        _core_classes[cls] = known
+            getattr(cls, name, None) is getattr(base, name, None) for name in names)
+        _core_classes[(cls, names)] = known
     return known
 
 
@@ -126,13 +134,13 @@ def decode_text(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool
     on (the real Llama 3.2 one, honoured by transformers 4.x) would otherwise drop
     the space before punctuation, so `Bonjour !` or tool code `print(a , b)` reach
     the agent as `Bonjour!` / `print(a, b)` while the committed ids say otherwise."""
-    return str(
-        tokenizer.decode(
-            [int(t) for t in ids],
-            skip_special_tokens=skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
-    )
+    plain = [int(t) for t in ids]
+    core = getattr(tokenizer, "backend_tokenizer", None)
+    if core is not None and _inherits_unchanged(type(tokenizer), _DECODE_PATH):
+        # what transformers' fast `decode` does with the clean-up off, less its per-call
+        # conversion of the ids (which cost more than decoding a short turn)
+        return str(core.decode(plain, skip_special_tokens=skip_special_tokens))
+    return str(tokenizer.decode(plain, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False))
 
 
 def is_prefix(a: Sequence[int], b: Sequence[int]) -> bool:

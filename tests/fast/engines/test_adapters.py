@@ -277,3 +277,31 @@ def test_payload_fields() -> None:
 def test_raise_nofile_limit() -> None:
     soft, hard = raise_nofile_limit()
     assert soft >= 1024 or soft == hard
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+@pytest.mark.parametrize("processes", [0, 1])
+async def test_routed_experts_nobody_asked_for_are_dropped_where_the_reply_is_parsed(
+        protocol: str, processes: int) -> None:
+    """An engine that sends routed experts with every reply (vLLM started with them on;
+    the simulator's padding): a request that did not ask gets none, parsed in the worker
+    process (a large reply) or on the threads, and one that asked gets them as sent."""
+    from session_server.engines.reply_decoder import ReplyDecoder
+    from session_server.offload import CpuOffload
+
+    threads = CpuOffload(workers=1)
+    decoder = ReplyDecoder(threads, processes=processes)
+    await decoder.start()
+    try:
+        async with running_sim(protocol, "toy", padding="floats") as url:
+            a = _adapter(protocol, url, offload=decoder.run)
+            try:
+                plain = await a.generate(GenerateRequest(_rid(1), PROMPT, 4))
+                asked = await a.generate(GenerateRequest(_rid(2), PROMPT, 4, return_routed_experts=True))
+            finally:
+                await a.aclose()
+    finally:
+        decoder.shutdown()
+        threads.shutdown()
+    assert plain.routed_experts is None and len(plain.output_ids) == 4
+    assert isinstance(asked.routed_experts, bytes) and asked.routed_experts.startswith(b"[[0.0,")

@@ -305,7 +305,7 @@ async def test_routed_experts_padding_stays_raw(padding: str) -> None:
     async with running_sim("sglang", "toy", padding=padding) as url:
         a = SGLangAdapter(url)
         try:
-            r = await a.generate(GenerateRequest(_rid(1), PROMPT, 4))
+            r = await a.generate(GenerateRequest(_rid(1), PROMPT, 4, return_routed_experts=True))
             assert r.routed_experts is not None and len(r.routed_experts) > 900_000
             if padding == "floats":
                 assert len(r.routed_experts) > 1_300_000 and r.routed_experts.startswith(b"[[0.0,")

