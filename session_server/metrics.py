@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator
 from itertools import accumulate
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily, Metric
@@ -26,23 +28,25 @@ class PhaseSeconds(Collector):
 
     def __init__(self, buckets: tuple[float, ...]) -> None:
         self._bounds = list(buckets)
-        self._counts: dict[str, list[int]] = {}  # per phase: one count per bucket, then +Inf
-        self._sums: dict[str, float] = {}
+        self._les = [floatToGoString(b) for b in buckets] + ["+Inf"]
+        # per phase: [sum, created, one count per bucket, then +Inf], one list so that a
+        # scrape never sees a phase half made
+        self._phases: dict[str, list[Any]] = {}
 
     def observe(self, phase: str, seconds: float) -> None:
-        counts = self._counts.get(phase)
-        if counts is None:
-            counts = self._counts[phase] = [0] * (len(self._bounds) + 1)
-            self._sums[phase] = 0.0
-        counts[bisect_left(self._bounds, seconds)] += 1  # the first bucket with seconds <= le
-        self._sums[phase] += seconds
+        row = self._phases.get(phase)
+        if row is None:
+            row = self._phases[phase] = [0.0, time.time()] + [0] * (len(self._bounds) + 1)
+        row[0] += seconds
+        if seconds == seconds:  # as prometheus_client: a NaN adds to the sum, to no bucket
+            row[2 + bisect_left(self._bounds, seconds)] += 1  # the first bucket with seconds <= le
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, "Turn latency by pipeline phase", labels=["phase"])
-        for phase, counts in list(self._counts.items()):
-            cumulative = list(accumulate(counts))
-            les = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
-            family.add_metric([phase], list(zip(les, cumulative, strict=True)), self._sums[phase])
+        for phase, row in list(self._phases.items()):
+            cumulative = list(accumulate(row[2:]))
+            family.add_metric([phase], list(zip(self._les, cumulative, strict=True)), row[0])
+            family.add_sample(f"{self.name}_created", {"phase": phase}, row[1])
         yield family
 
     def describe(self) -> Iterator[Metric]:

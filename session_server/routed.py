@@ -71,6 +71,15 @@ class Decoded:
 
 
 @dataclass(frozen=True)
+class Unrequested:
+    """A routed-experts payload the turn did not ask for (a vLLM started with them on
+    sends them with every reply), dropped where the reply was parsed: only its size is
+    kept, the turn's `routed_experts_bytes` as for any payload."""
+
+    wire_bytes: int
+
+
+@dataclass(frozen=True)
 class Piece:
     """One segment's payload (raw, or `Decoded` where the reply was parsed) and the
     positions it should cover: ``[start, prompt_len + output_len - 1)`` of the
@@ -139,11 +148,11 @@ def predecode(raw: bytes | Decoded | None) -> bytes | Decoded | None:
     return Decoded(ids, len(raw))
 
 
-def wire_size(payload: bytes | Decoded | None) -> int | None:
+def wire_size(payload: bytes | Decoded | Unrequested | None) -> int | None:
     """The payload's size as the engine sent it (the turn's `routed_experts_bytes`)."""
     if payload is None:
         return None
-    return payload.wire_bytes if isinstance(payload, Decoded) else len(payload)
+    return payload.wire_bytes if isinstance(payload, Decoded | Unrequested) else len(payload)
 
 
 def _known(shape: RoutedShape, expect: tuple[int, int] | None) -> tuple[int, int] | None:

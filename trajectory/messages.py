@@ -98,19 +98,26 @@ def _same(na: Mapping[str, Any], nb: Mapping[str, Any]) -> bool:
     return na == nb and _canonical(na) == _canonical(nb)
 
 
-def _identical(a: Any, b: Any) -> bool:
-    """Equal with the same JSON type at every level (key order aside): then they
-    normalise to the same form, so the tolerant comparison is not needed. False is only
-    "not shown here" (a float, whose `==` calls 0.0 and -0.0 equal, is left to it)."""
+_IDENTICAL_DEPTH = 32  # deeper values are left to the tolerant comparison (no recursion limit)
+
+
+def _identical(a: Any, b: Any, depth: int = 0) -> bool:
+    """Equal with the same JSON type at every level, string keys, key order aside: then
+    they normalise to the same form, so the tolerant comparison is not needed. False is
+    only "not shown here" (a float, whose `==` calls 0.0 and -0.0 equal; a value nested
+    deeper than `_IDENTICAL_DEPTH`), left to the tolerant comparison."""
     kind = type(a)
     if kind is not type(b):
         return False
     if kind is str or kind is int or kind is bool or a is None:
         return bool(a == b)
+    if depth >= _IDENTICAL_DEPTH:
+        return False
     if kind is dict:
-        return len(a) == len(b) and all(k in b and _identical(v, b[k]) for k, v in a.items())
+        return len(a) == len(b) and all(
+            type(k) is str and k in b and _identical(v, b[k], depth + 1) for k, v in a.items())
     if kind is list:
-        return len(a) == len(b) and all(map(_identical, a, b))
+        return len(a) == len(b) and all(_identical(x, y, depth + 1) for x, y in zip(a, b, strict=True))
     return False
 
 
@@ -126,12 +133,14 @@ def _identical_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     ca, cb = a.get("content"), b.get("content")
     ta, tb = a.get("tool_calls"), b.get("tool_calls")
     ra, rb = a.get("reasoning_content"), b.get("reasoning_content")
+    compared = isinstance(ra, str) and ra and isinstance(rb, str) and rb  # else both dropped
     return (_identical(a.get("role"), b.get("role"))
             and (_identical(ca, cb) or (_no_text(ca) and _no_text(cb)))
-            and ((not ta and not tb) or _identical(ta, tb))
+            and ((not ta and not tb) or (type(ta) is list and all(type(tc) is dict for tc in ta)
+                                         and _identical(ta, tb)))
             and _identical(a.get("tool_call_id"), b.get("tool_call_id"))
             and _identical(a.get("name"), b.get("name"))
-            and (not (isinstance(ra, str) and ra and isinstance(rb, str) and rb) or ra == rb))
+            and (not compared or (type(ra) is str and type(rb) is str and ra == rb)))
 
 
 def messages_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

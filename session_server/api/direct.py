@@ -46,6 +46,7 @@ class DirectTurns:
             match = direct_route(scope["path"])
             if match is not None:
                 scope["path_params"] = {"sid": match[0]}
+                scope["endpoint"] = DIRECT[match[1]]  # as Starlette's routing sets them
                 scope["tito_direct"] = match
                 await self.contained(scope, receive, send)
                 return

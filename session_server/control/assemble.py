@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from session_server.engines.base import FinishReason, GenerateRequest, GenerateResult
-from session_server.routed import Piece
+from session_server.routed import Piece, Unrequested
 from trajectory.validate import is_int
 
 __all__ = ["Acc", "Counts", "ResilientResult", "WeightSpan", "assemble"]
@@ -78,8 +78,9 @@ class Acc:
         """Keep a segment's routed experts (when the turn asked for them); `sampled`: the
         ids the engine's rows cover when the turn kept fewer (cut at a stop string)."""
         if request.return_routed_experts:
-            self.pieces.append(Piece(result.routed_experts, prompt_len, len(result.output_ids),
-                                     self.routed_start(request), sampled))
+            raw = result.routed_experts
+            assert not isinstance(raw, Unrequested), "a payload asked for is never dropped at parse"
+            self.pieces.append(Piece(raw, prompt_len, len(result.output_ids), self.routed_start(request), sampled))
 
     def add(self, result: GenerateResult, spans: Sequence[WeightSpan]) -> None:
         """Append a segment's raw values and its stamped version spans (relative to it)."""

@@ -16,7 +16,7 @@ normalise the *shape* (where the ids are, what the finish reason is).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 if TYPE_CHECKING:
-    from ..routed import Decoded
+    from ..routed import Decoded, Unrequested
     from ..structured import Constraint
 
 TokenIds = Sequence[int] | NDArray[np.int32]  # a context: a list in tests, numpy in the server
@@ -110,16 +110,22 @@ class GenerateResult:
     top_logprobs: Sequence[Any] | None = None  # per token: list of (id, logprob); raw
     # raw payload, never decoded by the adapter; the server's reply decoder may turn a
     # base64 one into `Decoded` ids in its worker process (session_server/routed.py)
-    routed_experts: bytes | Decoded | None = None
+    routed_experts: bytes | Decoded | Unrequested | None = None
     abort_message: str | None = None
 
 
-def parsed_without_routed(parse: Any, body: bytes, /, **kwargs: Any) -> GenerateResult:
+def parsed_without_routed(parse: Callable[..., GenerateResult], body: bytes, /, **kwargs: Any) -> GenerateResult:
     """`parse(body, **kwargs)` less a routed-experts payload the request did not ask for
     (a vLLM started with routed experts on sends them for every request): dropped where
-    the reply is parsed, a worker process for a large one, so it never crosses back."""
-    result: GenerateResult = parse(body, **kwargs)
-    return replace(result, routed_experts=None) if result.routed_experts is not None else result
+    the reply is parsed, a worker process for a large one, so it never crosses back;
+    its size stays (`Unrequested`)."""
+    from ..routed import Unrequested
+
+    result = parse(body, **kwargs)
+    raw = result.routed_experts
+    if isinstance(raw, bytes):
+        return replace(result, routed_experts=Unrequested(len(raw)))
+    return result
 
 
 @dataclass(frozen=True)

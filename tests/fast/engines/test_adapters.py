@@ -285,9 +285,11 @@ async def test_routed_experts_nobody_asked_for_are_dropped_where_the_reply_is_pa
         protocol: str, processes: int) -> None:
     """An engine that sends routed experts with every reply (vLLM started with them on;
     the simulator's padding): a request that did not ask gets none, parsed in the worker
-    process (a large reply) or on the threads, and one that asked gets them as sent."""
+    process (a large reply) or on the threads, less its size; one that asked gets them
+    as sent."""
     from session_server.engines.reply_decoder import ReplyDecoder
     from session_server.offload import CpuOffload
+    from session_server.routed import Unrequested, wire_size
 
     threads = CpuOffload(workers=1)
     decoder = ReplyDecoder(threads, processes=processes)
@@ -303,5 +305,7 @@ async def test_routed_experts_nobody_asked_for_are_dropped_where_the_reply_is_pa
     finally:
         decoder.shutdown()
         threads.shutdown()
-    assert plain.routed_experts is None and len(plain.output_ids) == 4
     assert isinstance(asked.routed_experts, bytes) and asked.routed_experts.startswith(b"[[0.0,")
+    # only its size is left (the turn's `routed_experts_bytes`, as before)
+    assert plain.routed_experts == Unrequested(len(asked.routed_experts)) and len(plain.output_ids) == 4
+    assert wire_size(plain.routed_experts) == wire_size(asked.routed_experts)

@@ -166,6 +166,20 @@ def test_a_memoised_verdict_is_the_sandbox_verdict() -> None:
         env.call(env.getattr([], "append"), 1)
 
 
+def test_str_format_stays_sandboxed_after_its_verdict_is_kept() -> None:
+    """`format` on a string is wrapped by the sandbox's formatter on every access, also
+    once the verdict for (str, "format") is kept: the fast path never returns it bare."""
+    env = R._OnceCheckedSandbox()
+    reference = R.ImmutableSandboxedEnvironment()
+    want = _outcome(lambda: reference.getattr("{0.__class__}", "format")(object()))
+    assert "class" not in want[1]
+    for _ in range(3):
+        env.is_safe_attribute("s", "format", "s".format)  # keeps the verdict
+        fmt = env.getattr("{0.__class__}", "format")
+        assert type(fmt) is not type("".startswith)  # the sandbox's wrapper, not the method
+        assert _outcome(lambda f=fmt: f(object())) == want
+
+
 _piece = st.one_of(st.sampled_from(list(_SPECIALS) + ["\n", " ", "  ", "\t"]), st.text(max_size=12))
 
 
@@ -246,7 +260,10 @@ def test_the_rust_core_decodes_as_the_transformers_wrapper(load_tokenizer: Any, 
                                                            skip: bool) -> None:
     """Sampled ids become text through the core directly: the same text as transformers'
     `decode` with its clean-up off, special tokens kept or skipped."""
+    from trajectory.codec import probe
+
     tok = load_tokenizer(family)
+    assert probe._inherits_unchanged(type(tok), probe._DECODE_PATH)  # the core's path is the one tested
     specials = sorted(tok.all_special_ids)
     ids = data.draw(st.lists(st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(specials)), max_size=24))
     want = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -63,6 +64,12 @@ def test_malformed_arguments_stay_strings() -> None:
     assert messages_equal(
         {"role": "assistant", "tool_calls": [bad]}, {"role": "assistant", "tool_calls": [bad]}
     )
+
+
+def _call_raw(args: object) -> dict[str, object]:
+    """A tool call whose arguments are an object, not JSON text (some clients send so)."""
+    return {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]}
 
 
 def _call(args: object) -> dict[str, object]:
@@ -183,4 +190,39 @@ def test_the_quick_identity_check_never_changes_a_comparison(a: dict, b: dict, c
     fast = (m.messages_equal(a, b), m.match_returned(_copy.deepcopy(a), _copy.deepcopy(b)))
     with mock.patch.object(m, "_identical_fields", lambda x, y: False):
         slow = (m.messages_equal(a, b), m.match_returned(_copy.deepcopy(a), _copy.deepcopy(b)))
+    assert fast == slow
+
+
+def _deep(d: int) -> object:
+    value: object = 1
+    for _ in range(d):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("a, b", [
+    # nested far past the recursion a Python walk could take (a client may send this)
+    (_call_raw(_deep(900)), _call_raw(_deep(900))),
+    # keys JSON cannot tell apart as typed values, and keys it cannot sort
+    (_call_raw({1: "y"}), _call_raw({True: "y"})),
+    (_call_raw({1: "y", "a": 1}), _call_raw({1: "y", "a": 1})),
+    # tool calls that are not objects (validation refuses them over HTTP)
+    ({"role": "assistant", "tool_calls": ["x"]}, {"role": "assistant", "tool_calls": ["x"]}),
+])
+def test_the_quick_check_answers_or_raises_as_the_tolerant_comparison(a: dict, b: dict) -> None:
+    import copy as _copy
+    from unittest import mock
+
+    from trajectory import messages as m
+
+    def outcome(fn: object) -> object:
+        try:
+            return fn()  # type: ignore[operator]
+        except Exception as exc:
+            return type(exc)
+
+    calls = (lambda: m.messages_equal(a, b), lambda: m.match_returned(_copy.deepcopy(a), _copy.deepcopy(b)))
+    fast = [outcome(c) for c in calls]
+    with mock.patch.object(m, "_identical_fields", lambda x, y: False):
+        slow = [outcome(c) for c in calls]
     assert fast == slow
