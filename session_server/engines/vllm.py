@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
@@ -233,7 +233,8 @@ class VLLMAdapter:
                                          slot_held=request.slot_held)
         if reply.status != 200:
             raise http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
-        parse: Any = parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions
+        parse: Callable[..., GenerateResult] = (
+            parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions)
         if not request.return_routed_experts:
             parse = partial(parsed_without_routed, parse)
         # a reply can carry a large routed-experts payload: decode it off the event loop
