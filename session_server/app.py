@@ -8,6 +8,7 @@ The routes read what they share from `app.state` (`api/routes/common.py`): the c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ from .api.routes import control, engines, health, models, samples, sessions, tur
 from .api.routes.sessions import session_view
 from .api.turn_endpoint import TurnEndpoint
 from .auth import install_auth, new_instance_id
+from .durability import recover, stable_instance_id
 from .lifecycle import (
     AppConfig,
     build_context,
@@ -47,8 +49,10 @@ __all__ = ["AppConfig", "create_app", "session_view"]
 
 def create_app(config: AppConfig) -> FastAPI:
     if config.settings.instance_id is None:  # one identity per app: /health and the session-id prefix
-        config = dataclasses.replace(
-            config, settings=config.settings.model_copy(update={"instance_id": new_instance_id()}))
+        fresh = new_instance_id()
+        if config.settings.journal_dir is not None:  # journaled sessions keep their ids over a restart
+            fresh = stable_instance_id(config.settings.journal_dir, fresh)
+        config = dataclasses.replace(config, settings=config.settings.model_copy(update={"instance_id": fresh}))
     settings = config.settings
 
     @contextlib.asynccontextmanager
@@ -59,6 +63,8 @@ def create_app(config: AppConfig) -> FastAPI:
         app.state.runner = endpoint.runner
         app.state.relay = relay = open_relay(settings)
         background = start_background(ctx)
+        if ctx.journal is not None:  # sessions come back before the gate opens
+            background.tasks.append(asyncio.create_task(recover(ctx, endpoint.replays), name="tito-recovery"))
         join_cluster(ctx, relay, background)  # with peers: their state before serving turns
         try:
             yield

@@ -11,6 +11,7 @@ from trajectory.codec.base import ChatCodec
 from .control import ControlPlane
 from .engines.registry import EngineRegistry
 from .engines.reply_decoder import ReplyDecoder
+from .journal import Journal
 from .metrics import Metrics
 from .offload import CpuOffload
 from .routed import RoutedShape
@@ -40,6 +41,7 @@ class ServerContext:
     admission: PrefillAdmission = field(default_factory=PrefillAdmission)
     # routed-experts (layers, topk, experts) of the config.json beside the tokenizer (model_config.py)
     model_routed: tuple[int, int, int | None] | None = None
+    journal: Journal | None = None  # the session journal (settings.journal_dir; None: sessions die with the process)
 
     def routed_shape(self) -> RoutedShape:
         """What the server knows of the model's routed experts: each setting, else the

@@ -6,6 +6,7 @@
     │   └── TemplateError                400 template_error (the chat template refused the input)
     ├── Unauthorized                     401 unauthorized
     ├── SessionNotFound                  404 session_not_found
+    ├── SessionGone                      410 session_gone (closed, expired or taken by samples close; a tombstone)
     ├── NotFound                         404 not_found (unknown engine id, unknown route)
     ├── MethodNotAllowed                 405 method_not_allowed
     ├── SessionBusy                      409 session_busy    Retry-After: 2
@@ -29,6 +30,8 @@
     ├── NoHealthyEngine                  503 no_healthy_engine  Retry-After: 5
     ├── InstanceUnavailable              503 instance_unavailable  Retry-After: 5 (a peer instance is down or failed)
     ├── PausedTooLong                    503 paused          Retry-After: 10 (deadline passed while paused)
+    ├── JournalUnavailable               503 journal_unavailable  Retry-After: 10 (the journal cannot be written: nothing committed)
+    ├── Recovering                       503 recovering      Retry-After: 1 (the journal is being replayed at start-up)
     └── DrainTimeout                     504 drain_timeout (a wait pause's turns outlived the drain: no engine paused)
 
 `from_http_status` builds a plain `ServiceError` with type `http_error` for any other
@@ -98,6 +101,14 @@ class Unauthorized(ServiceError):
 
 class SessionNotFound(ServiceError):
     status, type = 404, "session_not_found"
+
+
+class SessionGone(ServiceError):
+    """The session existed here and was closed, expired or taken by `POST /samples` with
+    `close` (a journal tombstone, kept for a bounded time). Neither SDK retries a 410
+    (they retry 408, 409, 429 and 5xx), so an agent stops instead of hammering."""
+
+    status, type = 410, "session_gone"
 
 
 class NotFound(ServiceError):
@@ -248,6 +259,21 @@ class InstanceUnavailable(ServiceError):
 class PausedTooLong(ServiceError):
     status, type = 503, "paused"
     retry_after_s = 10
+
+
+class JournalUnavailable(ServiceError):
+    """The journal could not store a change (a full disk, an I/O error): the change was
+    not made, so a client never holds an answer that a crash could take back."""
+
+    status, type = 503, "journal_unavailable"
+    retry_after_s = 10
+
+
+class Recovering(ServiceError):
+    """The instance is replaying its journal: sessions come back in a moment."""
+
+    status, type = 503, "recovering"
+    retry_after_s = 1
 
 
 class DrainTimeout(ServiceError):

@@ -27,6 +27,7 @@ from .context import ServerContext, log
 from .control import ControlPlane
 from .control.peer_sync import sync_from_peers
 from .control.relay import PeerRelay
+from .durability import open_journal
 from .engines.registry import EngineRegistry
 from .engines.reply_decoder import ReplyDecoder
 from .metrics import Metrics
@@ -96,7 +97,9 @@ async def build_context(config: AppConfig) -> ServerContext:
             AdmissionConfig(settings.prefill_slots_per_engine, settings.large_prefill_tokens)
         ),
         model_routed=model_routed,
+        journal=open_journal(settings),
     )
+    ctx.store.recovering = ctx.journal is not None  # durability.recover opens the store
     ctx.store.on_remove.append(lambda s: engines.forget(s.id, s.home))  # DELETE and TTL alike
     return ctx
 
@@ -189,7 +192,8 @@ async def sweep(ctx: ServerContext) -> None:
 
 
 async def shutdown(ctx: ServerContext, background: Background) -> None:
-    """1. stop background tasks; 2. wait for in-flight turns (bounded); 3. close engines; 4. stop the CPU offload threads."""
+    """1. stop background tasks; 2. wait for in-flight turns (bounded); 3. close the journal; 4. close
+    engines; 5. stop the CPU offload threads."""
     background.stop_health_checks.set()
     for task in background.tasks:
         task.cancel()
@@ -204,6 +208,9 @@ async def shutdown(ctx: ServerContext, background: Background) -> None:
     else:
         busy = sum(1 for s in ctx.store.all().values() if s.inflight is not None)
         log.warning("shutdown: %d turns still in flight after %.1fs drain", busy, ctx.settings.drain_timeout_s)
+    if ctx.journal is not None:  # what the drained turns committed is written before the exit
+        await ctx.journal.close()
+        ctx.journal.release()
     await ctx.registry.aclose()
     ctx.decoder.shutdown()
     ctx.offload.shutdown()

@@ -28,7 +28,15 @@ from typing import Any, NoReturn
 from trajectory.codec.base import HistoryPolicy
 from trajectory.tree import TrajectoryTree
 
-from .errors import OverCapacity, SessionBusy, SessionClosed, SessionNotFound, WrongInstance, shown
+from .errors import (
+    OverCapacity,
+    Recovering,
+    SessionBusy,
+    SessionClosed,
+    SessionNotFound,
+    WrongInstance,
+    shown,
+)
 
 _log = logging.getLogger("session_server")
 
@@ -140,6 +148,7 @@ class Session:
         self.reward_metadata: dict[str, Any] = {}  # merged over config.metadata
         # Responses API: response id -> its turn's place in the tree (api/dialects/openai_responses.py)
         self.responses: dict[str, Any] = {}
+        self.gone_reason = ""  # why it left the store (closed, expired, taken by samples close): a tombstone's words
 
     def built_on(self, turn: tuple[int, int]) -> bool:
         """Whether a committed turn extends `turn` (branch id, turn index): its client must
@@ -213,11 +222,17 @@ class SessionStore:
         # called once per session as it leaves the store (DELETE, TTL, a deferred close):
         # the app forgets the session's routing state here, so no per-session table leaks
         self.on_remove: list[Callable[[Session], None]] = []
+        # the journal's replay runs (start-up): every session answers 503 recovering until it is done
+        self.recovering = False
+        # raises SessionGone for an id the journal holds a tombstone of (None: no journal)
+        self.check_gone: Callable[[str], None] | None = None
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def create(self, config: SessionConfig) -> Session:
+        if self.recovering:
+            raise Recovering("this instance is replaying its session journal; retry in a moment")
         if len(self._sessions) >= self.max_sessions:
             raise OverCapacity(f"session cap reached ({self.max_sessions})")
         sid = secrets.token_hex(16)  # 128 bits: unguessable
@@ -227,6 +242,22 @@ class SessionStore:
         self._sessions[sid] = session
         heapq.heappush(self._expiry, (_deadline(session), sid))
         return session
+
+    def discard(self, session: Session) -> None:
+        """Take back a session just created whose creation could not be stored (no hook
+        runs: nothing ever saw it)."""
+        self._sessions.pop(session.id, None)
+        session.state = SessionState.CLOSED
+
+    def clock(self) -> float:
+        """The store's clock (monotonic): what `last_used` and TTL deadlines are read on."""
+        return self._clock()
+
+    def restore(self, session: Session) -> None:
+        """Put back a session rebuilt from the journal (recovery), with its id, times and
+        TTL as they were; the cap is not applied (it held them before the restart)."""
+        self._sessions[session.id] = session
+        heapq.heappush(self._expiry, (_deadline(session), session.id))
 
     def get(self, session_id: str) -> Session:
         s = self._sessions.get(session_id)
@@ -238,7 +269,13 @@ class SessionStore:
         """404, or 421 when the id names another instance of this cluster: a proxy sent it
         to the wrong one (only the miss path pays for the check). A server without peers
         has no other instance to route to: any unknown id, whatever its prefix, is a 404
-        (a made-up id must not send the client looking for an "instance 0")."""
+        (a made-up id must not send the client looking for an "instance 0"). While the
+        journal replays, 503 (the session may come back); a tombstone's id, 410."""
+        if self.recovering:
+            raise Recovering(f"this instance is replaying its session journal; session {shown(session_id)} "
+                             "may come back in a moment")
+        if self.check_gone is not None:
+            self.check_gone(session_id)
         owner = instance_of(session_id)
         if owner is not None and self.clustered and self.instance_id is not None and owner != self.instance_id:
             raise WrongInstance(f"session {shown(session_id)} belongs to instance {owner!r}, not to this one "
@@ -293,11 +330,12 @@ class SessionStore:
         if session.inflight != claim.token:
             raise SessionClosed(f"session {session.id} claim lost; nothing committed")
 
-    def close(self, session_id: str) -> Session:
+    def close(self, session_id: str, reason: str = "closed by DELETE") -> Session:
         """Delete: immediate when idle. With a chat in flight the session is closing: its
         turn is cancelled (which aborts the engine request, and the turn answers 409
         session_closed) and the removal completes at that turn's release."""
         s = self.get(session_id)
+        s.gone_reason = reason
         if s.inflight is None:
             self._remove(s)
         else:
@@ -357,6 +395,7 @@ class SessionStore:
                 continue
             deadline = _deadline(s)
             if deadline < now:
+                s.gone_reason = "expired (ttl)"
                 self._remove(s)
                 expired.append(sid)
             else:

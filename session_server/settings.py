@@ -101,6 +101,16 @@ class Settings(BaseSettings):
     replay_store_bytes: int = Field(
         256 * 1024 * 1024, ge=0, description="bytes of stored responses kept for replays over all sessions "
         "(oldest evicted first)")
+    journal_dir: str | None = Field(
+        None, min_length=1, description="keep every session change in a journal (SQLite) in this directory, one "
+        "file per instance, and replay it at start: sessions survive a crash or restart (unset: sessions live "
+        "in memory only)")
+    journal_max_bytes: int | None = Field(
+        None, ge=65536, description="a quota on the journal file: past it, changes are refused with 503 "
+        "journal_unavailable, as on a full disk (unset: the volume's space)")
+    tombstone_ttl_s: float = Field(
+        3600.0, ge=0, description="with a journal: how long a closed, expired or collected session answers 410 "
+        "session_gone instead of 404")
     instance_id: str | None = Field(
         None,
         description="this process's name in a cluster: the prefix of its session ids ({instance}.{32 hex}) "

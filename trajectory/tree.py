@@ -20,7 +20,6 @@ Branch ids are small ints in creation order; branch 0 is the empty root.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +47,21 @@ class Branch:
     reason: str
 
 
+class _Clock:
+    """The tree's commit counter: each call gives the next sequence number. Settable
+    (`TrajectoryTree.set_next_seq`) so a journal replay numbers turns as they were."""
+
+    __slots__ = ("next",)
+
+    def __init__(self, start: int = 0) -> None:
+        self.next = start
+
+    def __call__(self) -> int:
+        n = self.next
+        self.next = n + 1
+        return n
+
+
 class TrajectoryTree:
     """All branches of one session, with one active branch that turns append to."""
 
@@ -56,7 +70,7 @@ class TrajectoryTree:
     def __init__(self) -> None:
         # the commit counter is shared with the branches' trajectories; it is its own
         # object (not a method of the tree) so no reference cycle keeps a tree alive
-        self._seq = itertools.count()
+        self._seq = _Clock()
         root = Branch(0, None, 0, 0, self._own(LinearTrajectory()), ROOT_REASON)
         self._branches: dict[int, Branch] = {0: root}
         self._active = 0
@@ -64,7 +78,7 @@ class TrajectoryTree:
 
     def _own(self, traj: LinearTrajectory) -> LinearTrajectory:
         """Stamp `traj`'s commits with this tree's sequence numbers."""
-        traj._clock = self._seq.__next__
+        traj._clock = self._seq
         return traj
 
     @classmethod
@@ -82,7 +96,7 @@ class TrajectoryTree:
         seqs = [t.seq for b in branches for t in b.trajectory.turns[b.fork_checkpoint :]]
         if len(set(seqs)) != len(seqs) or any(q < 0 for q in seqs):
             raise InvariantError("turn sequence numbers must be distinct and >= 0")
-        tree._seq = itertools.count(max(seqs, default=-1) + 1)
+        tree._seq.next = max(seqs, default=-1) + 1
         for b in branches:
             tree._own(b.trajectory)
         tree.check_invariants()
@@ -117,6 +131,18 @@ class TrajectoryTree:
     def nbytes(self) -> int:
         """Bytes allocated for the tree's tokens (every buffer once, growth slack included)."""
         return sum(b.trajectory.nbytes for b in self._branches.values())
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next commit gets."""
+        return self._seq.next
+
+    def set_next_seq(self, seq: int) -> None:
+        """Number the next commit `seq`: a journal replay gives each turn the number it
+        had, and an undone commit gives its number back."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise InvariantError(f"a turn sequence number must be an int >= 0, got {seq!r}")
+        self._seq.next = seq
 
     def activate(self, branch_id: int) -> Branch:
         """Make an existing branch the one turns append to."""

@@ -23,6 +23,7 @@ lands on gathers the other instances' sessions from their owners (samples_cluste
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Container
 from typing import Any
 
@@ -35,7 +36,8 @@ from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample, build_samples, t
 
 from ..context import ServerContext
 from ..control.relay import PeerRelay
-from ..errors import BadRequest, SessionBusy, from_library
+from ..errors import BadRequest, JournalUnavailable, SessionBusy, from_library
+from ..journal_records import REWARD, reward_body
 from ..sessions import Session, SessionState
 from . import samples_cluster
 from .models import RewardRequest, SamplesBatch
@@ -96,7 +98,10 @@ def _reward_body(s: Session) -> dict[str, Any]:
 async def set_reward(ctx: ServerContext, s: Session, spec: RewardRequest) -> dict[str, Any]:
     """`POST /sessions/{sid}/reward`: store a trajectory-level or per-leaf reward and
     merge metadata; null unsets (the session's reward, or that leaf's override)."""
+    if ctx.journal is not None:
+        ctx.journal.check_writable()
     async with s.lock:  # the leaf check reads the tree; samples read these fields under it
+        before = (s.reward, dict(s.leaf_rewards), dict(s.reward_metadata))
         if spec.leaf is not None:
             leaves = await ctx.offload.run(_leaves, s)
             if spec.leaf not in leaves:
@@ -108,6 +113,13 @@ async def set_reward(ctx: ServerContext, s: Session, spec: RewardRequest) -> dic
         else:
             s.reward = None if spec.reward is None else float(spec.reward)
         s.reward_metadata.update(spec.metadata)
+        if ctx.journal is not None:  # the state after the change, durable before it is answered
+            written = ctx.journal.append(s.id, REWARD, reward_body(s))
+            try:
+                await asyncio.shield(written)
+            except JournalUnavailable:
+                s.reward, s.leaf_rewards, s.reward_metadata = before
+                raise
         return await ctx.offload.run(_reward_body, s)
 
 
@@ -138,7 +150,10 @@ async def _stream(ctx: ServerContext, sessions: list[Session], spec: SamplesBatc
                 s = next(here)
                 samples = await _built(ctx, s, spec.picker, spec.max_seq_len)
                 if spec.close and s.state is SessionState.ACTIVE:
-                    ctx.store.close(s.id)
+                    ctx.store.close(s.id, "taken by POST /samples with close")
+                    if ctx.journal is not None:  # its tombstone is stored before its samples are sent
+                        with contextlib.suppress(JournalUnavailable):  # logged; it may come back at a restart
+                            await asyncio.shield(ctx.journal.barrier())
             part = await ctx.offload.run(writer.add, samples)
             del samples
             if part:

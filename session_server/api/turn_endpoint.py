@@ -25,18 +25,20 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..context import ServerContext, log
-from ..errors import CommittedUnanswered
+from ..errors import CommittedUnanswered, JournalUnavailable
+from ..journal_records import RESPONSE, encode
 from ..sessions import Session
 from ..turn.chat_request import ChatRequest
 from ..turn.live import LiveTurn
-from ..turn.output import Rendered
+from ..turn.output import Rendered, committed_output
 from ..turn.pipeline import ClientWatch, TurnRunner
-from ..turn.replay import Follow, Refuse, Replay, ReplayLog, RunFresh, identify
+from ..turn.replay import Follow, Refuse, Replay, ReplayLog, Rerender, RunFresh, identify
 from .dialects import Dialect, SessionBound, as_response, render
 from .edge import read_body
 
@@ -62,6 +64,19 @@ def _client_gone(request: Request) -> ClientWatch:
     return wait
 
 
+async def _journal_kept(ctx: ServerContext, sid: str, kept: tuple[str, Any]) -> None:
+    """What a dialect kept in the session (a Responses object), journaled before the
+    response that names it is sent (a write that fails only costs the later lookup)."""
+    if ctx.journal is None:
+        return
+    rid, value = kept
+    body = encode({"rid": rid, "stored": msgspec.msgpack.encode(value)})
+    try:
+        await asyncio.shield(ctx.journal.append(sid, RESPONSE, body))
+    except JournalUnavailable:
+        log.warning("session %s: stored response %s not journaled", sid, rid)
+
+
 class TurnEndpoint:
     """The turn routes' one entry point; one per app, built at its start."""
 
@@ -79,6 +94,8 @@ class TurnEndpoint:
         from its original, else run the turn and respond or stream it."""
         ctx = self.ctx
         session = ctx.store.get(session_id)  # 404 before reading a body for an unknown session
+        if ctx.journal is not None:
+            ctx.journal.check_writable()  # a full disk: refused before an engine works on it
         body = await read_body(request, ctx.settings.max_body_bytes)
         # a retry replays only its own attempt: never a turn the client has since built on
         ident = await identify(ctx.offload, session_id, dialect.name, request.headers, body,
@@ -89,10 +106,26 @@ class TurnEndpoint:
             raise decision.error
         if isinstance(decision, Replay):
             return as_response(decision.rendered)
+        if isinstance(decision, Rerender):  # its turn was committed before a restart: answer from it
+            rendered = await self._rerender(session, body, dialect, decision)
+            self.replays.answered(session_id, decision, rendered)
+            return as_response(rendered)
         if isinstance(decision, Follow):  # a replay of a turn streaming now: follow it live
             waiter = asyncio.ensure_future(self.replays.followed(decision))
             return StreamingResponse(decision.live.follow(waiter), media_type=SSE)
         return await self._fresh(decision, session, body, request, dialect, live)
+
+    async def _rerender(self, session: Session, body: bytes, dialect: Dialect, again: Rerender) -> Rendered:
+        """The response of a turn committed before a restart, rendered from the turn as the
+        journal brought it back (the request's own body says how: JSON or a stream).
+        Top logprobs are not stored with a turn: a retry that asked for them gets none."""
+        ctx = self.ctx
+        bound = dialect if isinstance(dialect, SessionBound) else None
+        parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
+        req = await ctx.offload.run_sized(len(body), parse, body)
+        out = committed_output(session, again.turn, again.matched_stop)
+        rendered = await render(ctx, dialect, req, out)
+        return dataclasses.replace(rendered, turn=again.turn)
 
     async def count_tokens(self, session_id: str, request: Request, parse: Parse) -> Response:
         """How many prompt tokens the request would send now (Anthropic `count_tokens`)."""
@@ -106,7 +139,7 @@ class TurnEndpoint:
                      live: LiveTurn) -> Response:
         """Run the turn as its own task; answer when it ends, or stream once it opens."""
         watch = fresh.held(_client_gone(request))
-        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch)))
+        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch, fresh.identity)))
         task.add_done_callback(live.on_done)
         task.add_done_callback(fresh.settle)
         opened = asyncio.ensure_future(live.opened.wait())
@@ -122,7 +155,7 @@ class TurnEndpoint:
         return StreamingResponse(live.stream(task, held=fresh.recorded), media_type=SSE)
 
     async def _turn(self, session: Session, body: bytes, dialect: Dialect, live: LiveTurn,
-                    watch: ClientWatch) -> Rendered:
+                    watch: ClientWatch, recorded: tuple[str, bytes, str | None] | None = None) -> Rendered:
         """The turn through the pipeline, then its response bytes; a response that fails
         after the commit is `CommittedUnanswered` (never retried into a second turn)."""
         ctx, sid = self.ctx, session.id
@@ -130,11 +163,11 @@ class TurnEndpoint:
         if bound is _UNKNOWN:  # a Protocol isinstance walks its members: once per dialect
             bound = self._bound[dialect.name] = dialect if isinstance(dialect, SessionBound) else None
         parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
-        req, out = await self.runner.run(sid, body, parse=parse, client_gone=watch, live=live)
+        req, out = await self.runner.run(sid, body, parse=parse, client_gone=watch, live=live, recorded=recorded)
         # committed: from here on nothing may turn into a retry that samples the turn again
         try:
-            if bound is not None:
-                bound.remember(session, req, out, ctx.tokenizer)
+            if bound is not None and (kept := bound.remember(session, req, out, ctx.tokenizer)) is not None:
+                await _journal_kept(ctx, sid, kept)
             rendered = live.finish(out) if live.active else await render(ctx, dialect, req, out)
             return dataclasses.replace(rendered, turn=(out.branch_id, out.turn_index))
         except Exception as exc:

@@ -129,6 +129,11 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
     )
     uvicorn.run(app, workers=1, **options)
+    from ..durability import FATAL, JOURNAL_EXIT_STATUS
+
+    if FATAL:  # the journal did not replay: the process stopped itself
+        print(f"session-server serve: error: {FATAL[0]}", file=sys.stderr)
+        return JOURNAL_EXIT_STATUS
     return 0
 
 

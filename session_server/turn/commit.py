@@ -9,7 +9,9 @@ of which it reads from one `PendingTurn`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from ..context import ServerContext, log
 from ..control import ResilientResult
 from ..engines.base import GenerateResult
 from ..errors import InternalInvariant, UpstreamInvalid
+from ..journal_records import TURN, control_delta, turn_body
 from ..routed import join, wire_size
 from ..sessions import Claim, Session
 from ..structured import apply_output_policy
@@ -62,6 +65,7 @@ class PendingTurn:
     result: ResilientResult
     checked: Checked
     target_id: str  # the engine that generated it
+    recorded: tuple[str, bytes, str | None] | None = None  # the replay log's name of the request (journaled)
 
 
 @dataclass(frozen=True)
@@ -168,12 +172,16 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
     """Apply the branch change decided at prepare and append the turn."""
     prep, prompt_ids, result, checked = turn.prep, turn.prompt_ids, turn.result, turn.checked
     valid = checked.valid
+    journal = ctx.journal
     async with session.lock:
         ctx.store.ensure_can_commit(session, claim)  # SessionClosed: counted discarded by run()
+        if journal is not None:
+            journal.check_writable()  # a full disk: 503 before anything changes
         # everything that can fail before the branch change: between a new branch and its
         # first turn only `commit_turn` runs, and `_new_branch_undone` takes the branch back when it refuses
         extra = _turn_extra(turn)
         before = session.tree.active_id
+        undo = _Undo.of(session, prep) if journal is not None else None
         _apply_branch_change(ctx, session, prep)
         branch = session.tree.active
         if prep.kind in ("first", "rollback", "fork"):
@@ -204,10 +212,95 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
             session.note("undecodable_ids", turn=record.index, **extra["undecodable_ids"])
         if checked.repair:
             session.note("repair", turn=record.index, tokens=len(checked.repair), finish_reason=checked.finish)
+        if journal is not None and undo is not None:
+            # durable before anyone hears of it; a record that cannot be written undoes the commit
+            try:
+                body = turn_body(
+                    op=prep.kind, branch_id=prep.branch_id, checkpoint=prep.checkpoint,
+                    reason=branch.reason if prep.kind == "fork" else None, shared=prep.fork_shared,
+                    tools=prep.tools if prep.kind in ("first", "rollback", "fork") else None, seq=record.seq,
+                    prompt_ids=prompt_ids, ids=valid.ids, logprobs=valid.logprobs, repair=checked.repair,
+                    finish=checked.finish, spans=result.weight_spans or None, version=valid.weight_version,
+                    request_messages=prep.new_messages, assistant_message=checked.message, engine=turn.target_id,
+                    cached=valid.cached_tokens, extra=extra, routed=checked.routed,
+                    answered=prep.answered, control=control_delta(undo.control, session.control_totals),
+                    notes=undo.notes_added(session), recorded=turn.recorded, matched_stop=result.matched_stop)
+                cancelled = await _durable(journal.append(session.id, TURN, body))
+            except BaseException:
+                undo.apply(session, branch, before, prep, record)
+                raise
+            if cancelled:  # stored: the commit stands, and the cancel goes on
+                raise asyncio.CancelledError
     ctx.metrics.tokens_in_total.inc(len(prompt_ids))
     ctx.metrics.tokens_out_total.inc(len(valid.ids))
     ctx.metrics.cached_tokens_total.inc(valid.cached_tokens)
     return Committed(turn_index=record.index, branch_id=branch.id)
+
+
+async def _durable(written: asyncio.Future[None]) -> bool:
+    """Wait for a journal write, even through a cancel (the write goes on; its outcome
+    decides whether the commit stands): its error raised, else whether a cancel came."""
+    cancelled = False
+    while not written.done():
+        try:
+            await asyncio.shield(written)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:
+            break
+    written.result()  # JournalUnavailable: the caller undoes the commit
+    return cancelled
+
+
+@dataclasses.dataclass
+class _Undo:
+    """What a commit changes beside the tree, as it was before: a commit the journal
+    could not store is taken back whole (the client gets a 503, nothing committed)."""
+
+    control: Any
+    diagnostics: tuple[int, int]  # (len, dropped) before
+    tools: Any
+    had_answered: bool
+
+    @classmethod
+    def of(cls, session: Session, prep: Prepared) -> _Undo:
+        return cls(dataclasses.replace(session.control_totals),
+                   (len(session.diagnostics), session.diagnostics_dropped),
+                   session.tools_by_branch.get(prep.branch_id, _MISSING),
+                   prep.answered is not None and prep.answered in session.answered_seqs)
+
+    def _added(self, session: Session) -> int:
+        n, dropped = self.diagnostics
+        return len(session.diagnostics) - n + session.diagnostics_dropped - dropped
+
+    def notes_added(self, session: Session) -> list[dict[str, Any]]:
+        added = self._added(session)
+        return list(session.diagnostics)[-added:] if added else []
+
+    def apply(self, session: Session, branch: Branch, before: int, prep: Prepared, record: Any) -> None:
+        """Take the commit back (the notes it added go; one that pushed an old note out of
+        the bounded list does not bring it back)."""
+        tree = session.tree
+        if prep.kind in ("rollback", "fork") and branch.id != before:
+            tree.discard(branch.id, before)
+            session.tools_by_branch.pop(branch.id, None)
+        else:
+            branch.trajectory.rollback(record.index)
+            if self.tools is _MISSING:
+                session.tools_by_branch.pop(branch.id, None)
+            else:
+                session.tools_by_branch[branch.id] = self.tools
+            tree.activate(before)
+        tree.set_next_seq(record.seq)
+        session.control_totals = self.control
+        if prep.answered is not None and not self.had_answered:
+            session.answered_seqs.discard(prep.answered)
+        for _ in range(min(self._added(session), len(session.diagnostics))):
+            session.diagnostics.pop()
+        session.diagnostics_dropped = self.diagnostics[1]
+
+
+_MISSING = object()
 
 
 @contextlib.contextmanager

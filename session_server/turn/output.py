@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Rendered", "TurnOutput"]
+__all__ = ["Rendered", "TurnOutput", "committed_output"]
 
 
 @dataclass(frozen=True)
@@ -48,3 +48,27 @@ class Rendered:
     @property
     def size(self) -> int:
         return len(self.body) + sum(len(f) for f in self.frames or ())
+
+
+def committed_output(session: Any, turn: tuple[int, int], matched_stop: Any = None) -> TurnOutput:
+    """A committed turn's `TurnOutput` rebuilt from the session's tree (a turn whose
+    response was lost with a crash): what the respond phase needs, from its record and
+    its tokens. No timings, no top logprobs (neither is stored with a turn)."""
+    branch_id, index = turn
+    traj = session.tree.get(branch_id).trajectory
+    rec = traj.turn(index)
+    ids, lps, _ = traj.arrays(rec.output_end)
+    return TurnOutput(
+        request_id=str(rec.extra.get("request_id", "")),
+        message=dict(rec.assistant_message or {"role": "assistant", "content": ""}),
+        finish_reason="stop" if rec.finish_reason == "repetition" else rec.finish_reason,
+        prompt_tokens=rec.output_start,
+        completion_tokens=rec.num_sampled,
+        cached_tokens=rec.cached_tokens,
+        sampled_ids=ids[rec.output_start:rec.output_end].tolist(),
+        logprobs=lps[rec.output_start:rec.output_end].tolist(),
+        top_logprobs=None,
+        turn_index=index,
+        branch_id=branch_id,
+        matched_stop=matched_stop,
+    )

@@ -103,6 +103,7 @@ class TurnRunner:
     async def run(
         self, session_id: str, body: bytes, *, parse: Callable[[bytes], ChatRequest],
         client_gone: ClientWatch | None = None, live: TurnStream | None = None,
+        recorded: tuple[str, bytes, str | None] | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """Claim the session and run the turn as its own task (`parse` is the client
         dialect's: body -> the pipeline's `ChatRequest`), which ends early when
@@ -111,7 +112,8 @@ class TurnRunner:
         - the session is deleted (`SessionStore.close` cancels `session.turn`): 409.
 
         `live` streams the turn as it is sampled when the request asks for a stream
-        (`TurnStream`; `live.py`).
+        (`TurnStream`; `live.py`). `recorded`: the replay log's name of the request
+        (`RunFresh.identity`), journaled with the turn.
 
         The body is parsed before the claim: a malformed request is a 400 at once rather
         than after the turns queued before it, and `live` learns from the parsed request
@@ -122,7 +124,9 @@ class TurnRunner:
         flight would otherwise change under it.
 
         Cancelling the work aborts its engine request (`generate_resilient`) and commits
-        nothing (commit has no await inside), so the claim is free at once for a retry."""
+        nothing (commit's one await is the journal's write of a turn already applied,
+        which a cancel does not interrupt: stored, it stands), so the claim is free at
+        once for a retry."""
         ctx = self.ctx
         timer = _Timer(ctx)
         watcher: asyncio.Future[None] | None = None
@@ -140,7 +144,7 @@ class TurnRunner:
             raise
         timer.lap("claim")
         ctx.metrics.turns_in_flight.inc()
-        work = asyncio.create_task(self._turn(session, claim, req, len(body), timer, live),
+        work = asyncio.create_task(self._turn(session, claim, req, len(body), timer, live, recorded),
                                    name=f"tito-turn-{session_id}")
         session.turn = work
         discarded = False
@@ -245,7 +249,7 @@ class TurnRunner:
 
     async def _turn(
         self, session: Session, claim: Claim, req: ChatRequest, body_len: int, timer: _Timer,
-        live: TurnStream | None = None,
+        live: TurnStream | None = None, recorded: tuple[str, bytes, str | None] | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """The phases in order, each lapped under its own name (parse and claim were lapped
         by `run`; `route` is lapped inside `generate_turn`, when the first target is chosen)."""
@@ -267,7 +271,7 @@ class TurnRunner:
             checked = live.check(checked)  # a stream that disagrees commits nothing
         timer.lap("validate")
         done = await commit(ctx, session, claim, PendingTurn(prompt.prep, prompt.prompt_ids, call, gen.result,
-                                                              checked, gen.target_id))
+                                                              checked, gen.target_id, recorded))
         timer.lap("commit")
         timer.total()
         ctx.metrics.turns_total.labels(outcome="committed").inc()

@@ -51,7 +51,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +63,7 @@ from .output import Rendered
 from .pipeline import ClientWatch
 
 __all__ = ["IDEMPOTENCY_KEY", "RETRY_COUNT", "Decision", "Follow", "Ident", "Refuse", "Replay", "ReplayLog",
-           "RunFresh", "identify"]
+           "Rerender", "RunFresh", "identify"]
 
 RETRY_COUNT = "x-stainless-retry-count"
 IDEMPOTENCY_KEY = "idempotency-key"
@@ -120,7 +120,8 @@ async def identify(offload: CpuOffload, session_id: str, route: str, headers: Ma
 class _Entry:
     """One recorded request: in flight until `done`, then stored (`rendered`) or gone."""
 
-    __slots__ = ("adopted", "digest", "done", "failure", "key", "live", "rendered", "route", "turn")
+    __slots__ = ("adopted", "digest", "done", "failure", "key", "live", "matched_stop", "rendered", "route", "turn",
+                 "unanswered")
 
     def __init__(self, ident: Ident, live: LiveTurn | None = None) -> None:
         self.route, self.digest, self.key = ident.route, ident.digest, ident.key
@@ -130,6 +131,8 @@ class _Entry:
         self.rendered: Rendered | None = None
         self.failure: CommittedUnanswered | None = None  # committed, its response failed: replays get this
         self.live = live  # the request's live stream, followed by replays once its response began
+        self.unanswered = False  # committed before a crash, its response lost: a replay renders it (Rerender)
+        self.matched_stop: Any = None  # the engine's matched stop of that turn (not in the trajectory)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,13 @@ class RunFresh:
     def recorded(self) -> bool:
         """Whether a retry of this request may come back for its turn (see the module doc)."""
         return self._entry is not None
+
+    @property
+    def identity(self) -> tuple[str, bytes, str | None] | None:
+        """(route, digest, key) of a recorded request: journaled with its turn, so a retry
+        after a crash is known for the turn it committed (`ReplayLog.restore`)."""
+        e = self._entry
+        return None if e is None else (e.route, e.digest, e.key)
 
     def held(self, gone: ClientWatch) -> ClientWatch:
         """`gone`, unless a replay adopts the turn: after the client hangs up, wait up to
@@ -218,7 +228,17 @@ class RunFresh:
             entry.done.set()
 
 
-Decision = Refuse | Replay | Follow | RunFresh
+@dataclass(frozen=True)
+class Rerender:
+    """The original's turn was committed before a crash and its response was lost with
+    the process: answer by rendering that turn again (then `ReplayLog.answered`)."""
+
+    turn: tuple[int, int]
+    matched_stop: Any
+    _entry: _Entry = field(repr=False)
+
+
+Decision = Refuse | Replay | Follow | Rerender | RunFresh
 """What the log says to do with a request (`ReplayLog.decide`)."""
 
 
@@ -253,6 +273,27 @@ class ReplayLog:
         self._stored: OrderedDict[_Entry, str] = OrderedDict()  # stored entry -> session, oldest first
         self._bytes = 0
 
+    def restore(self, session_id: str, recorded: Sequence[Any], turn: tuple[int, int], matched_stop: Any) -> None:
+        """A recorded request whose turn the journal holds (start-up): its response was
+        lost with the process, so a retry of it is answered by rendering that committed
+        turn again (`Rerender`), never by a second turn."""
+        route, digest, key = recorded
+        entry = _Entry(Ident(session_id, route, digest, key, None))
+        entry.turn, entry.matched_stop = turn, matched_stop
+        entry.unanswered = True
+        entry.done.set()
+        self._sessions.setdefault(session_id, []).append(entry)
+        entries = self._sessions[session_id]
+        if len(entries) > self.per_session:  # the newest few, as for stored responses
+            del entries[: len(entries) - self.per_session]
+
+    def answered(self, session_id: str, rerender: Rerender, rendered: Rendered) -> None:
+        """The response a `Rerender` built: stored, so a further retry gets these bytes."""
+        entry = rerender._entry
+        entry.unanswered = False
+        if entry in self._sessions.get(session_id, ()):
+            self._store(session_id, entry, rendered)
+
     async def decide(self, ident: Ident, live: LiveTurn | None = None) -> Decision:
         """What to do with `ident`'s request: a replay of an in-flight original waits
         here for it to commit (or, when the original's response begins meanwhile and
@@ -260,6 +301,9 @@ class ReplayLog:
         that failed is looked for again, then this request runs as a fresh attempt.
         `live` is kept for the replays of this request when it runs."""
         while (entry := self._find(ident)) is not None:
+            if entry.unanswered and entry.turn is not None:  # committed before a restart
+                self._served("stored")
+                return Rerender(entry.turn, entry.matched_stop, entry)
             if entry.failure is not None:  # its turn is committed: never run it again
                 self._served("failed")
                 return Refuse(CommittedUnanswered(entry.failure.message))
@@ -326,7 +370,7 @@ class ReplayLog:
     def _retries(entry: _Entry, ident: Ident) -> bool:
         """Whether `ident` (a retry by its count) retries `entry`'s attempt: `entry` is in
         flight, or committed and no later turn extends its turn (see the module doc)."""
-        if entry.rendered is None and entry.failure is None:
+        if not entry.done.is_set():
             return True  # in flight
         if entry.turn is None or ident.built_on is None:
             return True  # not tracked (a log used without sessions)

@@ -72,8 +72,9 @@ class SessionBound(Protocol):
         """`parse` bound to the session."""
         ...
 
-    def remember(self, session: Session, req: ChatRequest, out: TurnOutput, tokenizer: Any) -> None:
-        """Once per committed turn (not for a replay), before its response is rendered."""
+    def remember(self, session: Session, req: ChatRequest, out: TurnOutput, tokenizer: Any) -> tuple[str, Any] | None:
+        """Once per committed turn (not for a replay), before its response is rendered:
+        what it kept in the session, as (key, value) for the journal (None: nothing)."""
         ...
 
 

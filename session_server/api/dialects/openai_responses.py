@@ -77,13 +77,15 @@ class OpenAIResponses:
         enc = self.encoder(req, tokenizer)
         return [f for ev in replay(out) for f in enc.encode(ev)]
 
-    def remember(self, session: Any, req: ChatRequest, out: TurnOutput, tokenizer: Any) -> None:
+    def remember(self, session: Any, req: ChatRequest, out: TurnOutput, tokenizer: Any) -> tuple[str, Any] | None:
         """Keep a committed response (unless `store: false`) for `previous_response_id`
         and GET: its tree position and object parts, not its tokens."""
         echo = echo_of(req)
-        if echo.store:
-            session.responses[response_id(out.request_id)] = StoredResponse(
-                echo, outcome(out, tokenizer), out.branch_id, out.turn_index)
+        if not echo.store:
+            return None
+        rid = response_id(out.request_id)
+        kept = session.responses[rid] = StoredResponse(echo, outcome(out, tokenizer), out.branch_id, out.turn_index)
+        return rid, kept
 
     def stored_body(self, session: Any, rid: str) -> bytes:
         stored: StoredResponse | None = session.responses.get(rid)

@@ -23,6 +23,10 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     ctx = ctx_of(request)
     instance_id = ctx.settings.instance_id
+    if ctx.store.recovering:  # the journal replays: the sessions are not back yet
+        body = {"status": "recovering", "instance_id": instance_id,
+                "detail": "replaying the session journal"}
+        return Response(content=orjson.dumps(body), status_code=503, media_type=JSON)
     if not ctx.control.synced:  # a proxy sends nothing here until it has joined
         body = {"status": "syncing", "instance_id": instance_id,
                 "detail": "reading the cluster's control state from its peers"}

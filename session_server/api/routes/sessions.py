@@ -6,6 +6,7 @@ samples and reward are `samples.py`'s. Reading a session is using it: its TTL re
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -16,7 +17,8 @@ from trajectory import export, export_stream
 from trajectory.codec.base import HistoryPolicy
 
 from ...context import ServerContext
-from ...errors import BadRequest
+from ...errors import BadRequest, JournalUnavailable
+from ...journal_records import CREATE, create_body
 from ...sessions import Session, SessionConfig
 from .. import samples as samples_api
 from ..edge import route_doc
@@ -121,7 +123,15 @@ async def create_session(request: Request) -> Response:
     )
     if cfg.routing_replay:
         _require_routed_shape(ctx)
+    if ctx.journal is not None:
+        ctx.journal.check_writable()
     s = ctx.store.create(cfg)
+    if ctx.journal is not None:  # durable before its id is given out; unstored, it never existed
+        try:
+            await asyncio.shield(ctx.journal.append(s.id, CREATE, create_body(s)))
+        except JournalUnavailable:
+            ctx.store.discard(s)
+            raise
     base = str(request.base_url).rstrip("/")
     return json_response({"session_id": s.id, "base_url": f"{base}/sessions/{s.id}/v1", "api_key": s.token}, 201)
 
@@ -158,4 +168,6 @@ async def delete_session(sid: str, request: Request, return_trajectory: bool = F
     s = ctx.store.get(sid)
     resp = await trajectory_response(ctx, s, format) if return_trajectory else None
     ctx.store.close(sid)  # routing state goes with the removal (store.on_remove)
+    if ctx.journal is not None:  # its tombstone is stored before the 204 says it is gone
+        await asyncio.shield(ctx.journal.barrier())
     return resp if resp is not None else Response(status_code=204)

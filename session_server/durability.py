@@ -1,0 +1,107 @@
+"""Durable sessions: the journal opened at start, replayed before the gate opens, fed.
+
+With `journal_dir` set, a starting instance answers 503 `recovering` (on `/health` and
+every session route) while a background task reads and replays its journal off the
+loop (`journal_records.replay_rows`), puts the sessions back in the store, gives the
+replay log its stored responses (so an SDK retry of a turn answered just before a
+crash gets that answer, not a second turn) and the Responses dialect its stored
+objects; then the writer starts and the gate opens. A journal that fails its checks
+stops the process (exit status 3) with the record named: serving from it would lose
+data silently. Afterwards every removal from the store writes a tombstone (410).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+import msgspec
+
+from .api.dialects.openai_responses_output import StoredResponse
+from .context import ServerContext
+from .journal import Journal, JournalCorrupt, journal_path
+from .journal_records import replay_rows
+from .sessions import Session
+from .settings import Settings
+from .turn.replay import ReplayLog
+
+__all__ = ["FATAL", "JOURNAL_EXIT_STATUS", "open_journal", "recover", "stable_instance_id"]
+
+_log = logging.getLogger("session_server")
+
+JOURNAL_EXIT_STATUS = 3
+FATAL: list[str] = []  # why the process stopped itself (the CLI exits JOURNAL_EXIT_STATUS with it)
+
+_INSTANCE_FILE = "serve.instance"
+
+
+def stable_instance_id(directory: str, new_id: str) -> str:
+    """The instance id a `serve` without `--instance-id` keeps across restarts when it
+    journals: its sessions' ids begin with it, and its journal file is named by it."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / _INSTANCE_FILE
+    try:
+        kept = f.read_text().strip()
+    except FileNotFoundError:
+        kept = ""
+    if kept:
+        return kept
+    f.write_text(new_id + "\n")
+    return new_id
+
+
+def open_journal(settings: Settings) -> Journal | None:
+    if settings.journal_dir is None:
+        return None
+    return Journal(journal_path(settings.journal_dir, settings.instance_id), max_bytes=settings.journal_max_bytes,
+                   tombstone_ttl_s=settings.tombstone_ttl_s)
+
+
+async def recover(ctx: ServerContext, replays: ReplayLog) -> None:
+    """Replay the journal into the store, then open the gate (see the module doc)."""
+    journal, store = ctx.journal, ctx.store
+    if journal is None:
+        return
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        recovered = await ctx.offload.run(lambda: replay_rows(journal.read(), store.clock))
+    except (JournalCorrupt, ValueError) as exc:
+        _stop(f"the session journal does not replay: {exc}")
+        return
+    for s in recovered.sessions:
+        store.restore(s)
+    for sid, recorded, turn, matched_stop in recovered.answers:
+        replays.restore(sid, recorded, turn, matched_stop)
+    for sid, body in recovered.responses:
+        owner = store.all().get(sid)
+        if owner is not None:
+            owner.responses[body["rid"]] = msgspec.msgpack.decode(body["stored"], type=StoredResponse)
+    try:
+        journal.start(loop)
+    except JournalCorrupt as exc:
+        _stop(str(exc))
+        return
+    store.check_gone = journal.check_gone
+    store.on_remove.append(lambda s: _gone(journal, s))
+    store.recovering = False
+    _log.info("journal %s: %d sessions, %d turns from %d records in %.2f s", journal.path,
+              len(recovered.sessions), recovered.turns, recovered.records, loop.time() - started)
+
+
+def _gone(journal: Journal, s: Session) -> None:
+    """The session left the store: its records go, its tombstone stays (410)."""
+    journal.gone(s.id, s.gone_reason or "closed")
+
+
+def _stop(reason: str) -> None:
+    """Refuse to serve: log, and stop the process the way a signal does (uvicorn exits)."""
+    _log.critical("%s", reason)
+    FATAL.append(reason)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+

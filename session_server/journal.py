@@ -1,0 +1,332 @@
+"""The journal: every session change a crash must not take back, in one SQLite file.
+
+Why SQLite (standard library) in WAL mode: a real embedded database gives atomic
+multi-record transactions, a write-ahead log whose frames carry checksums (a frame
+torn by a crash mid-write is ignored when the file is next opened, by SQLite itself)
+and indexed deletes for compaction, with no server to run. One file per instance
+(`{journal_dir}/{instance}.sqlite3`): an instance is the only writer of its journal.
+
+**Writes.** `append` (on the event loop) hands a record to one writer thread and
+returns a future that is done when the record is durable: the writer takes every
+record queued while its previous transaction was syncing and commits them together
+(group commit: one sync for all the turns committed in the meantime, at least those of
+one loop tick). `synchronous=FULL`: the WAL is fsync'd at every commit, so an
+acknowledged record survives a power loss, not only a process crash. A record is
+`(seq, sid, kind, at, body, crc)`: `body` is the record's msgpack
+(`journal_records.py`), `crc` its CRC-32, checked at recovery.
+
+**Compaction.** When a session leaves the store (delete, expiry, samples close) its
+records are deleted in the same transaction that writes its tombstone, so the journal
+holds the live sessions and recent tombstones: recovery time follows live state, not
+history.
+
+**Bad storage.** A write that fails (a full disk is SQLite's `SQLITE_FULL`, an I/O
+error) fails every record of its transaction: the caller undoes the change and answers
+503 (`JournalUnavailable`), and for `FAILURE_HOLD_S` new turns are refused before they
+reach an engine. At start-up (`read`): a WAL that ends inside a frame was torn by a
+crash mid-write; SQLite drops that unfinished transaction (it was never acknowledged)
+and a warning says so. A record whose CRC does not match, or a file SQLite cannot
+read, stops the start (`JournalCorrupt`, naming the record): nothing is served from
+a journal that lost data silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import fcntl
+import logging
+import queue
+import sqlite3
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import JournalUnavailable, SessionGone, shown
+
+__all__ = ["FAILURE_HOLD_S", "Journal", "JournalCorrupt", "Row", "journal_path"]
+
+_log = logging.getLogger("session_server")
+
+FAILURE_HOLD_S = 5.0
+"""After a failed write, how long new turns are refused up front (then one may try)."""
+
+_WAL_HEADER, _FRAME_HEADER = 32, 24  # sqlite.org/fileformat.html, "The WAL file format"
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY, sid TEXT NOT NULL, kind TEXT NOT NULL, "
+    "at REAL NOT NULL, body BLOB NOT NULL, crc INTEGER NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS records_sid ON records (sid)",
+    "CREATE TABLE IF NOT EXISTS tombstones (sid TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS tombstones_at ON tombstones (at)",
+)
+_PRUNE_EVERY = 256  # tombstones written between two deletes of the expired ones
+
+
+class JournalCorrupt(RuntimeError):
+    """The journal holds a record that is not what was written: the instance must not start."""
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One stored record, in write order."""
+
+    seq: int
+    sid: str
+    kind: str
+    at: float  # wall-clock time it was written (time.time())
+    body: bytes
+
+
+def journal_path(directory: str | Path, instance_id: str | None) -> Path:
+    """The journal of this instance in `directory` (created when missing)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{instance_id or 'default'}.sqlite3"
+
+
+def _connect(path: Path, max_bytes: int | None) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    if max_bytes is not None:  # a quota: past it, writes fail as on a full disk (SQLITE_FULL)
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count={max(1, max_bytes // page)}")
+    for stmt in _SCHEMA:
+        conn.execute(stmt)
+    return conn
+
+
+def _torn_tail(path: Path) -> int:
+    """Bytes of an unfinished frame at the end of the WAL (0: none, or no WAL)."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        size = wal.stat().st_size
+        with wal.open("rb") as f:
+            header = f.read(_WAL_HEADER)
+    except FileNotFoundError:
+        return 0
+    if size <= _WAL_HEADER or len(header) < _WAL_HEADER:
+        return max(0, size) if 0 < size < _WAL_HEADER else 0
+    page = int.from_bytes(header[8:12], "big")
+    page = 65536 if page == 1 else page
+    if page < 512:
+        return 0
+    return (size - _WAL_HEADER) % (page + _FRAME_HEADER)
+
+
+def _seen(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class Journal:
+    """One instance's journal: read once at start (`read`), then written by `append` and
+    `gone` through the writer thread (`start` ... `close`)."""
+
+    def __init__(self, path: Path, *, max_bytes: int | None = None, tombstone_ttl_s: float = 3600.0,
+                 max_tombstones: int = 500_000) -> None:
+        self.path = path
+        self._max_bytes = max_bytes
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.max_tombstones = max_tombstones
+        self._tombstones: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: sqlite3.Connection | None = None
+        self._failed_at = -1e18  # monotonic time of the last failed write
+        self.last_error: str | None = None
+        self.records_written = 0
+        self.syncs = 0
+        self._gone_since_prune = 0  # writer thread only
+        self._lock_file = self._take_lock()
+
+    def _take_lock(self) -> object:
+        """One process per journal: a second writer would interleave with the first."""
+        f = self.path.with_name(self.path.name + ".lock").open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise JournalCorrupt(f"journal {self.path} is in use by another process (give each instance its own "
+                                 "--instance-id or --journal-dir)") from None
+        return f
+
+    # -- start-up ------------------------------------------------------------------
+
+    def read(self) -> Iterator[Row]:
+        """Every record in write order, each checked (blocking: run it off the loop
+        before `start`). Raises `JournalCorrupt` naming the first bad record."""
+        torn = _torn_tail(self.path)
+        if torn:
+            _log.warning("journal %s: the last write was torn by a crash (%d bytes of an unfinished WAL frame); "
+                         "SQLite drops it: it was never acknowledged", self.path, torn)
+        try:
+            conn = _connect(self.path, None)
+        except sqlite3.DatabaseError as exc:
+            raise JournalCorrupt(f"journal {self.path} cannot be opened as SQLite: {exc}") from exc
+        try:
+            self._load_tombstones(conn)
+            cur = conn.execute("SELECT seq, sid, kind, at, body, crc FROM records ORDER BY seq")
+            for seq, sid, kind, at, body, crc in cur:
+                if zlib.crc32(body) != crc:
+                    raise JournalCorrupt(f"journal {self.path}: record {seq} ({kind} of session {shown(sid)}) "
+                                         "fails its checksum; the file was damaged after it was written. Restore "
+                                         "it from a backup, or move it away to start with no sessions")
+                yield Row(seq, sid, kind, at, bytes(body))
+        except sqlite3.DatabaseError as exc:
+            raise JournalCorrupt(f"journal {self.path} is damaged: {exc}") from exc
+        finally:
+            conn.close()
+
+    def _load_tombstones(self, conn: sqlite3.Connection) -> None:
+        cutoff = time.time() - self.tombstone_ttl_s
+        conn.execute("DELETE FROM tombstones WHERE at < ?", (cutoff,))
+        rows = conn.execute("SELECT sid, reason, at FROM tombstones ORDER BY at").fetchall()
+        for sid, reason, at in rows[-self.max_tombstones:]:
+            self._tombstones[sid] = (reason, at)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Open the file for writing and start the writer thread."""
+        self._loop = loop
+        try:
+            self._conn = _connect(self.path, self._max_bytes)
+        except sqlite3.DatabaseError as exc:
+            raise JournalCorrupt(f"journal {self.path} cannot be opened as SQLite: {exc}") from exc
+        self._thread = threading.Thread(target=self._writer, name="tito-journal", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Write what is queued, then stop the writer and close the file."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+        self.release()
+
+    def release(self) -> None:
+        """Let another process open this journal (the writer is stopped or never ran)."""
+        lock, self._lock_file = self._lock_file, None
+        if lock is not None:
+            lock.close()  # type: ignore[attr-defined]
+
+    # -- writing -------------------------------------------------------------------
+
+    def append(self, sid: str, kind: str, body: bytes) -> asyncio.Future[None]:
+        """Queue one record; the future is done when it is durable (or failed)."""
+        assert self._loop is not None, "Journal.start was not called"
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._queue.put(("rec", sid, kind, time.time(), body, zlib.crc32(body), fut))
+        return fut
+
+    def gone(self, sid: str, reason: str) -> asyncio.Future[None]:
+        """The session left the store: delete its records and keep a tombstone (410)."""
+        assert self._loop is not None, "Journal.start was not called"
+        at = time.time()
+        self._remember(sid, reason, at)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fut.add_done_callback(_seen)  # nobody may wait for it: its error is logged by `_settle`
+        self._queue.put(("gone", sid, reason, at, fut))
+        return fut
+
+    def barrier(self) -> asyncio.Future[None]:
+        """Done when everything queued before it is durable (a DELETE's tombstone)."""
+        assert self._loop is not None, "Journal.start was not called"
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._queue.put(("sync", fut))
+        return fut
+
+    def check_writable(self) -> None:
+        """Refuse new work while the last write failed recently (a full disk)."""
+        if time.monotonic() - self._failed_at < FAILURE_HOLD_S:
+            raise JournalUnavailable(f"the session journal cannot be written ({self.last_error}); nothing is "
+                                     "committed until it can be: free space on its volume")
+
+    def check_gone(self, sid: str) -> None:
+        """410 for a session this instance closed within the tombstone time."""
+        stone = self._tombstones.get(sid)
+        if stone is None:
+            return
+        reason, at = stone
+        if time.time() - at > self.tombstone_ttl_s:
+            del self._tombstones[sid]
+            return
+        raise SessionGone(f"session {shown(sid)} is gone ({reason}); start a new session")
+
+    def _remember(self, sid: str, reason: str, at: float) -> None:
+        self._tombstones[sid] = (reason, at)
+        self._tombstones.move_to_end(sid)
+        while len(self._tombstones) > self.max_tombstones:
+            self._tombstones.popitem(last=False)
+
+    # -- the writer thread ---------------------------------------------------------
+
+    def _writer(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        stopping = False
+        while not stopping:
+            op = self._queue.get()
+            batch: list[tuple] = []
+            while op is not None:
+                batch.append(op)
+                try:
+                    op = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            stopping = op is None
+            if batch:
+                self._commit(conn, batch)
+        conn.close()
+
+    def _commit(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
+        error: BaseException | None = None
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for op in batch:
+                    if op[0] == "rec":
+                        conn.execute("INSERT INTO records (sid, kind, at, body, crc) VALUES (?, ?, ?, ?, ?)",
+                                     op[1:6])
+                    elif op[0] == "gone":
+                        _, sid, reason, at, _fut = op
+                        conn.execute("DELETE FROM records WHERE sid = ?", (sid,))
+                        conn.execute("INSERT OR REPLACE INTO tombstones (sid, reason, at) VALUES (?, ?, ?)",
+                                     (sid, reason, at))
+                        self._gone_since_prune += 1
+                if self._gone_since_prune >= _PRUNE_EVERY:
+                    self._gone_since_prune = 0
+                    conn.execute("DELETE FROM tombstones WHERE at < ?", (time.time() - self.tombstone_ttl_s,))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            error = exc
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._settle, [op[-1] for op in batch], error, len(batch))
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _settle(self, futures: list[asyncio.Future[None]], error: BaseException | None, n: int) -> None:
+        if error is None:
+            self.records_written += n
+            self.syncs += 1
+        else:
+            self._failed_at = time.monotonic()
+            self.last_error = str(error)
+            _log.error("journal %s: a write of %d records failed: %s", self.path, n, error)
+        for fut in futures:
+            if fut.done():
+                continue
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(JournalUnavailable(
+                    f"the session journal could not store this change ({error}); nothing was committed"))

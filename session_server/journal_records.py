@@ -1,0 +1,195 @@
+"""What the journal stores for each session change, and how recovery replays it.
+
+A record is the change itself, not the state after it, so each costs O(what changed):
+a turn's record holds its new prompt ids, sampled ids, logprobs (their float32 bits),
+repair ids, messages, record fields and routed experts, and the branch operation that
+placed it (append, rollback, fork); replaying it calls the same tree operations the
+commit called (`TrajectoryTree.branch_from`, `LinearTrajectory.commit_turn`, with the
+checks they make), with the turn's sequence number, so a recovered tree is the tree
+that was committed, turn for turn and bit for bit. Bodies are msgpack (`msgspec`):
+ints, floats, strings, bytes and containers round-trip exactly.
+
+Kinds: `create` (config, api key, times), `turn` (with the replay log's name of the
+request when it was recorded, so an SDK retry of a turn committed just before a crash
+is answered from that turn, replay.py `Rerender`), `reward` (the session's reward
+fields after the change) and `response` (a Responses API object kept for
+`previous_response_id`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from trajectory.buffer import IDS_DTYPE, LOGPROBS_DTYPE
+from trajectory.codec.base import HistoryPolicy
+from trajectory.tree import ROLLBACK_REASON
+
+from .sessions import Session, SessionConfig
+
+__all__ = ["CREATE", "RESPONSE", "REWARD", "TURN", "Recovered", "create_body", "decode", "encode",
+           "replay_rows", "reward_body", "turn_body"]
+
+CREATE, TURN, REWARD, RESPONSE = "create", "turn", "reward", "response"
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(body: Mapping[str, Any]) -> bytes:
+    return _encoder.encode(body)
+
+
+def decode(body: bytes) -> Any:
+    return _decoder.decode(body)
+
+
+def _ids(a: Any) -> bytes:
+    return np.asarray(a, dtype=IDS_DTYPE).tobytes()
+
+
+def create_body(s: Session) -> bytes:
+    c = s.config
+    return encode({
+        "token": s.token, "wall": time.time(),
+        "config": {"ttl_s": c.ttl_s, "metadata": c.metadata, "max_context_tokens": c.max_context_tokens,
+                   "sampling": c.sampling, "lora": c.lora, "chat_template_kwargs": c.chat_template_kwargs,
+                   "history_policy": c.history_policy.value, "routing_replay": c.routing_replay,
+                   "max_weight_lag": c.max_weight_lag},
+    })
+
+
+def turn_body(*, op: str, branch_id: int, checkpoint: int, reason: str | None, shared: int | None,
+              tools: Any, seq: int, prompt_ids: Sequence[int], ids: np.ndarray, logprobs: np.ndarray,
+              repair: Sequence[int], finish: str, spans: Any, version: Any, request_messages: Sequence[Any],
+              assistant_message: Any, engine: str | None, cached: int, extra: Mapping[str, Any],
+              routed: np.ndarray | None, answered: int | None, control: Sequence[float] | None,
+              notes: Sequence[Mapping[str, Any]], recorded: Sequence[Any] | None = None,
+              matched_stop: Any = None) -> bytes:
+    """One committed turn (see the module doc); `op` is prepare's kind."""
+    routed_part = None if routed is None else {
+        "shape": list(routed.shape), "dtype": routed.dtype.str, "data": np.ascontiguousarray(routed).tobytes()}
+    return encode({
+        "op": op, "branch": branch_id, "checkpoint": checkpoint, "reason": reason, "shared": shared,
+        "tools": tools, "seq": seq, "prompt": _ids(prompt_ids), "ids": _ids(ids),
+        "lps": np.asarray(logprobs, dtype=LOGPROBS_DTYPE).tobytes(), "repair": _ids(repair),
+        "finish": finish, "spans": spans, "version": version, "req": list(request_messages),
+        "msg": assistant_message, "engine": engine, "cached": cached, "extra": dict(extra),
+        "routed": routed_part, "answered": answered, "control": control, "notes": list(notes),
+        "recorded": None if recorded is None else list(recorded), "stop": matched_stop, "wall": time.time(),
+    })
+
+
+def reward_body(s: Session) -> bytes:
+    return encode({"reward": s.reward, "leaf_rewards": [[k, v] for k, v in s.leaf_rewards.items()],
+                   "reward_metadata": s.reward_metadata, "wall": time.time()})
+
+
+@dataclasses.dataclass
+class Recovered:
+    """What a replay rebuilt, beside the sessions now in the store."""
+
+    sessions: list[Session] = dataclasses.field(default_factory=list)  # for `SessionStore.restore`, on the loop
+    turns: int = 0
+    records: int = 0
+    # recorded requests whose turns were committed: (sid, (route, digest, key), (branch, turn), matched stop)
+    answers: list[tuple[str, Any, tuple[int, int], Any]] = dataclasses.field(default_factory=list)
+    responses: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+
+
+def _session(sid: str, body: Mapping[str, Any]) -> Session:
+    c = dict(body["config"])
+    c["history_policy"] = HistoryPolicy(c["history_policy"])
+    s = Session(sid, SessionConfig(**c), 0.0)
+    s.token = body["token"]
+    return s
+
+
+def _apply_turn(s: Session, t: Mapping[str, Any]) -> None:
+    tree = s.tree
+    op, branch_id = t["op"], t["branch"]
+    if op in ("first", "append"):
+        tree.activate(branch_id)
+    elif op == "rollback":
+        tree.branch_from(branch_id, t["checkpoint"], ROLLBACK_REASON)
+    else:
+        tree.branch_from(branch_id, t["checkpoint"], t["reason"], shared=t["shared"])
+    if op in ("first", "rollback", "fork"):
+        s.tools_by_branch[tree.active_id] = t["tools"]
+    tree.set_next_seq(t["seq"])
+    routed = t["routed"]
+    rows = None if routed is None else np.frombuffer(routed["data"], dtype=np.dtype(routed["dtype"])).reshape(
+        routed["shape"])
+    tree.active.trajectory.commit_turn(
+        np.frombuffer(t["prompt"], dtype=IDS_DTYPE), np.frombuffer(t["ids"], dtype=IDS_DTYPE),
+        np.frombuffer(t["lps"], dtype=LOGPROBS_DTYPE), finish_reason=t["finish"],
+        weight_spans=t["spans"] or None, weight_version=None if t["spans"] else t["version"],
+        repair_ids=np.frombuffer(t["repair"], dtype=IDS_DTYPE), request_messages=t["req"],
+        assistant_message=t["msg"], engine=t["engine"], cached_tokens=t["cached"], extra=t["extra"],
+        routed_experts=rows)
+    if t["answered"] is not None:
+        s.answered_seqs.add(t["answered"])
+    if t["control"] is not None:
+        totals = s.control_totals
+        for f, v in zip(dataclasses.fields(totals), t["control"], strict=True):
+            setattr(totals, f.name, getattr(totals, f.name) + v)
+    for note in t["notes"]:
+        s.diagnostics.append(note)
+
+
+def control_delta(before: Any, after: Any) -> list[float] | None:
+    """What a commit added to a session's `ControlTotals` (None: nothing)."""
+    delta = [getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)]
+    return delta if any(delta) else None
+
+
+def replay_rows(rows: Any, clock: Callable[[], float], *, wall: Callable[[], float] = time.time) -> Recovered:
+    """Rebuild every journaled session (blocking; O(records)). Each session's last use is
+    its newest record's wall time, mapped onto `clock` (the store's), so TTL deadlines
+    carry over the restart. A record that does not replay raises `ValueError` (the caller
+    refuses to start: a journal that does not rebuild is not served from)."""
+    out = Recovered()
+    sessions: dict[str, Session] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for row in rows:
+        out.records += 1
+        body = decode(row.body)
+        sid = row.sid
+        if row.kind == CREATE:
+            sessions[sid] = _session(sid, body)
+            first[sid] = row.at
+        else:
+            s = sessions.get(sid)
+            if s is None:
+                raise ValueError(f"record {row.seq} ({row.kind}) names session {sid} before its create record")
+            if row.kind == TURN:
+                try:
+                    _apply_turn(s, body)
+                except Exception as exc:
+                    raise ValueError(f"record {row.seq} (turn of session {sid}) does not replay: {exc}") from exc
+                out.turns += 1
+                if body["recorded"] is not None:
+                    active = s.tree.active
+                    out.answers.append((sid, body["recorded"], (active.id, active.trajectory.num_turns - 1),
+                                        body["stop"]))
+            elif row.kind == REWARD:
+                s.reward = body["reward"]
+                s.leaf_rewards = {int(k): v for k, v in body["leaf_rewards"]}
+                s.reward_metadata = dict(body["reward_metadata"])
+            elif row.kind == RESPONSE:
+                out.responses.append((sid, body))
+            else:
+                raise ValueError(f"record {row.seq} has an unknown kind {row.kind!r}")
+        last[sid] = row.at
+    now_wall, now = wall(), clock()
+    for sid, s in sessions.items():
+        s.created_at = now - max(0.0, now_wall - first[sid])
+        s.last_used = now - max(0.0, now_wall - last[sid])
+    out.sessions = list(sessions.values())
+    return out
