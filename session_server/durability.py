@@ -23,7 +23,7 @@ import msgspec
 from .api.dialects.openai_responses_output import StoredResponse
 from .context import ServerContext
 from .journal import Journal, JournalCorrupt, journal_path
-from .journal_records import replay_rows
+from .journal_records import INSTANCE, VERSION, encode, replay_rows
 from .sessions import Session
 from .settings import Settings
 from .turn.replay import ReplayLog
@@ -86,11 +86,19 @@ async def recover(ctx: ServerContext, replays: ReplayLog) -> None:
     except JournalCorrupt as exc:
         _stop(str(exc))
         return
+    if recovered.weight_version is not None:
+        ctx.control.restore_weight_version(recovered.weight_version)
+    ctx.control.on_weight_version.append(lambda v: _keep_version(journal, v))
     store.check_gone = journal.check_gone
     store.on_remove.append(lambda s: _gone(journal, s))
     store.recovering = False
     _log.info("journal %s: %d sessions, %d turns from %d records in %.2f s", journal.path,
               len(recovered.sessions), recovered.turns, recovered.records, loop.time() - started)
+
+
+def _keep_version(journal: Journal, version: int) -> None:
+    """The trainer's weight version, kept as the instance's latest (labels after a restart)."""
+    journal.put(INSTANCE, VERSION, encode({"version": version}))
 
 
 def _gone(journal: Journal, s: Session) -> None:

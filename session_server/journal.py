@@ -224,6 +224,15 @@ class Journal:
         self._queue.put(("rec", sid, kind, time.time(), body, zlib.crc32(body), fut))
         return fut
 
+    def put(self, sid: str, kind: str, body: bytes) -> asyncio.Future[None]:
+        """Queue a record that replaces the earlier ones of its (sid, kind): state kept as
+        its latest value (the instance's weight version), not as a history."""
+        assert self._loop is not None, "Journal.start was not called"
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fut.add_done_callback(_seen)
+        self._queue.put(("put", sid, kind, time.time(), body, zlib.crc32(body), fut))
+        return fut
+
     def gone(self, sid: str, reason: str) -> asyncio.Future[None]:
         """The session left the store: delete its records and keep a tombstone (410)."""
         assert self._loop is not None, "Journal.start was not called"
@@ -290,7 +299,9 @@ class Journal:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 for op in batch:
-                    if op[0] == "rec":
+                    if op[0] in ("rec", "put"):
+                        if op[0] == "put":
+                            conn.execute("DELETE FROM records WHERE sid = ? AND kind = ?", op[1:3])
                         conn.execute("INSERT INTO records (sid, kind, at, body, crc) VALUES (?, ?, ?, ?, ?)",
                                      op[1:6])
                     elif op[0] == "gone":
@@ -304,7 +315,8 @@ class Journal:
                     conn.execute("DELETE FROM tombstones WHERE at < ?", (time.time() - self.tombstone_ttl_s,))
                 conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:  # SQLite rolls back itself on SQLITE_FULL
+                    conn.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
             error = exc

@@ -13,7 +13,9 @@ Kinds: `create` (config, api key, times), `turn` (with the replay log's name of 
 request when it was recorded, so an SDK retry of a turn committed just before a crash
 is answered from that turn, replay.py `Rerender`), `reward` (the session's reward
 fields after the change) and `response` (a Responses API object kept for
-`previous_response_id`).
+`previous_response_id`); and, for the instance (sid ""), `version`: the trainer's
+weight version, kept as its latest value, so turns after a restart are labelled
+with it before the trainer's next update.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from trajectory.tree import ROLLBACK_REASON
 
 from .sessions import Session, SessionConfig
 
-__all__ = ["CREATE", "RESPONSE", "REWARD", "TURN", "Recovered", "create_body", "decode", "encode",
+__all__ = ["CREATE", "INSTANCE", "VERSION", "RESPONSE", "REWARD", "TURN", "Recovered", "create_body", "decode", "encode",
            "replay_rows", "reward_body", "turn_body"]
 
-CREATE, TURN, REWARD, RESPONSE = "create", "turn", "reward", "response"
+CREATE, TURN, REWARD, RESPONSE, VERSION = "create", "turn", "reward", "response", "version"
+INSTANCE = ""
+"""The sid of instance-level records (the trainer's weight version)."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -97,6 +101,7 @@ class Recovered:
     sessions: list[Session] = dataclasses.field(default_factory=list)  # for `SessionStore.restore`, on the loop
     turns: int = 0
     records: int = 0
+    weight_version: int | None = None
     # recorded requests whose turns were committed: (sid, (route, digest, key), (branch, turn), matched stop)
     answers: list[tuple[str, Any, tuple[int, int], Any]] = dataclasses.field(default_factory=list)
     responses: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
@@ -161,6 +166,10 @@ def replay_rows(rows: Any, clock: Callable[[], float], *, wall: Callable[[], flo
         out.records += 1
         body = decode(row.body)
         sid = row.sid
+        if sid == INSTANCE:
+            if row.kind == VERSION:
+                out.weight_version = body["version"]
+            continue
         if row.kind == CREATE:
             sessions[sid] = _session(sid, body)
             first[sid] = row.at

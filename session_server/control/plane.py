@@ -274,6 +274,12 @@ class ControlPlane:
             out["forced"] = True
         return out
 
+    def restore_weight_version(self, version: int) -> None:
+        """The version this instance's journal kept (start-up): applied unless one is set
+        already (a peer's, read since: newer), and not counted as a change made here."""
+        if self._version is None:
+            self._apply_version(version)
+
     def _apply_version(self, version: int) -> None:
         previous = self._version
         self._version = version

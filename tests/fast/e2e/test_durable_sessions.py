@@ -1,0 +1,212 @@
+"""Durable sessions end to end: a `serve` killed with SIGKILL mid-run loses nothing.
+
+200 agents run 5-turn episodes against a journaling server (one forks at turn 1, one
+in ten rolls back at turn 3; every session pauses between turns 1 and 2 while the
+trainer sets a new weight version). During turn 2, with turns in flight, the server
+is killed with SIGKILL and started again on the same journal; each agent retries what
+failed as an SDK does (same body, `x-stainless-retry-count` > 0). The same episodes
+run once more without the crash (the simulated engine is seeded: same context, same
+tokens), and every session's training samples must be byte-identical between the two
+runs: every committed turn is back, none is committed twice, versions are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from session_server.ops.cluster import free_ports
+from session_server.sim import running_sim
+
+SESSIONS = 200
+TURNS = 5
+PAUSE_AFTER = 2  # turns done by every session before the trainer's pause and update
+READY_S = 240.0
+RETRY_S = 180.0
+
+
+class Server:
+    """One `serve` process on a fixed port and journal directory (restartable)."""
+
+    def __init__(self, tokenizer: Path, engine: str, journal: Path, log: Path, *extra: str) -> None:
+        self.port = free_ports(1)[0]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "session_server.ops.cli", "serve", "--tokenizer", str(tokenizer),
+                     "--engine", f"sglang={engine}", "--port", str(self.port), "--journal-dir", str(journal),
+                     "--instance-id", "w0", "--cpu-workers", "1", "--decode-processes", "0",
+                     "--log-level", "warning", *extra]
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        async with httpx.AsyncClient(timeout=2) as http:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + READY_S
+            while True:
+                assert self.proc.poll() is None, self.log.read_text()[-3000:]
+                assert loop.time() < deadline, self.log.read_text()[-3000:]
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(f"{self.url}/health")).status_code == 200:
+                        return
+                await asyncio.sleep(0.1)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def serving(*args: Any) -> AsyncIterator[Server]:
+    server = Server(*args)
+    try:
+        await server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+async def _post(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> httpx.Response:
+    """A request as an SDK sends it: retried on a dead connection or a 5xx, with the same
+    body and a growing `x-stainless-retry-count` (the replay log's retry marker)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + RETRY_S
+    attempt = 0
+    while True:
+        try:
+            r = await http.post(url, json=body, headers={"x-stainless-retry-count": str(attempt)})
+            if r.status_code < 500:
+                r.raise_for_status()
+                return r
+        except (httpx.TransportError, httpx.RemoteProtocolError):
+            pass
+        attempt += 1
+        assert loop.time() < deadline, f"{url}: no answer within {RETRY_S} s"
+        await asyncio.sleep(0.2)
+
+
+class Agent:
+    """Agent `k`'s deterministic episode (its messages depend only on `k` and replies)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.sid = ""
+        self.messages: list[dict[str, Any]] = [{"role": "user", "content": f"Session {k}: fix the failing test."}]
+
+    async def turn(self, http: httpx.AsyncClient, base: str, t: int) -> None:
+        if t == 1 and self.k % 50 == 0:  # the agent rewrites its task: a fork (before the crash)
+            self.messages[0] = {"role": "user", "content": f"Session {self.k}: fix the failing tests, all of them."}
+        if t == 3 and self.k % 10 == 1:  # it drops its last exchange and asks again: a rollback (after)
+            del self.messages[-2:]
+            self.messages[-1] = {"role": "user", "content": f"Session {self.k}, step 2 again: try another way."}
+        body = {"model": "m", "messages": self.messages, "max_tokens": 16}
+        r = await _post(http, f"{base}/sessions/{self.sid}/v1/chat/completions", body)
+        reply = r.json()["choices"][0]["message"]
+        self.messages.append({"role": "assistant", "content": reply["content"] or ""})
+        self.messages.append({"role": "user", "content": f"Session {self.k}, step {t}: go on."})
+
+
+async def _episodes(base: str, during_crash_turn: Callable[[int], Any] | None = None) -> dict[int, bytes]:
+    """Every agent's episode against `base`; `during_crash_turn(done)` is called as turns
+    of turn `PAUSE_AFTER` complete. Returns each agent's samples, session id masked."""
+    agents = [Agent(k) for k in range(SESSIONS)]
+    limits = httpx.Limits(max_connections=SESSIONS)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        for a in agents:
+            a.sid = (await _post(http, f"{base}/sessions", {"metadata": {"agent": a.k}})).json()["session_id"]
+        for t in range(TURNS):
+            if t == PAUSE_AFTER:  # the trainer's update: pause, new weights, resume
+                await _post(http, f"{base}/control/pause", {"mode": "abort"})
+                await _post(http, f"{base}/control/weight_version", {"version": 7})
+                await _post(http, f"{base}/control/resume", {})
+            done = 0
+
+            async def one(a: Agent, t: int = t) -> None:
+                nonlocal done
+                await a.turn(http, base, t)
+                done += 1
+                if t == PAUSE_AFTER and during_crash_turn is not None:
+                    await during_crash_turn(done)
+
+            await asyncio.gather(*(one(a) for a in agents))
+        for a in agents:
+            await _post(http, f"{base}/sessions/{a.sid}/reward", {"reward": a.k / 10})
+        out = {}
+        for a in agents:
+            r = await http.get(f"{base}/sessions/{a.sid}/samples")
+            r.raise_for_status()
+            out[a.k] = r.content.replace(a.sid.encode(), b"SID")
+        return out
+
+
+async def test_a_killed_server_restarts_with_every_committed_turn_and_identical_samples(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3), seed=11, latency_ms=4.0) as engine:
+        async with serving(qwen3, engine, tmp_path / "j-clean", tmp_path / "clean.log") as clean:
+            expected = await _episodes(clean.url)
+
+    async with running_sim("sglang", str(qwen3), seed=11, latency_ms=4.0) as engine:
+        server = Server(qwen3, engine, tmp_path / "j-crash", tmp_path / "crash.log")
+        crashed = asyncio.Event()
+
+        async def crash(done: int) -> None:
+            if done >= SESSIONS * 2 // 5 and not crashed.is_set():
+                crashed.set()
+                server.kill()  # turns are in flight: some committed and unanswered, some not committed
+                await server.start()
+
+        try:
+            await server.start()
+            got = await _episodes(server.url, crash)
+        finally:
+            server.stop()
+    assert crashed.is_set()
+    log = (tmp_path / "crash.log").read_text()
+    assert "sessions" in log and "from" in log  # the recovery line
+    different = [k for k in expected if expected[k] != got[k]]
+    assert not different, (f"{len(different)} sessions differ, e.g. {different[0]}:\n"
+                           f"{expected[different[0]][:600]!r}\n{got[different[0]][:600]!r}")
+
+
+@pytest.mark.parametrize("reason", ["deleted"])
+async def test_a_closed_session_is_gone_after_a_restart(tokenizer_dirs: dict[str, Path], tmp_path: Path,
+                                                        reason: str) -> None:
+    """410 with the tombstone's reason, before and after a restart; an unknown id stays 404."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            assert (await http.delete(f"/sessions/{sid}")).status_code == 204
+            r = await http.get(f"/sessions/{sid}")
+            assert r.status_code == 410 and r.json()["error"]["type"] == "session_gone"
+            server.kill()
+            await server.start()
+            r = await http.post(f"/sessions/{sid}/v1/chat/completions",
+                                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 410 and "closed by DELETE" in r.json()["error"]["message"]
+            assert (await http.get("/sessions/w0.0123456789abcdef0123456789abcdef")).status_code == 404
+
+

@@ -1,0 +1,145 @@
+"""The journal's storage: durable appends with group commit, what a crash or a damaged
+file does to it (a torn last write dropped with a warning, a bad record refusing to
+start), a full disk answering an error, tombstones, one writer per file."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from session_server.errors import JournalUnavailable, SessionGone
+from session_server.journal import Journal, JournalCorrupt, journal_path
+
+
+async def _open(path: Path, **kw: object) -> Journal:
+    j = Journal(path, **kw)  # type: ignore[arg-type]
+    list(j.read())
+    j.start(asyncio.get_running_loop())
+    return j
+
+
+async def test_appends_come_back_in_order_with_their_bodies(tmp_path: Path) -> None:
+    path = journal_path(tmp_path, "w0")
+    j = await _open(path)
+    futs = [j.append(f"s{i % 3}", "turn", bytes([i]) * (i + 1)) for i in range(50)]
+    await asyncio.gather(*futs)
+    await j.close()
+    rows = list(Journal(path).read())
+    assert [(r.sid, r.kind, r.body) for r in rows] == [(f"s{i % 3}", "turn", bytes([i]) * (i + 1)) for i in range(50)]
+    assert [r.seq for r in rows] == sorted(r.seq for r in rows)
+
+
+async def test_records_queued_together_share_one_sync(tmp_path: Path) -> None:
+    j = await _open(journal_path(tmp_path, "w0"))
+    await asyncio.gather(*[j.append("s", "turn", b"x") for _ in range(200)])
+    assert j.records_written == 200
+    assert j.syncs < 200  # group commit: the loop queued them faster than one fsync each
+    await j.close()
+
+
+async def test_a_torn_last_write_is_dropped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A crash mid-write leaves the WAL ending inside a frame: SQLite ignores the
+    unfinished transaction (never acknowledged) and the start says so."""
+    path = journal_path(tmp_path / "live", "w0")
+    j = await _open(path)
+    for i in range(5):  # one transaction each
+        await j.append("s", "turn", f"record {i}".encode() * 50)
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    for suffix in ("", "-wal"):  # the files as a kill -9 leaves them (the writer still holds them)
+        shutil.copy(str(path) + suffix, str(crashed / path.name) + suffix)
+    await j.close()
+    wal = crashed / (path.name + "-wal")
+    assert wal.stat().st_size > 0
+    with wal.open("r+b") as f:
+        f.truncate(wal.stat().st_size - 100)  # the last frame loses its end
+    with caplog.at_level(logging.WARNING, logger="session_server"):
+        rows = list(Journal(crashed / path.name).read())
+    assert "torn" in caplog.text
+    bodies = [r.body for r in rows]
+    assert bodies == [f"record {i}".encode() * 50 for i in range(len(bodies))]
+    assert len(bodies) == 4  # the torn one is gone, every earlier one is intact
+
+
+async def test_a_record_damaged_on_disk_stops_the_start_naming_it(tmp_path: Path) -> None:
+    path = journal_path(tmp_path, "w0")
+    j = await _open(path)
+    await j.append("s1", "create", b"fine")
+    await j.append("s1", "turn", b"MARKER-" + b"x" * 64)
+    await j.close()  # the last connection checkpoints: the record lives in the main file now
+    data = bytearray(path.read_bytes())
+    at = data.index(b"MARKER-")
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalCorrupt, match=r"record 2 \(turn of session 's1'\) fails its checksum"):
+        list(Journal(path).read())
+
+
+async def test_a_file_that_is_not_a_database_stops_the_start(tmp_path: Path) -> None:
+    path = journal_path(tmp_path, "w0")
+    path.write_bytes(b"this is not sqlite" * 200)
+    with pytest.raises(JournalCorrupt, match="w0.sqlite3"):
+        list(Journal(path).read())
+
+
+async def test_a_full_disk_fails_the_write_and_then_refuses_new_work(tmp_path: Path) -> None:
+    """SQLite's SQLITE_FULL (a full volume, or the quota here) fails the records of that
+    transaction; for a while afterwards new work is refused up front."""
+    j = await _open(journal_path(tmp_path, "w0"), max_bytes=65536)
+    j.check_writable()
+    with pytest.raises(JournalUnavailable, match="full"):
+        for _ in range(200):
+            await j.append("s", "turn", b"y" * 8192)
+    with pytest.raises(JournalUnavailable, match="cannot be written"):
+        j.check_writable()
+    await j.close()
+
+
+async def test_tombstones_answer_gone_and_survive_a_restart(tmp_path: Path) -> None:
+    path = journal_path(tmp_path, "w0")
+    j = await _open(path)
+    await j.append("s1", "create", b"c")
+    await j.append("s1", "turn", b"t")
+    await j.append("s2", "create", b"c")
+    await j.gone("s1", "closed by DELETE")
+    with pytest.raises(SessionGone, match="closed by DELETE"):
+        j.check_gone("s1")
+    j.check_gone("s2")  # alive: no answer
+    await j.close()
+    again = Journal(path)
+    assert [r.sid for r in again.read()] == ["s2"]  # the closed session's records are compacted away
+    with pytest.raises(SessionGone):
+        again.check_gone("s1")
+    again.release()
+
+
+async def test_tombstones_expire(tmp_path: Path) -> None:
+    j = await _open(journal_path(tmp_path, "w0"), tombstone_ttl_s=0.0)
+    await j.gone("s1", "expired (ttl)")
+    await asyncio.sleep(0.01)
+    j.check_gone("s1")  # past its time: an unknown id again (404 upstream)
+    await j.close()
+
+
+async def test_one_process_per_journal(tmp_path: Path) -> None:
+    path = journal_path(tmp_path, "w0")
+    first = Journal(path)
+    with pytest.raises(JournalCorrupt, match="in use by another process"):
+        Journal(path)
+    first.release()
+    Journal(path).release()
+
+
+async def test_stored_rows_are_plain_sqlite(tmp_path: Path) -> None:
+    """The file is a standard SQLite database an operator can inspect."""
+    path = journal_path(tmp_path, "w0")
+    j = await _open(path)
+    await j.append("s1", "create", b"c")
+    await j.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT sid, kind FROM records").fetchall() == [("s1", "create")]
