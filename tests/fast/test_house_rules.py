@@ -207,7 +207,7 @@ def test_server_never_imports_the_simulator() -> None:
 # never one above. The longest matching prefix names a module's layer.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tools", ("session_server.ops", "session_server.client", "session_server.sim")),
-    ("app", ("session_server.app", "session_server.lifecycle")),
+    ("app", ("session_server.app", "session_server.lifecycle", "session_server.durability")),
     ("api", ("session_server.api", "session_server.auth")),
     ("turn", ("session_server.turn",)),
     ("wiring", ("session_server.context", "session_server.settings")),
@@ -215,7 +215,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("session_server.errors", "session_server.metrics", "session_server.offload",
                     "session_server.sessions", "session_server.model_config", "session_server.routed",
                     "session_server.structured", "session_server.grammar", "session_server.loopback",
-                    "session_server.parent_death")),
+                    "session_server.parent_death", "session_server.journal", "session_server.journal_records")),
     ("trajectory", ("trajectory",)),
 )
 MAX_MODULE_LINES = 450
