@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from .api.error_map import error_body
-from .errors import Unauthorized
+from .errors import Recovering, ServiceError, SessionGone, Unauthorized
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -103,7 +103,26 @@ class BearerAuth:
         if _matches(presented, self.admin) or (sid is not None and self._session_ok(scope, sid, presented)):
             await self.app(scope, receive, send)
             return
+        if sid is not None and presented and (unheld := self._unheld(scope, sid)) is not None:
+            await _send_error(scope, send, unheld, [])
+            return
         await self._deny(scope, send, bool(presented), access)
+
+    @staticmethod
+    def _unheld(scope: Scope, sid: str) -> ServiceError | None:
+        """Why a session's own token cannot be checked now: the journal still replays it
+        (503, retried), or it is gone (410, not retried): a 401 would tell its agent to
+        stop for good, or to retry forever. Reveals nothing of a live session."""
+        ctx = getattr(scope["app"].state, "ctx", None)
+        if ctx is None or sid in ctx.store.all():
+            return None
+        try:
+            ctx.store.get(sid)
+        except (Recovering, SessionGone) as exc:
+            return exc
+        except ServiceError:
+            return None
+        return None
 
     @staticmethod
     def _session_ok(scope: Scope, sid: str, presented: list[bytes]) -> bool:
@@ -117,17 +136,8 @@ class BearerAuth:
         what = "invalid credentials" if had_token else "missing credentials"
         how = "'Authorization: Bearer <token>'" + (" or 'x-api-key: <token>'" if access is Access.SESSION else "")
         err = Unauthorized(f"{what}: this route needs {need} as {how}")
-        ctx = getattr(scope["app"].state, "ctx", None)
-        if ctx is not None:
-            ctx.metrics.errors_total.labels(type=err.type).inc()
-        body = orjson.dumps(error_body(scope["path"], err))  # the client's shape, as every other error
         challenge = b'Bearer error="invalid_token"' if had_token else b"Bearer"
-        await send({
-            "type": "http.response.start",
-            "status": err.status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
+        await _send_error(scope, send, err, [
                 (b"www-authenticate", challenge),
                 # A wrong key stays wrong: Claude Code retries a 401 (it may refresh a key
                 # or token) unless told not to, and without this it kept retrying (silent
@@ -135,9 +145,24 @@ class BearerAuth:
                 # before their status rules (Claude Code 2.1.197's retry predicate;
                 # anthropic-sdk `_should_retry`, openai-python `_should_retry`).
                 (b"x-should-retry", b"false"),
-            ],
-        })
-        await send({"type": "http.response.body", "body": body})
+            ])
+
+
+async def _send_error(scope: Scope, send: Send, err: ServiceError, headers: list[tuple[bytes, bytes]]) -> None:
+    """`err` in the client's own shape (as every other error), counted."""
+    ctx = getattr(scope["app"].state, "ctx", None)
+    if ctx is not None:
+        ctx.metrics.errors_total.labels(type=err.type).inc()
+    body = orjson.dumps(error_body(scope["path"], err))
+    if err.retry_after_s is not None:
+        headers = [*headers, (b"retry-after", str(err.retry_after_s).encode())]
+    await send({
+        "type": "http.response.start",
+        "status": err.status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    *headers],
+    })
+    await send({"type": "http.response.body", "body": body})
 
 
 def install_auth(app: Any, admin_token: str | None) -> None:

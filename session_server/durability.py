@@ -22,7 +22,7 @@ import msgspec
 
 from .api.dialects.openai_responses_output import StoredResponse
 from .context import ServerContext
-from .journal import Journal, JournalCorrupt, journal_path
+from .journal import JOURNAL_EXIT_STATUS, Journal, JournalCorrupt, journal_path
 from .journal_records import INSTANCE, VERSION, encode, replay_rows
 from .sessions import Session
 from .settings import Settings
@@ -32,7 +32,6 @@ __all__ = ["FATAL", "JOURNAL_EXIT_STATUS", "open_journal", "recover", "stable_in
 
 _log = logging.getLogger("session_server")
 
-JOURNAL_EXIT_STATUS = 3
 FATAL: list[str] = []  # why the process stopped itself (the CLI exits JOURNAL_EXIT_STATUS with it)
 
 _INSTANCE_FILE = "serve.instance"

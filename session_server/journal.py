@@ -47,9 +47,12 @@ from pathlib import Path
 
 from .errors import JournalUnavailable, SessionGone, shown
 
-__all__ = ["FAILURE_HOLD_S", "Journal", "JournalCorrupt", "Row", "journal_path"]
+__all__ = ["FAILURE_HOLD_S", "JOURNAL_EXIT_STATUS", "Journal", "JournalCorrupt", "Row", "journal_path"]
 
 _log = logging.getLogger("session_server")
+
+JOURNAL_EXIT_STATUS = 3
+"""A `serve` whose journal does not replay exits with this (the cluster does not restart it)."""
 
 FAILURE_HOLD_S = 5.0
 """After a failed write, how long new turns are refused up front (then one may try)."""

@@ -8,25 +8,19 @@ import logging
 import os
 import socket
 import sys
-import typing
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from ..settings import ENV_PREFIX
+from .settings_flags import add_settings_flags, settings_from_args, settings_or_report
 
-from ..routing.factory import POLICY_NAMES
-from ..settings import ENV_PREFIX, Settings
+__all__ = ["build_parser", "load_tokenizer", "main", "settings_from_args"]
 
 HUB_PROBE_TIMEOUT_S = 3.0
-# older flag names kept working beside the ones built from the Settings fields
-_FLAG_ALIASES = {
-    "default_ttl_s": ("--ttl-s",),
-    "prefill_slots_per_engine": ("--prefill-slots",),
-    "template_family": ("--family",),
-}
-_MIB = 1024 * 1024
+JOURNAL_ENV = f"{ENV_PREFIX}JOURNAL_DIR"
+DEFAULT_CLUSTER_JOURNAL = "session-journal"  # under the working directory, unless named
 
 
 class TokenizerUnavailable(Exception):
@@ -107,7 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
     from ..engines.http import raise_nofile_limit
     from .serving import uvicorn_options
 
-    settings = _settings_or_report(args, "serve")
+    settings = settings_or_report(args, "serve")
     if settings is None:
         return 2
     try:
@@ -152,14 +146,19 @@ def _cluster(args: argparse.Namespace) -> int:
               "(use --host/--port for the proxy)", file=sys.stderr)
         return 2
     serve = build_parser().parse_args(["serve", *serve_args])  # exits 2 on a bad serve option
-    settings = _settings_or_report(serve, "cluster")
+    settings = settings_or_report(serve, "cluster")
     if settings is None:
         return 2
+    journal_dir = None
+    if args.journal:
+        journal_dir = str(Path(args.journal_dir or os.environ.get(JOURNAL_ENV) or DEFAULT_CLUSTER_JOURNAL).resolve())
+    else:
+        os.environ.pop(JOURNAL_ENV, None)  # the workers inherit this environment: none of them journals
     try:
         return run_cluster(serve_args, workers=args.workers, port=args.port, host=args.host, haproxy=args.haproxy,
                            start_timeout_s=args.start_timeout_s, drain_timeout_s=settings.drain_timeout_s + 5.0,
                            proxy_timeout_s=args.proxy_timeout_s, restart=args.restart,
-                           restart_backoff_s=args.restart_backoff_s)
+                           restart_backoff_s=args.restart_backoff_s, journal_dir=journal_dir)
     except ClusterError as exc:
         print(f"session-server cluster: error: {exc}", file=sys.stderr)
         return 2
@@ -250,73 +249,6 @@ def _sim_epilog() -> str:
     )
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _add_settings_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per `Settings` field: its type, bounds and help come from the model, so a
-    default lives in one place. Flags default to None ("not given"), which leaves the
-    field to the environment (`TITO_<FIELD>`) and then to the model's default."""
-    g = p.add_argument_group(
-        "settings", f"every setting is also an environment variable {ENV_PREFIX}<NAME> (e.g. "
-        f"{ENV_PREFIX}MAX_SESSIONS); a flag given here wins over the environment")
-    for name, info in Settings.model_fields.items():
-        default = info.default
-        shown = "" if default is None else f" (default: {default})"
-        kw: dict[str, Any] = {"dest": f"setting_{name}", "default": None,
-                              "help": (info.description or "") + shown}
-        base = next(a for a in getattr(info.annotation, "__args__", (info.annotation,)) if a is not type(None))
-        if typing.get_origin(info.annotation) is list:  # e.g. --peers URL --peers URL
-            kw.update(action="append", type=base, metavar=name.upper().removesuffix("S"))
-        elif base is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif getattr(info.annotation, "__origin__", None) is list:  # repeatable: --peers URL --peers URL
-            kw.update(action="append", metavar="URL", help=kw["help"] + "; repeat the flag for each")
-        else:
-            kw["type"] = base
-            kw["metavar"] = name.upper()
-            if name == "routing_policy":
-                kw["choices"] = POLICY_NAMES
-                del kw["metavar"]
-        g.add_argument(_flag(name), *_FLAG_ALIASES.get(name, ()), **kw)
-    g.add_argument("--max-body-mb", type=int, default=None, dest="max_body_mb",
-                   help="--max-body-bytes in MiB (the older flag)")
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The flags given, over the environment, over the model's defaults."""
-    given = {name: v for name in Settings.model_fields if (v := getattr(args, f"setting_{name}", None)) is not None}
-    mb = getattr(args, "max_body_mb", None)
-    if mb is not None:
-        if "max_body_bytes" in given:
-            raise ValueError("give --max-body-mb or --max-body-bytes, not both")
-        given["max_body_bytes"] = mb * _MIB
-    return Settings(**given)
-
-
-def _settings_or_report(args: argparse.Namespace, command: str) -> Settings | None:
-    """The settings, or None after printing the one-line error (the command exits 2)."""
-    try:
-        return settings_from_args(args)
-    except (ValidationError, ValueError) as exc:
-        print(f"session-server {command}: error: {_one_line(exc)}", file=sys.stderr)
-        return None
-
-
-def _one_line(exc: Exception) -> str:
-    """A settings error as one line naming the flag and its environment variable."""
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    parts = []
-    for err in exc.errors():
-        name = str(err["loc"][0]) if err["loc"] else "?"
-        field = name if name in Settings.model_fields else name.lower().removeprefix(ENV_PREFIX.lower())
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        parts.append(f"{_flag(field)} / {ENV_PREFIX}{field.upper()}: {msg}")
-    return "; ".join(parts)
-
-
 def _engine_spec(spec: str) -> str:
     """`--engine`: the address shape POST /engines checks, refused before anything starts."""
     from ..engines.admission_check import check_engine_spec
@@ -343,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"local cache), or a built-in offline name for the simulator ({builtin})")
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
-    _add_settings_flags(s)
+    add_settings_flags(s)
     s.add_argument("--gc-gen0-threshold", type=int, default=20_000, help="gc.set_threshold(N, 20, 20)")
     s.add_argument("--log-level", default="info", help="uvicorn log level")
     s.add_argument("--switch-interval-ms", type=float, default=0.5, help="GIL switch interval")
@@ -370,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--restart-backoff-s", type=float, default=1.0,
                    help="delay before a dead worker is restarted; doubles (up to 30 s) while it keeps dying within "
                         "a minute")
+    c.add_argument("--journal-dir", default=None,
+                   help="where the workers journal their sessions, one file per instance, so a worker that dies "
+                        "comes back with them (default: $TITO_JOURNAL_DIR, else ./session-journal)")
+    c.add_argument("--no-journal", dest="journal", action="store_false",
+                   help="keep sessions in the workers' memory only: a worker that dies loses them")
     c.set_defaults(func=_cluster, serve_args=[])
 
     e = sub.add_parser(

@@ -40,6 +40,7 @@ from types import FrameType
 
 from ..control.relay import RELAYED_HEADER
 from ..engines.http import raise_nofile_limit
+from ..journal import JOURNAL_EXIT_STATUS
 from ..parent_death import die_with_parent_argv
 from ..sessions import ID_SEPARATOR
 
@@ -128,8 +129,8 @@ def write_error_files(directory: Path, workers: Sequence[WorkerSpec]) -> None:
     for code, (reason, kind, message) in PROXY_ERRORS.items():
         (directory / f"{code}_proxy.http").write_text(_error_response(code, reason, kind, message))
     for w in workers:
-        down = (f"session instance {w.instance} is down or not answering its health check; if it died, "
-                "its sessions are lost (they lived in its memory)")
+        down = (f"session instance {w.instance} is down or not answering its health check (restarting, or "
+                "replaying its journal: retry; without a journal, a session of an instance that died is lost)")
         (directory / f"503_{w.instance}.http").write_text(
             _error_response(503, "Service Unavailable", "instance_unavailable", down))
         (directory / f"502_{w.instance}.http").write_text(_error_response(
@@ -315,15 +316,19 @@ def _wait_ready(children: _Children, specs: Sequence[WorkerSpec], timeout_s: flo
 def run_cluster(
     serve_args: Sequence[str], *, workers: int, port: int, host: str = "127.0.0.1", haproxy: str | None = None,
     start_timeout_s: float = 300.0, drain_timeout_s: float = 30.0, proxy_timeout_s: int = 3600,
-    restart: bool = True, restart_backoff_s: float = 1.0,
+    restart: bool = True, restart_backoff_s: float = 1.0, journal_dir: str | None = None,
 ) -> int:
     """Start the workers and HAProxy, supervise them until SIGTERM/SIGINT or HAProxy's
     death; exit status 0 when stopped with no worker ever dead, 1 otherwise.
 
     `restart`: a dead worker is started again (same instance id and port) after
     `restart_backoff_s`, doubling while it keeps dying within a minute; it joins the cluster's control state from its peers before it reports
-    healthy (control/peer_sync.py), so HAProxy sends it nothing stale. Its sessions are
-    lost either way: they lived in its memory."""
+    healthy (control/peer_sync.py), so HAProxy sends it nothing stale.
+
+    `journal_dir`: every worker journals its sessions there (`{instance}.sqlite3`), so
+    a restarted worker replays them before it reports healthy and its agents go on; a
+    worker whose journal does not replay (exit status 3) is not restarted. None: its
+    sessions are lost with it (they lived in its memory)."""
     haproxy_bin = find_haproxy(haproxy)  # before anything starts
     soft, _ = raise_nofile_limit()  # inherited by HAProxy and the workers
     _log.info("cluster: file-descriptor limit %d", soft)
@@ -335,6 +340,9 @@ def run_cluster(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     specs = [WorkerSpec(f"w{i}", p) for i, p in enumerate(free_ports(workers))]
+    if journal_dir is not None:
+        serve_args = [*serve_args, "--journal-dir", journal_dir]
+        _log.info("cluster: sessions journaled in %s (one file per instance)", journal_dir)
     children = _Children(first_backoff_s=restart_backoff_s)
     directory = Path(tempfile.mkdtemp(prefix="tito-cluster-"))
     try:
@@ -351,7 +359,7 @@ def run_cluster(
         _log.info("cluster ready: http://%s:%d (%d workers, haproxy pid=%d, config %s)",
                   shown, port, len(specs), children.haproxy.pid, cfg)
         restarter = (lambda w: children.start(w, worker_argv(w, specs, serve_args))) if restart else None
-        return _supervise(children, stop, {w.instance: w for w in specs}, restarter)
+        return _supervise(children, stop, {w.instance: w for w in specs}, restarter, durable=journal_dir is not None)
     except ClusterError as exc:
         _log.error("cluster: %s", exc)
         return 1
@@ -377,21 +385,25 @@ def _wait_proxy(proc: subprocess.Popen[bytes], url: str, stop: threading.Event, 
 
 def _supervise(
     children: _Children, stop: threading.Event, specs: dict[str, WorkerSpec],
-    restarter: Callable[[WorkerSpec], subprocess.Popen[bytes]] | None,
+    restarter: Callable[[WorkerSpec], subprocess.Popen[bytes]] | None, *, durable: bool = False,
 ) -> int:
     """Report (and restart, with `restarter`) dead workers; end on a stop signal,
     HAProxy's exit, or, without restarts, the last worker's."""
     assert children.haproxy is not None
     while not stop.wait(POLL_S):
         for name, rc in children.newly_dead():
-            if restarter is None:
-                _log.error("cluster: worker %s exited with status %d: its sessions are lost and answer 503 "
-                           "instance_unavailable at the proxy; the other workers keep serving", name, rc)
+            fate = ("its sessions wait in its journal" if durable else
+                    "its sessions are lost (they lived in its memory)")
+            if rc == JOURNAL_EXIT_STATUS:
+                _log.error("cluster: worker %s stopped: its journal does not replay (see its log); not restarted "
+                           "until that file is restored or moved away; the other workers keep serving", name)
+            elif restarter is None:
+                _log.error("cluster: worker %s exited with status %d: %s and answer 503 "
+                           "instance_unavailable at the proxy; the other workers keep serving", name, rc, fate)
             else:
                 delay = children.schedule_restart(name)
-                _log.error("cluster: worker %s exited with status %d: its sessions are lost (503 "
-                           "instance_unavailable at the proxy until it is back, then 404); restarting it in "
-                           "%.0f s", name, rc, delay)
+                _log.error("cluster: worker %s exited with status %d: %s (503 instance_unavailable at the proxy "
+                           "until it is back); restarting it in %.0f s", name, rc, fate, delay)
         if restarter is not None:
             now = time.monotonic()
             for name, when in list(children.restart_at.items()):

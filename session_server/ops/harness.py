@@ -31,8 +31,9 @@ def free_port() -> int:
 async def running_server(
     config: AppConfig, *, log_level: str = "warning", port: int | None = None
 ) -> AsyncIterator[str]:
-    """Serve `create_app(config)` until the block exits; yields the base URL. `port`: a
-    port chosen beforehand (a cluster's instances name each other as peers before start)."""
+    """Serve `create_app(config)` until the block exits; yields the base URL once its
+    journal (if any) has replayed. `port`: a port chosen beforehand (a cluster's
+    instances name each other as peers before start)."""
     app: FastAPI = create_app(config)
     port = port or free_port()
     # the options `serve` runs with, on the caller's loop
@@ -47,6 +48,10 @@ async def running_server(
                 task.result()  # re-raise a start-up failure
                 raise RuntimeError("server exited during start-up")
             await asyncio.sleep(0.01)
+        while getattr(app.state, "ctx", None) is not None and app.state.ctx.store.recovering:
+            if task.done():  # a journal that does not replay stops the server
+                raise RuntimeError("server exited while replaying its journal")
+            await asyncio.sleep(0.01)  # the journal replays: sessions are not back yet
         url = f"http://127.0.0.1:{port}"
         live_apps[url] = app
         yield url

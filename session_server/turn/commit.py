@@ -281,11 +281,11 @@ class _Undo:
         """Take the commit back (the notes it added go; one that pushed an old note out of
         the bounded list does not bring it back)."""
         tree = session.tree
-        if prep.kind in ("rollback", "fork") and branch.id != before:
+        branch.trajectory.rollback(record.index)
+        if prep.kind in ("rollback", "fork") and branch.id != before:  # the branch it started goes too
             tree.discard(branch.id, before)
             session.tools_by_branch.pop(branch.id, None)
         else:
-            branch.trajectory.rollback(record.index)
             if self.tools is _MISSING:
                 session.tools_by_branch.pop(branch.id, None)
             else:

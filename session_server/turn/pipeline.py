@@ -34,6 +34,7 @@ from typing import Protocol
 from ..context import ServerContext
 from ..engines.base import TokenDelta
 from ..errors import ClientGone, SessionBusy, SessionClosed
+from ..journal_records import DISCARDED, encode
 from ..sessions import Claim, Session, SessionState
 from .chat_request import ChatRequest
 from .commit import Checked, Committed, PendingTurn, commit, validate
@@ -246,6 +247,9 @@ class TurnRunner:
         """A turn that ended without a commit: counted in the session view and metrics."""
         session.turns_discarded += 1
         self.ctx.metrics.turns_total.labels(outcome="discarded").inc()
+        journal = self.ctx.journal
+        if journal is not None and session.id in self.ctx.store.all():  # a counter of the session view
+            journal.put(session.id, DISCARDED, encode({"turns_discarded": session.turns_discarded}))
 
     async def _turn(
         self, session: Session, claim: Claim, req: ChatRequest, body_len: int, timer: _Timer,

@@ -90,7 +90,8 @@ async def running_cluster(
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "session_server.ops.cli", "cluster", "--workers", str(workers), "--port", str(port),
             "--engine", f"sglang={engine}", "--tokenizer", str(tokenizer_dir), "--cpu-workers", "1",
-            "--decode-processes", "0", "--log-level", "warning", "--drain-timeout-s", "2", *extra,
+            "--decode-processes", "0", "--log-level", "warning", "--drain-timeout-s", "2",
+            *(() if "--no-journal" in extra else ("--journal-dir", str(tmp_path / "journal"))), *extra,
             stdin=subprocess.DEVNULL, stdout=out, stderr=out)
     cluster = Cluster(f"http://127.0.0.1:{port}", {}, log, proc)
     try:

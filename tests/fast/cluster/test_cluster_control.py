@@ -171,7 +171,7 @@ async def test_a_restarted_worker_joins_the_paused_cluster_at_its_version_and_en
     trainer, through the proxy, added an engine, set weight version 5 and paused: the
     restarted worker comes back paused at version 5 with both engines before the proxy
     sends it anything; one resume through the proxy resumes every instance; the old
-    sessions of that worker are gone (404), new ones on it are stamped version 5."""
+    sessions of that worker are back from its journal, new ones on it are stamped version 5."""
     qwen3 = tokenizer_dirs["qwen3"]
     async with running_sim("sglang", str(qwen3), seed=3) as engine, \
             running_sim("vllm", str(qwen3), seed=4) as second, \
@@ -211,12 +211,12 @@ async def test_a_restarted_worker_joins_the_paused_cluster_at_its_version_and_en
         r = await http.post("/control/resume", json={})
         assert r.status_code == 200 and r.json()["ok"] and r.json()["failed_instances"] == [], r.text
         assert not any([(await direct.get(f"{u}/control/state")).json()["paused"] for _, u in cl.workers.values()])
-        # w1's old session is gone (its memory died with it); w0's is intact
+        # w1's old session came back from its journal (the cluster journals by default); w0's is intact
         deadline = loop.time() + 30
         while (r := await http.get(f"/sessions/{on['w1']}")).status_code == 503:  # until HAProxy sees it up
             assert loop.time() < deadline, r.text
             await asyncio.sleep(0.2)
-        assert r.status_code == 404 and r.json()["error"]["type"] == "session_not_found", r.text
+        assert r.status_code == 200 and r.json()["session_id"] == on["w1"], r.text
         assert (await http.get(f"/sessions/{on['w0']}")).status_code == 200
         # retire the SGLang engine by URL through the proxy (engine ids differ per instance now:
         # w1 numbered its engines anew); the SGLang sim stamps its own "default" version, the

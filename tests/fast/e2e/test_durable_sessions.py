@@ -210,3 +210,81 @@ async def test_a_closed_session_is_gone_after_a_restart(tokenizer_dirs: dict[str
             assert (await http.get("/sessions/w0.0123456789abcdef0123456789abcdef")).status_code == 404
 
 
+
+
+async def test_a_retry_of_a_turn_committed_before_a_crash_gets_that_turn(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """The response of a committed turn dies with the process: the SDK's retry after the
+    restart is answered from the journaled turn (rendered again), never a second turn."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    body = {"model": "m", "messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 16}
+    async with running_sim("sglang", str(qwen3), seed=2, latency_ms=25.0) as engine:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log", "--replay-grace-s", "30") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            url = f"/sessions/{sid}/v1/chat/completions"
+            with pytest.raises(httpx.TimeoutException):  # the SDK gives up; the turn runs on (replay grace)
+                await http.post(url, json=body, headers={"x-stainless-retry-count": "0"}, timeout=0.05)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while (await http.get(f"/sessions/{sid}")).json()["turns"] == 0:
+                assert loop.time() < deadline
+                await asyncio.sleep(0.05)
+            server.kill()  # committed and journaled; its answer was never sent
+            await server.start()
+            retry = await http.post(url, json=body, headers={"x-stainless-retry-count": "1"})
+            assert retry.status_code == 200, retry.text
+            traj = (await http.get(f"/sessions/{sid}/trajectory")).json()
+            assert [len(b["turns"]) for b in traj["branches"]] == [1]  # no second turn, no new branch
+            turn = traj["branches"][0]["turns"][0]
+            assert retry.json()["choices"][0]["message"]["content"] == turn["assistant_message"]["content"]
+            again = await http.post(url, json=body, headers={"x-stainless-retry-count": "2"})
+            assert again.content == retry.content  # stored now: the same bytes
+
+
+async def test_with_auth_a_session_token_gets_410_for_its_closed_session(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """Auth cannot check a token against a session it no longer holds: the tombstone's
+    410 (its agent stops), not a 401 that would send it fixing its key."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    admin = {"Authorization": "Bearer admin-token-for-tests"}
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log",
+                           "--admin-token", "admin-token-for-tests") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            made = (await http.post("/sessions", json={}, headers=admin)).json()
+            sid, own = made["session_id"], {"Authorization": f"Bearer {made['api_key']}"}
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            assert (await http.post(f"/sessions/{sid}/v1/chat/completions", headers=own, json=chat)).status_code == 200
+            assert (await http.delete(f"/sessions/{sid}", headers=admin)).status_code == 204
+            r = await http.post(f"/sessions/{sid}/v1/chat/completions", headers=own, json=chat)
+            assert r.status_code == 410 and r.json()["error"]["type"] == "session_gone"
+            unknown = "/sessions/w0.0123456789abcdef0123456789abcdef/v1/chat/completions"
+            assert (await http.post(unknown, headers=own, json=chat)).status_code == 401
+
+
+async def test_stored_responses_and_previous_response_id_survive_a_restart(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """A Responses agent that chains by `previous_response_id` (it never resends history)
+    goes on after a restart: the stored objects came back with the session."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3), seed=4) as engine:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            url = f"/sessions/{sid}/v1/responses"
+            first = (await http.post(url, json={"model": "m", "input": "List the files.", "max_output_tokens": 8}))
+            assert first.status_code == 200, first.text
+            rid = first.json()["id"]
+            server.kill()
+            await server.start()
+            got = await http.get(f"{url}/{rid}")
+            assert got.status_code == 200 and got.json()["output"] == first.json()["output"], got.text
+            nxt = await http.post(url, json={"model": "m", "input": "Now open the first.", "max_output_tokens": 8,
+                                             "previous_response_id": rid})
+            assert nxt.status_code == 200, nxt.text
+            traj = (await http.get(f"/sessions/{sid}/trajectory")).json()
+            assert [len(b["turns"]) for b in traj["branches"]] == [2]  # appended to the first turn, no fork

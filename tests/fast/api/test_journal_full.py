@@ -1,0 +1,65 @@
+"""A journal that cannot be written (a full disk; here its quota) commits nothing: the
+turn, rollback, fork, reward or session it could not store answers 503
+`journal_unavailable` in the client's shape, and the session is exactly as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from session_server import journal
+from session_server.context import Settings
+
+from ..stack import live_stack
+
+BIG = "Here is the whole log of the failing run. " * 80  # ~3.4 KB per user message
+
+
+def _body(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": "m", "messages": messages, "max_tokens": 8}
+
+
+async def test_a_full_journal_commits_nothing_and_answers_503(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(journal, "FAILURE_HOLD_S", 0.0)  # every request reaches its commit
+    settings = Settings(journal_dir=str(tmp_path / "j"), journal_max_bytes=65536)
+    async with live_stack(tokenizer_dirs["qwen3"], settings=settings) as st:
+        sid = await st.session()
+        messages: list[dict[str, Any]] = [{"role": "user", "content": BIG}]
+        full = None
+        for _ in range(40):
+            r = await st.chat(sid, _body(messages))
+            if r.status_code != 200:
+                full = r
+                break
+            messages += [r.json()["choices"][0]["message"], {"role": "user", "content": BIG}]
+        assert full is not None, "the quota never filled"
+        assert full.status_code == 503 and full.json()["error"]["type"] == "journal_unavailable", full.text
+        assert full.headers["retry-after"] == "10"
+        before = await st.trajectory(sid)
+        assert len(before["branches"][0]["turns"]) >= 1
+
+        rollback = messages[:1]  # the first question again: a new branch from checkpoint 0
+        fork = [{"role": "user", "content": "A different task altogether. " + BIG}]
+        for attempt in (messages, rollback, fork):
+            r = await st.chat(sid, _body(attempt))
+            assert r.status_code == 503 and r.json()["error"]["type"] == "journal_unavailable", r.text
+            assert await st.trajectory(sid) == before  # not a token, branch or turn more
+        view = (await st.http.get(f"/sessions/{sid}")).json()
+        assert view["turns"] == len(before["branches"][0]["turns"]) and len(view["branches"]) == 1
+
+        # after a failed write, new changes are refused up front for a while (small ones that
+        # might still fit too: the disk is known full)
+        monkeypatch.setattr(journal, "FAILURE_HOLD_S", 30.0)
+        r = await st.http.post(f"/sessions/{sid}/reward", json={"reward": 1.0})
+        assert r.status_code == 503, r.text
+        assert (await st.http.get(f"/sessions/{sid}")).json()["reward"] is None
+        r = await st.http.post("/sessions", json={})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "journal_unavailable", r.text
+
+        anthropic = await st.http.post(f"/sessions/{sid}/v1/messages", json={
+            "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": BIG}]})
+        assert anthropic.status_code == 503 and anthropic.json()["type"] == "error", anthropic.text  # its own shape

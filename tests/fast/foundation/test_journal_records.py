@@ -1,0 +1,132 @@
+"""Journal records replay into the session that was committed, bit for bit: any mix of
+appends, rollbacks, forks sharing part of a prompt, weight spans, repair ids, routed
+experts, rewards and notes, encoded as commit encodes them, rebuilds the same tree
+(same export, same sequence numbers) and the same session fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from session_server.journal import Row
+from session_server.journal_records import (
+    CREATE,
+    REWARD,
+    TURN,
+    create_body,
+    replay_rows,
+    reward_body,
+    turn_body,
+)
+from session_server.sessions import Session, SessionConfig
+from trajectory import export
+from trajectory.codec.base import HistoryPolicy
+from trajectory.tree import ROLLBACK_REASON
+
+ROUTED = (2, 3)  # (layers, topk) of the routed experts rows
+
+
+@st.composite
+def _steps(draw: st.DrawFn) -> list[dict[str, Any]]:
+    out = []
+    for _ in range(draw(st.integers(1, 8))):
+        out.append({
+            "move": draw(st.sampled_from(["append", "append", "rollback", "fork"])),
+            "where": draw(st.floats(0, 1)),
+            "share": draw(st.floats(0, 1)),
+            "prompt": draw(st.lists(st.integers(0, 150_000), min_size=1, max_size=6)),
+            "out": draw(st.lists(st.integers(0, 150_000), min_size=0, max_size=6)),
+            "lp": draw(st.floats(-30, 0, width=32)),
+            "repair": draw(st.booleans()),
+            "spans": draw(st.booleans()),
+            "version": draw(st.one_of(st.none(), st.integers(0, 9), st.text(max_size=3), st.floats(0, 1))),
+            "routed": draw(st.booleans()),
+        })
+    return out
+
+
+def _commit(s: Session, step: dict[str, Any], rows: list[Row], routed_on: bool) -> None:
+    """One turn as commit.py makes it: the branch change, the turn, its record."""
+    tree = s.tree
+    branch = tree.active
+    traj = branch.trajectory
+    move = step["move"] if traj.num_turns else "first"
+    checkpoint, shared, reason = 0, None, None
+    if move == "rollback":
+        checkpoint = int(step["where"] * traj.num_turns)
+        tree.branch_from(branch.id, checkpoint, ROLLBACK_REASON)
+    elif move == "fork":
+        checkpoint = int(step["where"] * traj.num_turns)
+        at = traj.checkpoints[checkpoint]
+        limit = traj.turn(checkpoint).output_start if checkpoint < traj.num_turns else at
+        shared = at + int(step["share"] * (limit - at))
+        reason = "history_rewrite"
+        tree.branch_from(branch.id, checkpoint, reason, shared=shared)
+    else:
+        tree.activate(branch.id)
+    new = tree.active
+    tools = [{"type": "function", "function": {"name": f"t{new.id}"}}]
+    if move in ("first", "rollback", "fork"):
+        s.tools_by_branch[new.id] = tools
+    ids = np.array(step["out"], dtype=np.int32)
+    lps = np.full(len(ids), step["lp"], dtype=np.float32)
+    spans = [(0, len(ids), step["version"])] if step["spans"] and len(ids) else None
+    repair = [151645] if step["repair"] else []
+    rows_needed = len(new.trajectory) + len(step["prompt"]) + len(ids) - 1 - new.trajectory.routed_start()
+    routed = (np.arange(max(0, rows_needed) * 6, dtype=np.int32).reshape(-1, *ROUTED) % 64
+              if routed_on else None)
+    seq = tree.next_seq
+    messages = [{"role": "user", "content": f"q{seq}", "n": seq, "x": 0.1 * seq}]
+    answer = {"role": "assistant", "content": f"a{seq}", "tool_calls": []}
+    extra = {"request_id": f"r{seq}", "parse_status": "ok", "history_rewrite": {"at": seq}}
+    record = new.trajectory.commit_turn(
+        step["prompt"], ids, lps, finish_reason="stop", weight_spans=spans,
+        weight_version=None if spans else step["version"], repair_ids=repair, request_messages=messages,
+        assistant_message=answer, engine="e0", cached_tokens=seq, extra=extra, routed_experts=routed)
+    note = {"kind": "fork", "at": time.time(), "turn": record.index}
+    s.diagnostics.append(note)
+    s.control_totals.aborts += 1
+    body = turn_body(op=move, branch_id=branch.id, checkpoint=checkpoint, reason=reason, shared=shared,
+                     tools=tools if move in ("first", "rollback", "fork") else None, seq=record.seq,
+                     prompt_ids=step["prompt"], ids=ids, logprobs=lps, repair=repair, finish="stop", spans=spans,
+                     version=step["version"], request_messages=messages, assistant_message=answer, engine="e0",
+                     cached=seq, extra=extra, routed=routed, answered=None,
+                     control=[1, 0, 0.0, 0, 0, 0], notes=[note])
+    rows.append(Row(len(rows) + 1, s.id, TURN, time.time(), body))
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=_steps(), routed_on=st.booleans())
+def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, Any]], routed_on: bool) -> None:
+    config = SessionConfig(ttl_s=60.0, metadata={"task": "t", "n": 1}, sampling={"temperature": 0.5},
+                           history_policy=HistoryPolicy.APPEND, routing_replay=routed_on)
+    s = Session("w0.abc", config, 0.0)
+    rows = [Row(1, s.id, CREATE, time.time(), create_body(s))]
+    for step in steps:
+        _commit(s, step, rows, routed_on)
+    s.reward, s.leaf_rewards, s.reward_metadata = 0.5, {1: 1.0}, {"score": 3}
+    rows.append(Row(len(rows) + 1, s.id, REWARD, time.time(), reward_body(s)))
+
+    got = replay_rows(rows, time.monotonic)
+    [back] = got.sessions
+    assert back.id == s.id and back.token == s.token and back.config == s.config
+    assert orjson.dumps(export.to_dict(back.tree)) == orjson.dumps(export.to_dict(s.tree))
+    assert [t.seq for b in back.tree.branches() for t in b.trajectory.turns] == \
+        [t.seq for b in s.tree.branches() for t in b.trajectory.turns]
+    assert back.tree.active_id == s.tree.active_id and back.tree.next_seq == s.tree.next_seq
+    assert back.tools_by_branch == s.tools_by_branch
+    assert list(back.diagnostics) == list(s.diagnostics)
+    assert dataclasses.asdict(back.control_totals) == dataclasses.asdict(s.control_totals)
+    assert (back.reward, back.leaf_rewards, back.reward_metadata) == (s.reward, s.leaf_rewards, s.reward_metadata)
+    for a, b in zip(back.tree.branches(), s.tree.branches(), strict=True):
+        ra = [t.routed_experts for t in a.trajectory.turns]
+        rb = [t.routed_experts for t in b.trajectory.turns]
+        assert [None if r is None else (r.start, r.rows.tobytes()) for r in ra] == \
+            [None if r is None else (r.start, r.rows.tobytes()) for r in rb]
+    assert got.turns == len(rows) - 2
