@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
+import sys
 from pathlib import Path
 
 import msgspec
@@ -28,11 +28,12 @@ from .sessions import Session
 from .settings import Settings
 from .turn.replay import ReplayLog
 
-__all__ = ["FATAL", "JOURNAL_EXIT_STATUS", "open_journal", "recover", "stable_instance_id"]
+__all__ = ["EXIT_ON_FATAL", "FATAL", "JOURNAL_EXIT_STATUS", "open_journal", "recover", "stable_instance_id"]
 
 _log = logging.getLogger("session_server")
 
-FATAL: list[str] = []  # why the process stopped itself (the CLI exits JOURNAL_EXIT_STATUS with it)
+FATAL: list[str] = []  # why the journal did not replay (the store stays closed: 503 recovering)
+EXIT_ON_FATAL = [False]  # `serve` sets it: then the process exits with JOURNAL_EXIT_STATUS
 
 _INSTANCE_FILE = "serve.instance"
 
@@ -106,9 +107,13 @@ def _gone(journal: Journal, s: Session) -> None:
 
 
 def _stop(reason: str) -> None:
-    """Refuse to serve: log, and stop the process the way a signal does (uvicorn exits)."""
+    """Refuse to serve from a journal that does not replay: under `serve`, end the
+    process with `JOURNAL_EXIT_STATUS` at once (nothing was written: the journal's writer
+    starts after the replay; the reply decoder's processes die with their parent);
+    embedded (tests, the demo), keep the store closed and say why in `FATAL`."""
     _log.critical("%s", reason)
     FATAL.append(reason)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
+    if EXIT_ON_FATAL[0]:
+        logging.shutdown()
+        print(f"session-server serve: error: {reason}", file=sys.stderr, flush=True)
+        os._exit(JOURNAL_EXIT_STATUS)

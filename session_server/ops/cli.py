@@ -122,12 +122,10 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
     )
-    uvicorn.run(app, workers=1, **options)
-    from ..durability import FATAL, JOURNAL_EXIT_STATUS
+    from ..durability import EXIT_ON_FATAL
 
-    if FATAL:  # the journal did not replay: the process stopped itself
-        print(f"session-server serve: error: {FATAL[0]}", file=sys.stderr)
-        return JOURNAL_EXIT_STATUS
+    EXIT_ON_FATAL[0] = True  # a journal that does not replay ends the process with status 3
+    uvicorn.run(app, workers=1, **options)
     return 0
 
 

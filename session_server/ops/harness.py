@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from ..app import AppConfig, create_app
+from ..durability import FATAL
 from .serving import uvicorn_options
 
 live_apps: dict[str, FastAPI] = {}
@@ -49,8 +50,8 @@ async def running_server(
                 raise RuntimeError("server exited during start-up")
             await asyncio.sleep(0.01)
         while getattr(app.state, "ctx", None) is not None and app.state.ctx.store.recovering:
-            if task.done():  # a journal that does not replay stops the server
-                raise RuntimeError("server exited while replaying its journal")
+            if task.done() or FATAL:  # a journal that does not replay: the store stays closed
+                raise RuntimeError(f"the journal did not replay: {FATAL[-1] if FATAL else 'server exited'}")
             await asyncio.sleep(0.01)  # the journal replays: sessions are not back yet
         url = f"http://127.0.0.1:{port}"
         live_apps[url] = app

@@ -288,3 +288,32 @@ async def test_stored_responses_and_previous_response_id_survive_a_restart(
             assert nxt.status_code == 200, nxt.text
             traj = (await http.get(f"/sessions/{sid}/trajectory")).json()
             assert [len(b["turns"]) for b in traj["branches"]] == [2]  # appended to the first turn, no fork
+
+
+async def test_a_damaged_journal_stops_serve_with_status_3_naming_the_record(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    from session_server.journal import JOURNAL_EXIT_STATUS, Journal, journal_path
+
+    path = journal_path(tmp_path / "j", "w0")
+    j = Journal(path)
+    list(j.read())
+    j.start(asyncio.get_running_loop())
+    await j.append("w0.aaaa", "create", b"MARKER-" + b"z" * 40)
+    await j.close()
+    data = bytearray(path.read_bytes())
+    data[data.index(b"MARKER-") + 3] ^= 0x20
+    path.write_bytes(bytes(data))
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3)) as engine:
+        server = Server(qwen3, engine, tmp_path / "j", tmp_path / "log")
+        with (tmp_path / "log").open("ab") as out:
+            proc = subprocess.Popen(server.args, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        try:
+            rc = await asyncio.get_running_loop().run_in_executor(None, proc.wait, READY_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    log = (tmp_path / "log").read_text()
+    assert rc == JOURNAL_EXIT_STATUS, log[-2000:]
+    assert "record 1 (create of session 'w0.aaaa') fails its checksum" in log, log[-2000:]
