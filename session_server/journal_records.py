@@ -43,7 +43,20 @@ DISCARDED = "discarded"  # the session's count of turns ended without a commit (
 INSTANCE = ""
 """The sid of instance-level records (the trainer's weight version)."""
 
-_encoder = msgspec.msgpack.Encoder()
+def _plain(value: Any) -> Any:
+    """What msgpack cannot carry as is, as the JSON a response would show: numpy scalars
+    and arrays (a record's diagnostics may hold them), pydantic models."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    raise TypeError(f"a journal record cannot hold a {type(value).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_plain)
 _decoder = msgspec.msgpack.Decoder()
 
 

@@ -215,7 +215,7 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
         if journal is not None and undo is not None:
             # durable before anyone hears of it; a record that cannot be written undoes the commit
             try:
-                body = turn_body(
+                body = _record(turn_body,
                     op=prep.kind, branch_id=prep.branch_id, checkpoint=prep.checkpoint,
                     reason=branch.reason if prep.kind == "fork" else None, shared=prep.fork_shared,
                     tools=prep.tools if prep.kind in ("first", "rollback", "fork") else None, seq=record.seq,
@@ -235,6 +235,17 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
     ctx.metrics.tokens_out_total.inc(len(valid.ids))
     ctx.metrics.cached_tokens_total.inc(valid.cached_tokens)
     return Committed(turn_index=record.index, branch_id=branch.id)
+
+
+def _record(encode: Any, **fields: Any) -> bytes:
+    """The turn's journal record; a field it cannot encode is a bug, answered as one (500,
+    nothing committed), never a raw error."""
+    try:
+        body: bytes = encode(**fields)
+    except (TypeError, ValueError, OverflowError) as exc:
+        log.error("turn record not encodable: %s", exc)
+        raise InternalInvariant(f"the turn could not be journaled ({exc}); nothing committed") from exc
+    return body
 
 
 async def _durable(written: asyncio.Future[None]) -> bool:

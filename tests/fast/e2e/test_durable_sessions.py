@@ -317,3 +317,71 @@ async def test_a_damaged_journal_stops_serve_with_status_3_naming_the_record(
     log = (tmp_path / "log").read_text()
     assert rc == JOURNAL_EXIT_STATUS, log[-2000:]
     assert "record 1 (create of session 'w0.aaaa') fails its checksum" in log, log[-2000:]
+
+
+READ = {"name": "read_file", "description": "Read a file.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+
+
+async def _chat_episode(http: httpx.AsyncClient, sid: str) -> None:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You fix bugs."},
+                                      {"role": "user", "content": "Find the bug in main.py."}]
+    for t in range(3):
+        r = await http.post(f"/sessions/{sid}/v1/chat/completions", json={
+            "model": "m", "messages": messages, "max_tokens": 48, "logprobs": True,
+            "tools": [{"type": "function", "function": READ}]})
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        messages.append({k: v for k, v in msg.items() if v is not None})
+        for call in msg.get("tool_calls") or []:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"line {t}: x = 1 / 0"})
+        if not msg.get("tool_calls"):
+            messages.append({"role": "user", "content": f"Step {t}: go on."})
+
+
+async def _messages_episode(http: httpx.AsyncClient, sid: str) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Find the bug in main.py."}]
+    tool = {"name": READ["name"], "description": READ["description"], "input_schema": READ["parameters"]}
+    for t in range(3):
+        r = await http.post(f"/sessions/{sid}/v1/messages", json={
+            "model": "m", "system": "You fix bugs.", "messages": messages, "max_tokens": 48, "tools": [tool]})
+        assert r.status_code == 200, r.text
+        content = r.json()["content"]
+        messages.append({"role": "assistant", "content": content})
+        uses = [b for b in content if b["type"] == "tool_use"]
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": u["id"], "content": f"line {t}: x = 1 / 0"} for u in uses
+        ] or f"Step {t}: go on."})
+
+
+async def _responses_episode(http: httpx.AsyncClient, sid: str) -> None:
+    body: dict[str, Any] = {"model": "m", "instructions": "You fix bugs.", "input": "Find the bug in main.py.",
+                            "max_output_tokens": 48, "tools": [{"type": "function", **READ}]}
+    for t in range(3):
+        r = await http.post(f"/sessions/{sid}/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        calls = [o for o in r.json()["output"] if o["type"] == "function_call"]
+        body = {**body, "previous_response_id": r.json()["id"], "input": [
+            {"type": "function_call_output", "call_id": c["call_id"], "output": f"line {t}: x = 1 / 0"} for c in calls
+        ] or f"Step {t}: go on."}
+
+
+async def test_every_dialect_with_tools_comes_back_byte_for_byte(tokenizer_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Chat, Messages and Responses episodes with tool calls and results: the trajectory
+    and the samples read after a SIGKILL and restart are the bytes read before it."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3), seed=8) as engine:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            sids = [(await http.post("/sessions", json={"metadata": {"d": d}})).json()["session_id"] for d in range(3)]
+            await asyncio.gather(_chat_episode(http, sids[0]), _messages_episode(http, sids[1]),
+                                 _responses_episode(http, sids[2]))
+            await http.post(f"/sessions/{sids[0]}/reward", json={"reward": 1.0, "metadata": {"judge": "tests"}})
+            reads = ("trajectory", "trajectory?format=npz", "samples")
+            before = {(s, p): (await http.get(f"/sessions/{s}/{p}")).content for s in sids for p in reads}
+            calls = sum(b"tool_call" in before[(s, "trajectory")] for s in sids)
+            server.kill()
+            await server.start()
+            after = {(s, p): (await http.get(f"/sessions/{s}/{p}")).content for s in sids for p in reads}
+    assert calls >= 2, "the episodes should include tool calls"
+    assert [k for k in before if before[k] != after[k]] == []
