@@ -59,8 +59,11 @@ def server_cpu_s(pid: int) -> float:
 
 
 async def _agent(http: aiohttp.ClientSession, url: str, turns: int, max_tokens: int,
-                 start: asyncio.Event, done: list[int]) -> None:
-    """One session: `turns` turns after `start` is set, history growing by two messages."""
+                 start: asyncio.Event, done: list[int], latencies: list[float] | None = None,
+                 kept: list[str] | None = None) -> None:
+    """One session: `turns` turns after `start` is set, history growing by two messages.
+    With `latencies`, each turn's wall time (request sent -> reply read) is appended; with
+    `kept`, the session is left open and its id appended (else it is deleted)."""
     async with http.post(f"{url}/sessions", json={}) as r:
         r.raise_for_status()
         sid = (await r.json())["session_id"]
@@ -68,22 +71,30 @@ async def _agent(http: aiohttp.ClientSession, url: str, turns: int, max_tokens: 
     await start.wait()
     for k in range(turns):
         body = {"model": "m", "messages": messages, "max_tokens": max_tokens}
+        t0 = time.perf_counter()
         async with http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=body) as r:
             r.raise_for_status()
             reply = (await r.json())["choices"][0]["message"]
+        if latencies is not None:
+            latencies.append(time.perf_counter() - t0)
         messages = [*messages, {"role": "assistant", "content": reply.get("content") or ""},
                     {"role": "user", "content": f"Go on with step {k + 1}."}]
         done[0] += 1
+    if kept is not None:
+        kept.append(sid)
+        return
     async with http.delete(f"{url}/sessions/{sid}") as r:
         r.raise_for_status()
 
 
-async def _phase(url: str, agents: int, turns: int, max_tokens: int) -> int:
+async def _phase(url: str, agents: int, turns: int, max_tokens: int, latencies: list[float] | None = None,
+                 kept: list[str] | None = None) -> int:
     done = [0]
     start = asyncio.Event()
     conn = aiohttp.TCPConnector(limit=agents)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as http:
-        tasks = [asyncio.create_task(_agent(http, url, turns, max_tokens, start, done)) for _ in range(agents)]
+        tasks = [asyncio.create_task(_agent(http, url, turns, max_tokens, start, done, latencies, kept))
+                 for _ in range(agents)]
         await asyncio.sleep(0)
         start.set()
         await asyncio.gather(*tasks)
