@@ -44,10 +44,12 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import JournalUnavailable, SessionGone, shown
 
-__all__ = ["FAILURE_HOLD_S", "JOURNAL_EXIT_STATUS", "Journal", "JournalCorrupt", "Row", "journal_path"]
+__all__ = ["FAILURE_HOLD_S", "JOURNAL_EXIT_STATUS", "Journal", "JournalCorrupt", "Row", "Written", "durable",
+           "journal_path", "settled"]
 
 _log = logging.getLogger("session_server")
 
@@ -119,6 +121,37 @@ def _torn_tail(path: Path) -> int:
     if page < 512:
         return 0
     return (size - _WAL_HEADER) % (page + _FRAME_HEADER)
+
+
+class Written(asyncio.Future[None]):
+    """A record's durability: done when its transaction committed (or failed). It cannot
+    be cancelled: a task cancelled while it waits gets its `CancelledError` once the
+    outcome is known (`settled`), because that outcome decides whether a change stands.
+    Awaited directly, with no `asyncio.shield` hop: under load each loop hop is
+    milliseconds of the turn's latency."""
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
+async def settled(written: Written) -> bool:
+    """Wait for `written`: its error raised (`JournalUnavailable`), else whether a cancel
+    of the waiting task arrived meanwhile (the caller re-raises it when it has finished
+    what the outcome obliges it to do)."""
+    try:
+        await written
+    except asyncio.CancelledError:
+        if not written.done():  # not ours: the wait itself was interrupted some other way
+            raise
+        written.result()
+        return True
+    return False
+
+
+async def durable(written: Written) -> None:
+    """Wait for `written`: its error raised; a cancel that came meanwhile raised after."""
+    if await settled(written):
+        raise asyncio.CancelledError
 
 
 def _seen(fut: asyncio.Future[None]) -> None:
@@ -220,36 +253,36 @@ class Journal:
 
     # -- writing -------------------------------------------------------------------
 
-    def append(self, sid: str, kind: str, body: bytes) -> asyncio.Future[None]:
-        """Queue one record; the future is done when it is durable (or failed)."""
+    def append(self, sid: str, kind: str, body: bytes) -> Written:
+        """Queue one record; `Written` is done when it is durable (or failed)."""
         assert self._loop is not None, "Journal.start was not called"
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut = Written(loop=self._loop)
         self._queue.put(("rec", sid, kind, time.time(), body, zlib.crc32(body), fut))
         return fut
 
-    def put(self, sid: str, kind: str, body: bytes) -> asyncio.Future[None]:
+    def put(self, sid: str, kind: str, body: bytes) -> Written:
         """Queue a record that replaces the earlier ones of its (sid, kind): state kept as
         its latest value (the instance's weight version), not as a history."""
         assert self._loop is not None, "Journal.start was not called"
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut = Written(loop=self._loop)
         fut.add_done_callback(_seen)
         self._queue.put(("put", sid, kind, time.time(), body, zlib.crc32(body), fut))
         return fut
 
-    def gone(self, sid: str, reason: str) -> asyncio.Future[None]:
+    def gone(self, sid: str, reason: str) -> Written:
         """The session left the store: delete its records and keep a tombstone (410)."""
         assert self._loop is not None, "Journal.start was not called"
         at = time.time()
         self._remember(sid, reason, at)
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut = Written(loop=self._loop)
         fut.add_done_callback(_seen)  # nobody may wait for it: its error is logged by `_settle`
         self._queue.put(("gone", sid, reason, at, fut))
         return fut
 
-    def barrier(self) -> asyncio.Future[None]:
+    def barrier(self) -> Written:
         """Done when everything queued before it is durable (a DELETE's tombstone)."""
         assert self._loop is not None, "Journal.start was not called"
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut = Written(loop=self._loop)
         self._queue.put(("sync", fut))
         return fut
 
@@ -329,7 +362,7 @@ class Journal:
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
-    def _settle(self, futures: list[asyncio.Future[None]], error: BaseException | None, n: int) -> None:
+    def _settle(self, futures: list[Written], error: BaseException | None, n: int) -> None:
         if error is None:
             self.records_written += n
             self.syncs += 1

@@ -37,6 +37,7 @@ from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample, build_samples, t
 from ..context import ServerContext
 from ..control.relay import PeerRelay
 from ..errors import BadRequest, JournalUnavailable, SessionBusy, from_library
+from ..journal import durable
 from ..journal_records import REWARD, reward_body
 from ..sessions import Session, SessionState
 from . import samples_cluster
@@ -116,7 +117,7 @@ async def set_reward(ctx: ServerContext, s: Session, spec: RewardRequest) -> dic
         if ctx.journal is not None:  # the state after the change, durable before it is answered
             written = ctx.journal.append(s.id, REWARD, reward_body(s))
             try:
-                await asyncio.shield(written)
+                await durable(written)
             except JournalUnavailable:
                 s.reward, s.leaf_rewards, s.reward_metadata = before
                 raise
@@ -153,7 +154,7 @@ async def _stream(ctx: ServerContext, sessions: list[Session], spec: SamplesBatc
                     ctx.store.close(s.id, "taken by POST /samples with close")
                     if ctx.journal is not None:  # its tombstone is stored before its samples are sent
                         with contextlib.suppress(JournalUnavailable):  # logged; it may come back at a restart
-                            await asyncio.shield(ctx.journal.barrier())
+                            await durable(ctx.journal.barrier())
             part = await ctx.offload.run(writer.add, samples)
             del samples
             if part:

@@ -32,6 +32,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ..context import ServerContext, log
 from ..errors import CommittedUnanswered, JournalUnavailable
+from ..journal import durable
 from ..journal_records import RESPONSE, encode
 from ..sessions import Session
 from ..turn.chat_request import ChatRequest
@@ -72,7 +73,7 @@ async def _journal_kept(ctx: ServerContext, sid: str, kept: tuple[str, Any]) -> 
     rid, value = kept
     body = encode({"rid": rid, "stored": msgspec.msgpack.encode(value)})
     try:
-        await asyncio.shield(ctx.journal.append(sid, RESPONSE, body))
+        await durable(ctx.journal.append(sid, RESPONSE, body))
     except JournalUnavailable:
         log.warning("session %s: stored response %s not journaled", sid, rid)
 

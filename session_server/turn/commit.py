@@ -28,6 +28,7 @@ from ..context import ServerContext, log
 from ..control import ResilientResult
 from ..engines.base import GenerateResult
 from ..errors import InternalInvariant, UpstreamInvalid
+from ..journal import settled
 from ..journal_records import TURN, control_delta, turn_body
 from ..routed import join, wire_size
 from ..sessions import Claim, Session
@@ -225,7 +226,7 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
                     cached=valid.cached_tokens, extra=extra, routed=checked.routed,
                     answered=prep.answered, control=control_delta(undo.control, session.control_totals),
                     notes=undo.notes_added(session), recorded=turn.recorded, matched_stop=result.matched_stop)
-                cancelled = await _durable(journal.append(session.id, TURN, body))
+                cancelled = await settled(journal.append(session.id, TURN, body))
             except BaseException:
                 undo.apply(session, branch, before, prep, record)
                 raise
@@ -246,21 +247,6 @@ def _record(encode: Any, **fields: Any) -> bytes:
         log.error("turn record not encodable: %s", exc)
         raise InternalInvariant(f"the turn could not be journaled ({exc}); nothing committed") from exc
     return body
-
-
-async def _durable(written: asyncio.Future[None]) -> bool:
-    """Wait for a journal write, even through a cancel (the write goes on; its outcome
-    decides whether the commit stands): its error raised, else whether a cancel came."""
-    cancelled = False
-    while not written.done():
-        try:
-            await asyncio.shield(written)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:
-            break
-    written.result()  # JournalUnavailable: the caller undoes the commit
-    return cancelled
 
 
 @dataclasses.dataclass

@@ -6,7 +6,6 @@ samples and reward are `samples.py`'s. Reading a session is using it: its TTL re
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import Any
 
@@ -18,6 +17,7 @@ from trajectory.codec.base import HistoryPolicy
 
 from ...context import ServerContext
 from ...errors import BadRequest, JournalUnavailable
+from ...journal import durable
 from ...journal_records import CREATE, create_body
 from ...sessions import Session, SessionConfig
 from .. import samples as samples_api
@@ -128,7 +128,7 @@ async def create_session(request: Request) -> Response:
     s = ctx.store.create(cfg)
     if ctx.journal is not None:  # durable before its id is given out; unstored, it never existed
         try:
-            await asyncio.shield(ctx.journal.append(s.id, CREATE, create_body(s)))
+            await durable(ctx.journal.append(s.id, CREATE, create_body(s)))
         except JournalUnavailable:
             ctx.store.discard(s)
             raise
@@ -169,5 +169,5 @@ async def delete_session(sid: str, request: Request, return_trajectory: bool = F
     resp = await trajectory_response(ctx, s, format) if return_trajectory else None
     ctx.store.close(sid)  # routing state goes with the removal (store.on_remove)
     if ctx.journal is not None:  # its tombstone is stored before the 204 says it is gone
-        await asyncio.shield(ctx.journal.barrier())
+        await durable(ctx.journal.barrier())
     return resp if resp is not None else Response(status_code=204)

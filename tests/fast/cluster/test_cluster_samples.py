@@ -83,13 +83,13 @@ async def test_a_batch_of_every_instances_sessions_through_the_proxy_is_what_eac
             got = load(raw)
             assert [s.metadata["session_id"] for s in got] == order
             assert samples_to_json(got) == samples_to_json(want), fmt  # every field, bit-exact
-        # close: every session is closed on its owner
+        # close: every session is closed on its owner (a tombstone: 410, the cluster journals)
         r, raw, chunks = await _batch(http, {"session_ids": order, "format": "json", "close": True})
         assert r.status_code == 200 and len(load_samples_json(raw)) == len(order), raw[:500]
         assert chunks >= 2  # the head, then the sessions as they are read
         for sid in order:
             gone = await direct.get(f"{url_of[sid.split('.')[0]]}/sessions/{sid}")
-            assert gone.status_code == 404, (sid, gone.text)
+            assert gone.status_code == 410 and gone.json()["error"]["type"] == "session_gone", (sid, gone.text)
 
         # errors are answered whole, before a byte, and nothing is read or closed
         fresh = await _sessions(http, 1, 3)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from session_server.errors import JournalUnavailable, SessionGone
-from session_server.journal import Journal, JournalCorrupt, journal_path
+from session_server.journal import Journal, JournalCorrupt, Written, durable, journal_path, settled
 
 
 async def _open(path: Path, **kw: object) -> Journal:
@@ -143,3 +143,36 @@ async def test_stored_rows_are_plain_sqlite(tmp_path: Path) -> None:
     await j.close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT sid, kind FROM records").fetchall() == [("s1", "create")]
+
+
+async def test_a_cancel_waits_for_the_outcome_of_the_write() -> None:
+    """A turn cancelled while its record is written learns the outcome first: stored, the
+    commit stands (then the cancel goes on); failed, the error decides."""
+    loop = asyncio.get_running_loop()
+    ok, bad = Written(loop=loop), Written(loop=loop)
+    assert not ok.cancel()
+    got: list[object] = []
+
+    async def wait(w: Written) -> None:
+        try:
+            got.append(await settled(w))
+        except JournalUnavailable as exc:
+            got.append(exc)
+
+    tasks = [asyncio.create_task(wait(w)) for w in (ok, bad)]
+    await asyncio.sleep(0)
+    for t in tasks:
+        t.cancel()
+    await asyncio.sleep(0.01)
+    assert got == [] and not any(t.done() for t in tasks)  # still waiting for the outcome
+    ok.set_result(None)
+    bad.set_exception(JournalUnavailable("disk full"))
+    await asyncio.gather(*tasks)
+    assert got[0] is True and isinstance(got[1], JournalUnavailable)
+    with pytest.raises(asyncio.CancelledError):
+        w = Written(loop=loop)
+        t = asyncio.create_task(durable(w))
+        await asyncio.sleep(0)
+        t.cancel()
+        w.set_result(None)
+        await t
