@@ -23,7 +23,7 @@ import msgspec
 from .api.dialects.openai_responses_output import StoredResponse
 from .context import ServerContext
 from .journal import JOURNAL_EXIT_STATUS, Journal, JournalCorrupt, journal_path
-from .journal_records import INSTANCE, VERSION, encode, replay_rows
+from .journal_records import INSTANCE, TOUCH, VERSION, encode, replay_rows
 from .sessions import Session
 from .settings import Settings
 from .turn.replay import ReplayLog
@@ -90,10 +90,21 @@ async def recover(ctx: ServerContext, replays: ReplayLog) -> None:
         ctx.control.restore_weight_version(recovered.weight_version)
     ctx.control.on_weight_version.append(lambda v: _keep_version(journal, v))
     store.check_gone = journal.check_gone
+    store.on_touch = lambda s: _touched(journal, s)
     store.on_remove.append(lambda s: _gone(journal, s))
     store.recovering = False
     _log.info("journal %s: %d sessions, %d turns from %d records in %.2f s", journal.path,
               len(recovered.sessions), recovered.turns, recovered.records, loop.time() - started)
+
+
+def _touched(journal: Journal, s: Session) -> None:
+    """A read pushed the session's TTL back: journaled at most every quarter TTL, so a
+    session kept alive by reads alone does not expire early after a restart (recovery
+    takes a session's last use from its newest record)."""
+    now = s.last_used
+    if now - s.journaled_use >= s.config.ttl_s / 4:
+        s.journaled_use = now
+        journal.put(s.id, TOUCH, b"\x80")  # an empty msgpack map: the record's time is the point
 
 
 def _keep_version(journal: Journal, version: int) -> None:

@@ -13,7 +13,7 @@ Kinds: `create` (config, api key, times), `turn` (with the replay log's name of 
 request when it was recorded, so an SDK retry of a turn committed just before a crash
 is answered from that turn, replay.py `Rerender`), `reward` (the session's reward
 fields after the change), `discarded` (the count of turns that ended without a
-commit, its latest value) and `response` (a Responses API object kept for
+commit, its latest value), `touch` (a read that pushed the TTL back: its time) and `response` (a Responses API object kept for
 `previous_response_id`); and, for the instance (sid ""), `version`: the trainer's
 weight version, kept as its latest value, so turns after a restart are labelled
 with it before the trainer's next update.
@@ -35,10 +35,11 @@ from trajectory.tree import ROLLBACK_REASON
 
 from .sessions import Session, SessionConfig
 
-__all__ = ["CREATE", "DISCARDED", "INSTANCE", "VERSION", "RESPONSE", "REWARD", "TURN", "Recovered", "create_body", "decode", "encode",
+__all__ = ["CREATE", "DISCARDED", "INSTANCE", "TOUCH", "VERSION", "RESPONSE", "REWARD", "TURN", "Recovered", "create_body", "decode", "encode",
            "replay_rows", "reward_body", "turn_body"]
 
 CREATE, TURN, REWARD, RESPONSE, VERSION = "create", "turn", "reward", "response", "version"
+TOUCH = "touch"  # a read that pushed the TTL back: only its time matters (the latest kept)
 DISCARDED = "discarded"  # the session's count of turns ended without a commit (its latest value)
 INSTANCE = ""
 """The sid of instance-level records (the trainer's weight version)."""
@@ -206,6 +207,8 @@ def replay_rows(rows: Any, clock: Callable[[], float], *, wall: Callable[[], flo
                 s.reward = body["reward"]
                 s.leaf_rewards = {int(k): v for k, v in body["leaf_rewards"]}
                 s.reward_metadata = dict(body["reward_metadata"])
+            elif row.kind == TOUCH:
+                pass  # its time is the session's last use (below)
             elif row.kind == DISCARDED:
                 s.turns_discarded = body["turns_discarded"]
             elif row.kind == RESPONSE:

@@ -148,6 +148,7 @@ class Session:
         self.reward_metadata: dict[str, Any] = {}  # merged over config.metadata
         # Responses API: response id -> its turn's place in the tree (api/dialects/openai_responses.py)
         self.responses: dict[str, Any] = {}
+        self.journaled_use = now  # the store's clock at the last `touch` the journal kept
         self.gone_reason = ""  # why it left the store (closed, expired, taken by samples close): a tombstone's words
 
     def built_on(self, turn: tuple[int, int]) -> bool:
@@ -226,6 +227,8 @@ class SessionStore:
         self.recovering = False
         # raises SessionGone for an id the journal holds a tombstone of (None: no journal)
         self.check_gone: Callable[[str], None] | None = None
+        # a read that pushed a session's TTL back (`touch`): the journal keeps the latest (None: no journal)
+        self.on_touch: Callable[[Session], None] | None = None
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -285,6 +288,8 @@ class SessionStore:
     def touch(self, session: Session) -> None:
         """A read of the session (view, trajectory) counts as use: it pushes back its TTL."""
         session.last_used = self._clock()
+        if self.on_touch is not None:
+            self.on_touch(session)
 
     def claim(self, session_id: str) -> tuple[Session, Claim]:
         """Take the in-flight gate. Closing beats busy (404 before 409)."""

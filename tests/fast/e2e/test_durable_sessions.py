@@ -385,3 +385,32 @@ async def test_every_dialect_with_tools_comes_back_byte_for_byte(tokenizer_dirs:
             after = {(s, p): (await http.get(f"/sessions/{s}/{p}")).content for s in sids for p in reads}
     assert calls >= 2, "the episodes should include tool calls"
     assert [k for k in before if before[k] != after[k]] == []
+
+
+async def test_ttl_deadlines_carry_over_a_restart(tokenizer_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A session's TTL clock counts from its last use, a read included, across a restart
+    (the downtime is idle time); past it, the session expires with a 410 tombstone."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    ttl = 12.0
+    loop = asyncio.get_running_loop()
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log", "--sweep-interval-s", "0.2") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            sid = (await http.post("/sessions", json={"ttl_s": ttl})).json()["session_id"]
+            assert (await http.post(f"/sessions/{sid}/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})).status_code == 200
+            turn_at = loop.time()
+            await asyncio.sleep(5)
+            assert (await http.get(f"/sessions/{sid}")).status_code == 200  # a read: the TTL starts again
+            read_at = loop.time()
+            await asyncio.sleep(0.5)  # a read's TTL record is not waited for (a read pays no sync)
+            server.kill()
+            await server.start()
+            await asyncio.sleep(max(0.0, turn_at + ttl + 1 - loop.time()))
+            assert loop.time() - read_at < ttl - 1, "the restart took too long for this test's clock"
+            assert (await http.get(f"/sessions/{sid}")).status_code == 200, \
+                "expired a TTL after its turn, not after its read"
+            read_at = loop.time()  # (that read counted too)
+            await asyncio.sleep(max(0.0, read_at + ttl + 1.5 - loop.time()))
+            r = await http.get(f"/sessions/{sid}")
+            assert r.status_code == 410 and "expired" in r.json()["error"]["message"], r.text
