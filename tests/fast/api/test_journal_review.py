@@ -1,0 +1,112 @@
+"""Adversarial checks of durable sessions: what a live session has and its recovered
+copy must have too, and orderings where a record lands after its session's tombstone
+or a committed turn is reported as discarded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from session_server import durability
+from session_server.app import AppConfig
+from session_server.context import Settings
+from session_server.journal import Journal
+from session_server.ops.harness import live_apps, running_server
+from session_server.sessions import _deadline
+from session_server.sim import running_sim
+
+from ..stack import metric_value
+
+
+@contextlib.asynccontextmanager
+async def _server(tokenizer: Path, engine: str, jdir: Path, **settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    config = AppConfig(tokenizer=str(tokenizer), engines=[f"sglang={engine}"],
+                       settings=Settings(journal_dir=str(jdir), instance_id="w0", **settings))
+    try:
+        async with running_server(config) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+            yield http, live_apps[url].state.ctx
+    finally:
+        durability.FATAL.clear()  # a module global: it would fail every later server of this process
+
+
+async def test_a_reward_that_waited_for_the_lock_of_a_deleted_session_leaves_a_journal_that_replays(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """A reward waits for the session lock (held by a commit awaiting its journal write,
+    or a trajectory export); meanwhile the idle session is DELETEd (DELETE does not take
+    the lock) and its tombstone deletes its records. The reward then writes its record
+    for a session the journal no longer has: the next start must still replay."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with _server(qwen3, engine, tmp_path / "j") as (http, ctx):
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            s = ctx.store.get(sid)
+            await s.lock.acquire()  # as a commit awaiting its journal write holds it
+            reward = asyncio.ensure_future(http.post(f"/sessions/{sid}/reward", json={"reward": 1.0}))
+            await asyncio.sleep(0.3)  # the reward is queued on the lock
+            assert (await http.delete(f"/sessions/{sid}")).status_code == 204
+            s.lock.release()
+            await reward  # (200 today: it stored its record after the tombstone)
+        async with _server(qwen3, engine, tmp_path / "j") as (http, _):  # RuntimeError: did not replay
+            assert (await http.get(f"/sessions/{sid}")).status_code == 410
+
+
+async def test_a_client_that_leaves_during_the_journal_write_of_a_committed_turn_is_not_counted_discarded(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The turn's record is stored and the commit stands (a cancel does not interrupt the
+    write); the session must not then count that committed turn as discarded too."""
+    real_commit = Journal._commit
+    writing = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_commit(self: Journal, conn: Any, batch: list[tuple]) -> None:
+        if any(op[0] == "rec" and op[2] == "turn" for op in batch):
+            loop.call_soon_threadsafe(writing.set)
+            time.sleep(0.5)  # a slow fsync
+        real_commit(self, conn, batch)
+
+    monkeypatch.setattr(Journal, "_commit", slow_commit)
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with _server(qwen3, engine, tmp_path / "j") as (http, _):
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            host, port = str(http.base_url).removeprefix("http://").rstrip("/").split(":")
+            _, writer = await asyncio.open_connection(host, int(port))
+            data = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+            writer.write(f"POST /sessions/{sid}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+            await writer.drain()
+            await asyncio.wait_for(writing.wait(), 30)
+            writer.close()  # the client leaves while its turn's record is being written
+            await asyncio.sleep(2.0)
+            view = (await http.get(f"/sessions/{sid}")).json()
+            metrics = (await http.get("/metrics")).text
+    assert view["turns"] == 1  # committed and journaled
+    assert (view["turns_discarded"], metric_value(metrics, "tito_turns_total", outcome="discarded")) == (0, 0), view
+
+
+async def test_a_session_kept_alive_by_reads_keeps_its_ttl_deadline_over_a_restart(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """A read (view, trajectory, samples) pushes a session's TTL back; the recovered
+    session's deadline must be the live one's, not its last record's."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with _server(qwen3, engine, tmp_path / "j") as (http, ctx):
+            sid = (await http.post("/sessions", json={"ttl_s": 600})).json()["session_id"]
+            await asyncio.sleep(3.0)
+            assert (await http.get(f"/sessions/{sid}")).status_code == 200  # a read: the TTL restarts
+            live_left, live_at = _deadline(ctx.store.get(sid)) - ctx.store.clock(), time.time()
+        async with _server(qwen3, engine, tmp_path / "j") as (http, ctx):
+            back_left, back_at = _deadline(ctx.store.get(sid)) - ctx.store.clock(), time.time()
+    downtime = back_at - live_at  # counts as idle time (docs/api.md, "Durable sessions")
+    assert back_left == pytest.approx(live_left - downtime, abs=0.5), (live_left, downtime, back_left)
