@@ -110,3 +110,35 @@ async def test_a_session_kept_alive_by_reads_keeps_its_ttl_deadline_over_a_resta
             back_left, back_at = _deadline(ctx.store.get(sid)) - ctx.store.clock(), time.time()
     downtime = back_at - live_at  # counts as idle time (docs/api.md, "Durable sessions")
     assert back_left == pytest.approx(live_left - downtime, abs=0.5), (live_left, downtime, back_left)
+
+
+async def test_a_responses_turn_rerendered_after_a_restart_can_be_chained_by_its_id(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The process dies after a Responses turn's record is durable and before its stored
+    object's record is (two writes, two syncs): the SDK's retry after the restart gets the
+    turn rendered again (`Rerender`), with a response id; a Responses agent chains its next
+    request by that id, so the id must name a stored response."""
+    from session_server.api import turn_endpoint
+
+    async def died_before(ctx: Any, sid: str, kept: Any) -> None:
+        return None  # the crash: the object's record is never written
+
+    qwen3 = tokenizer_dirs["qwen3"]
+    body = {"model": "m", "input": "List the files.", "max_output_tokens": 8}
+    async with running_sim("sglang", str(qwen3), seed=4) as engine:
+        async with _server(qwen3, engine, tmp_path / "j") as (http, _):
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            url = f"/sessions/{sid}/v1/responses"
+            with monkeypatch.context() as m:
+                m.setattr(turn_endpoint, "_journal_kept", died_before)
+                lost = await http.post(url, json=body, headers={"x-stainless-retry-count": "0"})
+                assert lost.status_code == 200, lost.text  # (its response dies with the process)
+        async with _server(qwen3, engine, tmp_path / "j") as (http, _):
+            retry = await http.post(url, json=body, headers={"x-stainless-retry-count": "1"})
+            assert retry.status_code == 200, retry.text
+            rid = retry.json()["id"]
+            got = await http.get(f"{url}/{rid}")
+            nxt = await http.post(url, json={"model": "m", "input": "Open the first.", "max_output_tokens": 8,
+                                             "previous_response_id": rid})
+    assert (got.status_code, nxt.status_code) == (200, 200), (got.text, nxt.text)
