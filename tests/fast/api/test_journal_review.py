@@ -142,3 +142,28 @@ async def test_a_responses_turn_rerendered_after_a_restart_can_be_chained_by_its
             nxt = await http.post(url, json={"model": "m", "input": "Open the first.", "max_output_tokens": 8,
                                              "previous_response_id": rid})
     assert (got.status_code, nxt.status_code) == (200, 200), (got.text, nxt.text)
+
+
+async def test_a_create_record_that_does_not_replay_stops_the_start_naming_it(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """A record with a good checksum that this version cannot rebuild (a journal written
+    by another version: its session config has a field this one lacks) must stop the
+    start naming the record (exit status 3 under `serve`), not leave the instance
+    answering 503 recovering for ever."""
+    from session_server.journal import journal_path
+    from session_server.journal_records import CREATE, encode
+
+    j = Journal(journal_path(tmp_path / "j", "w0"))
+    list(j.read())
+    j.start(asyncio.get_running_loop())
+    await j.append("w0.aaaa", CREATE, encode({"token": "t", "wall": time.time(), "config": {
+        "ttl_s": 60.0, "metadata": {}, "max_context_tokens": None, "sampling": {}, "lora": None,
+        "chat_template_kwargs": {}, "history_policy": "append", "routing_replay": False, "max_weight_lag": None,
+        "a_later_versions_field": 1}}))
+    await j.close()
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3)) as engine:
+        with pytest.raises(RuntimeError, match="record 1"):  # today: hangs in recovering (TypeError in the task)
+            await asyncio.wait_for(_server(qwen3, engine, tmp_path / "j").__aenter__(), 20)
+    durability.FATAL.clear()
