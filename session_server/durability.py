@@ -6,7 +6,7 @@ loop (`journal_records.replay_rows`), puts the sessions back in the store, gives
 replay log its stored responses (so an SDK retry of a turn answered just before a
 crash gets that answer, not a second turn) and the Responses dialect its stored
 objects; then the writer starts and the gate opens. A journal that fails its checks
-stops the process (exit status 3) with the record named: serving from it would lose
+stops the process (exit status 65) with the record named: serving from it would lose
 data silently. Afterwards every removal from the store writes a tombstone (410).
 """
 
@@ -36,6 +36,7 @@ FATAL: list[str] = []  # why the journal did not replay (the store stays closed:
 EXIT_ON_FATAL = [False]  # `serve` sets it: then the process exits with JOURNAL_EXIT_STATUS
 
 _INSTANCE_FILE = "serve.instance"
+_TOUCH_EVERY_S = 1.0
 
 
 def stable_instance_id(directory: str, new_id: str) -> str:
@@ -70,17 +71,22 @@ async def recover(ctx: ServerContext, replays: ReplayLog) -> None:
     started = loop.time()
     try:
         recovered = await ctx.offload.run(lambda: replay_rows(journal.read(), store.clock))
-    except (JournalCorrupt, ValueError) as exc:
+        responses = [(sid, body["rid"], msgspec.msgpack.decode(body["stored"], type=StoredResponse))
+                     for sid, body in recovered.responses]
+    except Exception as exc:  # JournalCorrupt, a record that does not rebuild: never served from
         _stop(f"the session journal does not replay: {exc}")
         return
     for s in recovered.sessions:
         store.restore(s)
     for sid, recorded, turn, matched_stop in recovered.answers:
         replays.restore(sid, recorded, turn, matched_stop)
-    for sid, body in recovered.responses:
+    for sid, rid, stored in responses:
         owner = store.all().get(sid)
         if owner is not None:
-            owner.responses[body["rid"]] = msgspec.msgpack.decode(body["stored"], type=StoredResponse)
+            owner.responses[rid] = stored
+    if recovered.orphans:
+        _log.warning("journal %s: %d records of sessions already closed were skipped", journal.path,
+                     recovered.orphans)
     try:
         journal.start(loop)
     except JournalCorrupt as exc:
@@ -98,11 +104,11 @@ async def recover(ctx: ServerContext, replays: ReplayLog) -> None:
 
 
 def _touched(journal: Journal, s: Session) -> None:
-    """A read pushed the session's TTL back: journaled at most every quarter TTL, so a
-    session kept alive by reads alone does not expire early after a restart (recovery
-    takes a session's last use from its newest record)."""
+    """A read pushed the session's TTL back: journaled (not waited for), at most once a
+    second per session, so a session kept alive by reads alone keeps its deadline over a
+    restart, within a second (recovery takes a session's last use from its newest record)."""
     now = s.last_used
-    if now - s.journaled_use >= s.config.ttl_s / 4:
+    if now - s.journaled_use >= _TOUCH_EVERY_S:
         s.journaled_use = now
         journal.put(s.id, TOUCH, b"\x80")  # an empty msgpack map: the record's time is the point
 

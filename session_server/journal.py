@@ -53,8 +53,9 @@ __all__ = ["FAILURE_HOLD_S", "JOURNAL_EXIT_STATUS", "Journal", "JournalCorrupt",
 
 _log = logging.getLogger("session_server")
 
-JOURNAL_EXIT_STATUS = 3
-"""A `serve` whose journal does not replay exits with this (the cluster does not restart it)."""
+JOURNAL_EXIT_STATUS = 65
+"""A `serve` whose journal does not replay exits with this (the cluster does not restart
+it): sysexits' EX_DATAERR, distinct from uvicorn's start-up failure (3), which is restarted."""
 
 FAILURE_HOLD_S = 5.0
 """After a failed write, how long new turns are refused up front (then one may try)."""
@@ -261,9 +262,14 @@ class Journal:
     # -- writing -------------------------------------------------------------------
 
     def append(self, sid: str, kind: str, body: bytes) -> Written:
-        """Queue one record; `Written` is done when it is durable (or failed)."""
+        """Queue one record; `Written` is done when it is durable (or failed). A record of
+        a session already gone (its tombstone written: a Responses object of a turn that
+        outlived its session's DELETE) is not written: its session is nowhere to replay."""
         assert self._loop is not None, "Journal.start was not called"
         fut = Written(loop=self._loop)
+        if sid in self._tombstones:
+            fut.set_result(None)
+            return fut
         self._queue.put(("rec", sid, kind, time.time(), body, zlib.crc32(body), fut))
         return fut
 
@@ -273,6 +279,9 @@ class Journal:
         assert self._loop is not None, "Journal.start was not called"
         fut = Written(loop=self._loop)
         fut.add_done_callback(_seen)
+        if sid in self._tombstones:  # as `append`
+            fut.set_result(None)
+            return fut
         self._queue.put(("put", sid, kind, time.time(), body, zlib.crc32(body), fut))
         return fut
 

@@ -33,7 +33,7 @@ from trajectory.buffer import IDS_DTYPE, LOGPROBS_DTYPE
 from trajectory.codec.base import HistoryPolicy
 from trajectory.tree import ROLLBACK_REASON
 
-from .sessions import Session, SessionConfig
+from .sessions import MAX_DIAGNOSTICS, Session, SessionConfig
 
 __all__ = ["CREATE", "DISCARDED", "INSTANCE", "TOUCH", "VERSION", "RESPONSE", "REWARD", "TURN", "Recovered", "create_body", "decode", "encode",
            "replay_rows", "reward_body", "turn_body"]
@@ -118,6 +118,7 @@ class Recovered:
     turns: int = 0
     records: int = 0
     weight_version: int | None = None
+    orphans: int = 0  # records of a session already closed (its create record gone with it): skipped
     # recorded requests whose turns were committed: (sid, (route, digest, key), (branch, turn), matched stop)
     answers: list[tuple[str, Any, tuple[int, int], Any]] = dataclasses.field(default_factory=list)
     responses: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
@@ -160,6 +161,8 @@ def _apply_turn(s: Session, t: Mapping[str, Any]) -> None:
         for f, v in zip(dataclasses.fields(totals), t["control"], strict=True):
             setattr(totals, f.name, getattr(totals, f.name) + v)
     for note in t["notes"]:
+        if len(s.diagnostics) == MAX_DIAGNOSTICS:  # as Session.note counts what the bound pushes out
+            s.diagnostics_dropped += 1
         s.diagnostics.append(note)
 
 
@@ -167,6 +170,39 @@ def control_delta(before: Any, after: Any) -> list[float] | None:
     """What a commit added to a session's `ControlTotals` (None: nothing)."""
     delta = [getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)]
     return delta if any(delta) else None
+
+
+def _replay_row(row: Any, sessions: dict[str, Session], out: Recovered) -> None:
+    """Apply one record (see `replay_rows`)."""
+    body = decode(row.body)
+    sid = row.sid
+    if sid == INSTANCE:
+        if row.kind == VERSION:
+            out.weight_version = body["version"]
+        return
+    if row.kind == CREATE:
+        sessions[sid] = _session(sid, body)
+        return
+    s = sessions.get(sid)
+    if s is None:  # written after its session's tombstone deleted the rest (a reward racing a DELETE)
+        out.orphans += 1
+        return
+    if row.kind == TURN:
+        _apply_turn(s, body)
+        out.turns += 1
+        if body["recorded"] is not None:
+            active = s.tree.active
+            out.answers.append((sid, body["recorded"], (active.id, active.trajectory.num_turns - 1), body["stop"]))
+    elif row.kind == REWARD:
+        s.reward = body["reward"]
+        s.leaf_rewards = {int(k): v for k, v in body["leaf_rewards"]}
+        s.reward_metadata = dict(body["reward_metadata"])
+    elif row.kind == DISCARDED:
+        s.turns_discarded = body["turns_discarded"]
+    elif row.kind == RESPONSE:
+        out.responses.append((sid, body))
+    elif row.kind != TOUCH:  # a touch's time is the session's last use (replay_rows)
+        raise ValueError(f"unknown kind {row.kind!r}")
 
 
 def replay_rows(rows: Any, clock: Callable[[], float], *, wall: Callable[[], float] = time.time) -> Recovered:
@@ -180,42 +216,14 @@ def replay_rows(rows: Any, clock: Callable[[], float], *, wall: Callable[[], flo
     last: dict[str, float] = {}
     for row in rows:
         out.records += 1
-        body = decode(row.body)
-        sid = row.sid
-        if sid == INSTANCE:
-            if row.kind == VERSION:
-                out.weight_version = body["version"]
-            continue
-        if row.kind == CREATE:
-            sessions[sid] = _session(sid, body)
-            first[sid] = row.at
-        else:
-            s = sessions.get(sid)
-            if s is None:
-                raise ValueError(f"record {row.seq} ({row.kind}) names session {sid} before its create record")
-            if row.kind == TURN:
-                try:
-                    _apply_turn(s, body)
-                except Exception as exc:
-                    raise ValueError(f"record {row.seq} (turn of session {sid}) does not replay: {exc}") from exc
-                out.turns += 1
-                if body["recorded"] is not None:
-                    active = s.tree.active
-                    out.answers.append((sid, body["recorded"], (active.id, active.trajectory.num_turns - 1),
-                                        body["stop"]))
-            elif row.kind == REWARD:
-                s.reward = body["reward"]
-                s.leaf_rewards = {int(k): v for k, v in body["leaf_rewards"]}
-                s.reward_metadata = dict(body["reward_metadata"])
-            elif row.kind == TOUCH:
-                pass  # its time is the session's last use (below)
-            elif row.kind == DISCARDED:
-                s.turns_discarded = body["turns_discarded"]
-            elif row.kind == RESPONSE:
-                out.responses.append((sid, body))
-            else:
-                raise ValueError(f"record {row.seq} has an unknown kind {row.kind!r}")
-        last[sid] = row.at
+        try:
+            _replay_row(row, sessions, out)
+        except Exception as exc:  # a record this version cannot rebuild: the start stops, naming it
+            raise ValueError(f"record {row.seq} ({row.kind} of session {row.sid!r}) does not replay: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if row.sid in sessions:
+            first.setdefault(row.sid, row.at)
+            last[row.sid] = row.at
     now_wall, now = wall(), clock()
     for sid, s in sessions.items():
         s.created_at = now - max(0.0, now_wall - first[sid])

@@ -107,6 +107,9 @@ async def set_reward(ctx: ServerContext, s: Session, spec: RewardRequest) -> dic
             leaves = await ctx.offload.run(_leaves, s)
             if spec.leaf not in leaves:
                 raise BadRequest(f"leaf {spec.leaf} is not a leaf branch of session {s.id} (leaves: {leaves})")
+        if s.state is not SessionState.ACTIVE:  # deleted while this waited (a DELETE takes no lock)
+            ctx.store.get(s.id)  # its 410 (a tombstone) or 404: the reward went nowhere
+        if spec.leaf is not None:
             if spec.reward is None:
                 s.leaf_rewards.pop(spec.leaf, None)
             else:

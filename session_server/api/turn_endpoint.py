@@ -125,6 +125,10 @@ class TurnEndpoint:
         parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
         req = await ctx.offload.run_sized(len(body), parse, body)
         out = committed_output(session, again.turn, again.matched_stop)
+        # what the dialect keeps of a turn (a Responses object, for `previous_response_id`)
+        # may have died with the process: kept again, the answer's id names something
+        if bound is not None and (kept := bound.remember(session, req, out, ctx.tokenizer)) is not None:
+            await _journal_kept(ctx, session.id, kept)
         rendered = await render(ctx, dialect, req, out)
         return dataclasses.replace(rendered, turn=again.turn)
 

@@ -50,10 +50,7 @@ class _Pause:
 
 class ControlPlane:
     """Engine-agnostic pause gate + engine fan-out + weight version (see module doc).
-
-    `engines.adapters()` is read on every fan-out so engines added or removed later are
-    seen (an `EngineSource`, e.g. the engine registry, or a callable returning adapters).
-    """
+    `engines.adapters()` is read on every fan-out: engines added or removed later are seen."""
 
     def __init__(
         self,
@@ -275,8 +272,7 @@ class ControlPlane:
         return out
 
     def restore_weight_version(self, version: int) -> None:
-        """The version this instance's journal kept (start-up): applied unless one is set
-        already (a peer's, read since: newer), and not counted as a change made here."""
+        """The journal's version (start-up), unless one is set (a peer's: newer); not a change made here."""
         if self._version is None:
             self._apply_version(version)
 
@@ -378,10 +374,8 @@ class ControlPlane:
             "mode": None if g is None else g.mode,
             "paused_since_unix": None if g is None else g.since_unix,
             "paused_for_s": None if g is None else now - g.since,
-            "lora_pauses": {
-                name: {"mode": p.mode, "paused_since_unix": p.since_unix, "paused_for_s": now - p.since}
-                for name, p in sorted(self._lora.items())
-            },
+            "lora_pauses": {name: {"mode": p.mode, "paused_since_unix": p.since_unix, "paused_for_s": now - p.since}
+                            for name, p in sorted(self._lora.items())},
             "weight_version": self._version,
             "synced": self.synced,
             "cache_salt": self.cache_salt(),

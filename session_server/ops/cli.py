@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     from ..durability import EXIT_ON_FATAL
 
-    EXIT_ON_FATAL[0] = True  # a journal that does not replay ends the process with status 3
+    EXIT_ON_FATAL[0] = True  # a journal that does not replay ends the process with status 65
     uvicorn.run(app, workers=1, **options)
     return 0
 

@@ -327,7 +327,7 @@ def run_cluster(
 
     `journal_dir`: every worker journals its sessions there (`{instance}.sqlite3`), so
     a restarted worker replays them before it reports healthy and its agents go on; a
-    worker whose journal does not replay (exit status 3) is not restarted. None: its
+    worker whose journal does not replay (exit status 65) is not restarted. None: its
     sessions are lost with it (they lived in its memory)."""
     haproxy_bin = find_haproxy(haproxy)  # before anything starts
     soft, _ = raise_nofile_limit()  # inherited by HAProxy and the workers

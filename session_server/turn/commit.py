@@ -82,6 +82,11 @@ INLINE_OUTPUT_TOKENS = 256
 check is O(output), tens of microseconds here, less than a thread hop and its hand-back."""
 
 
+INLINE_RECORD_TOKENS = 4096
+"""A turn record of up to this many new tokens (without routed experts) is encoded on the
+loop: well under a millisecond; a longer one (a first turn's whole prompt) off it."""
+
+
 async def validate(
     ctx: ServerContext, result: ResilientResult, expect: Expectations, req: ChatRequest, prep: Prepared,
     call: EngineCall | None = None,
@@ -216,7 +221,8 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
         if journal is not None and undo is not None:
             # durable before anyone hears of it; a record that cannot be written undoes the commit
             try:
-                body = _record(turn_body,
+                large = checked.routed is not None or len(prompt_ids) + len(valid.ids) > INLINE_RECORD_TOKENS
+                body = await _record(ctx, large,
                     op=prep.kind, branch_id=prep.branch_id, checkpoint=prep.checkpoint,
                     reason=branch.reason if prep.kind == "fork" else None, shared=prep.fork_shared,
                     tools=prep.tools if prep.kind in ("first", "rollback", "fork") else None, seq=record.seq,
@@ -230,19 +236,23 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
             except BaseException:
                 undo.apply(session, branch, before, prep, record)
                 raise
-            if cancelled:  # stored: the commit stands, and the cancel goes on
-                raise asyncio.CancelledError
+            if cancelled:  # stored: the commit stands and the turn ends as committed (its
+                # client gone or its session deleted meanwhile: the replay log keeps its answer)
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
     ctx.metrics.tokens_in_total.inc(len(prompt_ids))
     ctx.metrics.tokens_out_total.inc(len(valid.ids))
     ctx.metrics.cached_tokens_total.inc(valid.cached_tokens)
     return Committed(turn_index=record.index, branch_id=branch.id)
 
 
-def _record(encode: Any, **fields: Any) -> bytes:
-    """The turn's journal record; a field it cannot encode is a bug, answered as one (500,
-    nothing committed), never a raw error."""
+async def _record(ctx: ServerContext, large: bool, **fields: Any) -> bytes:
+    """The turn's journal record, O(turn): encoded off the loop when large (routed
+    experts: megabytes for a long turn), as `validate` does its O(output) work. A field it
+    cannot encode is a bug, answered as one (500, nothing committed), never a raw error."""
     try:
-        body: bytes = encode(**fields)
+        body: bytes = await ctx.offload.run(lambda: turn_body(**fields)) if large else turn_body(**fields)
     except (TypeError, ValueError, OverflowError) as exc:
         log.error("turn record not encodable: %s", exc)
         raise InternalInvariant(f"the turn could not be journaled ({exc}); nothing committed") from exc

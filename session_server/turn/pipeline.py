@@ -164,6 +164,8 @@ class TurnRunner:
                     await self._cancel(work)
                 finally:  # also when a cancellation of this request lands in the await
                     discard()
+                if work.done() and not work.cancelled() and work.exception() is None:
+                    return work.result()  # committed as it was cancelled (its journal write stood)
                 raise ClientGone(f"client disconnected mid-turn on session {session.id}; nothing committed")
             if work.cancelled():  # only a DELETE cancels the work itself
                 discard()

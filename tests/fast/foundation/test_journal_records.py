@@ -24,7 +24,7 @@ from session_server.journal_records import (
     reward_body,
     turn_body,
 )
-from session_server.sessions import Session, SessionConfig
+from session_server.sessions import MAX_DIAGNOSTICS, Session, SessionConfig
 from trajectory import export
 from trajectory.codec.base import HistoryPolicy
 from trajectory.tree import ROLLBACK_REASON
@@ -130,3 +130,25 @@ def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, An
         assert [None if r is None else (r.start, r.rows.tobytes()) for r in ra] == \
             [None if r is None else (r.start, r.rows.tobytes()) for r in rb]
     assert got.turns == len(rows) - 2
+
+
+def test_a_recovered_session_keeps_its_count_of_dropped_diagnostics() -> None:
+    s = Session("w0.abc", SessionConfig(ttl_s=60.0), 0.0)
+    rows = [Row(1, s.id, CREATE, time.time(), create_body(s))]
+    for k in range(MAX_DIAGNOSTICS + 10):  # a long session: every turn repaired, one note each
+        op = "first" if k == 0 else "append"
+        ids, lps = np.array([7, 8], dtype=np.int32), np.zeros(2, dtype=np.float32)
+        record = s.tree.active.trajectory.commit_turn([k + 1], ids, lps, finish_reason="stop", repair_ids=[9],
+                                                     request_messages=[], assistant_message={}, engine="e0")
+        before = len(s.diagnostics)
+        s.note("repair", turn=record.index, tokens=1, finish_reason="stop")  # as commit.py notes it
+        notes = list(s.diagnostics)[-1:] if len(s.diagnostics) >= before else []
+        rows.append(Row(len(rows) + 1, s.id, TURN, time.time(), turn_body(
+            op=op, branch_id=0, checkpoint=0, reason=None, shared=None, tools=None, seq=record.seq,
+            prompt_ids=[k + 1], ids=ids, logprobs=lps, repair=[9], finish="stop", spans=None, version=None,
+            request_messages=[], assistant_message={}, engine="e0", cached=0, extra={}, routed=None,
+            answered=None, control=None, notes=notes)))
+    [back] = replay_rows(rows, time.monotonic).sessions
+    assert s.diagnostics_dropped == 10
+    assert list(back.diagnostics) == list(s.diagnostics)
+    assert back.diagnostics_dropped == s.diagnostics_dropped  # the session view's diagnostics_dropped

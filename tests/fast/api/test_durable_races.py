@@ -1,4 +1,4 @@
-"""Adversarial checks of durable sessions: what a live session has and its recovered
+"""Durable sessions under races and restarts: what a live session has, its recovered
 copy must have too, and orderings where a record lands after its session's tombstone
 or a committed turn is reported as discarded."""
 
@@ -149,7 +149,7 @@ async def test_a_create_record_that_does_not_replay_stops_the_start_naming_it(
 ) -> None:
     """A record with a good checksum that this version cannot rebuild (a journal written
     by another version: its session config has a field this one lacks) must stop the
-    start naming the record (exit status 3 under `serve`), not leave the instance
+    start naming the record (exit status 65 under `serve`), not leave the instance
     answering 503 recovering for ever."""
     from session_server.journal import journal_path
     from session_server.journal_records import CREATE, encode
