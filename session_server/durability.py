@@ -16,9 +16,12 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from .api.dialects.openai_responses_output import StoredResponse
 from .context import ServerContext
@@ -95,12 +98,28 @@ async def recover(ctx: ServerContext, replays: ReplayLog) -> None:
     if recovered.weight_version is not None:
         ctx.control.restore_weight_version(recovered.weight_version)
     ctx.control.on_weight_version.append(lambda v: _keep_version(journal, v))
+    ctx.metrics.registry.register(_JournalCollector(journal))
     store.check_gone = journal.check_gone
     store.on_touch = lambda s: _touched(journal, s)
     store.on_remove.append(lambda s: _gone(journal, s))
     store.recovering = False
     _log.info("journal %s: %d sessions, %d turns from %d records in %.2f s", journal.path,
               len(recovered.sessions), recovered.turns, recovered.records, loop.time() - started)
+
+
+class _JournalCollector(Collector):
+    """The journal's own counters, read at scrape time (no work per record)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    def collect(self) -> Iterator[Metric]:
+        j = self.journal
+        yield CounterMetricFamily("tito_journal_records", "Records the journal stored", value=j.records_written)
+        yield CounterMetricFamily("tito_journal_syncs", "Journal transactions committed (each one sync)",
+                                  value=j.syncs)
+        yield CounterMetricFamily("tito_journal_failures", "Journal transactions that failed (nothing stored)",
+                                  value=j.failures)
 
 
 def _touched(journal: Journal, s: Session) -> None:

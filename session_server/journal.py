@@ -6,14 +6,16 @@ torn by a crash mid-write is ignored when the file is next opened, by SQLite its
 and indexed deletes for compaction, with no server to run. One file per instance
 (`{journal_dir}/{instance}.sqlite3`): an instance is the only writer of its journal.
 
-**Writes.** `append` (on the event loop) hands a record to one writer thread and
-returns a future that is done when the record is durable: the writer takes every
-record queued while its previous transaction was syncing and commits them together
-(group commit: one sync for all the turns committed in the meantime, at least those of
-one loop tick). `synchronous=FULL`: the WAL is fsync'd at every commit, so an
-acknowledged record survives a power loss, not only a process crash. A record is
-`(seq, sid, kind, at, body, crc)`: `body` is the record's msgpack
-(`journal_records.py`), `crc` its CRC-32, checked at recovery.
+**Writes.** `append` (on the event loop) returns a future that is done when the record
+is durable. The records of one loop tick are handed to the writer thread together (one
+wake-up), and the writer commits everything handed over while its previous transaction
+was syncing as one transaction (group commit: one sync for the turns committed in the
+same tick, or more under load). Per commit, not per record, is where the cost is
+(~200 us of CPU for SQLite, the WAL's page writes, the fsync and two thread wake-ups;
+~25 us per record at 64 a commit: bench/README.md). `synchronous=FULL`: the WAL is
+fsync'd at every commit, so an acknowledged record survives a power loss, not only a
+process crash. A record is `(seq, sid, kind, at, body, crc)`: `body` is the record's
+msgpack (`journal_records.py`), `crc` its CRC-32, checked at recovery.
 
 **Compaction.** When a session leaves the store (delete, expiry, samples close) its
 records are deleted in the same transaction that writes its tombstone, so the journal
@@ -60,12 +62,11 @@ it): sysexits' EX_DATAERR, distinct from uvicorn's start-up failure (3), which i
 FAILURE_HOLD_S = 5.0
 """After a failed write, how long new turns are refused up front (then one may try)."""
 
-GATHER_S, BUSY_S = 0.001, 0.005
-"""Group commit under load: a record that arrives within `BUSY_S` of the last commit
-waits `GATHER_S` for others to join its transaction. A commit costs ~200 us of CPU
-(SQLite, the WAL's page writes, the fsync) whatever it holds, ~30 us per record at 64
-records (bench/README.md): at hundreds of turns a second, a millisecond's wait halves
-the commits. An idle journal commits at once."""
+HOLD_S, BUSY_S = 0.002, 0.01
+"""Under load (a hand-over within `BUSY_S`), a record waits `HOLD_S` for the turns that
+commit next to share its transaction: a commit costs ~200 us of CPU whatever it holds,
+so at hundreds of turns a second a 2 ms wait halves the commits or better. An idle
+journal hands a record over at the end of its loop tick."""
 
 _WAL_HEADER, _FRAME_HEADER = 32, 24  # sqlite.org/fileformat.html, "The WAL file format"
 
@@ -76,7 +77,8 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS tombstones (sid TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL)",
     "CREATE INDEX IF NOT EXISTS tombstones_at ON tombstones (at)",
 )
-_PRUNE_EVERY = 256  # tombstones written between two deletes of the expired ones
+_PRUNE_EVERY = 256
+_INSERT = "INSERT INTO records (sid, kind, at, body, crc) VALUES (?, ?, ?, ?, ?)"  # tombstones written between two deletes of the expired ones
 
 
 class JournalCorrupt(RuntimeError):
@@ -178,7 +180,9 @@ class Journal:
         self.tombstone_ttl_s = tombstone_ttl_s
         self.max_tombstones = max_tombstones
         self._tombstones: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
-        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
+        self._tick: list[tuple] = []  # this loop tick's records, handed over together (`_hand_over`)
+        self._handed_at = -1e18  # loop time of the last hand-over
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: sqlite3.Connection | None = None
@@ -186,6 +190,7 @@ class Journal:
         self.last_error: str | None = None
         self.records_written = 0
         self.syncs = 0
+        self.failures = 0
         self._gone_since_prune = 0  # writer thread only
         self._lock_file = self._take_lock()
 
@@ -248,6 +253,8 @@ class Journal:
         """Write what is queued, then stop the writer and close the file."""
         if self._thread is None:
             return
+        if self._tick:  # this tick's records go first
+            self._hand_over()
         self._queue.put(None)
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._thread = None
@@ -270,7 +277,7 @@ class Journal:
         if sid in self._tombstones:
             fut.set_result(None)
             return fut
-        self._queue.put(("rec", sid, kind, time.time(), body, zlib.crc32(body), fut))
+        self._add(("rec", sid, kind, time.time(), body, zlib.crc32(body), fut))
         return fut
 
     def put(self, sid: str, kind: str, body: bytes) -> Written:
@@ -282,7 +289,7 @@ class Journal:
         if sid in self._tombstones:  # as `append`
             fut.set_result(None)
             return fut
-        self._queue.put(("put", sid, kind, time.time(), body, zlib.crc32(body), fut))
+        self._add(("put", sid, kind, time.time(), body, zlib.crc32(body), fut))
         return fut
 
     def gone(self, sid: str, reason: str) -> Written:
@@ -292,15 +299,34 @@ class Journal:
         self._remember(sid, reason, at)
         fut = Written(loop=self._loop)
         fut.add_done_callback(_seen)  # nobody may wait for it: its error is logged by `_settle`
-        self._queue.put(("gone", sid, reason, at, fut))
+        self._add(("gone", sid, reason, at, fut))
         return fut
 
     def barrier(self) -> Written:
         """Done when everything queued before it is durable (a DELETE's tombstone)."""
         assert self._loop is not None, "Journal.start was not called"
         fut = Written(loop=self._loop)
-        self._queue.put(("sync", fut))
+        self._add(("sync", fut))
         return fut
+
+    def _add(self, op: tuple) -> None:
+        """Queue `op` with the rest of this loop tick's: one hand-over (one wake-up of the
+        writer) per tick, however many turns committed in it."""
+        if not self._tick:
+            loop = self._loop
+            assert loop is not None
+            if loop.time() - self._handed_at < BUSY_S:  # busy: let the next turns share this commit
+                loop.call_later(HOLD_S, self._hand_over)
+            else:
+                loop.call_soon(self._hand_over)
+        self._tick.append(op)
+
+    def _hand_over(self) -> None:
+        ops, self._tick = self._tick, []
+        if ops:
+            self._queue.put(ops)
+            assert self._loop is not None
+            self._handed_at = self._loop.time()
 
     def check_writable(self) -> None:
         """Refuse new work while the last write failed recently (a full disk)."""
@@ -331,22 +357,18 @@ class Journal:
         conn = self._conn
         assert conn is not None
         stopping = False
-        last_commit = -1.0
         while not stopping:
-            op = self._queue.get()
-            if time.monotonic() - last_commit < BUSY_S:  # busy: let more of this moment's records in
-                time.sleep(GATHER_S)
+            ops = self._queue.get()
             batch: list[tuple] = []
-            while op is not None:
-                batch.append(op)
+            while ops is not None:  # every tick handed over while the last commit synced
+                batch += ops
                 try:
-                    op = self._queue.get_nowait()
+                    ops = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            stopping = op is None
+            stopping = ops is None
             if batch:
                 self._commit(conn, batch)
-                last_commit = time.monotonic()
         conn.close()
 
     def _commit(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
@@ -354,18 +376,25 @@ class Journal:
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
+                rows: list[tuple] = []  # consecutive records: one executemany (one GIL hand-back, not one each)
                 for op in batch:
-                    if op[0] in ("rec", "put"):
-                        if op[0] == "put":
-                            conn.execute("DELETE FROM records WHERE sid = ? AND kind = ?", op[1:3])
-                        conn.execute("INSERT INTO records (sid, kind, at, body, crc) VALUES (?, ?, ?, ?, ?)",
-                                     op[1:6])
+                    if op[0] == "rec":
+                        rows.append(op[1:6])
+                        continue
+                    if rows:
+                        conn.executemany(_INSERT, rows)
+                        rows = []
+                    if op[0] == "put":
+                        conn.execute("DELETE FROM records WHERE sid = ? AND kind = ?", op[1:3])
+                        conn.execute(_INSERT, op[1:6])
                     elif op[0] == "gone":
                         _, sid, reason, at, _fut = op
                         conn.execute("DELETE FROM records WHERE sid = ?", (sid,))
                         conn.execute("INSERT OR REPLACE INTO tombstones (sid, reason, at) VALUES (?, ?, ?)",
                                      (sid, reason, at))
                         self._gone_since_prune += 1
+                if rows:
+                    conn.executemany(_INSERT, rows)
                 if self._gone_since_prune >= _PRUNE_EVERY:
                     self._gone_since_prune = 0
                     conn.execute("DELETE FROM tombstones WHERE at < ?", (time.time() - self.tombstone_ttl_s,))
@@ -387,6 +416,7 @@ class Journal:
             self.records_written += n
             self.syncs += 1
         else:
+            self.failures += 1
             self._failed_at = time.monotonic()
             self.last_error = str(error)
             _log.error("journal %s: a write of %d records failed: %s", self.path, n, error)
