@@ -79,7 +79,7 @@ class Stack:
         return dict(httpx.get(f"{self.url}/sessions/{sid}", timeout=30).json())
 
 
-def _server_cmd() -> list[str]:
+def server_cmd() -> list[str]:
     script = Path(sys.executable).with_name("session-server")
     return [str(script)] if script.exists() else [sys.executable, "-m", "session_server.ops.cli"]
 
@@ -88,7 +88,7 @@ def _server_cmd() -> list[str]:
 async def serve_process(engine_url: str, tokenizer_dir: Path, log: Path, *args: str) -> AsyncIterator[str]:
     """`session-server serve` in front of `engine_url`, on a free port; always stopped."""
     port = free_port()
-    cmd = [*_server_cmd(), "serve", "--engine", f"vllm={engine_url}", "--tokenizer", str(tokenizer_dir),
+    cmd = [*server_cmd(), "serve", "--engine", f"vllm={engine_url}", "--tokenizer", str(tokenizer_dir),
            "--host", "127.0.0.1", "--port", str(port), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with open(log, "wb") as out:

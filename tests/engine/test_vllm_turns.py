@@ -6,14 +6,21 @@ engine saw and sampled (the recording proxy): exact ids, logprobs, prompts and v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
-from .conftest import Stack
+from session_server.ops.harness import free_port
+
+from .conftest import Stack, server_cmd
 from .helpers import (
     engine_generated,
     engine_queued,
@@ -407,9 +414,9 @@ async def test_a_new_weight_version_salts_the_prefix_cache(stack: Stack) -> None
 async def test_verify_template_against_the_engine_is_token_exact(stack: Stack) -> None:
     """`session-server verify-template --engine`: every probe conversation through the
     server, each turn token-exact with what this engine saw and sampled."""
-    from .conftest import _server_cmd
+    from .conftest import server_cmd
 
-    cmd = [*_server_cmd(), "verify-template", "--tokenizer", str(stack.tokenizer_dir),
+    cmd = [*server_cmd(), "verify-template", "--tokenizer", str(stack.tokenizer_dir),
            "--engine", f"vllm={stack.engine.url}", "--engine-max-tokens", "24", "--json"]
     proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 540)
@@ -418,3 +425,66 @@ async def test_verify_template_against_the_engine_is_token_exact(stack: Stack) -
     assert engine["ok"], json.dumps([s for s in engine["steps"] if not s["ok"]] or engine, indent=1)[:4000]
     assert all(s["sampled"] > 0 for s in engine["steps"])
     assert proc.returncode == (0 if report["ok"] else 1), err.decode()[-2000:]
+
+
+async def test_a_killed_server_comes_back_from_its_journal_and_the_session_goes_on(
+        stack: Stack, tmp_path: Path) -> None:
+    """`serve --journal-dir` in front of the real vLLM is killed (SIGKILL) while a long
+    turn samples: restarted on its journal, the committed turn is back token for token,
+    the SDK's retry of the lost turn runs it once, and the session goes on."""
+    port = free_port()
+    cmd = [*server_cmd(), "serve", "--engine", f"vllm={stack.rec.url}", "--tokenizer", str(stack.tokenizer_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--journal-dir", str(tmp_path / "journal"),
+           "--instance-id", "w0"]
+    log = tmp_path / "serve.log"
+
+    async def start() -> subprocess.Popen[bytes]:
+        with log.open("ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+
+        async def up() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                return (await http.get("/health")).status_code == 200
+            return False
+
+        await wait_until(up, 120, "serve to start")
+        return proc
+
+    retry = {"x-stainless-retry-count": "0"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as http:
+        proc = await start()
+        try:
+            sid = await new_session(http)
+            chat = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 16}
+            first = await http.post(f"/sessions/{sid}/v1/chat/completions", json=chat, headers=retry)
+            assert first.status_code == 200, first.text
+            before = await trajectory(http, sid)
+            long = {**chat, "max_tokens": 2000, "messages": [
+                *chat["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "Go on."}]}
+            sent = len(stack.rec.generations())
+            lost = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json=long, headers=retry))
+
+            async def sampling() -> bool:
+                return any(not e.done for e in stack.rec.generations()[sent:])
+
+            await wait_until(sampling, 60, "the long turn to sample")
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            with pytest.raises(httpx.TransportError):
+                await lost
+            proc = await start()
+            back = await trajectory(http, sid)
+            assert back == before, "the committed turn comes back token for token"
+            again = await http.post(f"/sessions/{sid}/v1/chat/completions", json={**long, "max_tokens": 16},
+                                    headers={"x-stainless-retry-count": "1"})
+            assert again.status_code == 200, again.text
+            after = await trajectory(http, sid)
+            line, _, lps, turns = own_turns(after)
+            assert len(turns) == 2 and len(after["branches"]) == 1  # the lost turn ran once, no fork
+            for turn in turns:
+                _assert_turn_is_engine_output(stack, line, lps, turn)
+        finally:
+            proc.kill()
+            proc.wait()
