@@ -2,10 +2,11 @@
 
 With `journal_dir` set, a starting instance answers 503 `recovering` (on `/health` and
 every session route) while a background task reads and replays its journal off the
-loop (`journal_records.replay_rows`), puts the sessions back in the store, gives the
-replay log its stored responses (so an SDK retry of a turn answered just before a
-crash gets that answer, not a second turn) and the Responses dialect its stored
-objects; then the writer starts and the gate opens. A journal that fails its checks
+loop (`journal_records.replay_rows`), puts the sessions back in the store, tells the
+replay log which recorded request committed which turn (so an SDK retry of a turn
+whose answer died with the process is answered from that turn, `Rerender`, never run
+twice), gives the Responses dialect its stored objects, restores the trainer's weight
+version; then the writer starts and the gate opens. A journal that fails its checks
 stops the process (exit status 65) with the record named: serving from it would lose
 data silently. Afterwards every removal from the store writes a tombstone (410).
 """
