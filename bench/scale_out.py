@@ -147,7 +147,8 @@ async def _drive(url: str, agents: int, turns: int, duration_s: float, warmup_s:
 def _cluster(engine: str, tokenizer: str, workers: int) -> Iterator[str]:
     port = free_port()
     args = ["cluster", "--workers", str(workers), "--port", str(port), "--engine", f"sglang={engine}",
-            "--tokenizer", tokenizer, "--log-level", "warning", "--cpu-workers", "1"]
+            "--tokenizer", tokenizer, "--log-level", "warning", "--cpu-workers", "1",
+            "--no-journal"]  # the single `serve` it is compared with keeps no journal either (journal.py measures that)
     with process(args, f"http://127.0.0.1:{port}") as url:
         yield url
 

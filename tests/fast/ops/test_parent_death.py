@@ -122,7 +122,8 @@ def test_kill_9_of_cluster_takes_haproxy_every_worker_and_their_children_with_it
     log = tmp_path / "cluster.log"
     argv = [sys.executable, "-m", "session_server.ops.cli", "cluster", "--workers", "2", "--port", str(free_ports(1)[0]),
             "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "qwen3", "--cpu-workers", "1",
-            "--decode-processes", "1", "--log-level", "info", "--drain-timeout-s", "2"]
+            "--decode-processes", "1", "--log-level", "info", "--drain-timeout-s", "2",
+            "--journal-dir", str(tmp_path / "journal")]
     with started(argv, log) as (proc, seen):
         def ready() -> bool:
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
