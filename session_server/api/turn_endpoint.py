@@ -124,7 +124,10 @@ class TurnEndpoint:
         bound = dialect if isinstance(dialect, SessionBound) else None
         parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
         req = await ctx.offload.run_sized(len(body), parse, body)
-        out = committed_output(session, again.turn, again.matched_stop)
+        # its tokens are read from the tree: O(context) for a forked line, so off the loop (under
+        # the session lock, as every reader of a tree that a commit may change)
+        async with session.lock:
+            out = await ctx.offload.run(committed_output, session, again.turn, again.matched_stop)
         # what the dialect keeps of a turn (a Responses object, for `previous_response_id`)
         # may have died with the process: kept again, the answer's id names something
         if bound is not None and (kept := bound.remember(session, req, out, ctx.tokenizer)) is not None:
