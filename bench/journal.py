@@ -12,6 +12,13 @@
    kept: fsync must be real, not tmpfs).
 2. **Turn latency.** Each client times every measured turn (request sent -> reply read):
    p50 / p99 per leg, and turns/s.
+   **Warm pairs** (`--warm-rounds N`): the same comparison with the machine's drift taken
+   out. Both servers (each with its own engine) run at once, started and warmed once;
+   each round drives short legs (`--warm-turns` turns per agent, a second or two) in
+   the order off, on, on, off, so both modes of a round see the same machine. The
+   per-round difference of CPU per turn (and ratio of p99) is summarised by its median
+   with a 90% bootstrap interval; the journaling server's writer-thread CPU per turn
+   (`tito_journal_writer_cpu_seconds_total`) is read around each leg.
 3. **Bytes on disk per stored token.** After each "on" leg: the journal's files (the
    database, its WAL) while the server runs, and the database alone once it stopped
    (SQLite checkpoints the WAL into it on close), divided by the sum of the sessions'
@@ -169,6 +176,95 @@ def turn_legs(tokenizer: str, root: Path, args: argparse.Namespace) -> dict[str,
     summary["bytes_per_stored_token_closed"] = statistics.median(x["bytes_per_token_closed"] for x in on_legs)
     summary["bytes_per_stored_token_running"] = statistics.median(x["bytes_per_token_running"] for x in on_legs)
     return {"legs": legs, "summary": summary}
+
+
+# -- 1-2, warm: both servers up at once, short legs alternating --------------------
+
+
+async def _writer_cpu_s(url: str) -> float:
+    """`tito_journal_writer_cpu_seconds_total` of the server at `url` (0 without a journal)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if line.startswith("tito_journal_writer_cpu_seconds_total "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def _bootstrap_ci(diffs: list[float], level: float = 0.9, draws: int = 4000) -> list[float]:
+    """A percentile bootstrap interval of the median of `diffs` (seeded: reproducible)."""
+    rng = random.Random(11)
+    meds = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(draws))
+    lo = meds[int((1 - level) / 2 * draws)]
+    hi = meds[int((1 + level) / 2 * draws) - 1]
+    return [round(lo, 3), round(hi, 3)]
+
+
+def warm_pairs(tokenizer: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The journal's cost with the machine's drift taken out: an engine and a server per
+    mode, both started once and warmed, then `--warm-rounds` rounds of four short legs
+    (off, on, on, off), each leg `--warm-turns` turns per agent on fresh sessions (left
+    open). A leg lasts a second or two, so the two modes of a round run under the same
+    machine state; the per-round difference (mean of its on legs minus mean of its off
+    legs) is the paired sample, summarised by its median and a bootstrap interval. The
+    journaling server's writer-thread CPU (its own metric) is read around each leg too."""
+    jdir = Path(tempfile.mkdtemp(prefix="tito-journal-", dir=root))
+    legs: list[dict[str, Any]] = []
+    lat: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        with contextlib.ExitStack() as stack:
+            urls: dict[bool, str] = {}
+            for journal in (False, True):
+                engine = stack.enter_context(sim_engine("sglang", tokenizer))
+                extra = ["--journal-dir", str(jdir), "--instance-id", INSTANCE] if journal else []
+                urls[journal] = stack.enter_context(server([engine], tokenizer, extra=extra))
+            for journal in (False, True):
+                asyncio.run(_phase(urls[journal], args.agents, args.warmup, args.max_tokens, kept=[]))
+            for r in range(args.warm_rounds):
+                for journal in (False, True, True, False):
+                    url, pid = urls[journal], PIDS[urls[journal]]
+                    leg_lat: list[float] = []
+                    w0 = asyncio.run(_writer_cpu_s(url)) if journal else 0.0
+                    cpu0, t0 = server_cpu_s(pid), time.monotonic()
+                    n = asyncio.run(_phase(url, args.agents, args.warm_turns, args.max_tokens,
+                                           latencies=leg_lat, kept=[]))
+                    cpu, wall = server_cpu_s(pid) - cpu0, time.monotonic() - t0
+                    writer = asyncio.run(_writer_cpu_s(url)) - w0 if journal else 0.0
+                    lat[journal] += leg_lat
+                    legs.append({"round": r, "journal": journal, "turns": n,
+                                 "cpu_ms_per_turn": round(1000 * cpu / n, 3),
+                                 "writer_cpu_ms_per_turn": round(1000 * writer / n, 4),
+                                 "turns_per_s": round(n / wall, 1), "p99_ms": round(1000 * _pct(leg_lat, 0.99), 2)})
+                print(json.dumps(legs[-4:]), file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(jdir, ignore_errors=True)
+
+    def per_round(key: str, journal: bool, r: int) -> float:
+        return statistics.fmean(x[key] for x in legs if x["round"] == r and x["journal"] == journal)
+
+    rounds = range(args.warm_rounds)
+    cpu_diffs = [per_round("cpu_ms_per_turn", True, r) - per_round("cpu_ms_per_turn", False, r) for r in rounds]
+    p99_ratios = [per_round("p99_ms", True, r) / per_round("p99_ms", False, r) for r in rounds]
+    on = [x for x in legs if x["journal"]]
+    return {
+        "rounds": args.warm_rounds, "turns_per_agent_per_leg": args.warm_turns, "legs": legs,
+        "summary": {
+            "cpu_ms_per_turn": {
+                "off_median": round(statistics.median(x["cpu_ms_per_turn"] for x in legs if not x["journal"]), 3),
+                "on_median": round(statistics.median(x["cpu_ms_per_turn"] for x in on), 3),
+                "paired_round_diffs": [round(d, 3) for d in cpu_diffs],
+                "median_paired_diff": round(statistics.median(cpu_diffs), 3),
+                "median_paired_diff_ci90": _bootstrap_ci(cpu_diffs)},
+            "writer_cpu_ms_per_turn_median": round(statistics.median(x["writer_cpu_ms_per_turn"] for x in on), 4),
+            "p99_ms": {"off_pooled": round(1000 * _pct(lat[False], 0.99), 2),
+                       "on_pooled": round(1000 * _pct(lat[True], 0.99), 2),
+                       "on_over_off_pooled": round(_pct(lat[True], 0.99) / _pct(lat[False], 0.99), 3),
+                       "paired_round_ratios": [round(x, 3) for x in p99_ratios],
+                       "median_paired_ratio": round(statistics.median(p99_ratios), 3),
+                       "median_paired_ratio_ci90": _bootstrap_ci(p99_ratios)},
+            "p50_ms": {"off_pooled": round(1000 * _pct(lat[False], 0.50), 2),
+                       "on_pooled": round(1000 * _pct(lat[True], 0.50), 2)},
+        },
+    }
 
 
 # -- in-process: what one small turn's record costs ---------------------------------
@@ -408,6 +504,9 @@ def main() -> int:
     ap.add_argument("--starts", type=int, default=2, help="recovery: serve starts per directory")
     ap.add_argument("--dir", type=Path, default=None, help="where the journals go (default: a temp dir on "
                     "the repository's disk)")
+    ap.add_argument("--warm-rounds", type=int, default=0,
+                    help="warm pairs: ABBA rounds of short legs on two servers started once (0: skip)")
+    ap.add_argument("--warm-turns", type=int, default=12, help="warm pairs: turns per agent per leg")
     ap.add_argument("--skip-turns", action="store_true")
     ap.add_argument("--skip-recovery", action="store_true")
     ap.add_argument("--skip-micro", action="store_true")
@@ -417,6 +516,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.agents, args.warmup, args.turns, args.rounds = 8, 1, 3, 1
+        args.warm_rounds, args.warm_turns = min(args.warm_rounds, 2), 3
         args.sessions, args.starts, args.micro_records = 200, 1, 640
     tokenizer = str(cached_tokenizer_dir(args.family))
     root = journal_root(args.dir)
@@ -430,6 +530,9 @@ def main() -> int:
         "loadavg_start": os.getloadavg()}
     if not args.skip_turns:
         result["turns"] = turn_legs(tokenizer, root, args)
+    if args.warm_rounds:
+        result["warm_pairs"] = warm_pairs(tokenizer, root, args)
+        print(f"warm pairs: {result['warm_pairs']['summary']}", file=sys.stderr, flush=True)
     if not args.skip_micro:
         result["micro"] = micro(root, args.micro_records)
         print(f"micro: {result['micro']}", file=sys.stderr, flush=True)

@@ -121,6 +121,9 @@ class _JournalCollector(Collector):
                                   value=j.syncs)
         yield CounterMetricFamily("tito_journal_failures", "Journal transactions that failed (nothing stored)",
                                   value=j.failures)
+        yield CounterMetricFamily("tito_journal_writer_cpu_seconds",
+                                  "CPU the journal's writer thread spent in its transactions (SQLite, the sync)",
+                                  value=j.writer_cpu_s)
 
 
 def _touched(journal: Journal, s: Session) -> None:

@@ -191,6 +191,7 @@ class Journal:
         self.records_written = 0
         self.syncs = 0
         self.failures = 0
+        self.writer_cpu_s = 0.0  # CPU the writer thread spent in transactions (SQLite, the sync)
         self._gone_since_prune = 0  # writer thread only
         self._lock_file = self._take_lock()
 
@@ -373,6 +374,7 @@ class Journal:
 
     def _commit(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
         error: BaseException | None = None
+        cpu0 = time.thread_time()
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -405,6 +407,7 @@ class Journal:
                 raise
         except sqlite3.Error as exc:
             error = exc
+        self.writer_cpu_s += time.thread_time() - cpu0  # only this thread writes it
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(self._settle, [op[-1] for op in batch], error, len(batch))

@@ -63,3 +63,12 @@ async def test_a_full_journal_commits_nothing_and_answers_503(
         anthropic = await st.http.post(f"/sessions/{sid}/v1/messages", json={
             "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": BIG}]})
         assert anthropic.status_code == 503 and anthropic.json()["type"] == "error", anthropic.text  # its own shape
+
+        # what the operator sees: the records that were stored, the failed transactions
+        # and the writer thread's CPU (its transactions did run)
+        metrics = (await st.http.get("/metrics")).text
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("tito_journal_") and not line.startswith("#")}
+        assert values["tito_journal_records_total"] >= 2 and values["tito_journal_syncs_total"] >= 1
+        assert values["tito_journal_failures_total"] >= 1
+        assert values["tito_journal_writer_cpu_seconds_total"] > 0
