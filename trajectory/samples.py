@@ -75,8 +75,8 @@ from trajectory.export import from_dict
 from trajectory.messages import normalize_message
 from trajectory.routed import line_rows
 from trajectory.tree import Branch, TrajectoryTree
-from trajectory.turn_rewards import check_turn_rewards, committed_seqs
 from trajectory.turn_record import TurnRecord, WeightVersion
+from trajectory.turn_rewards import check_turn_rewards, committed_seqs
 
 STATUSES = ("completed", "truncated", "aborted")
 COMPLETED_FINISH_REASONS = frozenset({"stop", "tool_calls"})
