@@ -168,5 +168,3 @@ def _sample_routed(sample: Any, n: int) -> np.ndarray | None:
     if arr.ndim != 3 or arr.shape[0] != max(0, n - 1) or arr.dtype.kind not in "iu":
         raise ExportError(f"sample routed_experts must be integers [{max(0, n - 1)}, layers, topk], got {arr.shape}")
     return arr
-
-
