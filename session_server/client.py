@@ -203,7 +203,7 @@ class _Calls:
                      headers=self._auth())
 
     def set_reward(self, session_id: str, reward: float | None, metadata: Mapping[str, Any] | None,
-                   leaf: int | None) -> _Call:
+                   leaf: int | None, turn: int | None = None) -> _Call:
         if reward is not None and (isinstance(reward, bool) or not math.isfinite(reward)):
             raise ValueError(f"reward must be a finite number or None, got {reward!r}")
         body: dict[str, Any] = {"reward": reward}
@@ -211,6 +211,8 @@ class _Calls:
             body["metadata"] = dict(metadata)
         if leaf is not None:
             body["leaf"] = leaf
+        if turn is not None:
+            body["turn"] = turn
         return _Call("POST", f"/sessions/{_sid(session_id)}/reward", _json_body, json=body, headers=self._auth())
 
     def batch_samples(self, session_ids: Sequence[str], close: bool, picker: str, max_seq_len: int | None,
@@ -306,9 +308,10 @@ class SessionClient(_Base):
         return list(self._run(self._calls.samples(session_id, picker, max_seq_len, format)))
 
     def set_reward(self, session_id: str, reward: float | None, *, metadata: Mapping[str, Any] | None = None,
-                   leaf: int | None = None) -> dict[str, Any]:
-        """POST /sessions/{sid}/reward: for every kept leaf, or only `leaf`."""
-        return dict(self._run(self._calls.set_reward(session_id, reward, metadata, leaf)))
+                   leaf: int | None = None, turn: int | None = None) -> dict[str, Any]:
+        """POST /sessions/{sid}/reward: for every kept leaf, only `leaf`, or only the turn
+        whose seq is `turn` (its per-turn reward)."""
+        return dict(self._run(self._calls.set_reward(session_id, reward, metadata, leaf, turn)))
 
     def batch_samples(self, session_ids: Sequence[str], *, close: bool = False, picker: str = DEFAULT_PICKER,
                       max_seq_len: int | None = None, format: SampleFormat = "safetensors") -> list[Sample]:
@@ -374,8 +377,8 @@ class AsyncSessionClient(_Base):
         return list(await self._run(self._calls.samples(session_id, picker, max_seq_len, format)))
 
     async def set_reward(self, session_id: str, reward: float | None, *, metadata: Mapping[str, Any] | None = None,
-                         leaf: int | None = None) -> dict[str, Any]:
-        return dict(await self._run(self._calls.set_reward(session_id, reward, metadata, leaf)))
+                         leaf: int | None = None, turn: int | None = None) -> dict[str, Any]:
+        return dict(await self._run(self._calls.set_reward(session_id, reward, metadata, leaf, turn)))
 
     async def batch_samples(self, session_ids: Sequence[str], *, close: bool = False, picker: str = DEFAULT_PICKER,
                             max_seq_len: int | None = None, format: SampleFormat = "safetensors") -> list[Sample]:

@@ -12,7 +12,8 @@ ints, floats, strings, bytes and containers round-trip exactly.
 Kinds: `create` (config, api key, times), `turn` (with the replay log's name of the
 request when it was recorded, so an SDK retry of a turn committed just before a crash
 is answered from that turn, replay.py `Rerender`), `reward` (the session's reward
-fields after the change), `discarded` (the count of turns that ended without a
+fields after the change: trajectory, per-leaf and per-turn rewards, metadata),
+`discarded` (the count of turns that ended without a
 commit, its latest value), `touch` (a read that pushed the TTL back: its time) and `response` (a Responses API object kept for
 `previous_response_id`); and, for the instance (sid ""), `version`: the trainer's
 weight version, kept as its latest value, so turns after a restart are labelled
@@ -108,6 +109,7 @@ def turn_body(*, op: str, branch_id: int, checkpoint: int, reason: str | None, s
 
 def reward_body(s: Session) -> bytes:
     return encode({"reward": s.reward, "leaf_rewards": [[k, v] for k, v in s.leaf_rewards.items()],
+                   "turn_rewards": [[k, v] for k, v in s.turn_rewards.items()],
                    "reward_metadata": s.reward_metadata, "wall": time.time()})
 
 
@@ -197,6 +199,8 @@ def _replay_row(row: Any, sessions: dict[str, Session], out: Recovered) -> None:
     elif row.kind == REWARD:
         s.reward = body["reward"]
         s.leaf_rewards = {int(k): v for k, v in body["leaf_rewards"]}
+        # per-turn rewards by seq; a record written before they existed has none
+        s.turn_rewards = {int(k): v for k, v in body.get("turn_rewards", ())}
         s.reward_metadata = dict(body["reward_metadata"])
     elif row.kind == DISCARDED:
         s.turns_discarded = body["turns_discarded"]

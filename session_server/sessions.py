@@ -145,6 +145,7 @@ class Session:
         # set after the episode by POST /sessions/{sid}/reward, carried into every sample (samples_api.py)
         self.reward: float | None = None
         self.leaf_rewards: dict[int, float] = {}  # per-leaf rewards, overriding `reward`
+        self.turn_rewards: dict[int, float] = {}  # per-turn (process) rewards by the turn's seq
         self.reward_metadata: dict[str, Any] = {}  # merged over config.metadata
         # Responses API: response id -> its turn's place in the tree (api/dialects/openai_responses.py)
         self.responses: dict[str, Any] = {}

@@ -11,11 +11,15 @@ One payload holds a whole batch (any number of samples, from any sessions).
   of all samples concatenated, ``token_ids`` int32, ``loss_mask`` uint8,
   ``logprobs`` float32, ``weight_version_index`` int32, plus ``offsets`` int64
   [B + 1] (sample ``i`` is ``[offsets[i], offsets[i+1])``). Everything else
-  (turn boundaries, status, reason, reward, metadata, diagnostics, path,
-  version table) is one JSON list, one object per sample: the uint8 array
+  (turn boundaries, status, reason, reward, turn rewards, metadata, diagnostics,
+  path, version table) is one JSON list, one object per sample: the uint8 array
   ``meta`` in npz, the ``samples`` key of the safetensors header metadata
   (``__metadata__``, str -> str, so a JSON string) next to ``format`` and
   ``version``.
+
+**Per-turn rewards** (`turn_rewards`, `trajectory.turn_rewards`) are O(turns) like the
+turn boundaries they align with, so they travel beside them: one JSON list per sample,
+a number or null per turn, in every format.
 
 **Routed experts** (routing replay, `Sample.routed_experts`: one row per
 position but the last, ``(len - 1, layers, topk)``) travel only for samples
@@ -67,8 +71,8 @@ ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("weight_version_index", np.dtype(np.int32)),
 )
 OFFSETS_DTYPE = np.dtype(np.int64)
-_META_KEYS = ("turn_boundaries", "status", "reason", "reward", "metadata", "diagnostics", "path",
-              "version_table")
+_META_KEYS = ("turn_boundaries", "status", "reason", "reward", "turn_rewards", "metadata", "diagnostics",
+              "path", "version_table")
 ROUTED = "routed_experts"
 _ROUTED_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16)}
 _I16_MAX = int(np.iinfo(np.int16).max)
@@ -87,6 +91,7 @@ def _meta(s: Sample) -> dict[str, Any]:
         "status": s.status,
         "reason": s.reason,
         "reward": s.reward,
+        "turn_rewards": s.turn_rewards,
         "metadata": s.metadata,
         "diagnostics": s.diagnostics,
         "path": s.path,
@@ -228,6 +233,10 @@ def _check_meta(s: Sample, where: str) -> None:
         raise ExportError(f"{where} reason must be a str or null")
     if s.reward is not None and (not isinstance(s.reward, float) or not math.isfinite(s.reward)):
         raise ExportError(f"{where} reward must be a finite float or null, got {s.reward!r}")
+    tr = s.turn_rewards
+    if not isinstance(tr, list) or len(tr) != len(s.turn_boundaries) or not all(
+            r is None or (isinstance(r, float) and math.isfinite(r)) for r in tr):
+        raise ExportError(f"{where} turn_rewards must be one finite float or null per turn, got {tr!r}")
     if not isinstance(s.metadata, dict) or not isinstance(s.diagnostics, list):
         raise ExportError(f"{where} metadata must be an object and diagnostics a list")
     for v in s.version_table:
@@ -238,6 +247,9 @@ def _check_meta(s: Sample, where: str) -> None:
 def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
     if isinstance(meta, dict) and ROUTED in meta:
         meta = {k: v for k, v in meta.items() if k != ROUTED}
+    if isinstance(meta, dict) and "turn_rewards" not in meta:  # written before per-turn rewards: none
+        tb = meta.get("turn_boundaries")
+        meta = {**meta, "turn_rewards": [None] * (len(tb) if isinstance(tb, list) else 0)}
     if not isinstance(meta, dict) or set(meta) != set(_META_KEYS):
         raise ExportError(f"{where} has fields {sorted(meta) if isinstance(meta, dict) else meta!r}")
     try:
@@ -246,6 +258,8 @@ def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
         table = list(meta["version_table"])
     except (TypeError, ValueError) as exc:
         raise ExportError(f"{where}: malformed turn_boundaries, path or version_table: {exc}") from exc
+    if not isinstance(meta["turn_rewards"], list) or len(meta["turn_rewards"]) != len(turns):
+        raise ExportError(f"{where} turn_rewards must be a list of {len(turns)} (one per turn)")
     s = Sample(
         token_ids=arrays["token_ids"],
         loss_mask=arrays["loss_mask"],
@@ -256,6 +270,7 @@ def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
         status=meta["status"],
         reason=meta["reason"],
         reward=meta["reward"],
+        turn_rewards=meta["turn_rewards"],
         metadata=meta["metadata"],
         diagnostics=meta["diagnostics"],
         path=path,

@@ -51,6 +51,9 @@ the position in ``version_table`` of the version that sampled token ``i``, or
 sampled tokens whose version is unknown, i.e. None). ``Sample.weight_version``
 expands this to one value (or None) per token.
 
+**Per-turn rewards** (`turn_rewards`, one per turn, None where none) name turns by
+their seq (`trajectory.turn_rewards`); every sample whose line holds a turn carries it.
+
 Cost: O(tokens of the sample) numpy copies per sample plus O(turns) Python per
 sample; no per-token Python loops. Serialization lives in
 `trajectory.sample_formats`.
@@ -73,6 +76,7 @@ from trajectory.messages import normalize_message
 from trajectory.routed import line_rows
 from trajectory.tree import Branch, TrajectoryTree
 from trajectory.turn_record import TurnRecord, WeightVersion
+from trajectory.turn_rewards import check_turn_rewards, committed_seqs
 
 STATUSES = ("completed", "truncated", "aborted")
 COMPLETED_FINISH_REASONS = frozenset({"stop", "tool_calls"})
@@ -104,12 +108,18 @@ class Sample:
     status: str
     reason: str | None = None
     reward: float | None = None
+    # one per turn: its posted reward, None where none (`trajectory.turn_rewards`)
+    turn_rewards: list[float | None] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     diagnostics: list[dict[str, Any]] = field(default_factory=list)
     path: list[int] = field(default_factory=list)
     # routing replay: (len - 1, layers, topk) expert ids of positions [0, len - 1)
     # (`trajectory.routed.line_rows`); None when the session did not record them
     routed_experts: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if not self.turn_rewards:  # not given: no turn has a reward
+            self.turn_rewards = [None] * len(self.turn_boundaries)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -270,6 +280,7 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
     return {
         "turn": turn.index,
         "branch": owner,
+        "seq": turn.seq,  # what a per-turn reward names it by (`trajectory.turn_rewards`)
         "finish_reason": turn.finish_reason,
         "repair_tokens": turn.repair_tokens,
         "parse_status": extra.get("parse_status"),
@@ -315,6 +326,7 @@ def _sample(
     max_seq_len: int | None,
     reward: float | None,
     metadata: dict[str, Any],
+    turn_rewards: Mapping[int, float],
 ) -> Sample:
     traj = branch.trajectory
     turns = traj.turns
@@ -354,6 +366,7 @@ def _sample(
         status=status,
         reason=reason,
         reward=reward,
+        turn_rewards=[turn_rewards.get(t.seq) for t in kept],
         metadata=dict(metadata),
         diagnostics=[turn_diagnostics(t, owners[t.index]) for t in kept],
         path=lines.path(branch.id),
@@ -399,14 +412,16 @@ def build_samples(
     max_seq_len: int | None = None,
     reward: float | Mapping[int, float | None] | None = None,
     metadata: Mapping[str, Any] | None = None,
+    turn_rewards: Mapping[int, float] | None = None,
 ) -> list[Sample]:
     """The training samples of a session (module doc), in leaf creation order.
 
     `source` is a `TrajectoryTree` or its `trajectory.export.to_dict` form (checked
     on import, raising `ExportError`). `reward` is one number for every sample
     or a mapping from leaf branch id to a number (leaves it omits get None);
-    `metadata` is merged over the tree's metadata into every sample's. An
-    unknown picker, a bad `max_seq_len` or reward raises `SampleError`.
+    `metadata` is merged over the tree's metadata into every sample's;
+    `turn_rewards` maps a committed turn's seq to its reward (`trajectory.turn_rewards`).
+    An unknown picker, a bad `max_seq_len`, reward or turn reward raises `SampleError`.
     """
     tree = _as_tree(source)
     if max_seq_len is not None and (
@@ -423,8 +438,9 @@ def build_samples(
         raise SampleError(f"picker {picker!r} chose non-leaves {sorted(chosen - set(lines.leaves))}")
     kept = [leaf for leaf in lines.leaves if leaf in chosen]
     rewards = _rewards(reward, kept, lines.leaves)
+    per_turn = check_turn_rewards(turn_rewards, committed_seqs(tree.branches())) if turn_rewards else {}
     meta = {**tree.metadata, **(metadata or {})}
     claimed: set[tuple[int, int]] = set()
     return [
-        _sample(lines, tree.get(leaf), claimed, max_seq_len, rewards[leaf], meta) for leaf in kept
+        _sample(lines, tree.get(leaf), claimed, max_seq_len, rewards[leaf], meta, per_turn) for leaf in kept
     ]

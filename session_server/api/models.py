@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from trajectory.codec.base import HistoryPolicy
@@ -64,17 +65,62 @@ class SessionCreate(BaseModel):
     max_weight_lag: WeightLag | None = None  # every turn's default
 
 
-class RewardRequest(BaseModel):
-    """`POST /sessions/{sid}/reward`: a reward for the session's samples."""
+TurnSeq = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+Reward = Annotated[float | None, Field(strict=True, allow_inf_nan=False)]
+
+
+class TurnReward(BaseModel):
+    """One committed turn's (process) reward, the turn named by its seq (trajectory/turn_rewards.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    reward: float | None = Field(
-        strict=True, allow_inf_nan=False,
-        description="without `leaf`: every kept leaf's reward; with it: that leaf's (overrides); null unsets",
+    turn: TurnSeq = Field(description="the turn's seq: the session's n-th committed turn, from 0, over all branches")
+    reward: Reward = Field(description="that turn's reward; null unsets it")
+
+
+class RewardRequest(BaseModel):
+    """`POST /sessions/{sid}/reward`: a reward for the session's samples: trajectory-level,
+    per leaf, or per turn (`turn`, or several at once in `turn_rewards`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: Reward = Field(
+        default=None,
+        description="alone: every kept leaf's reward; with `leaf`: that leaf's (overrides); with `turn`: that "
+                    "turn's; null unsets. Required unless `turn_rewards` is given",
     )
     metadata: SampleMetadata = Field(default_factory=dict, description="merged over the session's metadata")
     leaf: int | None = Field(default=None, strict=True, ge=0, le=INT64_MAX, description="a leaf branch id")
+    turn: TurnSeq | None = Field(default=None, description="a committed turn's seq: `reward` is that turn's")
+    turn_rewards: list[TurnReward] | None = Field(
+        default=None, description="several turns' rewards, set together (all or none)")
+
+    @model_validator(mode="after")
+    def _one_address(self) -> RewardRequest:
+        if "reward" not in self.model_fields_set and self.turn_rewards is None:
+            raise ValueError("reward: required (a number or null) unless turn_rewards is given")
+        if self.leaf is not None and "reward" not in self.model_fields_set:
+            raise ValueError("leaf: needs the leaf's reward in `reward`")
+        if self.turn is not None and self.leaf is not None:
+            raise ValueError("turn and leaf: a reward names one turn or one leaf, not both")
+        if self.turn is not None and self.turn_rewards is not None:
+            raise ValueError("turn and turn_rewards: give one turn's reward in either, not both")
+        seen: set[int] = set()
+        for i, t in enumerate(self.turn_rewards or ()):
+            if t.turn in seen:
+                raise ValueError(f"turn_rewards[{i}].turn: turn {t.turn} is given twice")
+            seen.add(t.turn)
+        return self
+
+    def turn_changes(self) -> list[tuple[str, int, float | None]]:
+        """The per-turn rewards this request sets: (the field naming it, seq, reward)."""
+        if self.turn is not None:
+            return [("turn", self.turn, self.reward)]
+        return [(f"turn_rewards[{i}].turn", t.turn, t.reward) for i, t in enumerate(self.turn_rewards or ())]
+
+    def sets_session_reward(self) -> bool:
+        """Whether `reward` is the trajectory-level (or, with `leaf`, a leaf's) reward."""
+        return self.turn is None and "reward" in self.model_fields_set
 
 
 def _known_picker(v: str) -> str:

@@ -8,6 +8,8 @@ work; this module decides what each session contributes and where it runs:
   cannot send any key the server owns: `api.models.SAMPLE_METADATA_RESERVED`);
 * its `reward` is the leaf's own reward when one was posted with ``leaf`` and that
   branch still holds a leaf, else the session's trajectory-level reward (or None);
+  its `turn_rewards` are the rewards posted per turn (a turn named by its seq,
+  `trajectory.turn_rewards`), None for a turn without one;
 * samples are built under the session's lock (a commit must not mutate the tree
   while the offload thread reads it) on the CPU offload threads, and serialized
   there after the lock is released.
@@ -33,6 +35,7 @@ from trajectory.errors import SampleError
 from trajectory.sample_batch import BATCH_WRITERS, SampleBatchWriter
 from trajectory.sample_formats import MEDIA_TYPES, SERIALIZERS
 from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample, build_samples, tree_lines
+from trajectory.turn_rewards import committed_seqs
 
 from ..context import ServerContext
 from ..control.relay import PeerRelay
@@ -53,8 +56,10 @@ def sample_metadata(s: Session) -> dict[str, Any]:
 
 
 def reward_view(s: Session) -> dict[str, Any]:
-    """The rewards posted so far (session view and the reward answer); leaf ids as JSON keys."""
-    return {"reward": s.reward, "leaf_rewards": {str(k): v for k, v in sorted(s.leaf_rewards.items())}}
+    """The rewards posted so far (session view and the reward answer); leaf ids and turn
+    seqs as JSON keys."""
+    return {"reward": s.reward, "leaf_rewards": {str(k): v for k, v in sorted(s.leaf_rewards.items())},
+            "turn_rewards": {str(k): v for k, v in sorted(s.turn_rewards.items())}}
 
 
 def session_samples(s: Session, picker: str, max_seq_len: int | None) -> list[Sample]:
@@ -63,7 +68,8 @@ def session_samples(s: Session, picker: str, max_seq_len: int | None) -> list[Sa
     if s.leaf_rewards:  # a per-leaf reward only while its branch still holds a leaf
         reward = {leaf: s.leaf_rewards.get(leaf, s.reward) for leaf in tree_lines(s.tree).leaves}
     try:
-        return build_samples(s.tree, picker=picker, max_seq_len=max_seq_len, reward=reward, metadata=sample_metadata(s))
+        return build_samples(s.tree, picker=picker, max_seq_len=max_seq_len, reward=reward, metadata=sample_metadata(s),
+                             turn_rewards=s.turn_rewards)
     except SampleError as exc:  # the routes validate first; this is the backstop
         raise from_library(exc) or BadRequest(str(exc)) from exc
 
@@ -92,21 +98,39 @@ def _leaves(s: Session) -> list[int]:
     return tree_lines(s.tree).leaves
 
 
+def _check_turns(s: Session, spec: RewardRequest) -> None:
+    """Every turn the request names is a committed turn of `s` (a 400 naming the field)."""
+    changes = spec.turn_changes()
+    if not changes:
+        return
+    seqs = committed_seqs(s.tree.branches())
+    for where, seq, _ in changes:
+        if seq not in seqs:
+            raise BadRequest(f"{where}: {seq} is not the seq of a committed turn of session {s.id} "
+                             f"(committed seqs: {min(seqs)} to {max(seqs)})" if seqs else
+                             f"{where}: session {s.id} has no committed turn")
+
+
 def _reward_body(s: Session) -> dict[str, Any]:
     return {"session_id": s.id, **reward_view(s), "metadata": sample_metadata(s)}
 
 
 async def set_reward(ctx: ServerContext, s: Session, spec: RewardRequest) -> dict[str, Any]:
-    """`POST /sessions/{sid}/reward`: store a trajectory-level or per-leaf reward and
-    merge metadata; null unsets (the session's reward, or that leaf's override)."""
+    """`POST /sessions/{sid}/reward`: store a trajectory-level, per-leaf or per-turn
+    reward (or several turns' at once) and merge metadata; null unsets (the session's
+    reward, that leaf's override, that turn's reward); setting again replaces. A request
+    naming a turn or leaf that is not there changes nothing (all or none)."""
     if ctx.journal is not None:
         ctx.journal.check_writable()
-    async with s.lock:  # the leaf check reads the tree; samples read these fields under it
-        before = (s.reward, dict(s.leaf_rewards), dict(s.reward_metadata))
+    async with s.lock:  # the leaf and turn checks read the tree; samples read these fields under it
+        before = (s.reward, dict(s.leaf_rewards), dict(s.turn_rewards), dict(s.reward_metadata))
+        if s.state is not SessionState.ACTIVE:  # deleted while this waited for the lock
+            ctx.store.get(s.id)  # its 410 or 404 before any check of what it named
         if spec.leaf is not None:
             leaves = await ctx.offload.run(_leaves, s)
             if spec.leaf not in leaves:
                 raise BadRequest(f"leaf {spec.leaf} is not a leaf branch of session {s.id} (leaves: {leaves})")
+        await ctx.offload.run(_check_turns, s, spec)
         if s.state is not SessionState.ACTIVE:  # deleted while this waited (a DELETE takes no lock)
             ctx.store.get(s.id)  # its 410 (a tombstone) or 404: the reward went nowhere
         if spec.leaf is not None:
@@ -114,15 +138,20 @@ async def set_reward(ctx: ServerContext, s: Session, spec: RewardRequest) -> dic
                 s.leaf_rewards.pop(spec.leaf, None)
             else:
                 s.leaf_rewards[spec.leaf] = float(spec.reward)
-        else:
+        elif spec.sets_session_reward():
             s.reward = None if spec.reward is None else float(spec.reward)
+        for _, seq, value in spec.turn_changes():
+            if value is None:
+                s.turn_rewards.pop(seq, None)
+            else:
+                s.turn_rewards[seq] = float(value)
         s.reward_metadata.update(spec.metadata)
         if ctx.journal is not None:  # the state after the change, durable before it is answered
             written = ctx.journal.append(s.id, REWARD, reward_body(s))
             try:
                 await durable(written)
             except JournalUnavailable:
-                s.reward, s.leaf_rewards, s.reward_metadata = before
+                s.reward, s.leaf_rewards, s.turn_rewards, s.reward_metadata = before
                 raise
         return await ctx.offload.run(_reward_body, s)
 

@@ -167,3 +167,37 @@ async def test_a_create_record_that_does_not_replay_stops_the_start_naming_it(
         with pytest.raises(RuntimeError, match="record 1"):  # today: hangs in recovering (TypeError in the task)
             await asyncio.wait_for(_server(qwen3, engine, tmp_path / "j").__aenter__(), 20)
     durability.FATAL.clear()
+
+
+async def test_per_turn_rewards_come_back_after_a_restart_and_one_racing_a_delete_is_410(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """Per-turn rewards are session state: journaled with the reward record, restored by
+    the replay (the session view and the samples after a restart). One that waited for
+    the lock of a session DELETEd meanwhile answers 410, as the trajectory reward does."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    chat = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with _server(qwen3, engine, tmp_path / "j") as (http, ctx):
+            sid = (await http.post("/sessions", json={})).json()["session_id"]
+            doomed = (await http.post("/sessions", json={})).json()["session_id"]
+            for s in (sid, doomed):
+                r = await http.post(f"/sessions/{s}/v1/chat/completions", json=chat)
+                assert r.status_code == 200, r.text
+            r = await http.post(f"/sessions/{sid}/reward", json={"turn_rewards": [{"turn": 0, "reward": 0.5}]})
+            assert r.status_code == 200, r.text
+            before = (await http.get(f"/sessions/{sid}/samples")).json()["samples"]
+            assert [s["turn_rewards"] for s in before] == [[0.5]]
+            s = ctx.store.get(doomed)
+            await s.lock.acquire()  # as a commit awaiting its journal write holds it
+            late = asyncio.ensure_future(http.post(f"/sessions/{doomed}/reward", json={"turn": 0, "reward": 1.0}))
+            await asyncio.sleep(0.3)  # the reward is queued on the lock
+            assert (await http.delete(f"/sessions/{doomed}")).status_code == 204
+            s.lock.release()
+            r = await late
+            assert r.status_code == 410 and r.json()["error"]["type"] == "session_gone", r.text
+        async with _server(qwen3, engine, tmp_path / "j") as (http, _):
+            view = (await http.get(f"/sessions/{sid}")).json()
+            assert view["turn_rewards"] == {"0": 0.5}
+            assert (await http.get(f"/sessions/{sid}/samples")).json()["samples"] == before
+            assert (await http.get(f"/sessions/{doomed}")).status_code == 410

@@ -124,7 +124,8 @@ async def test_reward_broadcast_and_per_leaf_override(qwen3_dir: Path) -> None:
         r = await reward({"reward": 1, "metadata": {"split": "eval", "judge": "j"}})
         assert r.status_code == 200, r.text
         merged = {"task": "t", "split": "eval", "judge": "j", "session_id": sid}
-        assert r.json() == {"session_id": sid, "reward": 1.0, "leaf_rewards": {}, "metadata": merged}
+        assert r.json() == {"session_id": sid, "reward": 1.0, "leaf_rewards": {}, "turn_rewards": {},
+                            "metadata": merged}
         assert await rewards() == {0: 1.0, 1: 1.0}  # broadcast to every kept leaf
         assert all(s.metadata == merged for s in await samples(st, sid, picker="all"))
 
@@ -257,3 +258,71 @@ async def test_an_empty_batch_of_sessions_without_turns_loads(qwen3_dir: Path, f
         r = await batch(st, session_ids=[sid], format=fmt)
         assert r.status_code == 200, r.text
         assert LOADERS[fmt](r.content) == []
+
+
+async def test_per_turn_rewards_land_on_their_turns_in_every_format_and_the_batch(qwen3_dir: Path) -> None:
+    from trajectory.frameworks import to_skyrl, to_verl
+    from trajectory.turn_rewards import token_rewards
+
+    async with live_stack(qwen3_dir) as st:
+        sid, other = await st.session(), await st.session()
+        await episode(st, sid, turns=3, retry=True)  # seqs 0, 1, 2 (abandoned), 3: leaves 0 and 1
+        await episode(st, other, turns=1)
+
+        async def reward(body: dict[str, Any], to: str = sid) -> httpx.Response:
+            return await st.http.post(f"/sessions/{to}/reward", json=body)
+
+        r = await reward({"turn": 1, "reward": 0.5})
+        assert r.status_code == 200, r.text
+        assert r.json()["turn_rewards"] == {"1": 0.5} and r.json()["reward"] is None
+        r = await reward({"reward": 2.0, "turn_rewards": [{"turn": 3, "reward": -1}, {"turn": 2, "reward": 0.25}]})
+        assert r.json()["turn_rewards"] == {"1": 0.5, "2": 0.25, "3": -1.0} and r.json()["reward"] == 2.0
+        assert (await reward({"turn": 1, "reward": 0.75})).json()["turn_rewards"]["1"] == 0.75  # replaces
+        assert (await reward({"turn": 0, "reward": 0.125})).json()["turn_rewards"]["0"] == 0.125
+        assert "0" not in (await reward({"turn": 0, "reward": None})).json()["turn_rewards"]  # null unsets
+        want = {"1": 0.75, "2": 0.25, "3": -1.0}
+        assert (await st.http.get(f"/sessions/{sid}")).json()["turn_rewards"] == want
+        await reward({"reward": 1.0, "turn": 0}, to=other)
+
+        (kept,) = await samples(st, sid)
+        # the retry of the second turn (seq 2) replaced seq 1, which only leaf 0's line holds
+        assert [d["seq"] for d in kept.diagnostics] == [0, 2, 3] and kept.turn_rewards == [None, 0.25, -1.0]
+        assert kept.reward == 2.0  # the trajectory-level reward as before
+        values, carried = token_rewards(kept.turn_boundaries, kept.turn_rewards, len(kept))
+        ends = [e - 1 for _, _, e in kept.turn_boundaries]
+        assert carried.nonzero()[0].tolist() == ends[1:] and values[ends].tolist() == [0.0, 0.25, -1.0]
+        assert kept.loss_mask[ends].tolist() == [1, 1, 1]  # on sampled tokens
+        every = await samples(st, sid, picker="all")
+        assert [s.turn_rewards for s in every] == [[None, 0.75], [None, 0.25, -1.0]]
+        for fmt in FORMATS:
+            for picker in ("latest", "all"):
+                assert_same_samples(await samples(st, sid, fmt, picker=picker), await samples(st, sid, picker=picker))
+            r = await batch(st, session_ids=[other, sid], format=fmt)
+            got = LOADERS[fmt](r.content)
+            assert [s.turn_rewards for s in got] == [[1.0], [None, 0.25, -1.0]]
+        response_start = kept.turn_boundaries[0][1]
+        sky = to_skyrl([kept])["rewards"][0]
+        assert [i + response_start for i, v in enumerate(sky) if v] == ends[1:]
+        assert sky[ends[2] - response_start] == -1.0 + 2.0  # the last turn's, plus the trajectory reward
+        assert to_verl(kept)["extra_fields"]["turn_scores"] == [None, 0.25, -1.0]
+
+        before = (await st.http.get(f"/sessions/{sid}")).json()["turn_rewards"]
+        for bad, field in (({"turn": 4, "reward": 1.0}, "turn: 4"),
+                           ({"turn_rewards": [{"turn": 0, "reward": 1}, {"turn": 9, "reward": 1}]},
+                            "turn_rewards[1].turn: 9"),
+                           ({"turn_rewards": [{"turn": 0, "reward": 1}, {"turn": 0, "reward": 2}]},
+                            "turn_rewards[1].turn"),
+                           ({"turn": 0, "leaf": 1, "reward": 1.0}, "turn and leaf"),
+                           ({"turn": 0, "turn_rewards": [], "reward": 1.0}, "turn and turn_rewards"),
+                           ({"turn": 0}, "reward"), ({"turn": -1, "reward": 1.0}, "turn"),
+                           ({"turn": True, "reward": 1.0}, "turn"),
+                           ({"turn_rewards": [{"turn": 0, "reward": 1, "x": 1}]}, "x"),
+                           ({"turn_rewards": [{"turn": 0}]}, "reward")):
+            r = await reward(bad)
+            assert_error(r, 400, "invalid_request")
+            assert field in r.json()["error"]["message"], (bad, r.text)
+        assert (await st.http.get(f"/sessions/{sid}")).json()["turn_rewards"] == before  # all or none
+        fresh = await st.session()
+        r = await reward({"turn": 0, "reward": 1.0}, to=fresh)
+        assert_error(r, 400, "invalid_request")
+        assert "no committed turn" in r.json()["error"]["message"]

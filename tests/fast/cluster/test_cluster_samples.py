@@ -33,7 +33,7 @@ LOADERS = {"json": load_samples_json, "npz": load_samples_npz, "safetensors": lo
 
 async def _sessions(http: httpx.AsyncClient, per_instance: int, instances: int) -> list[str]:
     """Sessions through the proxy until each instance holds `per_instance`, each with a turn
-    and a reward; interleaved by instance so the batch order crosses instances."""
+    and a reward and its turn's; interleaved by instance so the batch order crosses instances."""
     on: dict[str, list[str]] = {}
     for _ in range(200):
         sid = (await http.post("/sessions", json={"metadata": {"task": "t"}})).json()["session_id"]
@@ -48,7 +48,9 @@ async def _sessions(http: httpx.AsyncClient, per_instance: int, instances: int) 
         r = await http.post(f"/sessions/{sid}/v1/chat/completions",
                             json={"messages": [{"role": "user", "content": f"task {k}"}], "max_tokens": 12})
         assert r.status_code == 200, r.text
-        assert (await http.post(f"/sessions/{sid}/reward", json={"reward": k / 10})).status_code == 200
+        r = await http.post(f"/sessions/{sid}/reward",
+                            json={"reward": k / 10, "turn_rewards": [{"turn": 0, "reward": -k / 10}]})
+        assert r.status_code == 200, r.text
     return order
 
 
@@ -82,6 +84,7 @@ async def test_a_batch_of_every_instances_sessions_through_the_proxy_is_what_eac
             assert r.headers.get("transfer-encoding") == "chunked", r.headers  # streamed, not buffered
             got = load(raw)
             assert [s.metadata["session_id"] for s in got] == order
+            assert [s.turn_rewards for s in got] == [[-k / 10] for k in range(len(order))]  # per turn, gathered
             assert samples_to_json(got) == samples_to_json(want), fmt  # every field, bit-exact
         # close: every session is closed on its owner (a tombstone: 410, the cluster journals)
         r, raw, chunks = await _batch(http, {"session_ids": order, "format": "json", "close": True})

@@ -178,12 +178,14 @@ def test_sync_and_async_clients_send_the_same_requests() -> None:
     sync.create_session(metadata={"a": 1})
     sync.chat("s1", MSGS, temperature=0.5)
     sync.set_reward("s1", 0.5, metadata={"k": "v"}, leaf=2)
+    sync.set_reward("s1", -1.0, turn=3)
     sync.pause("wait", lora="a")
 
     async def run() -> None:
         await aclient.create_session(metadata={"a": 1})
         await aclient.chat("s1", MSGS, temperature=0.5)
         await aclient.set_reward("s1", 0.5, metadata={"k": "v"}, leaf=2)
+        await aclient.set_reward("s1", -1.0, turn=3)
         await aclient.pause("wait", lora="a")
         await aclient.disconnect()
 
@@ -191,7 +193,8 @@ def test_sync_and_async_clients_send_the_same_requests() -> None:
     sync.disconnect()
     assert seen["sync"] == seen["async"]
     # the session token learnt at creation goes on the agent route only
-    assert [auth for *_, auth in seen["sync"]] == [None, "Bearer tok", None, None]
+    assert [auth for *_, auth in seen["sync"]] == [None, "Bearer tok", None, None, None]
+    assert orjson.loads(seen["sync"][3][2]) == {"reward": -1.0, "turn": 3}
 
 
 def test_samples_decode_every_format_and_batch_body() -> None:
@@ -289,6 +292,8 @@ async def test_samples_in_every_format_and_reward(qwen3_dir: Path) -> None:
         assert await client.set_reward(sid, 1.5, metadata={"judge": "unit"}) is not None
         (rewarded,) = await client.samples(sid)
         assert rewarded.reward == 1.5 and rewarded.metadata.get("judge") == "unit"
+        assert (await client.set_reward(sid, 0.25, turn=0))["turn_rewards"] == {"0": 0.25}
+        assert (await client.samples(sid))[0].turn_rewards[0] == 0.25
         with pytest.raises(SessionServerError) as bad_picker:
             await client.samples(sid, picker="no-such-picker")
         assert bad_picker.value.status == 400

@@ -9,6 +9,7 @@ import dataclasses
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 from hypothesis import given, settings
@@ -111,6 +112,7 @@ def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, An
     for step in steps:
         _commit(s, step, rows, routed_on)
     s.reward, s.leaf_rewards, s.reward_metadata = 0.5, {1: 1.0}, {"score": 3}
+    s.turn_rewards = {t.seq: -0.25 * t.seq for b in s.tree.branches() for t in b.trajectory.turns[::2]}
     rows.append(Row(len(rows) + 1, s.id, REWARD, time.time(), reward_body(s)))
 
     got = replay_rows(rows, time.monotonic)
@@ -124,6 +126,7 @@ def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, An
     assert list(back.diagnostics) == list(s.diagnostics)
     assert dataclasses.asdict(back.control_totals) == dataclasses.asdict(s.control_totals)
     assert (back.reward, back.leaf_rewards, back.reward_metadata) == (s.reward, s.leaf_rewards, s.reward_metadata)
+    assert back.turn_rewards == s.turn_rewards and all(type(v) is float for v in back.turn_rewards.values())
     for a, b in zip(back.tree.branches(), s.tree.branches(), strict=True):
         ra = [t.routed_experts for t in a.trajectory.turns]
         rb = [t.routed_experts for t in b.trajectory.turns]
@@ -152,3 +155,11 @@ def test_a_recovered_session_keeps_its_count_of_dropped_diagnostics() -> None:
     assert s.diagnostics_dropped == 10
     assert list(back.diagnostics) == list(s.diagnostics)
     assert back.diagnostics_dropped == s.diagnostics_dropped  # the session view's diagnostics_dropped
+
+
+def test_a_reward_record_from_before_per_turn_rewards_replays_with_none() -> None:
+    s = Session("w0.abc", SessionConfig(ttl_s=60.0), 0.0)
+    old = msgspec.msgpack.encode({"reward": 1.0, "leaf_rewards": [], "reward_metadata": {}, "wall": time.time()})
+    rows = [Row(1, s.id, CREATE, time.time(), create_body(s)), Row(2, s.id, REWARD, time.time(), old)]
+    [back] = replay_rows(rows, time.monotonic).sessions
+    assert back.reward == 1.0 and back.turn_rewards == {}

@@ -111,7 +111,7 @@ def test_verl_agent_loop_output() -> None:
     assert out["num_turns"] == 4  # prompt + 2 assistant turns + 1 tool turn
     assert out["extra_fields"] == {
         "status": "completed", "tree_path": [0, 2], "weight_versions": ["3", "4"],
-        "metadata": {"task": "t1"},
+        "metadata": {"task": "t1"}, "turn_scores": [None, None],
     }
 
 
@@ -175,7 +175,7 @@ def test_miles_wire_values() -> None:
     assert out["status"] == "completed"
     assert out["weight_versions"] == ["3", "4"]
     assert out["prefix_cache_info"] == {"cached_tokens": 0, "total_prompt_tokens": 0}
-    assert out["metadata"] == {"task": "t1", "tree_path": [0, 2]}
+    assert out["metadata"] == {"task": "t1", "tree_path": [0, 2], "turn_rewards": [None, None]}
     assert out["reward"] == 1.5
     assert out["response"] == ""
     assert out["rollout_routed_experts"] is None and out["rollout_indexer_topk"] is None
@@ -191,7 +191,7 @@ def test_slime_sample_kwargs() -> None:
     assert _all_python(out["tokens"] + out["loss_mask"], int) and _all_python(out["rollout_log_probs"], float)
     assert out["status"] == "truncated"
     assert out["weight_versions"] == ["3", "4"]
-    assert out["metadata"] == {"task": "t1", "tree_path": [0, 2]}
+    assert out["metadata"] == {"task": "t1", "tree_path": [0, 2], "turn_rewards": [None, None]}
 
 
 def test_split_uses_turns_not_mask() -> None:
@@ -267,3 +267,22 @@ def test_missing_field_is_typed() -> None:
         to_verl(d)
     with pytest.raises(ExportError, match="'path'"):
         to_verl(SimpleNamespace(**d))
+
+
+def test_per_turn_rewards_reach_every_mapping_under_its_own_name() -> None:
+    s = _sample(turn_rewards=[0.25, None])
+    assert to_verl(s)["extra_fields"]["turn_scores"] == [0.25, None]
+    assert to_miles(s)["metadata"]["turn_rewards"] == [0.25, None]
+    assert to_slime(s)["metadata"]["turn_rewards"] == [0.25, None]
+    assert to_miles(s)["reward"] == to_slime(s)["reward"] == 1.5  # the trajectory-level reward as it was
+    # SkyRL's token-level form: the response is out0 | tool | out1 (tail cut); turn 0's reward on
+    # out0's last token, turn 1 has none, the trajectory reward on the last response token
+    out = to_skyrl([s, _sample(reward=-1.0)])
+    assert out["rewards"] == [[0.0, 0.0, 0.25, 0.0, 0.0, 0.0, 1.5], [0.0] * 6 + [-1.0]]
+    assert [len(r) for r in out["rewards"]] == [len(r) for r in out["response_ids"]]
+    assert to_skyrl([_sample(reward=None, turn_rewards=[None, 2.0])])["rewards"] == [[0.0] * 6 + [2.0]]
+    assert to_skyrl([_sample()])["rewards"] == [1.5]  # no turn reward anywhere: one float per row
+    with pytest.raises(ExportError, match="sample 1 has no reward"):
+        to_skyrl([s, _sample(reward=None)])
+    with pytest.raises(ExportError, match="turn_rewards has 1 entries for 2 turns"):
+        to_verl(_sample(turn_rewards=[1.0]))

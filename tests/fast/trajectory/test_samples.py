@@ -169,7 +169,8 @@ def assert_same_samples(a: list[Sample], b: list[Sample]) -> None:
             u, v = getattr(x, name), getattr(y, name)
             assert u.dtype == v.dtype and u.shape == v.shape
             assert u.tobytes() == v.tobytes(), name  # bit-exact
-        for name in ("turn_boundaries", "status", "reason", "reward", "metadata", "diagnostics", "path"):
+        for name in ("turn_boundaries", "status", "reason", "reward", "turn_rewards", "metadata", "diagnostics",
+                     "path"):
             assert getattr(x, name) == getattr(y, name), name
         assert [(type(v), v) for v in x.version_table] == [(type(v), v) for v in y.version_table]
 
@@ -412,7 +413,7 @@ def test_reward_metadata_diagnostics_and_export_input() -> None:
     a, b = build_samples(t, picker="all", reward={1: 2}, metadata={"seed": 4})
     assert (a.reward, b.reward) == (None, 2.0) and type(b.reward) is float
     assert a.metadata == b.metadata == {"task": "t1", "seed": 4} and a.metadata is not b.metadata
-    assert a.diagnostics == [{"turn": 0, "branch": 0, "finish_reason": "stop", "repair_tokens": 0,
+    assert a.diagnostics == [{"turn": 0, "branch": 0, "seq": 0, "finish_reason": "stop", "repair_tokens": 0,
                               "parse_status": "ok", "parse_detail": None,
                               "history_rewrite": {"first_diff": 17}, "tool_call_id_renames": None,
                               "stale_bound": None}]
