@@ -19,6 +19,7 @@ from .routing.admission import PrefillAdmission
 from .routing.pool import EnginePool
 from .sessions import SessionStore
 from .settings import Settings
+from .tracing import Tracing
 
 __all__ = ["ServerContext", "Settings", "log"]
 
@@ -42,6 +43,7 @@ class ServerContext:
     # routed-experts (layers, topk, experts) of the config.json beside the tokenizer (model_config.py)
     model_routed: tuple[int, int, int | None] | None = None
     journal: Journal | None = None  # the session journal (settings.journal_dir; None: sessions die with the process)
+    tracing: Tracing | None = None  # OpenTelemetry traces of turns (settings.otel_endpoint; None: off)
 
     def routed_shape(self) -> RoutedShape:
         """What the server knows of the model's routed experts: each setting, else the

@@ -37,8 +37,9 @@ from .routing import AdmissionConfig, PrefillAdmission, health_check_loop, make_
 from .routing.pool import EnginePool
 from .sessions import SessionStore
 from .settings import Settings
+from .tracing import Tracing
 
-__all__ = ["AppConfig", "Background", "build_context", "join_cluster", "open_relay", "shutdown",
+__all__ = ["AppConfig", "Background", "build_context", "join_cluster", "open_relay", "open_tracing", "shutdown",
            "start_background"]
 
 
@@ -50,11 +51,14 @@ class AppConfig:
     engines: Sequence[str] = ()  # "URL", "sglang=URL" or "vllm=URL"
     settings: Settings = field(default_factory=Settings)
     family: str | None = None  # force a codec family (over settings.template_family) instead of detecting it
+    # an OpenTelemetry SpanExporter (tests, embedding): traces on, each span exported as it ends
+    span_exporter: Any = None
 
 
 async def build_context(config: AppConfig) -> ServerContext:
     """Everything a route and the turn pipeline share, built once at start-up."""
     settings = config.settings
+    tracing = open_tracing(config)  # first: missing OpenTelemetry packages stop the start at once
     offload = CpuOffload(settings.cpu_workers)
     tok = config.tokenizer
     if isinstance(tok, str):
@@ -98,10 +102,21 @@ async def build_context(config: AppConfig) -> ServerContext:
         ),
         model_routed=model_routed,
         journal=open_journal(settings),
+        tracing=tracing,
     )
     ctx.store.recovering = ctx.journal is not None  # durability.recover opens the store
     ctx.store.on_remove.append(lambda s: engines.forget(s.id, s.home))  # DELETE and TTL alike
     return ctx
+
+
+def open_tracing(config: AppConfig) -> Tracing | None:
+    """The tracer when traces are on (an endpoint or an exporter), else None: the
+    OpenTelemetry packages are imported only then (`TracingUnavailable` when missing)."""
+    settings = config.settings
+    if settings.otel_endpoint is None and config.span_exporter is None:
+        return None
+    return Tracing.open(endpoint=settings.otel_endpoint, service_name=settings.otel_service_name,
+                        instance_id=settings.instance_id, exporter=config.span_exporter)
 
 
 @dataclass
@@ -212,5 +227,7 @@ async def shutdown(ctx: ServerContext, background: Background) -> None:
         await ctx.journal.close()
         ctx.journal.release()
     await ctx.registry.aclose()
+    if ctx.tracing is not None:  # the batched spans go out (the SDK bounds the wait)
+        await asyncio.to_thread(ctx.tracing.shutdown)
     ctx.decoder.shutdown()
     ctx.offload.shutdown()

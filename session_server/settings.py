@@ -135,6 +135,22 @@ class Settings(BaseSettings):
         "instance's in-flight count (0: off)")
     routed_experts_num_experts: int | None = Field(
         None, ge=1, le=32768, description="experts per layer: routed ids must be below it (unset: not checked)")
+    otel_endpoint: str | None = Field(
+        None, validation_alias=AliasChoices(f"{ENV_PREFIX}OTEL_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="turn on OpenTelemetry traces of turns, exported over OTLP/HTTP to this collector (a base "
+        "URL such as http://127.0.0.1:4318, to which /v1/traces is added; env also the standard "
+        "OTEL_EXPORTER_OTLP_ENDPOINT). Needs the `otel` extra (unset: no tracing, nothing imported)")
+    otel_service_name: str = Field(
+        "tito", min_length=1,
+        validation_alias=AliasChoices(f"{ENV_PREFIX}OTEL_SERVICE_NAME", "OTEL_SERVICE_NAME"),
+        description="the `service.name` of the traces (env also the standard OTEL_SERVICE_NAME)")
+
+    @field_validator("otel_endpoint")
+    @classmethod
+    def _otel_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip().startswith(("http://", "https://")):
+            raise ValueError(f"the OTLP endpoint must be an http(s) URL, not {v!r}")
+        return v.strip() if v is not None else v
 
     @field_validator("routing_policy")
     @classmethod

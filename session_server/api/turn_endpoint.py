@@ -35,9 +35,10 @@ from ..errors import CommittedUnanswered, JournalUnavailable
 from ..journal import durable
 from ..journal_records import RESPONSE, encode
 from ..sessions import Session
+from ..tracing import TurnTrace
 from ..turn.chat_request import ChatRequest
 from ..turn.live import LiveTurn
-from ..turn.output import Rendered, committed_output
+from ..turn.output import Rendered, TurnOutput, committed_output
 from ..turn.pipeline import ClientWatch, TurnRunner
 from ..turn.replay import Follow, Refuse, Replay, ReplayLog, Rerender, RunFresh, identify
 from .dialects import Dialect, SessionBound, as_response, render
@@ -147,7 +148,8 @@ class TurnEndpoint:
                      live: LiveTurn) -> Response:
         """Run the turn as its own task; answer when it ends, or stream once it opens."""
         watch = fresh.held(_client_gone(request))
-        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch, fresh.identity)))
+        trace = None if self.ctx.tracing is None else self.ctx.tracing.turn(request.headers, session.id, dialect.name)
+        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch, fresh.identity, trace)))
         task.add_done_callback(live.on_done)
         task.add_done_callback(fresh.settle)
         opened = asyncio.ensure_future(live.opened.wait())
@@ -163,21 +165,39 @@ class TurnEndpoint:
         return StreamingResponse(live.stream(task, held=fresh.recorded), media_type=SSE)
 
     async def _turn(self, session: Session, body: bytes, dialect: Dialect, live: LiveTurn,
-                    watch: ClientWatch, recorded: tuple[str, bytes, str | None] | None = None) -> Rendered:
+                    watch: ClientWatch, recorded: tuple[str, bytes, str | None] | None = None,
+                    trace: TurnTrace | None = None) -> Rendered:
         """The turn through the pipeline, then its response bytes; a response that fails
-        after the commit is `CommittedUnanswered` (never retried into a second turn)."""
+        after the commit is `CommittedUnanswered` (never retried into a second turn).
+        `trace` (tracing on): the turn's spans, ended here once the response is built."""
+        try:
+            rendered, out = await self._respond(session, body, dialect, live, watch, recorded, trace)
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
+            raise
+        if trace is not None:
+            trace.finish(response_id=out.request_id, finish_reason=out.finish_reason,
+                         input_tokens=out.prompt_tokens, output_tokens=out.completion_tokens,
+                         cached_tokens=out.cached_tokens, turn_index=out.turn_index, branch_id=out.branch_id)
+        return rendered
+
+    async def _respond(self, session: Session, body: bytes, dialect: Dialect, live: LiveTurn, watch: ClientWatch,
+                       recorded: tuple[str, bytes, str | None] | None,
+                       trace: TurnTrace | None) -> tuple[Rendered, TurnOutput]:
         ctx, sid = self.ctx, session.id
         bound = self._bound.get(dialect.name, _UNKNOWN)
         if bound is _UNKNOWN:  # a Protocol isinstance walks its members: once per dialect
             bound = self._bound[dialect.name] = dialect if isinstance(dialect, SessionBound) else None
         parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
-        req, out = await self.runner.run(sid, body, parse=parse, client_gone=watch, live=live, recorded=recorded)
+        req, out = await self.runner.run(sid, body, parse=parse, client_gone=watch, live=live, recorded=recorded,
+                                         trace=trace)
         # committed: from here on nothing may turn into a retry that samples the turn again
         try:
             if bound is not None and (kept := bound.remember(session, req, out, ctx.tokenizer)) is not None:
                 await _journal_kept(ctx, sid, kept)
             rendered = live.finish(out) if live.active else await render(ctx, dialect, req, out)
-            return dataclasses.replace(rendered, turn=(out.branch_id, out.turn_index))
+            return dataclasses.replace(rendered, turn=(out.branch_id, out.turn_index)), out
         except Exception as exc:
             log.exception("session %s: turn %d committed, its response failed", sid, out.turn_index)
             failed = CommittedUnanswered(

@@ -48,6 +48,7 @@ from typing import Any
 from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenDelta
 from session_server.engines.base import streaming as streaming_of
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
+from session_server.tracing import TurnTrace
 from trajectory.errors import ValidationError
 from trajectory.validate import Expectations
 
@@ -165,8 +166,9 @@ class _Turn:
     def __init__(self, adapter: EngineAdapter, request: GenerateRequest, control: ControlPlane, *,
                  expect: Expectations | None, on_abort: Callable[[AbortEvent], None] | None, deadline: float,
                  admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None,
-                 on_delta: Callable[[TokenDelta], None] | None, decode: Decode | None) -> None:
-        self.adapter, self.request, self.control = adapter, request, control
+                 on_delta: Callable[[TokenDelta], None] | None, decode: Decode | None,
+                 trace: TurnTrace | None = None) -> None:
+        self.adapter, self.request, self.control, self.trace = adapter, request, control, trace
         self.expect, self.on_abort, self.deadline, self.admit = expect, on_abort, deadline, admit
         self.on_delta = on_delta
         self.engine = str(adapter.base_url)
@@ -244,7 +246,11 @@ class _Turn:
             slot_held=True,
             routed_experts_start=st.acc.routed_start(request),  # rows already held (R3)
         )
-        with (control.track_flight(seg_rid, engine=self.engine, lora=request.lora),
+        span = None if self.trace is None else self.trace.segment(len(st.counts.rids) - 1, seg_rid, self.engine)
+        if span is not None:  # the engine continues the segment's trace (tracing.py)
+            seg = replace(seg, trace_headers=span.headers)
+        with (span if span is not None else contextlib.nullcontext(),
+              control.track_flight(seg_rid, engine=self.engine, lora=request.lora),
               st.lag.watch(control, adapter, seg_rid, dispatch_version) as watch,
               received_split(control, self.streaming is not None) as split):
             try:
@@ -261,6 +267,8 @@ class _Turn:
                 if self.streaming is not None:  # a rejected chunk: nobody reads the rest
                     control.abort_engine_request(adapter, seg_rid)
                 raise
+            if span is not None:
+                span.result(result.finish_reason, len(result.output_ids))
         st.segment = Segment(seg_rid, len(seg_input), epoch, dispatch_version, result, watch, split)
         return Phase.SETTLE
 
@@ -354,6 +362,7 @@ async def generate_resilient(
     admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None = None,
     on_delta: Callable[[TokenDelta], None] | None = None,
     decode: Decode | None = None,
+    trace: TurnTrace | None = None,
 ) -> ResilientResult:
     """Generate one turn through any number of pauses: abort -> accumulate -> resubmit
     (the phases of `_Turn`, in the module docstring).
@@ -373,10 +382,11 @@ async def generate_resilient(
     are its kept partial, so the resubmitted segment's deltas continue the same stream.
     `decode` (output ids -> text) lets the server match `request.sampling.stop` where the
     engine cannot: on an aborted step and across a resubmission's boundary (stops.py).
+    `trace` (tracing on): a span per segment, its context sent to the engine.
     Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
     empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
     """
     if deadline is None:
         deadline = time.monotonic() + request.timeout_s
     return await _Turn(adapter, request, control, expect=expect, on_abort=on_abort, deadline=deadline,
-                       admit=admit, on_delta=on_delta, decode=decode).run()
+                       admit=admit, on_delta=on_delta, decode=decode, trace=trace).run()

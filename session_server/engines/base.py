@@ -16,7 +16,7 @@ normalise the *shape* (where the ids are, what the finish reason is).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, runtime_checkable
@@ -86,6 +86,8 @@ class GenerateRequest:
     timeout_s: float = 600.0  # deadline measured from dispatch
     slot_held: bool = False  # the caller already holds this engine's concurrency slot (`adapter.slot()`)
     max_weight_lag: int | None = None  # server-side: weight versions a turn may span (control/lag.py)
+    # W3C `traceparent` / `tracestate` of this request's span, sent as HTTP headers (session_server/tracing.py)
+    trace_headers: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,8 @@ class VLLMAdapter:
                 payload["stream_options"] = {"include_usage": True}
         payload["stream"] = stream
         headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
+        if request.trace_headers:  # read by vLLM's OpenAI server (vllm/tracing.py TRACE_HEADERS)
+            headers.update(request.trace_headers)
         return path, encode_json(payload), headers
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:

@@ -104,6 +104,14 @@ def _serve(args: argparse.Namespace) -> int:
     settings = settings_or_report(args, "serve")
     if settings is None:
         return 2
+    if settings.otel_endpoint is not None:  # before loading anything: traces asked, the packages missing
+        from ..tracing import TracingUnavailable, check_available
+
+        try:
+            check_available()
+        except TracingUnavailable as exc:
+            print(f"session-server serve: error: {exc}", file=sys.stderr)
+            return 2
     try:
         tokenizer = load_tokenizer(args.tokenizer)
     except TokenizerUnavailable as exc:

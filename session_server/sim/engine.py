@@ -211,6 +211,7 @@ class EngineCore:
                 "sampling_params": job.params,
                 "fault": job.fault,
                 "routed_start": job.routed_start,
+                "trace_headers": job.trace_headers,
                 "status": status,
                 "output_ids": None if out is None else [int(t) for t in out.ids],
                 "finish_reason": None if out is None else out.finish,

@@ -33,6 +33,8 @@ class Job:
     constrained: str | None = None  # the text a constraint forces (None: unconstrained)
     routed_start: int | None = None  # routing replay asked: rows from this position (None: not asked)
     stop_strs: tuple[str, ...] = ()  # stop strings, matched on the decoded output only
+    # the W3C trace headers the request came with (`wire.trace_headers`), kept in the request log
+    trace_headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

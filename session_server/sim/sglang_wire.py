@@ -21,6 +21,7 @@ from session_server.sim.wire import (
     json_response,
     salt,
     stop_strings,
+    trace_headers,
     trim_at_stop,
 )
 
@@ -111,7 +112,7 @@ class SGLangWire:
             text = trim_at_stop(text, out, keep=bool(job.params.get("no_stop_trim")))
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
-    def _job(self, body: Any) -> Job | web.Response:
+    def _job(self, request: web.Request, body: Any) -> Job | web.Response:
         """The `/generate` body as a Job, or SGLang's 400."""
         try:
             input_ids = [int(t) for t in body["input_ids"]]
@@ -137,6 +138,7 @@ class SGLangWire:
             fault=self.engine.faults.take(),
             cache_salt=salt(body.get("extra_key")),
             routed_start=int(body.get("routed_experts_start_len") or 0) if body.get("return_routed_experts") else None,
+            trace_headers=trace_headers(request),
         )
         refused = attach_constraint(self.engine, job, sglang_constraint(sp), sglang_error)
         return job if refused is None else refused
@@ -146,7 +148,7 @@ class SGLangWire:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError as exc:
             return sglang_error(400, f"invalid /generate body: {exc}")
-        job = self._job(body)
+        job = self._job(request, body)
         if isinstance(job, web.Response):
             return job
         early = await answer_fault(self.engine, request, job, sglang_error)

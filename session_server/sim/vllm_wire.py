@@ -26,6 +26,7 @@ from session_server.sim.wire import (
     run_job,
     salt,
     stop_strings,
+    trace_headers,
     trim_at_stop,
 )
 
@@ -183,6 +184,7 @@ class VLLMWire:
             path=path,
             fault=self.engine.faults.take(),
             cache_salt=salt(body.get("cache_salt")),
+            trace_headers=trace_headers(request),
         )
         refused = attach_constraint(self.engine, job, vllm_constraint(sp.get("structured_outputs")), vllm_error)
         return job if refused is None else refused

@@ -15,7 +15,7 @@ from session_server.sim.faults import ErrorResponder, answer_fault, apply_value_
 from session_server.sim.job import Job, Outcome
 
 __all__ = ["ENCODER", "Constraint", "attach_constraint", "json_response", "padding_payload",
-           "run_job", "salt", "stop_strings", "trim_at_stop"]
+           "run_job", "salt", "stop_strings", "trace_headers", "trim_at_stop"]
 
 ENCODER = msgspec.json.Encoder()
 
@@ -25,6 +25,15 @@ Constraint = tuple[str, Any] | str | None
 
 def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=ENCODER.encode(data), status=status, content_type="application/json")
+
+
+def trace_headers(request: web.Request) -> dict[str, str]:
+    """The request's W3C `traceparent` / `tracestate`, as both engines read them from the
+    HTTP headers of a generate request (SGLang `tokenizer_manager._trace_request_start`:
+    `extract_trace_headers(request.headers)`; vLLM `vllm/tracing.py` TRACE_HEADERS). The
+    simulator traces nothing: it keeps them in its request log, where a test sees what the
+    engine received."""
+    return {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k)) is not None}
 
 
 def padding_payload(kind: str) -> msgspec.Raw:

@@ -29,6 +29,7 @@ from ..routing import prefix_block_hashes, record_failure
 from ..routing.pool import TargetStats
 from ..sessions import Session
 from ..structured import engine_refusal
+from ..tracing import TurnTrace
 from .chat_request import ChatRequest
 from .engine_request import EngineCall
 
@@ -53,12 +54,12 @@ class _EngineDown:
 
 async def generate_turn(
     ctx: ServerContext, session: Session, req: ChatRequest, call: EngineCall, on_placed: Callable[[], None],
-    on_delta: Callable[[TokenDelta], None] | None = None,
+    on_delta: Callable[[TokenDelta], None] | None = None, trace: TurnTrace | None = None,
 ) -> Generated:
     """Route, admit and generate; an engine's 4xx on a constraint is the client's 400.
-    `on_delta`: a streamed turn's engine deltas (`generate_resilient`)."""
+    `on_delta`: a streamed turn's engine deltas, `trace`: its spans (`generate_resilient`)."""
     try:
-        return await dispatch(ctx, session, call.greq, call.expect, on_placed, on_delta)
+        return await dispatch(ctx, session, call.greq, call.expect, on_placed, on_delta, trace)
     except UpstreamHTTPError as exc:
         refusal = engine_refusal(exc, call.greq.sampling.constraint, req)
         if refusal is not None:
@@ -69,6 +70,7 @@ async def generate_turn(
 async def dispatch(
     ctx: ServerContext, session: Session, greq: GenerateRequest, expect: Expectations,
     on_placed: Callable[[], None], on_delta: Callable[[TokenDelta], None] | None = None,
+    trace: TurnTrace | None = None,
 ) -> Generated:
     """Send to the session's home; when that engine is down, re-home once and retry.
 
@@ -94,7 +96,7 @@ async def dispatch(
         target = route(ctx, session, len(greq.input_ids), hashes)
         if attempt == 0:
             on_placed()  # the engine request built and its target chosen
-        got = await _attempt(ctx, session, target, greq, expect, deadline, forward if on_delta else None)
+        got = await _attempt(ctx, session, target, greq, expect, deadline, forward if on_delta else None, trace)
         if not isinstance(got, _EngineDown):
             return Generated(result=got, target_id=target.id)
         if attempt == attempts - 1 or shown:  # streamed tokens were shown: no other sample
@@ -115,6 +117,7 @@ def route(ctx: ServerContext, session: Session, context_tokens: int, hashes: Any
 async def _attempt(
     ctx: ServerContext, session: Session, target: TargetStats, greq: GenerateRequest,
     expect: Expectations, deadline: float, on_delta: Callable[[TokenDelta], None] | None = None,
+    trace: TurnTrace | None = None,
 ) -> ResilientResult | _EngineDown:
     """One try on `target`, its load and outcome booked there (in flight, cache estimate,
     engine health). A dead engine is returned, not raised, so the caller can re-home."""
@@ -128,7 +131,8 @@ async def _attempt(
     result: ResilientResult | None = None
     try:
         result = await generate_resilient(adapter, pinned, ctx.control, expect=expect, admit=admit, deadline=deadline,
-                                          on_delta=on_delta, decode=_output_text(ctx) if greq.sampling.stop else None)
+                                          on_delta=on_delta, decode=_output_text(ctx) if greq.sampling.stop else None,
+                                          trace=trace)
         return result
     except UpstreamTransportError as exc:
         if not await _engine_down(ctx, engine.id, exc):

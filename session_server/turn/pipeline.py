@@ -36,6 +36,7 @@ from ..engines.base import TokenDelta
 from ..errors import ClientGone, SessionBusy, SessionClosed
 from ..journal_records import DISCARDED, encode
 from ..sessions import Claim, Session, SessionState
+from ..tracing import TurnTrace, request_attributes
 from .chat_request import ChatRequest
 from .commit import Checked, Committed, PendingTurn, commit, validate
 from .dispatch import Generated, generate_turn
@@ -79,6 +80,8 @@ class TurnStream(Protocol):
 
 
 class _Timer:
+    trace: TurnTrace | None = None
+
     def __init__(self, ctx: ServerContext) -> None:
         self._ctx = ctx
         self._t0 = self._last = time.perf_counter()
@@ -95,6 +98,22 @@ class _Timer:
         self._ctx.metrics.observe_phase("total", self.phases["total"])
 
 
+class _TracedTimer(_Timer):
+    """The timer of a traced turn: each lap is also the phase's span (tracing.py), cut at
+    the same instants. A turn that is not traced gets the plain `_Timer`, so tracing off
+    costs no check per phase."""
+
+    def __init__(self, ctx: ServerContext, trace: TurnTrace) -> None:
+        super().__init__(ctx)
+        self.trace = trace
+
+    def lap(self, phase: str) -> None:
+        start = self._last
+        super().lap(phase)
+        assert self.trace is not None
+        self.trace.lap(phase, start, self._last)
+
+
 class TurnRunner:
     """Runs chat turns against the shared context; one instance per app."""
 
@@ -104,7 +123,7 @@ class TurnRunner:
     async def run(
         self, session_id: str, body: bytes, *, parse: Callable[[bytes], ChatRequest],
         client_gone: ClientWatch | None = None, live: TurnStream | None = None,
-        recorded: tuple[str, bytes, str | None] | None = None,
+        recorded: tuple[str, bytes, str | None] | None = None, trace: TurnTrace | None = None,
     ) -> tuple[ChatRequest, TurnOutput]:
         """Claim the session and run the turn as its own task (`parse` is the client
         dialect's: body -> the pipeline's `ChatRequest`), which ends early when
@@ -114,7 +133,8 @@ class TurnRunner:
 
         `live` streams the turn as it is sampled when the request asks for a stream
         (`TurnStream`; `live.py`). `recorded`: the replay log's name of the request
-        (`RunFresh.identity`), journaled with the turn.
+        (`RunFresh.identity`), journaled with the turn. `trace`: the turn's spans when
+        tracing is on (the caller ends them: it also times the response).
 
         The body is parsed before the claim: a malformed request is a 400 at once rather
         than after the turns queued before it, and `live` learns from the parsed request
@@ -129,7 +149,7 @@ class TurnRunner:
         which a cancel does not interrupt: stored, it stands), so the claim is free at
         once for a retry."""
         ctx = self.ctx
-        timer = _Timer(ctx)
+        timer = _Timer(ctx) if trace is None else _TracedTimer(ctx, trace)
         watcher: asyncio.Future[None] | None = None
         if client_gone is not None:
             watcher = asyncio.ensure_future(client_gone())
@@ -270,7 +290,10 @@ class TurnRunner:
                               request_id=live.request_id if live is not None else None)
         streams = live is not None and live.begin(req, call, prompt.prep)
         on_delta = live.on_delta if live is not None and streams else None
-        gen = await generate_turn(ctx, session, req, call, on_placed=lambda: timer.lap("route"), on_delta=on_delta)
+        if timer.trace is not None:
+            timer.trace.request(_request_attributes(req, call))
+        gen = await generate_turn(ctx, session, req, call, on_placed=lambda: timer.lap("route"), on_delta=on_delta,
+                                  trace=timer.trace)
         timer.lap("generate")
         checked = await validate(ctx, gen.result, call.expect, req, prompt.prep, call)
         if live is not None and streams:
@@ -302,6 +325,15 @@ class TurnRunner:
         other turns out meanwhile."""
         async with session.lock:
             return await self.ctx.offload.run_sized(body_len, prepare, self.ctx, session, req)
+
+
+def _request_attributes(req: ChatRequest, call: EngineCall) -> dict[str, object]:
+    """A traced turn's `gen_ai.request.*`: the model the client named, the sampling sent."""
+    g = call.greq
+    s = g.sampling
+    return request_attributes(req.model, max_tokens=g.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                              top_k=s.top_k, seed=s.seed, stop=s.stop, presence_penalty=s.presence_penalty,
+                              frequency_penalty=s.frequency_penalty)
 
 
 def _output(call: EngineCall, gen: Generated, checked: Checked, done: Committed, timings_s: dict[str, float]) -> TurnOutput:

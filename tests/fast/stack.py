@@ -113,6 +113,7 @@ async def live_stack(
     noncanonical: bool = False,
     settings: Settings | None = None,
     extra_engines: Sequence[str] = (),
+    span_exporter: Any = None,
     **sim_kwargs: Any,
 ) -> AsyncIterator[Stack]:
     async with contextlib.AsyncExitStack() as stack:
@@ -127,6 +128,7 @@ async def live_stack(
             tokenizer=str(tokenizer_dir),
             engines=[f"{protocol}={u}" for u in urls] + list(extra_engines),
             settings=settings or Settings(),
+            span_exporter=span_exporter,
         )
         url = await stack.enter_async_context(running_server(config))
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=60))
