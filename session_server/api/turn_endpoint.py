@@ -30,6 +30,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from trajectory.lineage import Lineage
+
 from ..context import ServerContext, log
 from ..errors import CommittedUnanswered, JournalUnavailable
 from ..journal import durable
@@ -42,6 +44,7 @@ from ..turn.pipeline import ClientWatch, TurnRunner
 from ..turn.replay import Follow, Refuse, Replay, ReplayLog, Rerender, RunFresh, identify
 from .dialects import Dialect, SessionBound, as_response, render
 from .edge import read_body
+from .lineage import attach, from_headers
 
 __all__ = ["TurnEndpoint"]
 
@@ -95,6 +98,7 @@ class TurnEndpoint:
         from its original, else run the turn and respond or stream it."""
         ctx = self.ctx
         session = ctx.store.get(session_id)  # 404 before reading a body for an unknown session
+        lineage = from_headers(request.headers)  # a bad x-tito-* (or harness) header: 400 before any work
         if ctx.journal is not None:
             ctx.journal.check_writable()  # a full disk: refused before an engine works on it
         body = await read_body(request, ctx.settings.max_body_bytes)
@@ -114,7 +118,7 @@ class TurnEndpoint:
         if isinstance(decision, Follow):  # a replay of a turn streaming now: follow it live
             waiter = asyncio.ensure_future(self.replays.followed(decision))
             return StreamingResponse(decision.live.follow(waiter), media_type=SSE)
-        return await self._fresh(decision, session, body, request, dialect, live)
+        return await self._fresh(decision, session, body, request, dialect, live, lineage)
 
     async def _rerender(self, session: Session, body: bytes, dialect: Dialect, again: Rerender) -> Rendered:
         """The response of a turn committed before a restart, rendered from the turn as the
@@ -144,10 +148,10 @@ class TurnEndpoint:
         return Response(content=orjson.dumps({"input_tokens": n}), media_type="application/json")
 
     async def _fresh(self, fresh: RunFresh, session: Session, body: bytes, request: Request, dialect: Dialect,
-                     live: LiveTurn) -> Response:
+                     live: LiveTurn, lineage: Lineage | None) -> Response:
         """Run the turn as its own task; answer when it ends, or stream once it opens."""
         watch = fresh.held(_client_gone(request))
-        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch, fresh.identity)))
+        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch, fresh.identity, lineage)))
         task.add_done_callback(live.on_done)
         task.add_done_callback(fresh.settle)
         opened = asyncio.ensure_future(live.opened.wait())
@@ -163,14 +167,19 @@ class TurnEndpoint:
         return StreamingResponse(live.stream(task, held=fresh.recorded), media_type=SSE)
 
     async def _turn(self, session: Session, body: bytes, dialect: Dialect, live: LiveTurn,
-                    watch: ClientWatch, recorded: tuple[str, bytes, str | None] | None = None) -> Rendered:
+                    watch: ClientWatch, recorded: tuple[str, bytes, str | None] | None = None,
+                    lineage: Lineage | None = None) -> Rendered:
         """The turn through the pipeline, then its response bytes; a response that fails
         after the commit is `CommittedUnanswered` (never retried into a second turn)."""
         ctx, sid = self.ctx, session.id
         bound = self._bound.get(dialect.name, _UNKNOWN)
         if bound is _UNKNOWN:  # a Protocol isinstance walks its members: once per dialect
             bound = self._bound[dialect.name] = dialect if isinstance(dialect, SessionBound) else None
-        parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
+        parse_body: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
+
+        def parse(b: bytes) -> ChatRequest:  # the turn's lineage: the headers', else the body's fields
+            return attach(parse_body(b), lineage)
+
         req, out = await self.runner.run(sid, body, parse=parse, client_gone=watch, live=live, recorded=recorded)
         # committed: from here on nothing may turn into a retry that samples the turn again
         try:
