@@ -2,7 +2,8 @@
 
 A record is the change itself, not the state after it, so each costs O(what changed):
 a turn's record holds its new prompt ids, sampled ids, logprobs (their float32 bits),
-repair ids, messages, record fields and routed experts, and the branch operation that
+repair ids, messages, record fields, routed experts and lineage (which agent and
+thread asked for it), and the branch operation that
 placed it (append, rollback, fork); replaying it calls the same tree operations the
 commit called (`TrajectoryTree.branch_from`, `LinearTrajectory.commit_turn`, with the
 checks they make), with the turn's sequence number, so a recovered tree is the tree
@@ -33,6 +34,7 @@ import numpy as np
 
 from trajectory.buffer import IDS_DTYPE, LOGPROBS_DTYPE
 from trajectory.codec.base import HistoryPolicy
+from trajectory.lineage import Lineage, lineage_from_dict
 from trajectory.tree import ROLLBACK_REASON
 
 from .sessions import MAX_DIAGNOSTICS, Session, SessionConfig
@@ -92,7 +94,7 @@ def turn_body(*, op: str, branch_id: int, checkpoint: int, reason: str | None, s
               assistant_message: Any, engine: str | None, cached: int, extra: Mapping[str, Any],
               routed: np.ndarray | None, answered: int | None, control: Sequence[float] | None,
               notes: Sequence[Mapping[str, Any]], recorded: Sequence[Any] | None = None,
-              matched_stop: Any = None) -> bytes:
+              matched_stop: Any = None, lineage: Lineage | None = None) -> bytes:
     """One committed turn (see the module doc); `op` is prepare's kind."""
     routed_part = None if routed is None else {
         "shape": list(routed.shape), "dtype": routed.dtype.str, "data": np.ascontiguousarray(routed).tobytes()}
@@ -104,6 +106,7 @@ def turn_body(*, op: str, branch_id: int, checkpoint: int, reason: str | None, s
         "msg": assistant_message, "engine": engine, "cached": cached, "extra": dict(extra),
         "routed": routed_part, "answered": answered, "control": control, "notes": list(notes),
         "recorded": None if recorded is None else list(recorded), "stop": matched_stop, "wall": time.time(),
+        "lineage": None if lineage is None else lineage.to_dict(),
     })
 
 
@@ -156,7 +159,7 @@ def _apply_turn(s: Session, t: Mapping[str, Any]) -> None:
         weight_spans=t["spans"] or None, weight_version=None if t["spans"] else t["version"],
         repair_ids=np.frombuffer(t["repair"], dtype=IDS_DTYPE), request_messages=t["req"],
         assistant_message=t["msg"], engine=t["engine"], cached_tokens=t["cached"], extra=t["extra"],
-        routed_experts=rows)
+        routed_experts=rows, lineage=lineage_from_dict(t.get("lineage")))  # absent: recorded before lineage
     if t["answered"] is not None:
         s.answered_seqs.add(t["answered"])
     if t["control"] is not None:

@@ -48,6 +48,7 @@ import orjson
 
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import ExportError, TrajectoryError
+from trajectory.lineage import Lineage, lineage_from_dict
 from trajectory.linear import LinearTrajectory
 from trajectory.routed import RoutedRows
 from trajectory.routed import from_json as routed_from_json
@@ -78,10 +79,18 @@ def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
         "assistant_message": None if t.assistant_message is None else dict(t.assistant_message),
         "extra": dict(t.extra),
         "seq": t.seq,
+        "lineage": None if t.lineage is None else t.lineage.to_dict(),
     }
     if t.routed_experts is not None:
         out["routed_experts"] = {"start": t.routed_experts.start, "rows": int(t.routed_experts.rows.shape[0])}
     return out
+
+
+def _lineage(d: Any, where: str) -> Lineage | None:
+    try:
+        return lineage_from_dict(d)
+    except ValueError as exc:
+        raise ExportError(f"{where}: {exc}") from exc
 
 
 def _own_turns(b: Branch) -> tuple[TurnRecord, ...]:
@@ -208,6 +217,7 @@ def _turn_from_dict(d: Mapping[str, Any], where: str, seq: int | None) -> TurnRe
         assistant_message=None if assistant is None else dict(assistant),
         extra=dict(d["extra"]),
         seq=_int(d["seq"], f"{where} seq") if seq is None else seq,
+        lineage=_lineage(d.get("lineage"), where),  # absent in exports written before lineage
     )
     if d.get("weight_version") != turn.weight_version:
         raise ExportError(f"{where}: weight_version disagrees with its spans")

@@ -48,6 +48,7 @@ from trajectory.line_checks import (
     _normalise_spans,
     check_line,
 )
+from trajectory.lineage import Lineage
 from trajectory.routed import RoutedRows, coverage_end
 from trajectory.turn_record import Message, TurnRecord, WeightVersion
 
@@ -247,6 +248,7 @@ class LinearTrajectory:
         cached_tokens: int = 0,
         extra: Mapping[str, Any] | None = None,
         routed_experts: np.ndarray | None = None,
+        lineage: Lineage | None = None,
     ) -> TurnRecord:
         """Append one turn atomically and add the checkpoint after it.
 
@@ -308,6 +310,7 @@ class LinearTrajectory:
             extra=dict(extra) if extra else {},
             seq=len(self._turns) if self._clock is None else self._clock(),
             routed_experts=routed,
+            lineage=lineage,
         )
 
         ids = np.concatenate((prompt, sampled, repair))

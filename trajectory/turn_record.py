@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from trajectory.lineage import Lineage
 from trajectory.routed import RoutedRows
 
 Message = Mapping[str, Any]
@@ -52,6 +53,8 @@ class TurnRecord:
     seq: int = -1
     # routing replay (trajectory.routed): rows for positions [start, output_end - 1)
     routed_experts: RoutedRows | None = field(default=None, compare=False, repr=False)
+    # which agent and thread asked for it (trajectory.lineage); None: the client said nothing
+    lineage: Lineage | None = None
 
     @property
     def weight_version(self) -> WeightVersion:

@@ -30,6 +30,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from trajectory.lineage import Lineage
+
 from ..context import ServerContext, log
 from ..errors import CommittedUnanswered, JournalUnavailable
 from ..journal import durable
@@ -43,6 +45,7 @@ from ..turn.pipeline import ClientWatch, TurnRunner
 from ..turn.replay import Follow, Refuse, Replay, ReplayLog, Rerender, RunFresh, identify
 from .dialects import Dialect, SessionBound, as_response, render
 from .edge import read_body
+from .lineage import attach, from_headers
 
 __all__ = ["TurnEndpoint"]
 
@@ -96,6 +99,7 @@ class TurnEndpoint:
         from its original, else run the turn and respond or stream it."""
         ctx = self.ctx
         session = ctx.store.get(session_id)  # 404 before reading a body for an unknown session
+        lineage = from_headers(request.headers)  # a bad x-tito-* (or harness) header: 400 before any work
         if ctx.journal is not None:
             ctx.journal.check_writable()  # a full disk: refused before an engine works on it
         body = await read_body(request, ctx.settings.max_body_bytes)
@@ -115,7 +119,7 @@ class TurnEndpoint:
         if isinstance(decision, Follow):  # a replay of a turn streaming now: follow it live
             waiter = asyncio.ensure_future(self.replays.followed(decision))
             return StreamingResponse(decision.live.follow(waiter), media_type=SSE)
-        return await self._fresh(decision, session, body, request, dialect, live)
+        return await self._fresh(decision, session, body, request, dialect, live, lineage)
 
     async def _rerender(self, session: Session, body: bytes, dialect: Dialect, again: Rerender) -> Rendered:
         """The response of a turn committed before a restart, rendered from the turn as the
@@ -145,11 +149,12 @@ class TurnEndpoint:
         return Response(content=orjson.dumps({"input_tokens": n}), media_type="application/json")
 
     async def _fresh(self, fresh: RunFresh, session: Session, body: bytes, request: Request, dialect: Dialect,
-                     live: LiveTurn) -> Response:
+                     live: LiveTurn, lineage: Lineage | None) -> Response:
         """Run the turn as its own task; answer when it ends, or stream once it opens."""
         watch = fresh.held(_client_gone(request))
         trace = None if self.ctx.tracing is None else self.ctx.tracing.turn(request.headers, session.id, dialect.name)
-        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch, fresh.identity, trace)))
+        task = asyncio.ensure_future(fresh.keep(self._turn(session, body, dialect, live, watch, fresh.identity, trace,
+                                                           lineage)))
         task.add_done_callback(live.on_done)
         task.add_done_callback(fresh.settle)
         opened = asyncio.ensure_future(live.opened.wait())
@@ -166,12 +171,12 @@ class TurnEndpoint:
 
     async def _turn(self, session: Session, body: bytes, dialect: Dialect, live: LiveTurn,
                     watch: ClientWatch, recorded: tuple[str, bytes, str | None] | None = None,
-                    trace: TurnTrace | None = None) -> Rendered:
+                    trace: TurnTrace | None = None, lineage: Lineage | None = None) -> Rendered:
         """The turn through the pipeline, then its response bytes; a response that fails
         after the commit is `CommittedUnanswered` (never retried into a second turn).
         `trace` (tracing on): the turn's spans, ended here once the response is built."""
         try:
-            rendered, out = await self._respond(session, body, dialect, live, watch, recorded, trace)
+            rendered, out = await self._respond(session, body, dialect, live, watch, recorded, trace, lineage)
         except BaseException as exc:
             if trace is not None:
                 trace.fail(exc)
@@ -184,12 +189,16 @@ class TurnEndpoint:
 
     async def _respond(self, session: Session, body: bytes, dialect: Dialect, live: LiveTurn, watch: ClientWatch,
                        recorded: tuple[str, bytes, str | None] | None,
-                       trace: TurnTrace | None) -> tuple[Rendered, TurnOutput]:
+                       trace: TurnTrace | None, lineage: Lineage | None) -> tuple[Rendered, TurnOutput]:
         ctx, sid = self.ctx, session.id
         bound = self._bound.get(dialect.name, _UNKNOWN)
         if bound is _UNKNOWN:  # a Protocol isinstance walks its members: once per dialect
             bound = self._bound[dialect.name] = dialect if isinstance(dialect, SessionBound) else None
-        parse: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
+        parse_body: Parse = bound.parser(session, ctx.tokenizer) if bound is not None else dialect.parse
+
+        def parse(b: bytes) -> ChatRequest:  # the turn's lineage: the headers', else the body's fields
+            return attach(parse_body(b), lineage)
+
         req, out = await self.runner.run(sid, body, parse=parse, client_gone=watch, live=live, recorded=recorded,
                                          trace=trace)
         # committed: from here on nothing may turn into a retry that samples the turn again

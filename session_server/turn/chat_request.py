@@ -15,10 +15,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     ValidationError,
     field_validator,
 )
+
+from trajectory.lineage import Lineage
 
 from ..structured import ResponseFormat, ToolChoice
 
@@ -232,6 +235,12 @@ class ChatRequest(SamplingFields):
     chat_template_kwargs: TemplateKwargs | None = None
     timeout_s: TimeoutS | None = None
     max_weight_lag: WeightLag | None = None  # overrides the session's
+    # which agent and thread asked (api/lineage.py: from the headers, then the body fields
+    # below), committed with the turn; never read from a body key of its own name
+    _lineage: Lineage | None = PrivateAttr(default=None)
+    # body fields a dialect read that name the client's thread (`metadata.user_id`,
+    # `prompt_cache_key`), by field name: api/lineage.py decides what they mean
+    _lineage_hints: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @field_validator("n")
     @classmethod

@@ -21,6 +21,7 @@ import numpy as np
 
 from trajectory.codec.base import ChatCodec, ParsedAssistant
 from trajectory.errors import ValidationError
+from trajectory.lineage import Lineage
 from trajectory.tree import ROLLBACK_REASON, Branch
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
@@ -67,6 +68,7 @@ class PendingTurn:
     checked: Checked
     target_id: str  # the engine that generated it
     recorded: tuple[str, bytes, str | None] | None = None  # the replay log's name of the request (journaled)
+    lineage: Lineage | None = None  # which agent and thread asked (journaled with the turn)
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,7 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
                 cached_tokens=valid.cached_tokens,
                 extra=extra,
                 routed_experts=checked.routed,
+                lineage=turn.lineage,
             )
         if "control" in extra:
             session.control_totals.add(result)
@@ -231,7 +234,8 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
                     request_messages=prep.new_messages, assistant_message=checked.message, engine=turn.target_id,
                     cached=valid.cached_tokens, extra=extra, routed=checked.routed,
                     answered=prep.answered, control=control_delta(undo.control, session.control_totals),
-                    notes=undo.notes_added(session), recorded=turn.recorded, matched_stop=result.matched_stop)
+                    notes=undo.notes_added(session), recorded=turn.recorded, matched_stop=result.matched_stop,
+                    lineage=turn.lineage)
                 cancelled = await settled(journal.append(session.id, TURN, body))
             except BaseException:
                 undo.apply(session, branch, before, prep, record)

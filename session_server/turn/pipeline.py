@@ -300,7 +300,7 @@ class TurnRunner:
             checked = live.check(checked)  # a stream that disagrees commits nothing
         timer.lap("validate")
         done = await commit(ctx, session, claim, PendingTurn(prompt.prep, prompt.prompt_ids, call, gen.result,
-                                                              checked, gen.target_id, recorded))
+                                                              checked, gen.target_id, recorded, req._lineage))
         timer.lap("commit")
         timer.total()
         ctx.metrics.turns_total.labels(outcome="committed").inc()

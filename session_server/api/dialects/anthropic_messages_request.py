@@ -55,7 +55,7 @@ class MessagesRequest(BaseModel):
     top_p: float | None = Field(default=None, strict=True, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, strict=True, ge=1)
     thinking: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None  # {user_id}: accepted, not used
+    metadata: dict[str, Any] | None = None  # {user_id}: read for the turn's lineage only
     stream: StrictBool = False  # `"yes"`, `1` are a 400 (the SDK's `bool`), never coerced
     chat_template_kwargs: TemplateKwargs | None = None
     timeout_s: TimeoutS | None = None
@@ -315,7 +315,11 @@ def to_chat_request(req: MessagesRequest) -> ChatRequest:
         "max_weight_lag": req.max_weight_lag,
     }
     try:
-        return ChatRequest.model_validate({k: v for k, v in data.items() if v is not None})
+        chat = ChatRequest.model_validate({k: v for k, v in data.items() if v is not None})
     except ValidationError as exc:
         errs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
         raise BadRequest(f"invalid request: {errs}") from exc
+    user_id = (req.metadata or {}).get("user_id")
+    if isinstance(user_id, str):  # Claude Code: a JSON string naming its session (api/lineage.py)
+        chat._lineage_hints["metadata.user_id"] = user_id
+    return chat

@@ -142,6 +142,8 @@ class OpenAIChat:
     def parse(self, body: bytes) -> ChatRequest:
         """orjson + pydantic; any failure is a 400 naming the problem."""
         req: ChatRequest = parse_json_model(body, ChatRequest)
+        if isinstance(key := (req.model_extra or {}).get("prompt_cache_key"), str):  # api/lineage.py
+            req._lineage_hints["prompt_cache_key"] = key
         return req
 
     def body(self, out: TurnOutput, req: ChatRequest, tokenizer: Any) -> bytes:

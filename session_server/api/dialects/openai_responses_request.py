@@ -364,4 +364,6 @@ def parse_responses(body: bytes, *, session: Any = None, switches: frozenset[str
         text=spec.text, encrypted_reasoning=ENCRYPTED_REASONING in (spec.include or ()),
         logprobs=logprobs, top_logprobs=spec.top_logprobs,
     )
+    if isinstance(key := extra.get("prompt_cache_key"), str):  # Codex: its thread id (api/lineage.py)
+        req._lineage_hints["prompt_cache_key"] = key
     return req

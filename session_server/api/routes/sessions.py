@@ -31,7 +31,7 @@ router = APIRouter()
 
 
 def session_view(s: Session) -> dict[str, Any]:
-    """Summary of a session: O(branches + turns of the active branch) (small)."""
+    """Summary of a session: O(branches + turns) (small: no tokens, no messages)."""
     active = s.tree.active
     traj = active.trajectory
     return {
@@ -56,15 +56,50 @@ def session_view(s: Session) -> dict[str, Any]:
                 "reason": b.reason,
                 "turns": len(b.trajectory.turns),
                 "tokens": len(b.trajectory),
+                # who asked for the branch's last turn (a harness's sub-agent or side request
+                # usually opens a branch of its own): None when the client said nothing
+                "lineage": _last_lineage(b),
             }
             for b in s.tree.branches()
         ],
+        "agents": agents_view(s),
         "diagnostics": list(s.diagnostics),
         "diagnostics_dropped": s.diagnostics_dropped,
         "control": dataclasses.asdict(s.control_totals),
         "turns_discarded": s.turns_discarded,
         **samples_api.reward_view(s),
     }
+
+
+def _last_lineage(b: Any) -> dict[str, Any] | None:
+    turns = b.trajectory.turns
+    lin = turns[-1].lineage if turns else None
+    return None if lin is None else lin.to_dict()
+
+
+def agents_view(s: Session) -> list[dict[str, Any]]:
+    """Each (agent, kind, thread) that committed turns in the session, with its turn
+    count and branches, in order of first commit: O(turns), each turn counted once (a
+    fork's shared turns belong to the branch that committed them)."""
+    seen: dict[tuple[str | None, str | None, str | None], dict[str, Any]] = {}
+    for b in s.tree.branches():
+        for t in b.trajectory.turns[b.fork_checkpoint:]:
+            lin = t.lineage
+            key = (None, None, None) if lin is None else (lin.agent, lin.kind, lin.thread)
+            row = seen.get(key)
+            if row is None:
+                row = seen[key] = {"agent": key[0], "kind": key[1], "thread": key[2], "parent": None,
+                                   "turns": 0, "branches": [], "first_seq": t.seq}
+            if lin is not None and lin.parent is not None:
+                row["parent"] = lin.parent
+            row["turns"] += 1
+            row["first_seq"] = min(row["first_seq"], t.seq)
+            if b.id not in row["branches"]:
+                row["branches"].append(b.id)
+    rows = sorted(seen.values(), key=lambda r: r["first_seq"])
+    for r in rows:
+        del r["first_seq"]
+    return rows
 
 
 def _require_routed_shape(ctx: ServerContext) -> None:

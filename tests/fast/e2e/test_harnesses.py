@@ -214,6 +214,48 @@ async def test_claude_code_episode_trajectory_equals_engine_io(qwen3_dir: Path, 
     assert len(main["turns"]) == 2
     tool_msgs = [m for m in main["messages"] if m["role"] == "tool"]
     assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
+    # lineage, as 2.1.197 sends it: its main agent's turns name its session (x-claude-code-session-id)
+    lineages = [t["lineage"] for b in traj["branches"] for t in b["turns"]]
+    assert all(x is not None and x["kind"] == "main" and x["source"] == "x-claude-code-session-id" for x in lineages), \
+        lineages
+    assert len({x["thread"] for x in lineages}) == 1
+
+
+CLAUDE_SUBAGENT_SCRIPT = [
+    {"reasoning_content": "Delegate.", "tool_calls": [{"name": "Agent", "arguments": {
+        "description": "Read notes", "prompt": "Print the notes", "subagent_type": "general-purpose"}}]},
+    {"reasoning_content": "Done.", "content": "The notes say hello."},
+]
+
+
+async def test_claude_code_sub_agent_turns_are_labelled_with_its_agent_id(qwen3_dir: Path, tmp_path: Path) -> None:
+    """Claude Code 2.1.197's Agent tool: the sub-agent's requests carry
+    `x-claude-code-agent-id` (the main agent's do not), so its turns are labelled
+    `subagent` with that id, their parent the main agent's session id. (The scripted
+    model answers the sub-agent's first request with an Agent call too; a sub-agent has
+    no Agent tool, so Claude Code answers it with an error and the sub-agent finishes.)"""
+    claude = _tool("TITO_CLAUDE_BIN", "claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    async with live_stack(qwen3_dir, "sglang", script=CLAUDE_SUBAGENT_SCRIPT) as st:
+        sid = await st.session()
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_API_KEY": "x",
+               "ANTHROPIC_BASE_URL": f"{st.url}/sessions/{sid}", "DISABLE_TELEMETRY": "1",
+               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+        rc, out, err = await _run([claude, "-p", "Print the notes", "--output-format", "json",
+                                   "--allowedTools", "Bash,Agent"], cwd=work, env=env)
+        traj = await st.trajectory(sid)
+        view = (await st.http.get(f"/sessions/{sid}")).json()
+    assert rc == 0, f"claude exited {rc}: {out[-2000:]} {err[-2000:]}"
+    turns = sorted((t for b in traj["branches"] for t in b["turns"]), key=lambda t: t["seq"])
+    main = [t["lineage"] for t in turns if t["lineage"]["kind"] == "main"]
+    subs = [t["lineage"] for t in turns if t["lineage"]["kind"] == "subagent"]
+    assert len(main) >= 2 and subs, [t["lineage"] for t in turns]
+    session_id = main[0]["thread"]
+    assert {m["thread"] for m in main} == {session_id} and session_id
+    assert {s["source"] for s in subs} == {"x-claude-code-agent-id"}
+    assert {(s["agent"], s["parent"]) for s in subs} == {(subs[0]["agent"], session_id)}
+    assert [(a["agent"], a["kind"]) for a in view["agents"]] == [("main", "main"), (subs[0]["agent"], "subagent")]
 
 
 # --- Codex CLI (OpenAI Responses, streamed) -----------------------------------------------
@@ -276,6 +318,10 @@ async def test_codex_exec_episode_trajectory_equals_engine_io(qwen3_dir: Path, t
     branch = traj["branches"][0]
     assert len(traj["branches"]) == 1 and len(branch["turns"]) == 2
     assert_trajectory_matches_engine(branch, log, "codex")
+    # lineage, as 0.169.0 sends it: x-codex-turn-metadata's agent_name "/root" and thread_id
+    assert [t["lineage"]["source"] for t in branch["turns"]] == ["x-codex-turn-metadata"] * 2
+    assert {(t["lineage"]["agent"], t["lineage"]["kind"]) for t in branch["turns"]} == {("main", "main")}
+    assert len({t["lineage"]["thread"] for t in branch["turns"]}) == 1 and branch["turns"][0]["lineage"]["thread"]
     tool_msgs = [m for m in branch["messages"] if m["role"] == "tool"]
     assert tool_msgs and "hello from the sandbox" in str(tool_msgs[0]["content"])
 

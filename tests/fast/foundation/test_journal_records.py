@@ -1,6 +1,6 @@
 """Journal records replay into the session that was committed, bit for bit: any mix of
 appends, rollbacks, forks sharing part of a prompt, weight spans, repair ids, routed
-experts, rewards and notes, encoded as commit encodes them, rebuilds the same tree
+experts, lineage, rewards and notes, encoded as commit encodes them, rebuilds the same tree
 (same export, same sequence numbers) and the same session fields."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from session_server.journal_records import (
 from session_server.sessions import MAX_DIAGNOSTICS, Session, SessionConfig
 from trajectory import export
 from trajectory.codec.base import HistoryPolicy
+from trajectory.lineage import KINDS, Lineage
 from trajectory.tree import ROLLBACK_REASON
 
 ROUTED = (2, 3)  # (layers, topk) of the routed experts rows
@@ -48,6 +49,11 @@ def _steps(draw: st.DrawFn) -> list[dict[str, Any]]:
             "spans": draw(st.booleans()),
             "version": draw(st.one_of(st.none(), st.integers(0, 9), st.text(max_size=3), st.floats(0, 1))),
             "routed": draw(st.booleans()),
+            "lineage": draw(st.one_of(st.none(), st.builds(
+                Lineage, agent=st.sampled_from(["main", "a25eedc37e4c0255f", "/root/worker"]),
+                kind=st.sampled_from(KINDS), thread=st.one_of(st.none(), st.text(max_size=8)),
+                parent=st.one_of(st.none(), st.text(max_size=8)),
+                source=st.sampled_from(["x-tito-agent", "x-claude-code-agent-id", "prompt_cache_key"])))),
         })
     return out
 
@@ -89,7 +95,8 @@ def _commit(s: Session, step: dict[str, Any], rows: list[Row], routed_on: bool) 
     record = new.trajectory.commit_turn(
         step["prompt"], ids, lps, finish_reason="stop", weight_spans=spans,
         weight_version=None if spans else step["version"], repair_ids=repair, request_messages=messages,
-        assistant_message=answer, engine="e0", cached_tokens=seq, extra=extra, routed_experts=routed)
+        assistant_message=answer, engine="e0", cached_tokens=seq, extra=extra, routed_experts=routed,
+        lineage=step["lineage"])
     note = {"kind": "fork", "at": time.time(), "turn": record.index}
     s.diagnostics.append(note)
     s.control_totals.aborts += 1
@@ -98,7 +105,7 @@ def _commit(s: Session, step: dict[str, Any], rows: list[Row], routed_on: bool) 
                      prompt_ids=step["prompt"], ids=ids, logprobs=lps, repair=repair, finish="stop", spans=spans,
                      version=step["version"], request_messages=messages, assistant_message=answer, engine="e0",
                      cached=seq, extra=extra, routed=routed, answered=None,
-                     control=[1, 0, 0.0, 0, 0, 0], notes=[note])
+                     control=[1, 0, 0.0, 0, 0, 0], notes=[note], lineage=step["lineage"])
     rows.append(Row(len(rows) + 1, s.id, TURN, time.time(), body))
 
 
@@ -133,6 +140,9 @@ def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, An
         assert [None if r is None else (r.start, r.rows.tobytes()) for r in ra] == \
             [None if r is None else (r.start, r.rows.tobytes()) for r in rb]
     assert got.turns == len(rows) - 2
+    # which agent and thread asked for each turn comes back with it
+    assert [t.lineage for b in back.tree.branches() for t in b.trajectory.turns] == \
+        [t.lineage for b in s.tree.branches() for t in b.trajectory.turns]
 
 
 def test_a_recovered_session_keeps_its_count_of_dropped_diagnostics() -> None:
