@@ -251,7 +251,7 @@ def _check_meta(s: Sample, where: str) -> None:
             lin = lineage_from_dict(d)
         except ValueError as exc:
             raise ExportError(f"{where} turn_lineage[{i}]: {exc}") from exc
-        if lin is not None and lin.to_dict() != d:
+        if lin is not None and d is not None and lin.to_dict() != d:
             raise ExportError(f"{where} turn_lineage[{i}] has fields {sorted(d)}, not a lineage's")
     if not isinstance(s.metadata, dict) or not isinstance(s.diagnostics, list):
         raise ExportError(f"{where} metadata must be an object and diagnostics a list")
