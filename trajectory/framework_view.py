@@ -3,7 +3,7 @@
 Any object with the sample's attributes, or any mapping with its keys, is read (the
 fields are listed in `trajectory.frameworks`' module doc); what the mappings share
 (the prompt/response split, the weight versions per generation call, the per-turn
-rewards) is computed here once, so the mapping module holds only the mappings.
+rewards and lineage) is computed here once, so the mapping module holds only the mappings.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from trajectory.errors import ExportError
+from trajectory.lineage import lineage_from_dict
 from trajectory.turn_rewards import token_rewards
 
 STATUSES = ("completed", "truncated", "aborted")
@@ -49,6 +50,7 @@ class SampleView:
     last_output_end: int  # last turn's output_end (T when there are no turns)
     routed_experts: np.ndarray | None = None  # (T - 1, layers, topk): positions [0, T - 1)
     turn_rewards: tuple[float | None, ...] = ()  # one per turn, None where none
+    turn_lineage: tuple[dict[str, Any] | None, ...] = ()  # one per turn: who asked (`trajectory.lineage`)
 
     def rewarded(self) -> bool:
         """Whether any turn has a reward of its own."""
@@ -146,7 +148,22 @@ def sample_view(sample: Any) -> SampleView:
         last_output_end=turns[-1][2] if turns else n,
         routed_experts=_sample_routed(sample, n),
         turn_rewards=_sample_turn_rewards(sample, len(turns)),
+        turn_lineage=_sample_turn_lineage(sample, len(turns)),
     )
+
+
+def _sample_turn_lineage(sample: Any, n_turns: int) -> tuple[dict[str, Any] | None, ...]:
+    """The sample's per-turn lineage (optional field; absent or empty: unknown), one per
+    turn, each checked as a lineage and copied (a mapping's dict is not shared)."""
+    raw = sample.get("turn_lineage") if isinstance(sample, Mapping) else getattr(sample, "turn_lineage", None)
+    if not raw:
+        return (None,) * n_turns
+    if len(raw) != n_turns:
+        raise ExportError(f"sample turn_lineage has {len(raw)} entries for {n_turns} turns")
+    try:
+        return tuple(None if (lin := lineage_from_dict(d)) is None else lin.to_dict() for d in raw)
+    except ValueError as exc:
+        raise ExportError(f"sample turn_lineage: {exc}") from None
 
 
 def _sample_turn_rewards(sample: Any, n_turns: int) -> tuple[float | None, ...]:

@@ -16,6 +16,8 @@ with these attributes, or any mapping with these keys, works:
     status           'completed' | 'truncated' | 'aborted'
     reward           float | None
     turn_rewards     [float | None] per turn (optional; `trajectory.turn_rewards`)
+    turn_lineage     [dict | None] per turn (optional; `trajectory.lineage`: agent, kind,
+                                    thread, parent, source of who asked for the turn)
     metadata         dict
     path             list[int]      the leaf's path in the branch tree
 
@@ -166,8 +168,9 @@ def to_verl(sample: Any) -> dict[str, Any]:
     concatenation (`output.response_logprobs + [0.0] * pad_size`). The response
     keeps every token to the end. `metrics` carries verl's defaults (we measure
     none of them); `extra_fields` (copied into verl's non-tensor batch) carries
-    `status`, `tree_path`, `weight_versions` (one per turn), `metadata` and
-    `turn_scores` (one per turn: its per-turn reward, None where none).
+    `status`, `tree_path`, `weight_versions` (one per turn), `metadata`,
+    `turn_scores` (one per turn: its per-turn reward, None where none) and
+    `turn_lineage` (one per turn: which agent asked for it, None where unknown).
     """
     v = sample_view(sample)
     s, e = v.response_start, v.response_end(keep_tail=True)
@@ -189,6 +192,7 @@ def to_verl(sample: Any) -> dict[str, Any]:
             "metadata": v.metadata,
             # verl's name: tool_agent_loop.py puts `extra_fields["turn_scores"]` (per turn) here
             "turn_scores": list(v.turn_rewards),
+            "turn_lineage": list(v.turn_lineage),
         },
     }
 
@@ -221,7 +225,9 @@ def to_skyrl(samples: Sequence[Any], *, default_reward: float | None = None) -> 
     reward on its last sampled token, 0.0 elsewhere (SkyRL's fill; the sample's `turn_rewards`
     tell "none" from 0), and the trajectory-level reward (or `default_reward`) added
     on the last response token, where SkyRL's final step puts it; a row then needs a
-    turn reward or a trajectory-level one. Fields we cannot know are None.
+    turn reward or a trajectory-level one. Fields we cannot know are None. SkyRL has no
+    per-row field for the turns' lineage: select by agent when reading the samples
+    (the server's ``agent`` / ``agent_kind``) instead.
     """
     views = [sample_view(s) for s in samples]
     if not views:
@@ -274,7 +280,8 @@ def to_miles(sample: Any) -> dict[str, Any]:
     (``len(tokens) - 1`` rows, int32, as miles' `Sample.validate` checks; None when
     the session did not record them), `rollout_indexer_topk` is None,
     `prefix_cache_info` is zeros, and the tree path and the per-turn rewards (miles has no
-    per-turn field) are added to `metadata` as `tree_path` and `turn_rewards`.
+    per-turn field) are added to `metadata` as `tree_path` and `turn_rewards`, and each
+    turn's lineage (which agent asked for it) as `turn_lineage`.
     """
     v = sample_view(sample)
     s, e = v.response_start, v.response_end(keep_tail=False)
@@ -291,7 +298,8 @@ def to_miles(sample: Any) -> dict[str, Any]:
         "status": v.status,
         "weight_versions": v.weight_versions(),
         "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": 0},
-        "metadata": {**v.metadata, "tree_path": v.path, "turn_rewards": list(v.turn_rewards)},
+        "metadata": {**v.metadata, "tree_path": v.path, "turn_rewards": list(v.turn_rewards),
+                     "turn_lineage": list(v.turn_lineage)},
         "reward": v.reward,
     }
 
@@ -314,8 +322,8 @@ def to_slime(sample: Any) -> dict[str, Any]:
     lists, which its code extends with `+`, so that is what we give. `status` is the
     enum's value string (build the enum with `Sample.Status(d["status"])`);
     `response` is "" (no tokenizer here); the tree path and the per-turn rewards
-    (slime's `reward` is the trajectory's) go to `metadata` as `tree_path` and
-    `turn_rewards`. The response ends with the last turn's output, as in miles.
+    (slime's `reward` is the trajectory's) go to `metadata` as `tree_path`,
+    `turn_rewards` and `turn_lineage` (each turn's agent). The response ends with the last turn's output, as in miles.
     """
     v = sample_view(sample)
     s, e = v.response_start, v.response_end(keep_tail=False)
@@ -328,5 +336,6 @@ def to_slime(sample: Any) -> dict[str, Any]:
         "weight_versions": v.weight_versions(),
         "rollout_log_probs": v.logprobs[s:e].tolist(),
         "status": v.status,
-        "metadata": {**v.metadata, "tree_path": v.path, "turn_rewards": list(v.turn_rewards)},
+        "metadata": {**v.metadata, "tree_path": v.path, "turn_rewards": list(v.turn_rewards),
+                     "turn_lineage": list(v.turn_lineage)},
     }

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["KINDS", "Lineage", "lineage_from_dict"]
+__all__ = ["KINDS", "AgentFilter", "Lineage", "lineage_from_dict"]
 
 KINDS = ("main", "subagent", "side")
 """main: the harness's own loop; subagent: an agent it spawned; side: a one-off request
@@ -44,3 +44,28 @@ def lineage_from_dict(d: Mapping[str, Any] | None) -> Lineage | None:
             raise ValueError(f"lineage {k} must be a str or null, got {d[k]!r}")
     return Lineage(agent=d["agent"], kind=d["kind"], thread=d.get("thread"), parent=d.get("parent"),
                    source=str(d.get("source") or ""))
+
+
+@dataclass(frozen=True, slots=True)
+class AgentFilter:
+    """Which turns a trainer asked for by lineage (`build_samples(agent=...)`): an agent's
+    name, a kind, or both (both must match). A turn the client labelled nothing
+    (lineage None) matches no filter: who asked for it is unknown."""
+
+    agent: str | None = None
+    kind: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is not None and self.kind not in KINDS:
+            raise ValueError(f"agent_kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.agent is not None and (not isinstance(self.agent, str) or not self.agent):
+            raise ValueError(f"agent must be a non-empty str, got {self.agent!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.agent is not None or self.kind is not None
+
+    def matches(self, lineage: Lineage | None) -> bool:
+        if not self.active:
+            return True
+        return lineage is not None and self.agent in (None, lineage.agent) and self.kind in (None, lineage.kind)

@@ -11,15 +11,18 @@ One payload holds a whole batch (any number of samples, from any sessions).
   of all samples concatenated, ``token_ids`` int32, ``loss_mask`` uint8,
   ``logprobs`` float32, ``weight_version_index`` int32, plus ``offsets`` int64
   [B + 1] (sample ``i`` is ``[offsets[i], offsets[i+1])``). Everything else
-  (turn boundaries, status, reason, reward, turn rewards, metadata, diagnostics,
-  path, version table) is one JSON list, one object per sample: the uint8 array
+  (turn boundaries, status, reason, reward, turn rewards, turn lineage, metadata,
+  diagnostics, path, version table) is one JSON list, one object per sample: the uint8 array
   ``meta`` in npz, the ``samples`` key of the safetensors header metadata
   (``__metadata__``, str -> str, so a JSON string) next to ``format`` and
   ``version``.
 
 **Per-turn rewards** (`turn_rewards`, `trajectory.turn_rewards`) are O(turns) like the
 turn boundaries they align with, so they travel beside them: one JSON list per sample,
-a number or null per turn, in every format.
+a number or null per turn, in every format. **Lineage** (`turn_lineage`,
+`trajectory.lineage`) likewise: one object (``agent``, ``kind``, ``thread``,
+``parent``, ``source``) or null per turn. A payload written before either field
+loads with null for every turn.
 
 **Routed experts** (routing replay, `Sample.routed_experts`: one row per
 position but the last, ``(len - 1, layers, topk)``) travel only for samples
@@ -58,6 +61,7 @@ import safetensors
 import safetensors.numpy
 
 from trajectory.errors import ExportError
+from trajectory.lineage import lineage_from_dict
 from trajectory.routed import from_json as routed_from_json
 from trajectory.routed import to_json as routed_to_json
 from trajectory.samples import STATUSES, Sample
@@ -71,8 +75,9 @@ ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("weight_version_index", np.dtype(np.int32)),
 )
 OFFSETS_DTYPE = np.dtype(np.int64)
-_META_KEYS = ("turn_boundaries", "status", "reason", "reward", "turn_rewards", "metadata", "diagnostics",
-              "path", "version_table")
+_META_KEYS = ("turn_boundaries", "status", "reason", "reward", "turn_rewards", "turn_lineage", "metadata",
+              "diagnostics", "path", "version_table")
+_PER_TURN = ("turn_rewards", "turn_lineage")  # absent in payloads written before them: null per turn
 ROUTED = "routed_experts"
 _ROUTED_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16)}
 _I16_MAX = int(np.iinfo(np.int16).max)
@@ -92,6 +97,7 @@ def _meta(s: Sample) -> dict[str, Any]:
         "reason": s.reason,
         "reward": s.reward,
         "turn_rewards": s.turn_rewards,
+        "turn_lineage": s.turn_lineage,
         "metadata": s.metadata,
         "diagnostics": s.diagnostics,
         "path": s.path,
@@ -237,6 +243,16 @@ def _check_meta(s: Sample, where: str) -> None:
     if not isinstance(tr, list) or len(tr) != len(s.turn_boundaries) or not all(
             r is None or (isinstance(r, float) and math.isfinite(r)) for r in tr):
         raise ExportError(f"{where} turn_rewards must be one finite float or null per turn, got {tr!r}")
+    tl = s.turn_lineage
+    if not isinstance(tl, list) or len(tl) != len(s.turn_boundaries):
+        raise ExportError(f"{where} turn_lineage must be one lineage or null per turn, got {tl!r}")
+    for i, d in enumerate(tl):
+        try:
+            lin = lineage_from_dict(d)
+        except ValueError as exc:
+            raise ExportError(f"{where} turn_lineage[{i}]: {exc}") from exc
+        if lin is not None and d is not None and lin.to_dict() != d:
+            raise ExportError(f"{where} turn_lineage[{i}] has fields {sorted(d)}, not a lineage's")
     if not isinstance(s.metadata, dict) or not isinstance(s.diagnostics, list):
         raise ExportError(f"{where} metadata must be an object and diagnostics a list")
     for v in s.version_table:
@@ -247,9 +263,9 @@ def _check_meta(s: Sample, where: str) -> None:
 def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
     if isinstance(meta, dict) and ROUTED in meta:
         meta = {k: v for k, v in meta.items() if k != ROUTED}
-    if isinstance(meta, dict) and "turn_rewards" not in meta:  # written before per-turn rewards: none
+    if isinstance(meta, dict) and any(k not in meta for k in _PER_TURN):  # written before them: none
         tb = meta.get("turn_boundaries")
-        meta = {**meta, "turn_rewards": [None] * (len(tb) if isinstance(tb, list) else 0)}
+        meta = {**{k: [None] * (len(tb) if isinstance(tb, list) else 0) for k in _PER_TURN}, **meta}
     if not isinstance(meta, dict) or set(meta) != set(_META_KEYS):
         raise ExportError(f"{where} has fields {sorted(meta) if isinstance(meta, dict) else meta!r}")
     try:
@@ -258,8 +274,9 @@ def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
         table = list(meta["version_table"])
     except (TypeError, ValueError) as exc:
         raise ExportError(f"{where}: malformed turn_boundaries, path or version_table: {exc}") from exc
-    if not isinstance(meta["turn_rewards"], list) or len(meta["turn_rewards"]) != len(turns):
-        raise ExportError(f"{where} turn_rewards must be a list of {len(turns)} (one per turn)")
+    for k in _PER_TURN:
+        if not isinstance(meta[k], list) or len(meta[k]) != len(turns):
+            raise ExportError(f"{where} {k} must be a list of {len(turns)} (one per turn)")
     s = Sample(
         token_ids=arrays["token_ids"],
         loss_mask=arrays["loss_mask"],
@@ -271,6 +288,7 @@ def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
         reason=meta["reason"],
         reward=meta["reward"],
         turn_rewards=meta["turn_rewards"],
+        turn_lineage=meta["turn_lineage"],
         metadata=meta["metadata"],
         diagnostics=meta["diagnostics"],
         path=path,

@@ -53,6 +53,12 @@ expands this to one value (or None) per token.
 
 **Per-turn rewards** (`turn_rewards`, one per turn, None where none) name turns by
 their seq (`trajectory.turn_rewards`); every sample whose line holds a turn carries it.
+**Lineage** (`turn_lineage`, one per turn: `Lineage.to_dict()`, None where the client
+said nothing) says which agent asked for each turn. ``agent=AgentFilter(...)`` keeps the
+lines holding a turn of that agent (or kind): only those turns are trained (the other
+agents' turns in the line stay as context, mask 0 and logprob 0.0), the line is cut
+after its last such turn (``reason`` says so), and a cut line whose turns an earlier
+sample already trains is dropped.
 
 Cost: O(tokens of the sample) numpy copies per sample plus O(turns) Python per
 sample; no per-token Python loops. Serialization lives in
@@ -72,8 +78,10 @@ import orjson
 
 from trajectory.errors import SampleError
 from trajectory.export import from_dict
+from trajectory.lineage import AgentFilter
 from trajectory.messages import normalize_message
 from trajectory.routed import line_rows
+from trajectory.sample_turns import turn_diagnostics, weight_versions
 from trajectory.tree import Branch, TrajectoryTree
 from trajectory.turn_record import TurnRecord, WeightVersion
 from trajectory.turn_rewards import check_turn_rewards, committed_seqs
@@ -93,7 +101,7 @@ class Sample:
     ``[prompt_start, output_start)``, the sampled output
     ``[output_start, output_end)``; a turn's closing repair tokens (mask 0) run
     to the next turn's ``prompt_start`` (the last turn's to the end).
-    `diagnostics` has one dict per turn (see `turn_diagnostics`); `path` is the
+    `diagnostics` has one dict per turn (`trajectory.sample_turns.turn_diagnostics`); `path` is the
     branch ids from the root to the leaf; `reason` says why a sample was cut
     (None when it was not). `routed_experts` (routing replay) has one row per
     position but the last: shape ``(len - 1, layers, topk)``, uint8/int16.
@@ -110,6 +118,8 @@ class Sample:
     reward: float | None = None
     # one per turn: its posted reward, None where none (`trajectory.turn_rewards`)
     turn_rewards: list[float | None] = field(default_factory=list)
+    # one per turn: who asked for it (`trajectory.lineage.Lineage.to_dict()`), None where unknown
+    turn_lineage: list[dict[str, Any] | None] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     diagnostics: list[dict[str, Any]] = field(default_factory=list)
     path: list[int] = field(default_factory=list)
@@ -120,6 +130,8 @@ class Sample:
     def __post_init__(self) -> None:
         if not self.turn_rewards:  # not given: no turn has a reward
             self.turn_rewards = [None] * len(self.turn_boundaries)
+        if not self.turn_lineage:  # not given: no turn is labelled
+            self.turn_lineage = [None] * len(self.turn_boundaries)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -260,58 +272,6 @@ def status_of(finish_reason: str) -> str:
     return "aborted"
 
 
-def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
-    """What the trajectory records about how a turn's tokens came about.
-
-    ``history_rewrite`` is the turn's ``extra["history_rewrite"]`` when the
-    server recorded one: the template would re-render an earlier turn once this
-    turn's messages follow it, and the committed tokens were kept (the
-    ``append`` policy); ``{"rewritten_turn": i, "first_diff": position}`` with the
-    absolute position of the first token a re-render changes (None when the
-    change is in the turn's closing tokens). ``tool_call_id_renames`` maps the
-    ids the client re-sent the previous turn's tool calls under to ours.
-    ``repair_tokens`` counts the closing tokens the server appended (mask 0);
-    ``parse_status`` and ``parse_detail`` say how the output parsed.
-    ``stale_bound`` is set when the turn was ended at a weight update by its
-    ``max_weight_lag`` (finish ``abort``): ``{"max_weight_lag", "versions",
-    "next_version"}``.
-    """
-    extra = turn.extra
-    return {
-        "turn": turn.index,
-        "branch": owner,
-        "seq": turn.seq,  # what a per-turn reward names it by (`trajectory.turn_rewards`)
-        "finish_reason": turn.finish_reason,
-        "repair_tokens": turn.repair_tokens,
-        "parse_status": extra.get("parse_status"),
-        "parse_detail": extra.get("parse_detail"),
-        "history_rewrite": extra.get("history_rewrite"),
-        "tool_call_id_renames": extra.get("tool_call_id_renames"),
-        "stale_bound": extra.get("stale_bound"),
-    }
-
-
-def _version_key(v: WeightVersion) -> tuple[type, Any]:
-    return (type(v), v)  # 1 and 1.0 are different versions
-
-
-def _weight_versions(turns: Sequence[TurnRecord], n: int) -> tuple[np.ndarray, list[WeightVersion]]:
-    """Per-token index into a table of versions in order of first use (-1: none)."""
-    index = np.full(n, -1, dtype=np.int32)
-    table: list[WeightVersion] = []
-    seen: dict[tuple[type, Any], int] = {}
-    for t in turns:
-        for start, end, version in t.weight_spans:
-            if version is None:
-                continue
-            key = _version_key(version)
-            j = seen.setdefault(key, len(table))
-            if j == len(table):
-                table.append(version)
-            index[start:end] = j
-    return index, table
-
-
 def _kept_turns(checkpoints: Sequence[int], max_seq_len: int | None) -> int:
     """How many whole turns end at or before `max_seq_len`."""
     if max_seq_len is None:
@@ -327,11 +287,18 @@ def _sample(
     reward: float | None,
     metadata: dict[str, Any],
     turn_rewards: Mapping[int, float],
-) -> Sample:
+    select: AgentFilter,
+) -> Sample | None:
     traj = branch.trajectory
     turns = traj.turns
     owners = lines.owners[branch.id]
-    n_keep = _kept_turns(traj.checkpoints, max_seq_len)
+    line_end = len(turns)  # the line, or (agent filter) up to its last selected turn
+    if select.active:
+        picked = [i for i, t in enumerate(turns) if select.matches(t.lineage)]
+        if not picked:
+            return None
+        line_end = picked[-1] + 1
+    n_keep = min(_kept_turns(traj.checkpoints, max_seq_len), line_end)
     end = traj.checkpoints[n_keep]
     kept = turns[:n_keep]
     ids_view, lps_view, mask_view = traj.arrays(end)
@@ -341,21 +308,29 @@ def _sample(
     trained_before = 0
     while trained_before < n_keep and (owners[trained_before], trained_before) in claimed:
         trained_before += 1
+    if select.active and trained_before == n_keep and n_keep < len(turns):
+        return None  # cut by the agent filter to turns an earlier sample trains
     if trained_before:
         cut = traj.checkpoints[trained_before]
         mask[:cut] = 0
         lps[:cut] = 0.0
+    for t in turns[trained_before:n_keep]:
+        if not select.matches(t.lineage):  # another agent's turn: context here, trained nowhere
+            mask[t.output_start:t.output_end] = 0
+            lps[t.output_start:t.output_end] = 0.0
     claimed.update((owners[i], i) for i in range(trained_before, n_keep))
-    index, table = _weight_versions(kept, end)
+    index, table = weight_versions(kept, end)
     reason = None
-    if n_keep < len(turns):
+    if n_keep < line_end:
         status = "truncated"
         if n_keep == 0:
             reason = f"first turn ends at {turns[0].end} tokens, past max_seq_len {max_seq_len}"
         else:
             reason = f"max_seq_len {max_seq_len}: kept {n_keep} of {len(turns)} turns ({end} tokens)"
     else:
-        status = status_of(turns[-1].finish_reason)
+        status = status_of(turns[n_keep - 1].finish_reason)
+        if n_keep < len(turns):
+            reason = f"agent filter: kept {n_keep} of {len(turns)} turns (the rest are other agents')"
     return Sample(
         token_ids=ids,
         loss_mask=mask,
@@ -367,6 +342,7 @@ def _sample(
         reason=reason,
         reward=reward,
         turn_rewards=[turn_rewards.get(t.seq) for t in kept],
+        turn_lineage=[None if t.lineage is None else t.lineage.to_dict() for t in kept],
         metadata=dict(metadata),
         diagnostics=[turn_diagnostics(t, owners[t.index]) for t in kept],
         path=lines.path(branch.id),
@@ -413,6 +389,7 @@ def build_samples(
     reward: float | Mapping[int, float | None] | None = None,
     metadata: Mapping[str, Any] | None = None,
     turn_rewards: Mapping[int, float] | None = None,
+    agent: AgentFilter | None = None,
 ) -> list[Sample]:
     """The training samples of a session (module doc), in leaf creation order.
 
@@ -420,7 +397,8 @@ def build_samples(
     on import, raising `ExportError`). `reward` is one number for every sample
     or a mapping from leaf branch id to a number (leaves it omits get None);
     `metadata` is merged over the tree's metadata into every sample's;
-    `turn_rewards` maps a committed turn's seq to its reward (`trajectory.turn_rewards`).
+    `turn_rewards` maps a committed turn's seq to its reward (`trajectory.turn_rewards`);
+    `agent` selects lines and trains only the turns of one agent or kind (module doc).
     An unknown picker, a bad `max_seq_len`, reward or turn reward raises `SampleError`.
     """
     tree = _as_tree(source)
@@ -441,6 +419,7 @@ def build_samples(
     per_turn = check_turn_rewards(turn_rewards, committed_seqs(tree.branches())) if turn_rewards else {}
     meta = {**tree.metadata, **(metadata or {})}
     claimed: set[tuple[int, int]] = set()
-    return [
-        _sample(lines, tree.get(leaf), claimed, max_seq_len, rewards[leaf], meta, per_turn) for leaf in kept
-    ]
+    select = agent or AgentFilter()
+    built = (_sample(lines, tree.get(leaf), claimed, max_seq_len, rewards[leaf], meta, per_turn, select)
+             for leaf in kept)
+    return [s for s in built if s is not None]

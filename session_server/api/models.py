@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from trajectory.codec.base import HistoryPolicy
+from trajectory.lineage import AgentFilter
 from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample
 
 from ..engines.admission_check import check_engine_spec
@@ -48,6 +49,7 @@ def _sample_metadata(v: dict[str, Any]) -> dict[str, Any]:
 
 SampleMetadata = Annotated[dict[str, Any], AfterValidator(_sample_metadata)]
 SampleFormat = Literal["json", "npz", "safetensors"]
+AgentKind = Literal["main", "subagent", "side"]  # trajectory.lineage.KINDS
 
 
 class SessionCreate(BaseModel):
@@ -142,6 +144,12 @@ class SamplesBatch(BaseModel):
     format: SampleFormat = "json"
     picker: Picker = DEFAULT_PICKER
     max_seq_len: int | None = Field(default=None, strict=True, ge=1)
+    # only the lines holding this agent's (or kind's) turns, training only those (docs/api.md)
+    agent: str | None = Field(default=None, min_length=1, max_length=256)
+    agent_kind: AgentKind | None = None
+
+    def agent_filter(self) -> AgentFilter:
+        return AgentFilter(self.agent, self.agent_kind)
 
     @field_validator("session_ids")
     @classmethod

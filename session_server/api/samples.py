@@ -9,7 +9,8 @@ work; this module decides what each session contributes and where it runs:
 * its `reward` is the leaf's own reward when one was posted with ``leaf`` and that
   branch still holds a leaf, else the session's trajectory-level reward (or None);
   its `turn_rewards` are the rewards posted per turn (a turn named by its seq,
-  `trajectory.turn_rewards`), None for a turn without one;
+  `trajectory.turn_rewards`), None for a turn without one; its `turn_lineage` the agent
+  each turn came from; ``agent`` / ``agent_kind`` select by it (`trajectory.samples`);
 * samples are built under the session's lock (a commit must not mutate the tree
   while the offload thread reads it) on the CPU offload threads, and serialized
   there after the lock is released.
@@ -32,6 +33,7 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 
 from trajectory.errors import SampleError
+from trajectory.lineage import AgentFilter
 from trajectory.sample_batch import BATCH_WRITERS, SampleBatchWriter
 from trajectory.sample_formats import MEDIA_TYPES, SERIALIZERS
 from trajectory.samples import DEFAULT_PICKER, PICKERS, Sample, build_samples, tree_lines
@@ -62,21 +64,24 @@ def reward_view(s: Session) -> dict[str, Any]:
             "turn_rewards": {str(k): v for k, v in sorted(s.turn_rewards.items())}}
 
 
-def session_samples(s: Session, picker: str, max_seq_len: int | None) -> list[Sample]:
-    """The samples of one session; runs on an offload thread under `s.lock`."""
+def session_samples(s: Session, picker: str, max_seq_len: int | None,
+                    agent: AgentFilter | None = None) -> list[Sample]:
+    """The samples of one session (with `agent`: the lines of that agent's turns, only
+    those trained, `trajectory.samples`); runs on an offload thread under `s.lock`."""
     reward: float | dict[int, float | None] | None = s.reward
     if s.leaf_rewards:  # a per-leaf reward only while its branch still holds a leaf
         reward = {leaf: s.leaf_rewards.get(leaf, s.reward) for leaf in tree_lines(s.tree).leaves}
     try:
         return build_samples(s.tree, picker=picker, max_seq_len=max_seq_len, reward=reward, metadata=sample_metadata(s),
-                             turn_rewards=s.turn_rewards)
+                             turn_rewards=s.turn_rewards, agent=agent)
     except SampleError as exc:  # the routes validate first; this is the backstop
         raise from_library(exc) or BadRequest(str(exc)) from exc
 
 
-async def _built(ctx: ServerContext, s: Session, picker: str, max_seq_len: int | None) -> list[Sample]:
+async def _built(ctx: ServerContext, s: Session, picker: str, max_seq_len: int | None,
+                 agent: AgentFilter) -> list[Sample]:
     async with s.lock:
-        return await ctx.offload.run(session_samples, s, picker, max_seq_len)
+        return await ctx.offload.run(session_samples, s, picker, max_seq_len, agent)
 
 
 def check_picker(picker: str) -> None:
@@ -85,11 +90,12 @@ def check_picker(picker: str) -> None:
 
 
 async def session_response(
-    ctx: ServerContext, s: Session, fmt: str, picker: str, max_seq_len: int | None
+    ctx: ServerContext, s: Session, fmt: str, picker: str, max_seq_len: int | None,
+    agent: AgentFilter | None = None,
 ) -> Response:
     """`GET /sessions/{sid}/samples`: the session's samples as one payload."""
     check_picker(picker)
-    samples = await _built(ctx, s, picker, max_seq_len)
+    samples = await _built(ctx, s, picker, max_seq_len, agent or AgentFilter())
     payload = await ctx.offload.run(SERIALIZERS[fmt], samples)
     return Response(content=payload, media_type=MEDIA_TYPES[fmt])
 
@@ -181,7 +187,7 @@ async def _stream(ctx: ServerContext, sessions: list[Session], spec: SamplesBatc
                 samples = await peers.samples(ctx, sid)
             else:
                 s = next(here)
-                samples = await _built(ctx, s, spec.picker, spec.max_seq_len)
+                samples = await _built(ctx, s, spec.picker, spec.max_seq_len, spec.agent_filter())
                 if spec.close and s.state is SessionState.ACTIVE:
                     ctx.store.close(s.id, "taken by POST /samples with close")
                     if ctx.journal is not None:  # its tombstone is stored before its samples are sent

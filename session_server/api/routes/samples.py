@@ -12,10 +12,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
+from trajectory.lineage import AgentFilter
+
 from .. import samples as samples_api
 from ..cluster_rules import gathering_relay
 from ..edge import route_doc
-from ..models import RewardRequest, SampleFormat, SamplesBatch, parse_json_model
+from ..models import AgentKind, RewardRequest, SampleFormat, SamplesBatch, parse_json_model
 from .common import JSON, OCTETS, ctx_of, json_response, read_body
 
 __all__ = ["router"]
@@ -30,11 +32,13 @@ async def get_samples(
     format: SampleFormat = "json",
     picker: str = samples_api.DEFAULT_PICKER,
     max_seq_len: Annotated[int | None, Query(ge=1)] = None,
+    agent: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+    agent_kind: AgentKind | None = None,
 ) -> Response:
     ctx = ctx_of(request)
     s = ctx.store.get(sid)
     ctx.store.touch(s)
-    return await samples_api.session_response(ctx, s, format, picker, max_seq_len)
+    return await samples_api.session_response(ctx, s, format, picker, max_seq_len, AgentFilter(agent, agent_kind))
 
 
 @router.post("/sessions/{sid}/reward", **route_doc(RewardRequest, 400, 404, 413))

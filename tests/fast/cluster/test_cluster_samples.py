@@ -46,7 +46,8 @@ async def _sessions(http: httpx.AsyncClient, per_instance: int, instances: int) 
     order = [sid for group in zip(*on.values(), strict=True) for sid in group]
     for k, sid in enumerate(order):
         r = await http.post(f"/sessions/{sid}/v1/chat/completions",
-                            json={"messages": [{"role": "user", "content": f"task {k}"}], "max_tokens": 12})
+                            json={"messages": [{"role": "user", "content": f"task {k}"}], "max_tokens": 12},
+                            headers={"x-tito-agent": "explorer" if k % 2 else "main"})  # lineage, per session
         assert r.status_code == 200, r.text
         r = await http.post(f"/sessions/{sid}/reward",
                             json={"reward": k / 10, "turn_rewards": [{"turn": 0, "reward": -k / 10}]})
@@ -86,6 +87,12 @@ async def test_a_batch_of_every_instances_sessions_through_the_proxy_is_what_eac
             assert [s.metadata["session_id"] for s in got] == order
             assert [s.turn_rewards for s in got] == [[-k / 10] for k in range(len(order))]  # per turn, gathered
             assert samples_to_json(got) == samples_to_json(want), fmt  # every field, bit-exact
+            # the agent filter reaches every owner: only the sub-agent's sessions, its turns labelled
+            r, raw, _ = await _batch(http, {"session_ids": order, "format": fmt, "agent": "explorer"})
+            assert r.status_code == 200, raw[:500]
+            picked = load(raw)
+            assert [s.metadata["session_id"] for s in picked] == order[1::2], fmt
+            assert {lin["agent"] for s in picked for lin in s.turn_lineage} == {"explorer"}
         # close: every session is closed on its owner (a tombstone: 410, the cluster journals)
         r, raw, chunks = await _batch(http, {"session_ids": order, "format": "json", "close": True})
         assert r.status_code == 200 and len(load_samples_json(raw)) == len(order), raw[:500]

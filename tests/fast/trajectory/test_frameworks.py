@@ -111,7 +111,7 @@ def test_verl_agent_loop_output() -> None:
     assert out["num_turns"] == 4  # prompt + 2 assistant turns + 1 tool turn
     assert out["extra_fields"] == {
         "status": "completed", "tree_path": [0, 2], "weight_versions": ["3", "4"],
-        "metadata": {"task": "t1"}, "turn_scores": [None, None],
+        "metadata": {"task": "t1"}, "turn_scores": [None, None], "turn_lineage": [None, None],
     }
 
 
@@ -175,7 +175,8 @@ def test_miles_wire_values() -> None:
     assert out["status"] == "completed"
     assert out["weight_versions"] == ["3", "4"]
     assert out["prefix_cache_info"] == {"cached_tokens": 0, "total_prompt_tokens": 0}
-    assert out["metadata"] == {"task": "t1", "tree_path": [0, 2], "turn_rewards": [None, None]}
+    assert out["metadata"] == {"task": "t1", "tree_path": [0, 2], "turn_rewards": [None, None],
+                               "turn_lineage": [None, None]}
     assert out["reward"] == 1.5
     assert out["response"] == ""
     assert out["rollout_routed_experts"] is None and out["rollout_indexer_topk"] is None
@@ -191,7 +192,8 @@ def test_slime_sample_kwargs() -> None:
     assert _all_python(out["tokens"] + out["loss_mask"], int) and _all_python(out["rollout_log_probs"], float)
     assert out["status"] == "truncated"
     assert out["weight_versions"] == ["3", "4"]
-    assert out["metadata"] == {"task": "t1", "tree_path": [0, 2], "turn_rewards": [None, None]}
+    assert out["metadata"] == {"task": "t1", "tree_path": [0, 2], "turn_rewards": [None, None],
+                               "turn_lineage": [None, None]}
 
 
 def test_split_uses_turns_not_mask() -> None:
@@ -286,3 +288,16 @@ def test_per_turn_rewards_reach_every_mapping_under_its_own_name() -> None:
         to_skyrl([s, _sample(reward=None)])
     with pytest.raises(ExportError, match="turn_rewards has 1 entries for 2 turns"):
         to_verl(_sample(turn_rewards=[1.0]))
+
+
+def test_each_turns_lineage_reaches_verl_miles_and_slime_as_turn_lineage() -> None:
+    main = {"agent": "main", "kind": "main", "thread": "t", "parent": None, "source": "x-tito-agent"}
+    s = _sample(turn_lineage=[main, None])
+    assert to_verl(s)["extra_fields"]["turn_lineage"] == [main, None]
+    assert to_miles(s)["metadata"]["turn_lineage"] == [main, None]
+    assert to_slime(s)["metadata"]["turn_lineage"] == [main, None]
+    assert to_verl(_sample())["extra_fields"]["turn_lineage"] == [None, None]  # absent: unknown per turn
+    with pytest.raises(ExportError, match="turn_lineage has 1 entries for 2 turns"):
+        to_miles(_sample(turn_lineage=[main]))
+    with pytest.raises(ExportError, match="turn_lineage: not a lineage"):
+        to_slime(_sample(turn_lineage=[{"agent": "main", "kind": "boss"}, None]))

@@ -169,8 +169,8 @@ def assert_same_samples(a: list[Sample], b: list[Sample]) -> None:
             u, v = getattr(x, name), getattr(y, name)
             assert u.dtype == v.dtype and u.shape == v.shape
             assert u.tobytes() == v.tobytes(), name  # bit-exact
-        for name in ("turn_boundaries", "status", "reason", "reward", "turn_rewards", "metadata", "diagnostics",
-                     "path"):
+        for name in ("turn_boundaries", "status", "reason", "reward", "turn_rewards", "turn_lineage", "metadata",
+                     "diagnostics", "path"):
             assert getattr(x, name) == getattr(y, name), name
         assert [(type(v), v) for v in x.version_table] == [(type(v), v) for v in y.version_table]
 
