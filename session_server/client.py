@@ -130,10 +130,15 @@ def _samples_decoder(fmt: str) -> Callable[[httpx.Response], list[Sample]]:
     return lambda resp: load(resp.content)
 
 
-def _samples_query(picker: str, max_seq_len: int | None, fmt: str) -> dict[str, Any]:
+def _samples_query(picker: str, max_seq_len: int | None, fmt: str, agent: str | None = None,
+                   agent_kind: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"format": _sample_format(fmt), "picker": picker}
     if max_seq_len is not None:
         out["max_seq_len"] = max_seq_len
+    if agent is not None:  # the agent filter (docs/api.md, sub-agent lineage)
+        out["agent"] = agent
+    if agent_kind is not None:
+        out["agent_kind"] = agent_kind
     return out
 
 
@@ -197,8 +202,9 @@ class _Calls:
         return _Call("POST", "/control/weight_version", _json_body, json={"version": version, "force": force},
                      headers=self._auth())
 
-    def samples(self, session_id: str, picker: str, max_seq_len: int | None, fmt: str) -> _Call:
-        query = _samples_query(picker, max_seq_len, fmt)
+    def samples(self, session_id: str, picker: str, max_seq_len: int | None, fmt: str, agent: str | None = None,
+                agent_kind: str | None = None) -> _Call:
+        query = _samples_query(picker, max_seq_len, fmt, agent, agent_kind)
         return _Call("GET", f"/sessions/{_sid(session_id)}/samples", _samples_decoder(fmt), params=query,
                      headers=self._auth())
 
@@ -216,10 +222,11 @@ class _Calls:
         return _Call("POST", f"/sessions/{_sid(session_id)}/reward", _json_body, json=body, headers=self._auth())
 
     def batch_samples(self, session_ids: Sequence[str], close: bool, picker: str, max_seq_len: int | None,
-                      fmt: str) -> _Call:
+                      fmt: str, agent: str | None = None, agent_kind: str | None = None) -> _Call:
         if isinstance(session_ids, str):
             raise ValueError("session_ids must be a list of session ids, not one str")
-        body = {"session_ids": list(session_ids), "close": close, **_samples_query(picker, max_seq_len, fmt)}
+        body = {"session_ids": list(session_ids), "close": close,
+                **_samples_query(picker, max_seq_len, fmt, agent, agent_kind)}
         return _Call("POST", "/samples", _samples_decoder(fmt), json=body, headers=self._auth(),
                      after=self._forget(body["session_ids"]) if close else None)
 
@@ -303,9 +310,11 @@ class SessionClient(_Base):
         return dict(self._run(self._calls.set_weight_version(version, force)))
 
     def samples(self, session_id: str, *, picker: str = DEFAULT_PICKER, max_seq_len: int | None = None,
-                format: SampleFormat = "safetensors") -> list[Sample]:
-        """GET /sessions/{sid}/samples, loaded into `Sample`s (numpy arrays)."""
-        return list(self._run(self._calls.samples(session_id, picker, max_seq_len, format)))
+                format: SampleFormat = "safetensors", agent: str | None = None,
+                agent_kind: str | None = None) -> list[Sample]:
+        """GET /sessions/{sid}/samples, loaded into `Sample`s (numpy arrays); `agent` /
+        `agent_kind` keep the lines holding that agent's turns and train only those."""
+        return list(self._run(self._calls.samples(session_id, picker, max_seq_len, format, agent, agent_kind)))
 
     def set_reward(self, session_id: str, reward: float | None, *, metadata: Mapping[str, Any] | None = None,
                    leaf: int | None = None, turn: int | None = None) -> dict[str, Any]:
@@ -314,9 +323,11 @@ class SessionClient(_Base):
         return dict(self._run(self._calls.set_reward(session_id, reward, metadata, leaf, turn)))
 
     def batch_samples(self, session_ids: Sequence[str], *, close: bool = False, picker: str = DEFAULT_PICKER,
-                      max_seq_len: int | None = None, format: SampleFormat = "safetensors") -> list[Sample]:
+                      max_seq_len: int | None = None, format: SampleFormat = "safetensors", agent: str | None = None,
+                      agent_kind: str | None = None) -> list[Sample]:
         """POST /samples: the samples of many sessions in one payload, optionally closing them."""
-        return list(self._run(self._calls.batch_samples(session_ids, close, picker, max_seq_len, format)))
+        return list(self._run(self._calls.batch_samples(session_ids, close, picker, max_seq_len, format, agent,
+                                                        agent_kind)))
 
 
 class AsyncSessionClient(_Base):
@@ -373,13 +384,16 @@ class AsyncSessionClient(_Base):
         return dict(await self._run(self._calls.set_weight_version(version, force)))
 
     async def samples(self, session_id: str, *, picker: str = DEFAULT_PICKER, max_seq_len: int | None = None,
-                      format: SampleFormat = "safetensors") -> list[Sample]:
-        return list(await self._run(self._calls.samples(session_id, picker, max_seq_len, format)))
+                      format: SampleFormat = "safetensors", agent: str | None = None,
+                      agent_kind: str | None = None) -> list[Sample]:
+        return list(await self._run(self._calls.samples(session_id, picker, max_seq_len, format, agent, agent_kind)))
 
     async def set_reward(self, session_id: str, reward: float | None, *, metadata: Mapping[str, Any] | None = None,
                          leaf: int | None = None, turn: int | None = None) -> dict[str, Any]:
         return dict(await self._run(self._calls.set_reward(session_id, reward, metadata, leaf, turn)))
 
     async def batch_samples(self, session_ids: Sequence[str], *, close: bool = False, picker: str = DEFAULT_PICKER,
-                            max_seq_len: int | None = None, format: SampleFormat = "safetensors") -> list[Sample]:
-        return list(await self._run(self._calls.batch_samples(session_ids, close, picker, max_seq_len, format)))
+                            max_seq_len: int | None = None, format: SampleFormat = "safetensors",
+                            agent: str | None = None, agent_kind: str | None = None) -> list[Sample]:
+        return list(await self._run(self._calls.batch_samples(session_ids, close, picker, max_seq_len, format,
+                                                              agent, agent_kind)))

@@ -216,12 +216,19 @@ def test_samples_decode_every_format_and_batch_body() -> None:
             assert [s.token_ids.tolist() for s in got] == [s.token_ids.tolist() for s in samples], fmt
             assert [s.path for s in got] == [s.path for s in samples]
         batch = c.batch_samples(["s1", "s2"], close=True, picker="all")
+        c.samples("s1", format="json", agent="helper", agent_kind="subagent")
+        c.batch_samples(["s1"], format="json", agent_kind="main")
     assert len(batch) == len(samples)
     assert dict(requests[0].url.params) == {"format": "json", "picker": "latest", "max_seq_len": "64"}
     assert requests[0].url.path == "/sessions/s1/samples"
-    assert (requests[-1].method, requests[-1].url.path) == ("POST", "/samples")
-    assert orjson.loads(requests[-1].content) == {
+    assert (requests[-3].method, requests[-3].url.path) == ("POST", "/samples")
+    assert orjson.loads(requests[-3].content) == {
         "session_ids": ["s1", "s2"], "close": True, "format": "safetensors", "picker": "all"}
+    # the agent filter goes in the query and in the batch body, only when given
+    assert dict(requests[-2].url.params) == {"format": "json", "picker": "latest", "agent": "helper",
+                                             "agent_kind": "subagent"}
+    assert orjson.loads(requests[-1].content) == {
+        "session_ids": ["s1"], "close": False, "format": "json", "picker": "latest", "agent_kind": "main"}
 
 
 def _small_tree() -> TrajectoryTree:
