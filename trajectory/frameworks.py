@@ -17,6 +17,15 @@ with these attributes, or any mapping with these keys, works:
     reward           float | None
     metadata         dict
     path             list[int]      the leaf's path in the branch tree
+    diagnostics      [dict] per turn (optional): each turn's ``sampling`` is carried
+                                    as ``turn_sampling`` (below)
+
+**Per-turn sampling** (``turn_sampling``, present when some turn recorded it: one entry
+per turn, the turn's recorded ``sampling`` or None): the temperature, top_p, ... and seeds the engine was sent for
+that turn, and what the client had asked. A trainer that recomputes logprobs at the
+sampling temperature, or drops turns a harness sampled at its own, reads it here:
+verl's ``extra_fields``, miles' and slime's ``metadata``; SkyRL's ``GeneratorOutput``
+has no per-row field for it (its ``rollout_metrics`` is one dict per batch).
 
 **The prompt/response split** (the same for every framework): the prompt is every
 token before the first turn's ``output_start``, the first sampled position; the
@@ -169,6 +178,7 @@ class _View:
     response_start: int  # first turn's output_start (T when there are no turns)
     last_output_end: int  # last turn's output_end (T when there are no turns)
     routed_experts: np.ndarray | None = None  # (T - 1, layers, topk): positions [0, T - 1)
+    turn_sampling: list[Any] | None = None  # per turn: its recorded `sampling` (None: not recorded)
 
     def response_end(self, keep_tail: bool) -> int:
         """End of the response: the whole sequence, or just after the last sampled token."""
@@ -254,7 +264,25 @@ def _view(sample: Any) -> _View:
         response_start=turns[0][1] if turns else n,
         last_output_end=turns[-1][2] if turns else n,
         routed_experts=_sample_routed(sample, n),
+        turn_sampling=_turn_sampling(sample, len(turns)),
     )
+
+
+def _turn_sampling_field(v: _View) -> dict[str, Any]:
+    """`{"turn_sampling": [...]}` when some turn recorded its sampling, else nothing (a
+    sample from a server that records none maps as it always did)."""
+    return {"turn_sampling": v.turn_sampling} if any(t is not None for t in v.turn_sampling or ()) else {}
+
+
+def _turn_sampling(sample: Any, n_turns: int) -> list[Any]:
+    """Each turn's recorded `sampling` from the sample's per-turn diagnostics (a sample
+    without diagnostics, e.g. a hand-built mapping, gives None per turn)."""
+    diags = sample.get("diagnostics") if isinstance(sample, Mapping) else getattr(sample, "diagnostics", None)
+    if not diags:
+        return [None] * n_turns
+    if len(diags) != n_turns:
+        raise ExportError(f"sample has {len(diags)} diagnostics for {n_turns} turns")
+    return [d.get("sampling") if isinstance(d, Mapping) else None for d in diags]
 
 
 def _sample_routed(sample: Any, n: int) -> np.ndarray | None:
@@ -315,6 +343,7 @@ def to_verl(sample: Any) -> dict[str, Any]:
             "tree_path": v.path,
             "weight_versions": v.weight_versions(),
             "metadata": v.metadata,
+            **_turn_sampling_field(v),
         },
     }
 
@@ -403,7 +432,7 @@ def to_miles(sample: Any) -> dict[str, Any]:
         "status": v.status,
         "weight_versions": v.weight_versions(),
         "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": 0},
-        "metadata": {**v.metadata, "tree_path": v.path},
+        "metadata": {**v.metadata, "tree_path": v.path, **_turn_sampling_field(v)},
         "reward": v.reward,
     }
 
@@ -439,5 +468,5 @@ def to_slime(sample: Any) -> dict[str, Any]:
         "weight_versions": v.weight_versions(),
         "rollout_log_probs": v.logprobs[s:e].tolist(),
         "status": v.status,
-        "metadata": {**v.metadata, "tree_path": v.path},
+        "metadata": {**v.metadata, "tree_path": v.path, **_turn_sampling_field(v)},
     }

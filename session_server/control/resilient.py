@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenDelta
+from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenDelta, derive_seed
 from session_server.engines.base import streaming as streaming_of
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
 from trajectory.errors import ValidationError
@@ -234,9 +234,13 @@ class _Turn:
         st.counts.rids.append(seg_rid)
         epoch, dispatch_version = control.epoch, control.weight_version
         seg_input = extend(request.input_ids, st.acc.ids)
+        sampling = request.sampling if request.seed_key is None else replace(
+            request.sampling, seed=derive_seed(*request.seed_key, len(st.counts.rids) - 1))
+        st.counts.seeds.append(sampling.seed)
         seg = replace(
             request,
             request_id=seg_rid,
+            sampling=sampling,
             input_ids=seg_input,
             max_tokens=st.remaining,
             cache_salt=salted(request.cache_salt, control.cache_salt()),

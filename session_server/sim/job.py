@@ -33,6 +33,7 @@ class Job:
     constrained: str | None = None  # the text a constraint forces (None: unconstrained)
     routed_start: int | None = None  # routing replay asked: rows from this position (None: not asked)
     stop_strs: tuple[str, ...] = ()  # stop strings, matched on the decoded output only
+    seed: int | None = None  # the request's own seed (SGLang sampling_seed, vLLM seed): sampler.py
 
 
 @dataclass

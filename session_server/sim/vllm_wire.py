@@ -23,6 +23,7 @@ from session_server.sim.wire import (
     attach_constraint,
     finish_job,
     json_response,
+    request_seed,
     run_job,
     salt,
     stop_strings,
@@ -181,6 +182,7 @@ class VLLMWire:
             pinned_rank=rank,
             params={k: v for k, v in sp.items() if k != ids_key},
             path=path,
+            seed=request_seed(sp.get("seed")),
             fault=self.engine.faults.take(),
             cache_salt=salt(body.get("cache_salt")),
         )
