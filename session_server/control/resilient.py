@@ -45,7 +45,13 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenDelta, derive_seed
+from session_server.engines.base import (
+    EngineAdapter,
+    GenerateRequest,
+    GenerateResult,
+    TokenDelta,
+    derive_seed,
+)
 from session_server.engines.base import streaming as streaming_of
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
 from trajectory.errors import ValidationError
@@ -227,7 +233,8 @@ class _Turn:
         return Phase.DISPATCH
 
     async def dispatch(self) -> Phase:
-        """One segment at the engine, tracked by the plane (a pause aborts it there); a
+        """One segment at the engine, tracked by the plane (a pause aborts it there), sent its
+        own seed in a seeded session (`derive_seed`: a resubmit is reproducible); a
         cancelled or rejected segment is aborted at the engine, since nobody reads it."""
         st, request, control, adapter = self.state, self.request, self.control, self.adapter
         seg_rid = request.request_id if not st.counts.rids else new_request_id()

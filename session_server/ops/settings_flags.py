@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..routing.factory import POLICY_NAMES
-from ..settings import ENV_PREFIX, Settings
 from ..sessions import SAMPLING_POLICIES
+from ..settings import ENV_PREFIX, Settings
 
 __all__ = ["add_settings_flags", "settings_from_args", "settings_or_report"]
 

@@ -148,7 +148,7 @@ class ScriptedPolicy:
         self.model = model
         self.seed = seed
         self.noncanonical = noncanonical and model.splitter is not None
-        self._plans: dict[bytes, tuple[list[int], dict[str, Any]]] = {}
+        self._plans: dict[tuple[bytes, int], tuple[list[int], dict[str, Any]]] = {}  # (prefix, seed) -> plan
         self._script: list[dict[str, Any]] = []
 
     def set_script(self, turns: Sequence[dict[str, Any]]) -> None:
