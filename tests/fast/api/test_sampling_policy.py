@@ -106,22 +106,23 @@ async def test_responses_and_messages_dialects_obey_the_pinned_policy(qwen3_dir:
     assert recs[1]["client"] == {"temperature": 0.0, "top_p": 0.2, "top_k": 3, "max_tokens": 24}
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"sampling_policy": "loose"}, "sampling_policy"),
-    ({"sampling_policy": 1}, "sampling_policy"),
-    ({"seed": -1}, "seed"),
-    ({"seed": 1.5}, "seed"),
-    ({"seed": "7"}, "seed"),
-    ({"seed": True}, "seed"),
-    ({"seed": 2**63}, "seed"),
-    ({"seed": 1, "sampling": {"seed": 2}}, "seed"),
+@pytest.mark.parametrize(("body", "field", "why"), [
+    ({"sampling_policy": "loose"}, "sampling_policy", "'pinned' or 'client'"),
+    ({"sampling_policy": 1}, "sampling_policy", "'pinned' or 'client'"),
+    ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ({"seed": 1.5}, "seed", "valid integer"),
+    ({"seed": "7"}, "seed", "valid integer"),
+    ({"seed": True}, "seed", "valid integer"),
+    ({"seed": 2**63}, "seed", "less than or equal to"),
+    ({"seed": 1, "sampling": {"seed": 2}}, "seed", "exclusive"),
 ])
 async def test_bad_sampling_policy_or_seed_is_a_400_naming_the_field(qwen3_dir: Path, body: dict[str, Any],
-                                                                     field: str) -> None:
+                                                                     field: str, why: str) -> None:
     async with live_stack(qwen3_dir) as st:
         r = await st.http.post("/sessions", json=body)
     assert r.status_code == 400, r.text
-    assert field in r.json()["error"]["message"], r.text
+    message = r.json()["error"]["message"]
+    assert field in message and why in message, message
 
 
 def test_server_flag_refuses_an_unknown_sampling_policy() -> None:
