@@ -278,7 +278,8 @@ class SessionClient(_Base):
 
     def create_session(self, **options: Any) -> str:
         """POST /sessions with `options` (metadata, ttl_s, sampling, chat_template_kwargs,
-        history_policy, max_context_tokens, lora, max_weight_lag); returns the session id."""
+        history_policy, max_context_tokens, lora, max_weight_lag, sampling_policy, seed); returns the
+        session id."""
         return str(self._run(self._calls.create_session(options))["session_id"])
 
     def chat(self, session_id: str, messages: Sequence[Mapping[str, Any]], **params: Any) -> dict[str, Any]:

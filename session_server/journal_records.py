@@ -84,7 +84,7 @@ def create_body(s: Session) -> bytes:
         "config": {"ttl_s": c.ttl_s, "metadata": c.metadata, "max_context_tokens": c.max_context_tokens,
                    "sampling": c.sampling, "lora": c.lora, "chat_template_kwargs": c.chat_template_kwargs,
                    "history_policy": c.history_policy.value, "routing_replay": c.routing_replay,
-                   "max_weight_lag": c.max_weight_lag},
+                   "max_weight_lag": c.max_weight_lag, "sampling_policy": c.sampling_policy, "seed": c.seed},
     })
 
 

@@ -76,6 +76,12 @@ class IllegalTransition(RuntimeError):
         super().__init__(f"illegal session transition {old.value} -> {new.value}")
 
 
+SAMPLING_POLICIES = ("pinned", "client")
+"""Whose sampling values reach the engine (docs/api.md "Sampling policy"): `pinned`, the
+session's (a harness's own temperature on a side request is recorded, never sent);
+`client`, the request's, each falling back to the session's."""
+
+
 @dataclass
 class SessionConfig:
     """What a client chose at creation."""
@@ -89,6 +95,10 @@ class SessionConfig:
     history_policy: HistoryPolicy = HistoryPolicy.APPEND
     routing_replay: bool = False  # ask the engine for routed experts and store them (R3)
     max_weight_lag: int | None = None  # weight versions a turn may span; None: unbounded
+    # whose sampling values reach the engine: "pinned" (the session's) or "client" (the
+    # request's over the session's defaults); resolved at creation against the server's
+    sampling_policy: str = "client"
+    seed: int | None = None  # each engine request's seed derives from it (engines/base.py: derive_seed)
 
 
 @dataclass

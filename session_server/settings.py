@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from trajectory.codec.families import GENERIC, ours_names
 
 from .routing.factory import POLICY_NAMES
-from .sessions import INSTANCE_ID
+from .sessions import INSTANCE_ID, SAMPLING_POLICIES
 
 __all__ = ["ADMIN_TOKEN_ENV", "ENV_PREFIX", "Settings"]
 
@@ -120,6 +120,10 @@ class Settings(BaseSettings):
         [], description="base URLs of the other instances of this cluster (`session-server cluster` sets "
         "them): a control-plane request received here is relayed to each; repeat the flag, "
         "or a JSON list in the environment")
+    sampling_policy: str = Field(
+        "pinned", description="whose sampling values reach the engine unless a session sets sampling_policy: "
+        "pinned (the session's; what a client sends is recorded per turn) or client (the request's over the "
+        "session's defaults)")
     routing_replay: bool = Field(
         False, description="sessions record the engine's routed experts (R3) unless they set routing_replay")
     routed_experts_topk: int | None = Field(
@@ -157,6 +161,13 @@ class Settings(BaseSettings):
     def _known_policy(cls, v: str) -> str:
         if v not in POLICY_NAMES:
             raise ValueError(f"unknown routing policy {v!r}; choose from {', '.join(POLICY_NAMES)}")
+        return v
+
+    @field_validator("sampling_policy")
+    @classmethod
+    def _known_sampling_policy(cls, v: str) -> str:
+        if v not in SAMPLING_POLICIES:
+            raise ValueError(f"unknown sampling policy {v!r}; choose from {', '.join(SAMPLING_POLICIES)}")
         return v
 
     @field_validator("peers")

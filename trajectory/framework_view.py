@@ -51,6 +51,7 @@ class SampleView:
     routed_experts: np.ndarray | None = None  # (T - 1, layers, topk): positions [0, T - 1)
     turn_rewards: tuple[float | None, ...] = ()  # one per turn, None where none
     turn_lineage: tuple[dict[str, Any] | None, ...] = ()  # one per turn: who asked (`trajectory.lineage`)
+    turn_sampling: list[Any] | None = None  # per turn: its recorded `sampling` (None: not recorded)
 
     def rewarded(self) -> bool:
         """Whether any turn has a reward of its own."""
@@ -149,7 +150,25 @@ def sample_view(sample: Any) -> SampleView:
         routed_experts=_sample_routed(sample, n),
         turn_rewards=_sample_turn_rewards(sample, len(turns)),
         turn_lineage=_sample_turn_lineage(sample, len(turns)),
+        turn_sampling=_turn_sampling(sample, len(turns)),
     )
+
+
+def turn_sampling_field(v: SampleView) -> dict[str, Any]:
+    """`{"turn_sampling": [...]}` when some turn recorded its sampling, else nothing (a
+    sample from a server that records none maps as it always did)."""
+    return {"turn_sampling": v.turn_sampling} if any(t is not None for t in v.turn_sampling or ()) else {}
+
+
+def _turn_sampling(sample: Any, n_turns: int) -> list[Any]:
+    """Each turn's recorded `sampling` from the sample's per-turn diagnostics (a sample
+    without diagnostics, e.g. a hand-built mapping, gives None per turn)."""
+    diags = sample.get("diagnostics") if isinstance(sample, Mapping) else getattr(sample, "diagnostics", None)
+    if not diags:
+        return [None] * n_turns
+    if len(diags) != n_turns:
+        raise ExportError(f"sample has {len(diags)} diagnostics for {n_turns} turns")
+    return [d.get("sampling") if isinstance(d, Mapping) else None for d in diags]
 
 
 def _sample_turn_lineage(sample: Any, n_turns: int) -> tuple[dict[str, Any] | None, ...]:

@@ -4,7 +4,7 @@ Plain dicts, lists and numpy arrays only: no framework is imported, so an RL wor
 can build the framework's own object from the dict (``AgentLoopOutput(**d)``,
 ``Sample(**d)``) without this library depending on verl, SkyRL, slime or miles.
 
-Our sample (``trajectory.samples``) is read through a small accessor, so any object
+Our sample (``trajectory.samples``) is read through a small accessor (``trajectory.framework_view``), so any object
 with these attributes, or any mapping with these keys, works:
 
     token_ids        int32 [T]      the whole sequence
@@ -20,6 +20,15 @@ with these attributes, or any mapping with these keys, works:
                                     thread, parent, source of who asked for the turn)
     metadata         dict
     path             list[int]      the leaf's path in the branch tree
+    diagnostics      [dict] per turn (optional): each turn's ``sampling`` is carried
+                                    as ``turn_sampling`` (below)
+
+**Per-turn sampling** (``turn_sampling``, present when some turn recorded it: one entry
+per turn, the turn's recorded ``sampling`` or None): the temperature, top_p, ... and seeds the engine was sent for
+that turn, and what the client had asked. A trainer that recomputes logprobs at the
+sampling temperature, or drops turns a harness sampled at its own, reads it here:
+verl's ``extra_fields``, miles' and slime's ``metadata``; SkyRL's ``GeneratorOutput``
+has no per-row field for it (its ``rollout_metrics`` is one dict per batch).
 
 **The prompt/response split** (the same for every framework): the prompt is every
 token before the first turn's ``output_start``, the first sampled position; the
@@ -47,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from trajectory.errors import ExportError
-from trajectory.framework_view import sample_view
+from trajectory.framework_view import sample_view, turn_sampling_field
 
 # --- verl ---------------------------------------------------------------------------
 VERL_AGENT_LOOP_OUTPUT_FIELDS = (
@@ -193,6 +202,7 @@ def to_verl(sample: Any) -> dict[str, Any]:
             # verl's name: tool_agent_loop.py puts `extra_fields["turn_scores"]` (per turn) here
             "turn_scores": list(v.turn_rewards),
             "turn_lineage": list(v.turn_lineage),
+            **turn_sampling_field(v),
         },
     }
 
@@ -299,7 +309,8 @@ def to_miles(sample: Any) -> dict[str, Any]:
         "weight_versions": v.weight_versions(),
         "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": 0},
         "metadata": {**v.metadata, "tree_path": v.path, "turn_rewards": list(v.turn_rewards),
-                     "turn_lineage": list(v.turn_lineage)},
+                     "turn_lineage": list(v.turn_lineage),
+                     **turn_sampling_field(v)},
         "reward": v.reward,
     }
 
@@ -337,5 +348,6 @@ def to_slime(sample: Any) -> dict[str, Any]:
         "rollout_log_probs": v.logprobs[s:e].tolist(),
         "status": v.status,
         "metadata": {**v.metadata, "tree_path": v.path, "turn_rewards": list(v.turn_rewards),
-                     "turn_lineage": list(v.turn_lineage)},
+                     "turn_lineage": list(v.turn_lineage),
+                     **turn_sampling_field(v)},
     }

@@ -30,7 +30,10 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
     ``parse_status`` and ``parse_detail`` say how the output parsed.
     ``stale_bound`` is set when the turn was ended at a weight update by its
     ``max_weight_lag`` (finish ``abort``): ``{"max_weight_lag", "versions",
-    "next_version"}``.
+    "next_version"}``. ``sampling`` is how the turn was sampled, when the server
+    recorded it: ``{"policy", "engine", "client", "overridden", "seeds"}`` (the values
+    the engine was sent, the values the client sent, the client's that did not reach
+    the engine, and the seed each segment was sent).
     """
     extra = turn.extra
     return {
@@ -44,6 +47,7 @@ def turn_diagnostics(turn: TurnRecord, owner: int) -> dict[str, Any]:
         "history_rewrite": extra.get("history_rewrite"),
         "tool_call_id_renames": extra.get("tool_call_id_renames"),
         "stale_bound": extra.get("stale_bound"),
+        "sampling": extra.get("sampling"),
     }
 
 

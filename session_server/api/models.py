@@ -34,7 +34,7 @@ TTL_S_MAX = 30 * 86_400.0
 MAX_CONTEXT_TOKENS_LIMIT = 1 << 24
 MAX_DP_SIZE = 1024  # data-parallel ranks behind one engine URL
 
-SAMPLE_METADATA_RESERVED = frozenset({"session_id", *(f.name for f in dataclasses.fields(Sample))})
+SAMPLE_METADATA_RESERVED = frozenset({"session_id", "sampling", *(f.name for f in dataclasses.fields(Sample))})
 MAX_BATCH_SESSIONS = 10_000
 
 
@@ -65,6 +65,19 @@ class SessionCreate(BaseModel):
     # record the engine's routed experts (R3) with the tokens; None: the server default
     routing_replay: bool | None = Field(default=None, strict=True)
     max_weight_lag: WeightLag | None = None  # every turn's default
+    # whose sampling values reach the engine (docs/api.md "Sampling policy"); None: the server's
+    sampling_policy: Literal["pinned", "client"] | None = None
+    # each engine request's seed derives from (seed, branch, turn, segment); None: unseeded
+    seed: int | None = Field(default=None, strict=True, ge=0, le=INT64_MAX)
+
+    @model_validator(mode="after")
+    def _one_seed(self) -> SessionCreate:
+        """`seed` derives a seed per request; `sampling.seed` sends one fixed seed with
+        every request: a session asking for both has not said which it means."""
+        if self.seed is not None and self.sampling.seed is not None:
+            raise ValueError("seed and sampling.seed are exclusive: seed derives one per engine request, "
+                             "sampling.seed sends the same one with every request")
+        return self
 
 
 TurnSeq = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]

@@ -54,7 +54,14 @@ __all__ = ["DEFAULT_PICKER", "batch_response", "check_batch", "reward_view", "se
 
 def sample_metadata(s: Session) -> dict[str, Any]:
     """What every sample of `s` carries as `metadata` (server-owned keys last: they win)."""
-    return {**s.config.metadata, **s.reward_metadata, "session_id": s.id}
+    return {**s.config.metadata, **s.reward_metadata, "session_id": s.id, "sampling": sampling_view(s)}
+
+
+def sampling_view(s: Session) -> dict[str, Any]:
+    """The session's sampling as every sample carries it: the policy, the session's values
+    and its seed (each turn's own values are in its diagnostics' `sampling`)."""
+    c = s.config
+    return {"policy": c.sampling_policy, "values": dict(c.sampling), "seed": c.seed}
 
 
 def reward_view(s: Session) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class ResilientResult(GenerateResult):
     weight_spans: tuple[WeightSpan, ...] = ()  # relative to the sampled ids
     segments: int = 1
     segment_request_ids: tuple[str, ...] = ()
+    segment_seeds: tuple[int | None, ...] = ()  # the seed each segment was sent (None: none)
     aborts: int = 0
     empty_aborts: int = 0
     resubmits: int = 0
@@ -115,6 +116,7 @@ class Counts:
     dropped_tokens: int = 0  # partials of constrained segments, regenerated from the prompt
     paused_wait_s: float = 0.0
     rids: list[str] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)  # the seed each segment was sent
 
 
 def assemble(
@@ -174,6 +176,7 @@ def assemble(
         weight_spans=tuple((int(s), int(e), v) for s, e, v in acc.spans),
         segments=len(counts.rids),
         segment_request_ids=tuple(counts.rids),
+        segment_seeds=tuple(counts.seeds),
         aborts=counts.aborts,
         empty_aborts=counts.empty_aborts,
         resubmits=counts.resubmits,

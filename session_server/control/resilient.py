@@ -45,7 +45,13 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, TokenDelta
+from session_server.engines.base import (
+    EngineAdapter,
+    GenerateRequest,
+    GenerateResult,
+    TokenDelta,
+    derive_seed,
+)
 from session_server.engines.base import streaming as streaming_of
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
 from session_server.tracing import TurnTrace
@@ -229,16 +235,21 @@ class _Turn:
         return Phase.DISPATCH
 
     async def dispatch(self) -> Phase:
-        """One segment at the engine, tracked by the plane (a pause aborts it there); a
+        """One segment at the engine, tracked by the plane (a pause aborts it there), sent its
+        own seed in a seeded session (`derive_seed`: a resubmit is reproducible); a
         cancelled or rejected segment is aborted at the engine, since nobody reads it."""
         st, request, control, adapter = self.state, self.request, self.control, self.adapter
         seg_rid = request.request_id if not st.counts.rids else new_request_id()
         st.counts.rids.append(seg_rid)
         epoch, dispatch_version = control.epoch, control.weight_version
         seg_input = extend(request.input_ids, st.acc.ids)
+        sampling = request.sampling if request.seed_key is None else replace(
+            request.sampling, seed=derive_seed(*request.seed_key, len(st.counts.rids) - 1))
+        st.counts.seeds.append(sampling.seed)
         seg = replace(
             request,
             request_id=seg_rid,
+            sampling=sampling,
             input_ids=seg_input,
             max_tokens=st.remaining,
             cache_salt=salted(request.cache_salt, control.cache_salt()),

@@ -16,6 +16,7 @@ normalise the *shape* (where the ids are, what the finish reason is).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
@@ -68,6 +69,22 @@ def optional_sampling_fields(s: SamplingParams, *, seed_key: str) -> dict[str, A
     return out
 
 
+DERIVED_SEED_BOUND = 2**31
+"""Derived seeds are below this: every engine path takes a non-negative int32 (SGLang
+hashes `sampling_seed` in int64 tensors, vLLM seeds a torch generator; numpy-style
+seeders refuse 2**32 and more)."""
+
+
+def derive_seed(session_seed: int, branch: int, turn: int, segment: int) -> int:
+    """The seed of one engine request of a seeded session: a pure function of (session
+    seed, branch, turn index, segment index), so a retried turn and a segment
+    resubmitted after a pause get the seed they had the first time, while turns,
+    branches and segments never share a random stream (a resubmit reusing segment 0's
+    seed would replay its draws from position 0 on the continuation)."""
+    digest = hashlib.blake2b(f"{session_seed}:{branch}:{turn}:{segment}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % DERIVED_SEED_BOUND
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str  # fixed width, prefix-free (SGLang aborts by rid prefix)
@@ -88,6 +105,9 @@ class GenerateRequest:
     max_weight_lag: int | None = None  # server-side: weight versions a turn may span (control/lag.py)
     # W3C `traceparent` / `tracestate` of this request's span, sent as HTTP headers (session_server/tracing.py)
     trace_headers: Mapping[str, str] | None = None
+    # server-side: (session seed, branch, turn) of a seeded session; segment k of the turn
+    # is sent `derive_seed(*seed_key, k)` in place of `sampling.seed` (control/resilient.py)
+    seed_key: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ class EngineCore:
             job.waiting = False
             cache = self.caches[job.rank]
             cached = cache.match(job.input_ids, job.cache_salt)
-            cursor = self.policy.start(job.input_ids, job.constrained)
+            cursor = self.policy.start(job.input_ids, job.constrained, job.seed)
             out = Outcome([], [], [] if job.top_k else None, "length", None, len(job.input_ids), cached)
             fault_at = abort_at(job.fault, self.protocol, len(cursor.planned) - cursor.offset, job.max_tokens)
             eos = set(self.model.eos_ids)

@@ -19,6 +19,14 @@ A test may replace step 2 with a *script* (`set_script`): turn k of an episode p
 k-th scripted assistant message (the last one repeats), rendered to ids the same way,
 so a real harness's own tools (mini-swe-agent's `bash`, Claude Code's `Bash`) get called.
 Logprobs are a hash of (seed, context digest, position, token), in (-5, 0].
+
+A request's own seed (SGLang `sampling_params.sampling_seed`, vLLM `seed`) is honoured as
+the engines honour it: the same seed and context draw the same tokens, another seed
+draws others (the seed is mixed into the server's: the plan and logprobs hash it). A
+request without one draws with the server's seed, as every request did before. A
+resubmitted partial under another seed (a derived per-segment seed) continues the plan
+it was drawn from: a real engine would draw the rest afresh; the sim keeps the turn
+whole and deterministic, which is all its callers can observe of that draw.
 """
 
 from __future__ import annotations
@@ -140,7 +148,7 @@ class ScriptedPolicy:
         self.model = model
         self.seed = seed
         self.noncanonical = noncanonical and model.splitter is not None
-        self._plans: dict[bytes, tuple[list[int], dict[str, Any]]] = {}
+        self._plans: dict[tuple[bytes, int], tuple[list[int], dict[str, Any]]] = {}  # (prefix, seed) -> plan
         self._script: list[dict[str, Any]] = []
 
     def set_script(self, turns: Sequence[dict[str, Any]]) -> None:
@@ -196,18 +204,20 @@ class ScriptedPolicy:
             out.extend(parts if parts else [t])
         return out
 
-    def plan(self, prefix: np.ndarray, turn_starts: np.ndarray) -> tuple[list[int], dict[str, Any]]:
+    def plan(self, prefix: np.ndarray, turn_starts: np.ndarray, seed: int | None = None) -> tuple[list[int], dict[str, Any]]:
         """Planned ids (through EOT) of the turn that follows `prefix`; `turn_starts`:
-        where each turn of the context began to be sampled (`_turn_starts`)."""
+        where each turn of the context began to be sampled (`_turn_starts`); `seed`: the
+        effective seed (`_seed_of`; None: the server's)."""
+        seed = self.seed if seed is None else seed
         key = _digest(prefix)
-        cached = self._plans.get(key)
+        cached = self._plans.get((key, seed))
         if cached is not None:
             return cached
         first = int(turn_starts[0]) if len(turn_starts) else len(prefix)
         episode_h = _h(self.seed, _digest(prefix[:first]))
         script_len = 1 + episode_h % 3
         tool_turns_done = max(0, len(turn_starts) - 1)
-        h = _h(self.seed, key)
+        h = _h(seed, key)
         message = (self._scripted(h, tool_turns_done) if self._script
                    else self._message(h, tool_turns_done, script_len))
         try:
@@ -226,8 +236,21 @@ class ScriptedPolicy:
             ids = self._resegment(ids, key)
         if len(self._plans) > 4096:
             self._plans.clear()
-        self._plans[key] = (ids, message)
+        self._plans[(key, seed)] = (ids, message)
         return ids, message
+
+    def _seed_of(self, request_seed: int | None) -> int:
+        """The seed a request draws with: the server's, or the request's mixed into it."""
+        return self.seed if request_seed is None else _h(self.seed, "request-seed", request_seed)
+
+    def _plan_holding(self, key: bytes, already: np.ndarray) -> tuple[list[int], dict[str, Any]] | None:
+        """A plan drawn for this prefix under any seed whose head is `already` (a partial
+        resubmitted under another seed: see the module doc); O(plans) on that path only."""
+        n = len(already)
+        for (k, _), (ids, message) in self._plans.items():
+            if k == key and n <= len(ids) and np.array_equal(already, ids[:n]):
+                return ids, message
+        return None
 
     def _turn_starts(self, ctx: np.ndarray) -> np.ndarray:
         """Sorted positions right after each generation prompt (and each resume point)."""
@@ -237,8 +260,10 @@ class ScriptedPolicy:
             starts = np.union1d(starts, _occurrences(ctx, resume) + len(resume))
         return starts
 
-    def start(self, context: Sequence[int], constrained: str | None = None) -> Cursor:
-        """`constrained`: the text a constraint forces (sim/constrained.py), then EOS."""
+    def start(self, context: Sequence[int], constrained: str | None = None, seed: int | None = None) -> Cursor:
+        """`constrained`: the text a constraint forces (sim/constrained.py), then EOS;
+        `seed`: the request's own seed (None: the server's)."""
+        eff = self._seed_of(seed)
         ctx = np.asarray(context, dtype=np.int64)
         starts = self._turn_starts(ctx)
         turn_start = int(starts[-1]) if len(starts) else len(ctx)
@@ -247,10 +272,12 @@ class ScriptedPolicy:
             message: dict[str, Any] = {}
             planned = [*self.model.encode(constrained), self.model.eos_ids[0]]
         else:
-            planned, message = self.plan(prefix, starts)
+            planned, message = self.plan(prefix, starts, eff)
         already = ctx[turn_start:]
         n = len(already)
         diverged = n > len(planned) or (n > 0 and not np.array_equal(already, planned[:n]))
+        if diverged and constrained is None and (held := self._plan_holding(_digest(prefix), already)) is not None:
+            (planned, message), diverged = held, False
         if constrained is not None:
             # a real engine's grammar matcher starts at the first *output* token: ids already
             # in the prompt (a resubmitted partial) are context, and the grammar begins again
@@ -260,7 +287,7 @@ class ScriptedPolicy:
             offset=n,
             diverged=diverged,
             key=_digest(prefix),
-            seed=self.seed,
+            seed=eff,
             eos=self.model.eos_ids[0],
             vocab_size=self.model.vocab_size,
             message=message,

@@ -15,12 +15,18 @@ from session_server.sim.faults import ErrorResponder, answer_fault, apply_value_
 from session_server.sim.job import Job, Outcome
 
 __all__ = ["ENCODER", "Constraint", "attach_constraint", "json_response", "padding_payload",
-           "run_job", "salt", "stop_strings", "trace_headers", "trim_at_stop"]
+           "request_seed", "run_job", "salt", "stop_strings", "trace_headers", "trim_at_stop"]
 
 ENCODER = msgspec.json.Encoder()
 
 # a (kind, value) constraint, the engine's refusal text, or None (unconstrained)
 Constraint = tuple[str, Any] | str | None
+
+
+def request_seed(value: Any) -> int | None:
+    """A request's own sampling seed (SGLang `sampling_seed`, vLLM `seed`): an int, else
+    none (the engines type it an optional int)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:

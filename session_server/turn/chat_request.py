@@ -212,6 +212,17 @@ class SamplingFields(BaseModel):
         return self.max_completion_tokens or self.max_tokens
 
 
+PINNED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "seed")
+"""What `pinned` takes from the session alone: the fields that shape the distribution a
+token is drawn from (and the seed that draws it). A field the session leaves unset is
+the engine's default, never the client's. The budget is capped, not pinned, and stop
+strings stay the client's: both only say where a sample ends, not how it is drawn."""
+
+CLIENT_SAMPLING_FIELDS = (*PINNED_FIELDS, "max_tokens", "max_completion_tokens")
+"""The sampling fields a turn records as its client sent them (the turn's `sampling.client`)."""
+
+
 class SessionSampling(SamplingFields):
     """`POST /sessions` `sampling`: per-session defaults, validated at creation."""
 

@@ -378,4 +378,7 @@ def _turn_extra(turn: PendingTurn) -> dict[str, Any]:
         extra["history_rewrite"] = dict(prep.history_rewrite)
     if prep.tool_call_renames:  # the client re-sent our last calls under its own ids
         extra["tool_call_id_renames"] = dict(prep.tool_call_renames)
+    if call.sampling_record:  # the policy, what the engine and the client had; each segment's seed
+        seeds = list(result.segment_seeds)
+        extra["sampling"] = {**call.sampling_record, "seeds": seeds if any(x is not None for x in seeds) else []}
     return extra

@@ -9,7 +9,7 @@ no lock, nothing sent.
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,11 +19,11 @@ from trajectory.validate import Expectations
 
 from ..context import ServerContext
 from ..control import new_request_id
-from ..engines.base import GenerateRequest, SamplingParams
+from ..engines.base import GenerateRequest, SamplingParams, derive_seed
 from ..errors import BadRequest
 from ..sessions import Session
 from ..structured import Constraint
-from .chat_request import ChatRequest, SessionSampling
+from .chat_request import CLIENT_SAMPLING_FIELDS, PINNED_FIELDS, ChatRequest, SessionSampling
 from .prepare import Prepared
 
 __all__ = ["EngineCall", "engine_request"]
@@ -37,6 +37,8 @@ class EngineCall:
     expect: Expectations
     # routing replay: (layers, topk) of the branch's earlier rows, which this turn's must match
     routed_shape: tuple[int, int] | None = None
+    # the turn record's `sampling`: the policy, what the engine was sent, what the client sent
+    sampling_record: dict[str, Any] = field(default_factory=dict)
 
 
 def engine_request(
@@ -48,11 +50,13 @@ def engine_request(
     input_ids = np.concatenate([prep.context_ids, np.asarray(prompt_ids, dtype=np.int32)])
     routed_start, routed_shape = _replay_start(session, prep) if session.config.routing_replay else (0, None)
     budget = _budget(ctx, session, req, len(input_ids))
+    sampling, seed_key = _sampling(ctx, session, req, prep.constraint, _seed_place(session, prep))
     greq = GenerateRequest(
         request_id=request_id or new_request_id(),
         input_ids=input_ids,
         max_tokens=budget,
-        sampling=_sampling(ctx, session, req, prep.constraint),
+        sampling=sampling,
+        seed_key=seed_key,
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         lora=session.config.lora,
         timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
@@ -70,7 +74,8 @@ def engine_request(
         clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
         top_logprobs=greq.top_logprobs,
     )
-    return EngineCall(greq=greq, expect=expect, routed_shape=routed_shape)
+    return EngineCall(greq=greq, expect=expect, routed_shape=routed_shape,
+                      sampling_record=_sampling_record(session, req, greq))
 
 
 def _replay_start(session: Session, prep: Prepared) -> tuple[int, tuple[int, int] | None]:
@@ -85,34 +90,75 @@ def _replay_start(session: Session, prep: Prepared) -> tuple[int, tuple[int, int
     return start, (last.shape if last is not None and start else None)
 
 
-def _sampling(ctx: ServerContext, session: Session, req: ChatRequest, constraint: Constraint | None) -> SamplingParams:
-    """The request's sampling fields, each falling back to the session's default."""
+def _seed_place(session: Session, prep: Prepared) -> tuple[int, int]:
+    """(branch, turn index) the turn will be committed at: its derived seed's place. A
+    rollback or fork commits on the branch `branch_from` is about to make (the next id:
+    the session's claim keeps any other commit out until this one), so a resample from
+    an earlier point is not handed the seed its sibling had."""
+    tree = session.tree
+    if prep.kind in ("first", "append"):
+        return prep.branch_id, tree.get(prep.branch_id).trajectory.num_turns
+    return max(b.id for b in tree.branches()) + 1, prep.checkpoint
+
+
+def _sampling(ctx: ServerContext, session: Session, req: ChatRequest, constraint: Constraint | None,
+              place: tuple[int, int]) -> tuple[SamplingParams, tuple[int, int, int] | None]:
+    """The engine's sampling fields and, for a seeded session, the seed key its segments
+    derive their seeds from. `client` policy: the request's fields, each falling back to
+    the session's default. `pinned`: the distribution fields (`PINNED_FIELDS`) are the
+    session's alone, unset ones left to the engine's default. The seed: a fixed seed the
+    policy picked (the client's under `client`, a `sampling.seed`), else the session
+    `seed`'s derivation, else none."""
     d = SessionSampling.model_validate(session.config.sampling)  # validated at creation
+    pinned = session.config.sampling_policy == "pinned"
 
     def pick(name: str) -> Any:
-        v = getattr(req, name)
+        v = None if pinned and name in PINNED_FIELDS else getattr(req, name)
         return v if v is not None else getattr(d, name)
 
+    seed, seed_key = pick("seed"), None
+    if seed is None and session.config.seed is not None:
+        seed_key = (session.config.seed, *place)
+        seed = derive_seed(*seed_key, 0)
     stop = req.stop_list() or d.stop_list()
     return SamplingParams(
         temperature=pick("temperature"),
         top_p=pick("top_p"),
         top_k=pick("top_k"),
         min_p=pick("min_p"),
-        seed=pick("seed"),
+        seed=seed,
         stop=tuple(stop),
         stop_token_ids=tuple(ctx.codec.stop_token_ids),
         presence_penalty=pick("presence_penalty"),
         frequency_penalty=pick("frequency_penalty"),
         repetition_penalty=pick("repetition_penalty"),
         constraint=constraint,
-    )
+    ), seed_key
+
+
+def _sampling_record(session: Session, req: ChatRequest, greq: GenerateRequest) -> dict[str, Any]:
+    """What the turn record keeps of its sampling: the policy, the values the engine was
+    sent (the distribution its tokens were drawn from: what a trainer recomputing
+    logprobs needs), the values the client sent, and which of those did not reach the
+    engine (`overridden`). The seeds each segment was sent join it at commit."""
+    sent = {k: v for k in PINNED_FIELDS if (v := getattr(greq.sampling, k)) is not None}
+    sent["max_tokens"] = greq.max_tokens
+    client = {k: v for k in CLIENT_SAMPLING_FIELDS if (v := getattr(req, k)) is not None}
+    asked = req.budget()
+    overridden = [k for k in PINNED_FIELDS if k in client and sent.get(k) != client[k]]
+    if asked is not None and asked != greq.max_tokens:
+        overridden.append("max_tokens")
+    return {"policy": session.config.sampling_policy, "engine": sent, "client": client, "overridden": overridden}
 
 
 def _budget(ctx: ServerContext, session: Session, req: ChatRequest, prompt_len: int) -> int:
-    """Max new tokens: the request's, else the session's, else the server's; capped by
+    """Max new tokens: the request's, else the session's, else the server's; under the
+    `pinned` policy the session's is a ceiling the request may only lower; capped by
     the room left under `max_context_tokens` (none left is the client's 400)."""
-    budget = req.budget() or SessionSampling.model_validate(session.config.sampling).budget() or ctx.settings.default_max_tokens
+    session_budget = SessionSampling.model_validate(session.config.sampling).budget()
+    budget = req.budget() or session_budget or ctx.settings.default_max_tokens
+    if session.config.sampling_policy == "pinned" and session_budget is not None:
+        budget = min(budget, session_budget)
     limit = session.config.max_context_tokens
     if limit is not None:
         room = limit - prompt_len

@@ -41,6 +41,9 @@ def session_view(s: Session) -> dict[str, Any]:
         "home": s.home,
         "metadata": s.config.metadata,
         "history_policy": s.config.history_policy.value,
+        "sampling_policy": s.config.sampling_policy,
+        "sampling": s.config.sampling,
+        "seed": s.config.seed,
         "active_branch": active.id,
         "turns": len(traj.turns),
         "tokens": len(traj),
@@ -155,6 +158,8 @@ async def create_session(request: Request) -> Response:
         history_policy=HistoryPolicy(spec.history_policy),
         routing_replay=ctx.settings.routing_replay if spec.routing_replay is None else spec.routing_replay,
         max_weight_lag=spec.max_weight_lag,
+        sampling_policy=spec.sampling_policy or ctx.settings.sampling_policy,
+        seed=spec.seed,
     )
     if cfg.routing_replay:
         _require_routed_shape(ctx)

@@ -30,6 +30,9 @@ from ..trajectory.test_samples import assert_same_samples
 
 LOADERS = {"json": load_samples_json, "npz": load_samples_npz, "safetensors": load_samples_safetensors}
 
+# what every sample's metadata says of a session that set no sampling (the server's default policy)
+DEFAULT_SAMPLING = {"policy": "pinned", "values": {}, "seed": None}
+
 
 def session_of(st: Stack, sid: str) -> Session:
     session: Session = live_apps[st.url].state.ctx.store.get(sid)
@@ -79,7 +82,7 @@ async def test_session_samples_equal_the_library_on_the_session_tree(qwen3_dir: 
         await episode(st, sid, turns=3, retry=True)
         tree = session_of(st, sid).tree
         assert len(tree) == 2  # the retry made a rollback branch
-        meta = {"task": "t1", "session_id": sid}
+        meta = {"task": "t1", "session_id": sid, "sampling": DEFAULT_SAMPLING}
         for picker in ("latest", "all"):
             want = build_samples(tree, picker=picker, metadata=meta)
             for fmt in FORMATS:
@@ -123,7 +126,7 @@ async def test_reward_broadcast_and_per_leaf_override(qwen3_dir: Path) -> None:
 
         r = await reward({"reward": 1, "metadata": {"split": "eval", "judge": "j"}})
         assert r.status_code == 200, r.text
-        merged = {"task": "t", "split": "eval", "judge": "j", "session_id": sid}
+        merged = {"task": "t", "split": "eval", "judge": "j", "session_id": sid, "sampling": DEFAULT_SAMPLING}
         assert r.json() == {"session_id": sid, "reward": 1.0, "leaf_rewards": {}, "turn_rewards": {},
                             "metadata": merged}
         assert await rewards() == {0: 1.0, 1: 1.0}  # broadcast to every kept leaf
@@ -162,7 +165,8 @@ async def test_server_owned_metadata_keys_are_refused(qwen3_dir: Path) -> None:
             assert_error(r, 400, "invalid_request")
             assert key in r.json()["error"]["message"]
         got = await samples(st, sid)
-        assert got[0].metadata == {"task": "t", "session_id": sid} and got[0].reward is None
+        assert got[0].metadata == {"task": "t", "session_id": sid, "sampling": DEFAULT_SAMPLING}
+        assert got[0].reward is None
 
 
 async def batch(st: Stack, **body: Any) -> httpx.Response:

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from session_server.engines.base import derive_seed
 from session_server.ops.cluster import free_ports
 from session_server.sim import running_sim
 
@@ -414,3 +415,35 @@ async def test_ttl_deadlines_carry_over_a_restart(tokenizer_dirs: dict[str, Path
             await asyncio.sleep(max(0.0, read_at + ttl + 1.5 - loop.time()))
             r = await http.get(f"/sessions/{sid}")
             assert r.status_code == 410 and "expired" in r.json()["error"]["message"], r.text
+
+
+async def test_a_sessions_sampling_policy_seed_and_turn_sampling_survive_a_restart(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path,
+) -> None:
+    """The create record keeps the policy and seed, the turn record each turn's sampling:
+    after a kill the session still pins and derives, and its first turn's record is intact."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Count to ten."}]
+    async with running_sim("sglang", str(qwen3)) as engine, httpx.AsyncClient() as sim:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log", "--sampling-policy", "client") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            sid = (await http.post("/sessions", json={"sampling_policy": "pinned", "seed": 17,
+                                                      "sampling": {"temperature": 1.0}})).json()["session_id"]
+            url = f"/sessions/{sid}/v1/chat/completions"
+            r = await http.post(url, json={"model": "m", "messages": messages, "max_tokens": 16, "temperature": 0.0})
+            assert r.status_code == 200, r.text
+            before = (await http.get(f"/sessions/{sid}/trajectory")).json()["branches"][0]["turns"][0]["extra"]
+            server.kill()
+            await server.start()
+            view = (await http.get(f"/sessions/{sid}")).json()
+            assert (view["sampling_policy"], view["seed"], view["sampling"]) == ("pinned", 17, {"temperature": 1.0})
+            messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "Again."}]
+            r = await http.post(url, json={"model": "m", "messages": messages, "max_tokens": 16, "temperature": 0.0})
+            assert r.status_code == 200, r.text
+            turns = (await http.get(f"/sessions/{sid}/trajectory")).json()["branches"][0]["turns"]
+            log = (await sim.get(f"{engine}/sim/requests")).json()
+    assert turns[0]["extra"]["sampling"] == before["sampling"]
+    assert before["sampling"]["seeds"] == [derive_seed(17, 0, 0, 0)]
+    assert [(q["sampling_params"]["temperature"], q["sampling_params"]["sampling_seed"]) for q in log] == [
+        (1.0, derive_seed(17, 0, 0, 0)), (1.0, derive_seed(17, 0, 1, 0))]
+    assert turns[1]["extra"]["sampling"]["client"]["temperature"] == 0.0

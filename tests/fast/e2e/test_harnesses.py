@@ -26,6 +26,8 @@ import httpx
 import numpy as np
 import pytest
 
+from session_server.api.dialects.anthropic_messages import AnthropicMessages
+
 from ..stack import Stack, live_stack
 from .test_openai_client_episodes import assert_trajectory_matches_engine
 
@@ -502,3 +504,51 @@ async def test_claude_code_runs_an_episode_through_a_pause_longer_than_its_idle_
     # first-party mode makes Claude Code resend its first answer slightly changed (a history
     # rewrite: a branch of its own), so its turns are not always on one branch
     assert_every_branch_matches_engine(traj, log, f"claude-code-paused-{watchdog}")
+
+
+async def test_claude_code_side_request_temperature_is_pinned_at_the_engine_and_recorded(
+        qwen3_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claude Code chooses sampling values per request: pointed at a model it may set a
+    temperature for (`--model claude-sonnet-4-20250514`; for its default model it sends
+    none), its title side-request (thinking disabled, no tools) carries
+    `temperature: 1` and its main turns none. In a session pinned at 0.7 the engine gets
+    0.7 on every request, and each turn records what Claude Code sent (read here from the
+    raw bodies, before the server touches them)."""
+    claude = _tool("TITO_CLAUDE_BIN", "claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("hello from the sandbox\n")
+    sent: list[dict[str, Any]] = []
+    parse = AnthropicMessages.parse
+
+    def spy(self: AnthropicMessages, body: bytes) -> Any:
+        sent.append(json.loads(body))
+        return parse(self, body)
+
+    monkeypatch.setattr(AnthropicMessages, "parse", spy)
+    async with live_stack(qwen3_dir, "sglang", script=CLAUDE_SCRIPT) as st:
+        sid = await st.session(sampling_policy="pinned", sampling={"temperature": 0.7, "top_p": 1.0}, seed=4)
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_API_KEY": "x",
+               "ANTHROPIC_BASE_URL": f"{st.url}/sessions/{sid}", "DISABLE_TELEMETRY": "1",
+               "DISABLE_AUTOUPDATER": "1"}
+        rc, out, err = await _run([claude, "-p", "Print the notes", "--output-format", "json", "--allowedTools",
+                                   "Bash", "--model", "claude-sonnet-4-20250514"], cwd=work, env=env)
+        traj = await st.trajectory(sid)
+        log = await st.engine_log()
+    assert rc == 0, f"claude exited {rc}: {out[-2000:]} {err[-2000:]}"
+    own = [b for b in sent if "temperature" in b]
+    assert own, f"Claude Code sent no temperature of its own: {[sorted(b) for b in sent]}"
+    title = own[0]
+    assert title["temperature"] == 1 and title["thinking"] == {"type": "disabled"}
+    assert title["tools"] == [] and "Write the title" in json.dumps(title["messages"])  # its title request
+    served = [r for r in log if r["status"] == 200]
+    turns = [t for b in traj["branches"] for t in b["turns"]]
+    assert len(served) == len(turns) == len(sent) >= 3  # the title side-request and the two scripted turns
+    assert [r["sampling_params"]["temperature"] for r in served] == [0.7] * len(served)
+    records = [t["extra"]["sampling"] for t in turns]
+    assert sorted(r["client"].get("temperature", -1) for r in records) == \
+        sorted(b.get("temperature", -1) for b in sent)
+    for r in records:
+        assert r["policy"] == "pinned" and r["engine"]["temperature"] == 0.7
+        assert ("temperature" in r["overridden"]) == ("temperature" in r["client"])
+    assert sorted(r["seeds"][0] for r in records) == sorted(q["sampling_params"]["sampling_seed"] for q in served)

@@ -62,7 +62,7 @@ async def test_a_turn_is_one_span_tree_continuing_the_clients_trace_and_sent_on_
         qwen3_dir: Path, protocol: str) -> None:
     exporter = InMemorySpanExporter()
     async with live_stack(qwen3_dir, protocol, span_exporter=exporter) as st:
-        sid = await st.session()
+        sid = await st.session(sampling_policy="client")  # the client's sampling is what the engine gets
         async with _openai(st, sid, traceparent=TRACEPARENT, tracestate="congo=t61rcWkgMzE") as client:
             r = await client.chat.completions.create(model="qwen-test", messages=MSGS, max_tokens=24,  # type: ignore[arg-type]
                                                      temperature=0.7, top_p=0.9, seed=11)

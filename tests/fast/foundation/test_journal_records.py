@@ -25,7 +25,7 @@ from session_server.journal_records import (
     reward_body,
     turn_body,
 )
-from session_server.sessions import MAX_DIAGNOSTICS, Session, SessionConfig
+from session_server.sessions import MAX_DIAGNOSTICS, SAMPLING_POLICIES, Session, SessionConfig
 from trajectory import export
 from trajectory.codec.base import HistoryPolicy
 from trajectory.lineage import KINDS, Lineage
@@ -91,7 +91,10 @@ def _commit(s: Session, step: dict[str, Any], rows: list[Row], routed_on: bool) 
     seq = tree.next_seq
     messages = [{"role": "user", "content": f"q{seq}", "n": seq, "x": 0.1 * seq}]
     answer = {"role": "assistant", "content": f"a{seq}", "tool_calls": []}
-    extra = {"request_id": f"r{seq}", "parse_status": "ok", "history_rewrite": {"at": seq}}
+    extra = {"request_id": f"r{seq}", "parse_status": "ok", "history_rewrite": {"at": seq},
+             "sampling": {"policy": "pinned", "engine": {"temperature": 1.0, "seed": 2**31 - 1 - seq, "max_tokens": 64},
+                          "client": {"temperature": 0.0, "top_p": 0.5, "seed": 2**63 - 1, "max_tokens": 32000},
+                          "overridden": ["temperature", "top_p", "seed"], "seeds": [seq, 2**31 - 1]}}
     record = new.trajectory.commit_turn(
         step["prompt"], ids, lps, finish_reason="stop", weight_spans=spans,
         weight_version=None if spans else step["version"], repair_ids=repair, request_messages=messages,
@@ -110,10 +113,13 @@ def _commit(s: Session, step: dict[str, Any], rows: list[Row], routed_on: bool) 
 
 
 @settings(max_examples=60, deadline=None)
-@given(steps=_steps(), routed_on=st.booleans())
-def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, Any]], routed_on: bool) -> None:
+@given(steps=_steps(), routed_on=st.booleans(), policy=st.sampled_from(SAMPLING_POLICIES),
+       seed=st.none() | st.integers(0, 2**63 - 1))
+def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, Any]], routed_on: bool, policy: str,
+                                                        seed: int | None) -> None:
     config = SessionConfig(ttl_s=60.0, metadata={"task": "t", "n": 1}, sampling={"temperature": 0.5},
-                           history_policy=HistoryPolicy.APPEND, routing_replay=routed_on)
+                           history_policy=HistoryPolicy.APPEND, routing_replay=routed_on,
+                           sampling_policy=policy, seed=seed)
     s = Session("w0.abc", config, 0.0)
     rows = [Row(1, s.id, CREATE, time.time(), create_body(s))]
     for step in steps:
@@ -143,6 +149,9 @@ def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, An
     # which agent and thread asked for each turn comes back with it
     assert [t.lineage for b in back.tree.branches() for t in b.trajectory.turns] == \
         [t.lineage for b in s.tree.branches() for t in b.trajectory.turns]
+    assert (back.config.sampling_policy, back.config.seed) == (policy, seed)
+    assert [t.extra["sampling"] for b in back.tree.branches() for t in b.trajectory.turns] == \
+        [t.extra["sampling"] for b in s.tree.branches() for t in b.trajectory.turns]
 
 
 def test_a_recovered_session_keeps_its_count_of_dropped_diagnostics() -> None:

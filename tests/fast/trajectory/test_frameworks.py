@@ -301,3 +301,20 @@ def test_each_turns_lineage_reaches_verl_miles_and_slime_as_turn_lineage() -> No
         to_miles(_sample(turn_lineage=[main]))
     with pytest.raises(ExportError, match="turn_lineage: not a lineage"):
         to_slime(_sample(turn_lineage=[{"agent": "main", "kind": "boss"}, None]))
+
+
+def test_each_turns_recorded_sampling_reaches_verl_miles_and_slime() -> None:
+    """A trainer reads how each turn was sampled where the framework keeps per-sample extras:
+    verl's extra_fields, miles' and slime's metadata; a turn that recorded none is None."""
+    pinned = {"policy": "pinned", "engine": {"temperature": 1.0, "max_tokens": 64},
+              "client": {"temperature": 0.0}, "overridden": ["temperature"], "seeds": [5, 6]}
+    sample = _sample(diagnostics=[{"turn": 0, "sampling": pinned}, {"turn": 1}])
+    want = [pinned, None]
+    assert to_verl(sample)["extra_fields"]["turn_sampling"] == want
+    assert to_miles(sample)["metadata"]["turn_sampling"] == want
+    assert to_slime(sample)["metadata"]["turn_sampling"] == want
+    assert to_slime(SimpleNamespace(**sample))["metadata"]["turn_sampling"] == want
+    # nothing recorded: the mappings are as they were
+    assert "turn_sampling" not in to_verl(_sample(diagnostics=[{}, {}]))["extra_fields"]
+    with pytest.raises(ExportError, match="diagnostics"):
+        to_verl(_sample(diagnostics=[{"sampling": pinned}]))

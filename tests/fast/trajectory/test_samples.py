@@ -416,7 +416,7 @@ def test_reward_metadata_diagnostics_and_export_input() -> None:
     assert a.diagnostics == [{"turn": 0, "branch": 0, "seq": 0, "finish_reason": "stop", "repair_tokens": 0,
                               "parse_status": "ok", "parse_detail": None,
                               "history_rewrite": {"first_diff": 17}, "tool_call_id_renames": None,
-                              "stale_bound": None}]
+                              "stale_bound": None, "sampling": None}]
     assert b.diagnostics[0]["parse_detail"] == "bad json" and b.diagnostics[0]["branch"] == 1
     assert [x.reward for x in build_samples(t, picker="all", reward=1)] == [1.0, 1.0]
     assert_same_samples(build_samples(to_dict(t), picker="all"), build_samples(t, picker="all"))
