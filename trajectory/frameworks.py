@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from trajectory.errors import ExportError
+from trajectory.support import miles_sampling_mask
 
 STATUSES = ("completed", "truncated", "aborted")
 
@@ -386,10 +387,14 @@ def to_miles(sample: Any) -> dict[str, Any]:
     `rollout_routed_experts` is the sample's routed experts cut to the tokens
     (``len(tokens) - 1`` rows, int32, as miles' `Sample.validate` checks; None when
     the session did not record them), `rollout_indexer_topk` is None,
-    `prefix_cache_info` is zeros, and the tree path is added to `metadata` as `tree_path`.
+    `prefix_cache_info` is zeros, and the tree path is added to `metadata` as `tree_path`. With sampling
+    support: `rollout_sampling_mask_ids` / `_offsets` (`trajectory.support.miles_sampling_mask`).
     """
     v = _view(sample)
     s, e = v.response_start, v.response_end(keep_tail=False)
+    names = ("rollout_sampling_mask_ids", "rollout_sampling_mask_offsets")
+    sup = sample.get("sampling_support") if isinstance(sample, Mapping) else getattr(sample, "sampling_support", None)
+    support = {} if sup is None else dict(zip(names, miles_sampling_mask(sup, v.token_ids, s, e), strict=True))
     return {
         "tokens": v.token_ids[:e].astype(MILES_WIRE_DTYPES["tokens"]),
         "response": "",
@@ -405,6 +410,7 @@ def to_miles(sample: Any) -> dict[str, Any]:
         "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": 0},
         "metadata": {**v.metadata, "tree_path": v.path},
         "reward": v.reward,
+        **support,
     }
 
 

@@ -49,6 +49,7 @@ from trajectory.line_checks import (
     check_line,
 )
 from trajectory.routed import RoutedRows, coverage_end
+from trajectory.support import SupportCSR
 from trajectory.turn_record import Message, TurnRecord, WeightVersion
 
 # public since `trajectory.linear` held it: `from trajectory.linear import WeightSpan` keeps working
@@ -247,6 +248,7 @@ class LinearTrajectory:
         cached_tokens: int = 0,
         extra: Mapping[str, Any] | None = None,
         routed_experts: np.ndarray | None = None,
+        sampling_support: SupportCSR | None = None,
     ) -> TurnRecord:
         """Append one turn atomically and add the checkpoint after it.
 
@@ -291,6 +293,8 @@ class LinearTrajectory:
         else:
             spans = ()
         routed = self._checked_routed(routed_experts, output_end)
+        if sampling_support is not None and len(sampling_support) != n_sampled:
+            raise InvariantError(f"sampling support has {len(sampling_support)} rows for {n_sampled} sampled ids")
         request = tuple(request_messages)
         turn = TurnRecord(
             index=len(self._turns),
@@ -308,6 +312,7 @@ class LinearTrajectory:
             extra=dict(extra) if extra else {},
             seq=len(self._turns) if self._clock is None else self._clock(),
             routed_experts=routed,
+            sampling_support=sampling_support,
         )
 
         ids = np.concatenate((prompt, sampled, repair))

@@ -27,6 +27,13 @@ samples are concatenated in sample order into one tensor ``routed_experts``
 their metadata objects get ``"routed_experts": true``. All samples of one batch
 share ``layers`` and ``topk``.
 
+**Sampling support** (`Sample.sampling_support`, CSR over every token, see
+`trajectory.support`) likewise: in JSON ``"sampling_support": {"ids", "offsets"}``
+(int lists); in npz and safetensors the samples' ``ids`` concatenated into
+``sampling_support_ids`` int32 and their offsets (``len + 1`` each, from 0) into
+``sampling_support_offsets`` int32, their metadata objects getting
+``"sampling_support": true``.
+
 A batch can also be written part by part (`trajectory.sample_batch.BATCH_WRITERS`:
 `JsonBatchWriter`, `NpzBatchWriter`, `SafetensorsBatchWriter`), so a server streams
 many sessions' samples without holding them: the same payload as the one-shot
@@ -57,6 +64,7 @@ from trajectory.errors import ExportError
 from trajectory.routed import from_json as routed_from_json
 from trajectory.routed import to_json as routed_to_json
 from trajectory.samples import STATUSES, Sample
+from trajectory.support import SupportCSR
 
 FORMAT = "tito-samples"
 FORMAT_VERSION = 1
@@ -70,6 +78,7 @@ OFFSETS_DTYPE = np.dtype(np.int64)
 _META_KEYS = ("turn_boundaries", "status", "reason", "reward", "metadata", "diagnostics", "path",
               "version_table")
 ROUTED = "routed_experts"
+SUPPORT, SUPPORT_IDS, SUPPORT_OFFSETS = "sampling_support", "sampling_support_ids", "sampling_support_offsets"
 _ROUTED_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16)}
 _I16_MAX = int(np.iinfo(np.int16).max)
 
@@ -91,7 +100,8 @@ def _meta(s: Sample) -> dict[str, Any]:
         "diagnostics": s.diagnostics,
         "path": s.path,
         "version_table": s.version_table,
-    } | ({ROUTED: True} if s.routed_experts is not None else {})
+    } | ({ROUTED: True} if s.routed_experts is not None else {}) | (
+        {SUPPORT: True} if s.sampling_support is not None else {})
 
 
 def _routed_wire(rows: np.ndarray, where: str = "sample") -> np.ndarray:
@@ -125,6 +135,8 @@ def _json_object(s: Sample) -> dict[str, Any]:
         rows = _routed_batch([s])
         assert rows is not None
         d[ROUTED] = routed_to_json(rows)
+    if s.sampling_support is not None:
+        d[SUPPORT] = {"ids": s.sampling_support.ids.tolist(), "offsets": s.sampling_support.offsets.tolist()}
     return d
 
 
@@ -145,6 +157,10 @@ def _concatenated(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     routed = _routed_batch(samples)
     if routed is not None:
         arrays[ROUTED] = routed
+    sup = [s.sampling_support for s in samples if s.sampling_support is not None]
+    if sup:
+        arrays[SUPPORT_IDS] = np.concatenate([c.ids for c in sup]).astype(np.int32, copy=False)
+        arrays[SUPPORT_OFFSETS] = np.concatenate([c.offsets for c in sup]).astype(np.int32, copy=False)
     return arrays
 
 
@@ -201,6 +217,9 @@ def _check_arrays(s: Sample, where: str) -> None:
         raise ExportError(f"{where} loss_mask is not 0/1")
     if not np.isfinite(s.logprobs).all() or ((s.loss_mask == 0) & (s.logprobs != 0.0)).any():
         raise ExportError(f"{where} logprobs are not finite, or not 0.0 where the mask is 0")
+    sup = s.sampling_support
+    if sup is not None and len(sup) != n:
+        raise ExportError(f"{where} sampling_support has {len(sup)} rows for {n} tokens")
     r = s.routed_experts
     if r is not None and (r.ndim != 3 or r.shape[0] != n - 1 or r.dtype.name not in _ROUTED_DTYPES):
         raise ExportError(f"{where} routed_experts must be uint8/int16 [{n - 1}, layers, topk]")
@@ -236,8 +255,8 @@ def _check_meta(s: Sample, where: str) -> None:
 
 
 def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
-    if isinstance(meta, dict) and ROUTED in meta:
-        meta = {k: v for k, v in meta.items() if k != ROUTED}
+    if isinstance(meta, dict) and (ROUTED in meta or SUPPORT in meta):
+        meta = {k: v for k, v in meta.items() if k not in (ROUTED, SUPPORT)}
     if not isinstance(meta, dict) or set(meta) != set(_META_KEYS):
         raise ExportError(f"{where} has fields {sorted(meta) if isinstance(meta, dict) else meta!r}")
     try:
@@ -260,10 +279,20 @@ def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
         diagnostics=meta["diagnostics"],
         path=path,
         routed_experts=arrays.get(ROUTED),
+        sampling_support=_support_csr(arrays.get(SUPPORT_IDS), arrays.get(SUPPORT_OFFSETS), where),
     )
     _check_arrays(s, where)
     _check_meta(s, where)
     return s
+
+
+def _support_csr(ids: Any, offsets: Any, where: str) -> SupportCSR | None:
+    if ids is None and offsets is None:
+        return None
+    try:
+        return SupportCSR(np.asarray(ids), np.asarray(offsets))
+    except Exception as exc:  # InvariantError, or a non-array: the payload is malformed
+        raise ExportError(f"{where} sampling_support: {exc}") from exc
 
 
 def _check_header(head: Mapping[str, Any]) -> None:
@@ -292,6 +321,7 @@ def _split(arrays: Mapping[str, np.ndarray], metas: Any) -> list[Sample]:
             raise ExportError(f"{name} must be {dtype} [{total}]")
     bounds = offsets.tolist()
     routed, pos = arrays.get(ROUTED), 0
+    sup_ids, sup_off, spos, sid = arrays.get(SUPPORT_IDS), arrays.get(SUPPORT_OFFSETS), 0, 0
     out = []
     for i, (a, b, m) in enumerate(zip(bounds[:-1], bounds[1:], metas, strict=True)):
         part = {k: v[a:b] for k, v in flat.items()}
@@ -301,10 +331,27 @@ def _split(arrays: Mapping[str, np.ndarray], metas: Any) -> list[Sample]:
                 raise ExportError(f"sample {i}: routed_experts rows missing from the batch")
             part[ROUTED] = routed[pos : pos + n]
             pos += n
+        if isinstance(m, dict) and m.get(SUPPORT) is True:
+            if sup_ids is None or sup_off is None or sup_off.ndim != 1 or spos + b - a + 1 > sup_off.shape[0]:
+                raise ExportError(f"sample {i}: sampling_support missing from the batch")
+            off = sup_off[spos : spos + b - a + 1]
+            part[SUPPORT_OFFSETS], part[SUPPORT_IDS] = off, sup_ids[sid : sid + int(off[-1])]
+            spos, sid = spos + b - a + 1, sid + int(off[-1])
         out.append(_sample(part, m, f"sample {i}"))
     if routed is not None and pos != routed.shape[0]:
         raise ExportError(f"{routed.shape[0] - pos} routed_experts rows belong to no sample")
+    if sup_off is not None and (spos != sup_off.shape[0] or sup_ids is None or sid != sup_ids.shape[0]):
+        raise ExportError("sampling_support entries belong to no sample")
     return out
+
+
+def _int32s(values: list[Any], where: str) -> np.ndarray:
+    if not all(type(v) is int for v in values):
+        raise ExportError(f"{where} must be ints")
+    arr = np.array(values, dtype=np.int64)
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ExportError(f"{where} do not fit int32")
+    return arr.astype(np.int32)
 
 
 def load_samples_json(data: bytes | str | Mapping[str, Any]) -> list[Sample]:
@@ -341,7 +388,14 @@ def load_samples_json(data: bytes | str | Mapping[str, Any]) -> list[Sample]:
             arrays[name] = arr
         if d.get(ROUTED) is not None:
             arrays[ROUTED] = routed_from_json(d[ROUTED], where, max(0, len(arrays["token_ids"]) - 1))
-        out.append(_sample(arrays, {k: v for k, v in d.items() if k not in arrays and k != ROUTED}, where))
+        sup = d.get(SUPPORT)
+        if sup is not None:
+            if not isinstance(sup, dict) or not all(isinstance(sup.get(k), list) for k in ("ids", "offsets")):
+                raise ExportError(f"{where} sampling_support must be {{'ids': [...], 'offsets': [...]}}")
+            arrays[SUPPORT_IDS] = _int32s(sup["ids"], f"{where} sampling_support ids")
+            arrays[SUPPORT_OFFSETS] = _int32s(sup["offsets"], f"{where} sampling_support offsets")
+        skip = (ROUTED, SUPPORT)
+        out.append(_sample(arrays, {k: v for k, v in d.items() if k not in arrays and k not in skip}, where))
     return out
 
 

@@ -71,6 +71,7 @@ from trajectory.errors import SampleError
 from trajectory.export import from_dict
 from trajectory.messages import normalize_message
 from trajectory.routed import line_rows
+from trajectory.support import SupportCSR, line_support
 from trajectory.tree import Branch, TrajectoryTree
 from trajectory.turn_record import TurnRecord, WeightVersion
 
@@ -110,6 +111,9 @@ class Sample:
     # routing replay: (len - 1, layers, topk) expert ids of positions [0, len - 1)
     # (`trajectory.routed.line_rows`); None when the session did not record them
     routed_experts: np.ndarray | None = None
+    # sampling support (`trajectory.support`): CSR over every token, a sampled token's row
+    # the ids its sampler could draw, the others empty; None when the session did not ask
+    sampling_support: SupportCSR | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -358,6 +362,7 @@ def _sample(
         diagnostics=[turn_diagnostics(t, owners[t.index]) for t in kept],
         path=lines.path(branch.id),
         routed_experts=line_rows(kept, end),
+        sampling_support=line_support(kept, end),
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trajectory.routed import RoutedRows
+from trajectory.support import SupportCSR
 
 Message = Mapping[str, Any]
 WeightVersion = str | int | float | None
@@ -52,6 +53,8 @@ class TurnRecord:
     seq: int = -1
     # routing replay (trajectory.routed): rows for positions [start, output_end - 1)
     routed_experts: RoutedRows | None = field(default=None, compare=False, repr=False)
+    # sampling support (trajectory.support): one row per sampled id, when the session asked
+    sampling_support: SupportCSR | None = field(default=None, compare=False, repr=False)
 
     @property
     def weight_version(self) -> WeightVersion:
