@@ -89,6 +89,7 @@ class SessionConfig:
     history_policy: HistoryPolicy = HistoryPolicy.APPEND
     routing_replay: bool = False  # ask the engine for routed experts and store them (R3)
     max_weight_lag: int | None = None  # weight versions a turn may span; None: unbounded
+    sampling_support: int | None = None  # k: capture each token's sampling support (turn/support_rules.py)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
 )
@@ -62,6 +63,8 @@ class SessionCreate(BaseModel):
     # record the engine's routed experts (R3) with the tokens; None: the server default
     routing_replay: bool | None = Field(default=None, strict=True)
     max_weight_lag: WeightLag | None = None  # every turn's default
+    # capture each sampled token's support (true: k = 20, or k itself); turn/support_rules.py
+    sampling_support: StrictBool | Annotated[int, Field(strict=True, ge=1)] | None = None
 
 
 class RewardRequest(BaseModel):

@@ -25,6 +25,7 @@ from ..sessions import Session
 from ..structured import Constraint
 from .chat_request import ChatRequest, SessionSampling
 from .prepare import Prepared
+from .support_rules import check_turn
 
 __all__ = ["EngineCall", "engine_request"]
 
@@ -37,6 +38,8 @@ class EngineCall:
     expect: Expectations
     # routing replay: (layers, topk) of the branch's earlier rows, which this turn's must match
     routed_shape: tuple[int, int] | None = None
+    # sampling support asked: the session's pinned sampling its supports are read with
+    support_sampling: dict[str, Any] | None = None
 
 
 def engine_request(
@@ -48,12 +51,17 @@ def engine_request(
     input_ids = np.concatenate([prep.context_ids, np.asarray(prompt_ids, dtype=np.int32)])
     routed_start, routed_shape = _replay_start(session, prep) if session.config.routing_replay else (0, None)
     budget = _budget(ctx, session, req, len(input_ids))
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
+    k = session.config.sampling_support
+    if k is not None:  # the support is read out of k top logprobs; the client still sees its own
+        check_turn(session.config.sampling, req)
+        top_logprobs = max(top_logprobs, k)
     greq = GenerateRequest(
         request_id=request_id or new_request_id(),
         input_ids=input_ids,
         max_tokens=budget,
         sampling=_sampling(ctx, session, req, prep.constraint),
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        top_logprobs=top_logprobs,
         lora=session.config.lora,
         timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
         return_routed_experts=session.config.routing_replay,
@@ -70,7 +78,8 @@ def engine_request(
         clamp_sentinel=ctx.settings.clamp_logprob_sentinel,
         top_logprobs=greq.top_logprobs,
     )
-    return EngineCall(greq=greq, expect=expect, routed_shape=routed_shape)
+    return EngineCall(greq=greq, expect=expect, routed_shape=routed_shape,
+                      support_sampling=session.config.sampling if k is not None else None)
 
 
 def _replay_start(session: Session, prep: Prepared) -> tuple[int, tuple[int, int] | None]:

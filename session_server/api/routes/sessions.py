@@ -20,6 +20,7 @@ from ...errors import BadRequest, JournalUnavailable
 from ...journal import durable
 from ...journal_records import CREATE, create_body
 from ...sessions import Session, SessionConfig
+from ...turn.support_rules import resolve_k
 from .. import samples as samples_api
 from ..edge import route_doc
 from ..models import SessionCreate, parse_json_model
@@ -120,6 +121,7 @@ async def create_session(request: Request) -> Response:
         history_policy=HistoryPolicy(spec.history_policy),
         routing_replay=ctx.settings.routing_replay if spec.routing_replay is None else spec.routing_replay,
         max_weight_lag=spec.max_weight_lag,
+        sampling_support=resolve_k(spec.sampling_support, spec.sampling.model_dump(exclude_none=True)),
     )
     if cfg.routing_replay:
         _require_routed_shape(ctx)

@@ -26,6 +26,7 @@ import pytest
 
 from session_server.ops.cluster import free_ports
 from session_server.sim import running_sim
+from trajectory.sample_formats import load_samples_json
 
 SESSIONS = 200
 TURNS = 5
@@ -414,3 +415,33 @@ async def test_ttl_deadlines_carry_over_a_restart(tokenizer_dirs: dict[str, Path
             await asyncio.sleep(max(0.0, read_at + ttl + 1.5 - loop.time()))
             r = await http.get(f"/sessions/{sid}")
             assert r.status_code == 410 and "expired" in r.json()["error"]["message"], r.text
+
+
+async def test_sampling_support_and_its_pinned_sampling_survive_a_restart(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The supports of a committed turn come back byte for byte in its samples; the
+    session still asks for them and still refuses a turn that changes its top_p."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "fix it"}], "max_tokens": 24}
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            sid = (await http.post("/sessions", json={"sampling_support": 8,
+                                                      "sampling": {"top_k": 4, "temperature": 1.0}})).json()["session_id"]
+            first = await http.post(f"/sessions/{sid}/v1/chat/completions", json=chat)
+            assert first.status_code == 200, first.text
+            before = (await http.get(f"/sessions/{sid}/samples", params={"format": "json"})).content
+            server.kill()
+            await server.start()
+            after = (await http.get(f"/sessions/{sid}/samples", params={"format": "json"})).content
+            refused = await http.post(f"/sessions/{sid}/v1/chat/completions", json={**chat, "top_p": 0.5})
+            more = {**chat, "messages": [*chat["messages"], first.json()["choices"][0]["message"],
+                                         {"role": "user", "content": "again"}]}
+            assert (await http.post(f"/sessions/{sid}/v1/chat/completions", json=more)).status_code == 200
+            (s,) = load_samples_json((await http.get(f"/sessions/{sid}/samples", params={"format": "json"})).content)
+    assert after == before and b'"sampling_support"' in before
+    assert refused.status_code == 400 and "top_p" in refused.text
+    assert s.sampling_support is not None
+    sampled = [i for i in range(len(s)) if s.loss_mask[i]]
+    assert sampled and all(int(s.token_ids[i]) in s.sampling_support.row(i).tolist() for i in sampled)
