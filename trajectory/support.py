@@ -22,7 +22,8 @@ logprobs each engine returns, by one of two rules (the adapter declares which):
   ``p >= min_p * p_max``. Exact because the probs are normalised over the vocabulary.
 
 Either way the sampled token must lie in its support and the support must hold at most
-``top_k`` ids: anything else is bad engine output (`ValidationError`).
+``top_k`` ids (more only where they tie with the top_k-th, as vLLM keeps ties) and fewer
+than the top logprobs asked: anything else is bad engine output (`ValidationError`).
 """
 
 from __future__ import annotations
@@ -108,45 +109,62 @@ class SupportSampling:
     min_p: float = 0.0
 
 
-def _row(pairs: Any, rule: SupportRule, s: SupportSampling) -> list[int]:
+def _row(pairs: Any, rule: SupportRule, s: SupportSampling) -> list[tuple[int, float]]:
+    """The support of one token, (id, logprob) most likely first."""
     ordered = sorted(((int(t[0]), float(t[1])) for t in pairs), key=lambda t: -t[1])
     seen: set[int] = set()
     uniq = [(i, lp) for i, lp in ordered if not (i in seen or seen.add(i))]  # type: ignore[func-returns-value]
     if rule == "processed":
-        return [i for i, lp in uniq if lp > PROCESSED_FLOOR and math.isfinite(lp)]
-    probs = [math.exp(lp) for _, lp in uniq[: s.top_k]]
-    out: list[int] = []
+        return [(i, lp) for i, lp in uniq if lp > PROCESSED_FLOOR and math.isfinite(lp)]
+    out: list[tuple[int, float]] = []
     csum = 0.0
-    p_max = probs[0] if probs else 0.0
-    for (i, _), p in zip(uniq, probs, strict=False):
+    p_max = math.exp(uniq[0][1]) if uniq else 0.0
+    for i, lp in uniq[: s.top_k]:
+        p = math.exp(lp)
         csum += p
         if s.top_p < 1.0 and csum - p > s.top_p:  # top_p 1.0: no top-p (both engines skip it)
             break
         if p < s.min_p * p_max:
             break
-        out.append(i)
+        out.append((i, lp))
     return out
+
+
+def _check_size(row: list[tuple[int, float]], top_k: int, asked: int, n: int) -> None:
+    """At most top_k ids, but for ties: vLLM's top-k keeps every logit equal to the
+    k-th (`apply_top_k_only`: ``logits < kth`` masked), and bf16 logits tie often, so
+    ids past top_k must tie with the top_k-th; else the logprobs were not processed
+    (vLLM's default raw mode). A support that fills all `asked` top logprobs past
+    top_k may go on beyond them: it cannot be captured whole."""
+    if len(row) <= top_k:
+        return
+    if any(lp != row[top_k - 1][1] for _, lp in row[top_k:]):
+        raise ValidationError(
+            "sampling_support", f"support of {len(row)} ids is larger than top_k={top_k}"
+            " (is vLLM started with --logprobs-mode processed_logprobs?)", n)
+    if len(row) >= asked:
+        raise ValidationError(
+            "sampling_support", f"{len(row)} ids tie at top_k={top_k}, filling the {asked} top logprobs asked:"
+            " the support may go on past them (ask a larger k)", n)
 
 
 def support_from_tops(
     tops: Sequence[Any], sampled: Sequence[int] | np.ndarray, *, rule: SupportRule, sampling: SupportSampling,
+    asked: int = MAX_SUPPORT_K,
 ) -> SupportCSR:
-    """Each sampled token's support from its top-k (id, logprob) pairs by `rule`;
+    """Each sampled token's support from its top `asked` (id, logprob) pairs by `rule`;
     `ValidationError` (bad engine output) when tops are missing, a sampled token lies
-    outside its support, or a support holds more than `top_k` ids."""
+    outside its support, or a support holds more than `top_k` ids (`_check_size`)."""
     ids = np.asarray(sampled, dtype=np.int64)
     if len(tops) != ids.shape[0]:
         raise ValidationError("sampling_support", f"{len(tops)} top-logprob lists for {ids.shape[0]} tokens")
     rows = []
     for n, (pairs, tok) in enumerate(zip(tops, ids.tolist(), strict=True)):
         row = _row(pairs or (), rule, sampling)
-        if tok not in row:
+        if tok not in (i for i, _ in row):
             raise ValidationError("sampling_support", f"sampled id {tok} is outside its support {row[:8]}", n)
-        if len(row) > sampling.top_k:
-            raise ValidationError(
-                "sampling_support", f"support of {len(row)} ids is larger than top_k={sampling.top_k}"
-                " (is vLLM started with --logprobs-mode processed_logprobs?)", n)
-        rows.append(row)
+        _check_size(row, sampling.top_k, asked, n)
+        rows.append([i for i, _ in row])
     return SupportCSR.from_lists(rows)
 
 

@@ -114,7 +114,7 @@ def _checked(
     support = None
     if call is not None and call.support_sampling is not None:  # aligned with the ids: tops join as they do
         support = support_of(result.top_logprobs, valid.ids, getattr(result, "support_rule", None),
-                             call.support_sampling)
+                             call.support_sampling, call.greq.top_logprobs)
     parsed, message = _shaped(parsed, req, ctx.codec, valid)
     finish = valid.finish_reason
     if finish == "stop" and parsed.tool_calls:

@@ -68,7 +68,7 @@ def check_turn(sampling: dict[str, Any], req: ChatRequest) -> None:
                              f"({name}={sampling.get(name)!r}); the turn asked {value!r}")
 
 
-def support_of(tops: Any, ids: Any, rule: SupportRule | None, sampling: dict[str, Any]) -> SupportCSR:
+def support_of(tops: Any, ids: Any, rule: SupportRule | None, sampling: dict[str, Any], asked: int) -> SupportCSR:
     """The turn's supports, one row per sampled id; bad engine output is a 502."""
     if rule is None:
         raise UpstreamInvalid("sampling_support: the engine that generated this turn cannot report it")
@@ -80,6 +80,6 @@ def support_of(tops: Any, ids: Any, rule: SupportRule | None, sampling: dict[str
         min_p=float(sampling.get("min_p") or 0.0),
     )
     try:
-        return support_from_tops(tops, ids, rule=rule, sampling=pinned)
+        return support_from_tops(tops, ids, rule=rule, sampling=pinned, asked=asked)
     except ValidationError as exc:
         raise UpstreamInvalid(f"engine output rejected: {exc}") from exc

@@ -124,3 +124,13 @@ def test_a_support_without_the_sampled_token_or_over_top_k_is_bad_engine_output(
 ) -> None:
     with pytest.raises(ValidationError, match=what):
         support_from_tops(tops, sampled, rule="processed", sampling=SupportSampling(top_k=2))
+
+
+def test_ids_tied_with_the_top_k_th_stay_in_the_support_as_vllm_keeps_them() -> None:
+    """vLLM's top-k masks only logits below the k-th: bf16 ties at the k-th all stay."""
+    tops = [[(5, -0.5), (9, -1.5), (4, -1.5), (3, -9999.0)]]
+    got = support_from_tops(tops, [4], rule="processed", sampling=SupportSampling(top_k=2), asked=4)
+    assert got.to_lists() == [[5, 9, 4]]
+    with pytest.raises(ValidationError, match="ask a larger k"):  # the ties fill every logprob asked
+        support_from_tops([[(5, -0.5), (9, -1.5), (4, -1.5)]], [4], rule="processed",
+                          sampling=SupportSampling(top_k=2), asked=3)
