@@ -2,8 +2,9 @@
 
 A record is the change itself, not the state after it, so each costs O(what changed):
 a turn's record holds its new prompt ids, sampled ids, logprobs (their float32 bits),
-repair ids, messages, record fields, routed experts and lineage (which agent and
-thread asked for it), and the branch operation that
+repair ids, messages, record fields, routed experts, lineage (which agent and
+thread asked for it) and sampling support (CSR int32 bytes, when the session asked),
+and the branch operation that
 placed it (append, rollback, fork); replaying it calls the same tree operations the
 commit called (`TrajectoryTree.branch_from`, `LinearTrajectory.commit_turn`, with the
 checks they make), with the turn's sequence number, so a recovered tree is the tree
@@ -35,6 +36,7 @@ import numpy as np
 from trajectory.buffer import IDS_DTYPE, LOGPROBS_DTYPE
 from trajectory.codec.base import HistoryPolicy
 from trajectory.lineage import Lineage, lineage_from_dict
+from trajectory.support import SupportCSR
 from trajectory.tree import ROLLBACK_REASON
 
 from .sessions import MAX_DIAGNOSTICS, Session, SessionConfig
@@ -84,7 +86,8 @@ def create_body(s: Session) -> bytes:
         "config": {"ttl_s": c.ttl_s, "metadata": c.metadata, "max_context_tokens": c.max_context_tokens,
                    "sampling": c.sampling, "lora": c.lora, "chat_template_kwargs": c.chat_template_kwargs,
                    "history_policy": c.history_policy.value, "routing_replay": c.routing_replay,
-                   "max_weight_lag": c.max_weight_lag, "sampling_policy": c.sampling_policy, "seed": c.seed},
+                   "max_weight_lag": c.max_weight_lag, "sampling_policy": c.sampling_policy, "seed": c.seed,
+                   "sampling_support": c.sampling_support},
     })
 
 
@@ -94,7 +97,8 @@ def turn_body(*, op: str, branch_id: int, checkpoint: int, reason: str | None, s
               assistant_message: Any, engine: str | None, cached: int, extra: Mapping[str, Any],
               routed: np.ndarray | None, answered: int | None, control: Sequence[float] | None,
               notes: Sequence[Mapping[str, Any]], recorded: Sequence[Any] | None = None,
-              matched_stop: Any = None, lineage: Lineage | None = None) -> bytes:
+              matched_stop: Any = None, lineage: Lineage | None = None,
+              support: SupportCSR | None = None) -> bytes:
     """One committed turn (see the module doc); `op` is prepare's kind."""
     routed_part = None if routed is None else {
         "shape": list(routed.shape), "dtype": routed.dtype.str, "data": np.ascontiguousarray(routed).tobytes()}
@@ -107,6 +111,7 @@ def turn_body(*, op: str, branch_id: int, checkpoint: int, reason: str | None, s
         "routed": routed_part, "answered": answered, "control": control, "notes": list(notes),
         "recorded": None if recorded is None else list(recorded), "stop": matched_stop, "wall": time.time(),
         "lineage": None if lineage is None else lineage.to_dict(),
+        "support": None if support is None else {"ids": support.ids.tobytes(), "offsets": support.offsets.tobytes()},
     })
 
 
@@ -159,7 +164,8 @@ def _apply_turn(s: Session, t: Mapping[str, Any]) -> None:
         weight_spans=t["spans"] or None, weight_version=None if t["spans"] else t["version"],
         repair_ids=np.frombuffer(t["repair"], dtype=IDS_DTYPE), request_messages=t["req"],
         assistant_message=t["msg"], engine=t["engine"], cached_tokens=t["cached"], extra=t["extra"],
-        routed_experts=rows, lineage=lineage_from_dict(t.get("lineage")))  # absent: recorded before lineage
+        routed_experts=rows, lineage=lineage_from_dict(t.get("lineage")),  # absent: recorded before lineage
+        sampling_support=_support(t.get("support")))
     if t["answered"] is not None:
         s.answered_seqs.add(t["answered"])
     if t["control"] is not None:
@@ -170,6 +176,13 @@ def _apply_turn(s: Session, t: Mapping[str, Any]) -> None:
         if len(s.diagnostics) == MAX_DIAGNOSTICS:  # as Session.note counts what the bound pushes out
             s.diagnostics_dropped += 1
         s.diagnostics.append(note)
+
+
+def _support(raw: Mapping[str, bytes] | None) -> SupportCSR | None:
+    """A turn's sampling support as journaled (CSR int32 bytes); None before it was asked."""
+    if raw is None:
+        return None
+    return SupportCSR(np.frombuffer(raw["ids"], dtype=np.int32).copy(), np.frombuffer(raw["offsets"], dtype=np.int32).copy())
 
 
 def control_delta(before: Any, after: Any) -> list[float] | None:

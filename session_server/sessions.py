@@ -99,6 +99,7 @@ class SessionConfig:
     # request's over the session's defaults); resolved at creation against the server's
     sampling_policy: str = "client"
     seed: int | None = None  # each engine request's seed derives from it (engines/base.py: derive_seed)
+    sampling_support: int | None = None  # k: capture each token's sampling support (turn/support_rules.py)
 
 
 @dataclass

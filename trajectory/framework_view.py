@@ -52,6 +52,7 @@ class SampleView:
     turn_rewards: tuple[float | None, ...] = ()  # one per turn, None where none
     turn_lineage: tuple[dict[str, Any] | None, ...] = ()  # one per turn: who asked (`trajectory.lineage`)
     turn_sampling: list[Any] | None = None  # per turn: its recorded `sampling` (None: not recorded)
+    sampling_support: Any = None  # `trajectory.support.SupportCSR` per token, when the session captured it
 
     def rewarded(self) -> bool:
         """Whether any turn has a reward of its own."""
@@ -151,6 +152,8 @@ def sample_view(sample: Any) -> SampleView:
         turn_rewards=_sample_turn_rewards(sample, len(turns)),
         turn_lineage=_sample_turn_lineage(sample, len(turns)),
         turn_sampling=_turn_sampling(sample, len(turns)),
+        sampling_support=(sample.get("sampling_support") if isinstance(sample, Mapping)
+                          else getattr(sample, "sampling_support", None)),
     )
 
 

@@ -57,6 +57,7 @@ import numpy as np
 
 from trajectory.errors import ExportError
 from trajectory.framework_view import sample_view, turn_sampling_field
+from trajectory.support import miles_sampling_mask
 
 # --- verl ---------------------------------------------------------------------------
 VERL_AGENT_LOOP_OUTPUT_FIELDS = (
@@ -291,10 +292,14 @@ def to_miles(sample: Any) -> dict[str, Any]:
     the session did not record them), `rollout_indexer_topk` is None,
     `prefix_cache_info` is zeros, and the tree path and the per-turn rewards (miles has no
     per-turn field) are added to `metadata` as `tree_path` and `turn_rewards`, and each
-    turn's lineage (which agent asked for it) as `turn_lineage`.
+    turn's lineage (which agent asked for it) as `turn_lineage`. With sampling
+    support: `rollout_sampling_mask_ids` / `_offsets` (`trajectory.support.miles_sampling_mask`).
     """
     v = sample_view(sample)
     s, e = v.response_start, v.response_end(keep_tail=False)
+    names = ("rollout_sampling_mask_ids", "rollout_sampling_mask_offsets")
+    sup = v.sampling_support
+    support = {} if sup is None else dict(zip(names, miles_sampling_mask(sup, v.token_ids, s, e), strict=True))
     return {
         "tokens": v.token_ids[:e].astype(MILES_WIRE_DTYPES["tokens"]),
         "response": "",
@@ -312,6 +317,7 @@ def to_miles(sample: Any) -> dict[str, Any]:
                      "turn_lineage": list(v.turn_lineage),
                      **turn_sampling_field(v)},
         "reward": v.reward,
+        **support,
     }
 
 

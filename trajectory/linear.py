@@ -50,6 +50,7 @@ from trajectory.line_checks import (
 )
 from trajectory.lineage import Lineage
 from trajectory.routed import RoutedRows, coverage_end
+from trajectory.support import SupportCSR
 from trajectory.turn_record import Message, TurnRecord, WeightVersion
 
 # public since `trajectory.linear` held it: `from trajectory.linear import WeightSpan` keeps working
@@ -249,6 +250,7 @@ class LinearTrajectory:
         extra: Mapping[str, Any] | None = None,
         routed_experts: np.ndarray | None = None,
         lineage: Lineage | None = None,
+        sampling_support: SupportCSR | None = None,
     ) -> TurnRecord:
         """Append one turn atomically and add the checkpoint after it.
 
@@ -293,6 +295,8 @@ class LinearTrajectory:
         else:
             spans = ()
         routed = self._checked_routed(routed_experts, output_end)
+        if sampling_support is not None and len(sampling_support) != n_sampled:
+            raise InvariantError(f"sampling support has {len(sampling_support)} rows for {n_sampled} sampled ids")
         request = tuple(request_messages)
         turn = TurnRecord(
             index=len(self._turns),
@@ -311,6 +315,7 @@ class LinearTrajectory:
             seq=len(self._turns) if self._clock is None else self._clock(),
             routed_experts=routed,
             lineage=lineage,
+            sampling_support=sampling_support,
         )
 
         ids = np.concatenate((prompt, sampled, repair))

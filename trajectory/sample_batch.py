@@ -35,6 +35,8 @@ from trajectory.sample_formats import (
     MEDIA_TYPES,
     OFFSETS_DTYPE,
     ROUTED,
+    SUPPORT_IDS,
+    SUPPORT_OFFSETS,
     _dumps,
     _json_object,
     _meta,
@@ -101,6 +103,10 @@ class _Spool:
         self.routed_rows = 0
         self.routed_shape: tuple[int, ...] | None = None
         self.routed_max = 0
+        # sampling support: each sample's CSR ids and offsets, int32
+        self.support = {SUPPORT_IDS: tempfile.SpooledTemporaryFile(max_size=spool_bytes),
+                        SUPPORT_OFFSETS: tempfile.SpooledTemporaryFile(max_size=spool_bytes)}
+        self.support_sizes = {SUPPORT_IDS: 0, SUPPORT_OFFSETS: 0}
 
     def add(self, samples: Sequence[Sample]) -> None:
         for s in samples:
@@ -114,6 +120,10 @@ class _Spool:
                 self.routed.write(np.ascontiguousarray(rows, dtype=np.int16).data)
                 self.routed_rows += int(rows.shape[0])
                 self.routed_max = max(self.routed_max, int(rows.max()) if rows.size else 0)
+            if s.sampling_support is not None:
+                for name, arr in ((SUPPORT_IDS, s.sampling_support.ids), (SUPPORT_OFFSETS, s.sampling_support.offsets)):
+                    self.support[name].write(np.ascontiguousarray(arr, dtype=np.int32).data)
+                    self.support_sizes[name] += int(arr.shape[0])
             self.metas.append(_dumps(_meta(s)))
             self.lengths.append(len(s))
 
@@ -140,8 +150,11 @@ class _Spool:
         """The samples' metadata as one JSON list (what `_meta` of each, dumped together, is)."""
         return b"[" + b",".join(self.metas) + b"]"
 
+    def has_support(self) -> bool:
+        return self.support_sizes[SUPPORT_OFFSETS] > 0
+
     def read(self, name: str) -> Iterator[bytes]:
-        f = self.files[name]
+        f = self.support[name] if name in self.support else self.files[name]
         f.seek(0)
         while data := f.read(READ_BYTES):
             yield data
@@ -150,6 +163,8 @@ class _Spool:
         for f in self.files.values():
             f.close()
         self.routed.close()
+        for f in self.support.values():
+            f.close()
 
 
 class _SpooledWriter:
@@ -177,11 +192,16 @@ _SAFETENSORS_DTYPES = {"int64": "I64", "float32": "F32", "int32": "I32", "int16"
 _SAFETENSORS_RANK = {"I64": 5, "F32": 4, "I32": 3, "I16": 2, "U8": 1}  # the library's dtype order
 
 
-def _safetensors_order(routed: np.dtype | None) -> list[str]:
-    """`_SAFETENSORS_ORDER` with `routed_experts` where the library puts it (dtype, then name)."""
-    if routed is None:
+def _safetensors_order(routed: np.dtype | None, support: bool = False) -> list[str]:
+    """`_SAFETENSORS_ORDER` with `routed_experts` and the sampling support tensors where
+    the library puts them (dtype, then name)."""
+    if routed is None and not support:
         return list(_SAFETENSORS_ORDER)
-    dtypes = {**{n: d.name for n, d in ARRAYS}, "offsets": "int64", ROUTED: routed.name}
+    dtypes = {**{n: d.name for n, d in ARRAYS}, "offsets": "int64"}
+    if routed is not None:
+        dtypes[ROUTED] = routed.name
+    if support:
+        dtypes |= {SUPPORT_IDS: "int32", SUPPORT_OFFSETS: "int32"}
     return sorted(dtypes, key=lambda n: (-_SAFETENSORS_RANK[_SAFETENSORS_DTYPES[dtypes[n]]], n))
 
 
@@ -199,12 +219,16 @@ class SafetensorsBatchWriter(_SpooledWriter):
         routed = spool.routed_shape is not None
         if routed:
             dtypes[ROUTED] = spool.routed_dtype()
-        order = _safetensors_order(dtypes[ROUTED] if routed else None)
+        if spool.has_support():
+            dtypes |= {SUPPORT_IDS: np.dtype(np.int32), SUPPORT_OFFSETS: np.dtype(np.int32)}
+        order = _safetensors_order(dtypes[ROUTED] if routed else None, spool.has_support())
         start = 0
         for name in order:
             shape = [len(offsets) if name == "offsets" else spool.total]
             if name == ROUTED:
                 shape = [spool.routed_rows, *(spool.routed_shape or ())]
+            elif name in spool.support:
+                shape = [spool.support_sizes[name]]
             size = int(np.prod(shape)) * dtypes[name].itemsize
             header[name] = {"dtype": _SAFETENSORS_DTYPES[dtypes[name].name], "shape": shape,
                             "data_offsets": [start, start + size]}
@@ -259,6 +283,9 @@ class NpzBatchWriter(_SpooledWriter):
         yield "offsets", OFFSETS_DTYPE, (len(offsets),), iter([offsets.tobytes()])
         if spool.routed_shape is not None:
             yield ROUTED, spool.routed_dtype(), (spool.routed_rows, *spool.routed_shape), spool.read_routed()
+        if spool.has_support():
+            for name in (SUPPORT_IDS, SUPPORT_OFFSETS):
+                yield name, np.dtype(np.int32), (spool.support_sizes[name],), spool.read(name)
         meta = _JSON_HEAD + spool.metas_json()[1:-1] + _JSON_TAIL
         yield "meta", np.dtype(np.uint8), (len(meta),), iter([meta])
 

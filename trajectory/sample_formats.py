@@ -34,6 +34,13 @@ samples are concatenated in sample order into one tensor ``routed_experts``
 their metadata objects get ``"routed_experts": true``. All samples of one batch
 share ``layers`` and ``topk``.
 
+**Sampling support** (`Sample.sampling_support`, CSR over every token, see
+`trajectory.support`) likewise: in JSON ``"sampling_support": {"ids", "offsets"}``
+(int lists); in npz and safetensors the samples' ``ids`` concatenated into
+``sampling_support_ids`` int32 and their offsets (``len + 1`` each, from 0) into
+``sampling_support_offsets`` int32, their metadata objects getting
+``"sampling_support": true``.
+
 A batch can also be written part by part (`trajectory.sample_batch.BATCH_WRITERS`:
 `JsonBatchWriter`, `NpzBatchWriter`, `SafetensorsBatchWriter`), so a server streams
 many sessions' samples without holding them: the same payload as the one-shot
@@ -49,7 +56,6 @@ malformed; loaded samples' arrays are views into the batch arrays (no copy).
 from __future__ import annotations
 
 import io
-import math
 import struct
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
@@ -61,25 +67,20 @@ import safetensors
 import safetensors.numpy
 
 from trajectory.errors import ExportError
-from trajectory.lineage import lineage_from_dict
 from trajectory.routed import from_json as routed_from_json
 from trajectory.routed import to_json as routed_to_json
-from trajectory.samples import STATUSES, Sample
+from trajectory.sample_checks import ARRAYS, check_arrays, check_int, check_meta
+from trajectory.samples import Sample
+from trajectory.support import SupportCSR
 
 FORMAT = "tito-samples"
 FORMAT_VERSION = 1
-ARRAYS: tuple[tuple[str, np.dtype], ...] = (
-    ("token_ids", np.dtype(np.int32)),
-    ("loss_mask", np.dtype(np.uint8)),
-    ("logprobs", np.dtype(np.float32)),
-    ("weight_version_index", np.dtype(np.int32)),
-)
 OFFSETS_DTYPE = np.dtype(np.int64)
 _META_KEYS = ("turn_boundaries", "status", "reason", "reward", "turn_rewards", "turn_lineage", "metadata",
               "diagnostics", "path", "version_table")
 _PER_TURN = ("turn_rewards", "turn_lineage")  # absent in payloads written before them: null per turn
 ROUTED = "routed_experts"
-_ROUTED_DTYPES: dict[str, np.dtype[Any]] = {"uint8": np.dtype(np.uint8), "int16": np.dtype(np.int16)}
+SUPPORT, SUPPORT_IDS, SUPPORT_OFFSETS = "sampling_support", "sampling_support_ids", "sampling_support_offsets"
 _I16_MAX = int(np.iinfo(np.int16).max)
 
 
@@ -102,7 +103,8 @@ def _meta(s: Sample) -> dict[str, Any]:
         "diagnostics": s.diagnostics,
         "path": s.path,
         "version_table": s.version_table,
-    } | ({ROUTED: True} if s.routed_experts is not None else {})
+    } | ({ROUTED: True} if s.routed_experts is not None else {}) | (
+        {SUPPORT: True} if s.sampling_support is not None else {})
 
 
 def _routed_wire(rows: np.ndarray, where: str = "sample") -> np.ndarray:
@@ -136,6 +138,8 @@ def _json_object(s: Sample) -> dict[str, Any]:
         rows = _routed_batch([s])
         assert rows is not None
         d[ROUTED] = routed_to_json(rows)
+    if s.sampling_support is not None:
+        d[SUPPORT] = {"ids": s.sampling_support.ids.tolist(), "offsets": s.sampling_support.offsets.tolist()}
     return d
 
 
@@ -156,6 +160,10 @@ def _concatenated(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     routed = _routed_batch(samples)
     if routed is not None:
         arrays[ROUTED] = routed
+    sup = [s.sampling_support for s in samples if s.sampling_support is not None]
+    if sup:
+        arrays[SUPPORT_IDS] = np.concatenate([c.ids for c in sup]).astype(np.int32, copy=False)
+        arrays[SUPPORT_OFFSETS] = np.concatenate([c.offsets for c in sup]).astype(np.int32, copy=False)
     return arrays
 
 
@@ -192,85 +200,17 @@ SERIALIZERS: dict[str, Callable[[Sequence[Sample]], bytes]] = {
 # -- reading -------------------------------------------------------------------
 
 
-def _int(v: Any, where: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ExportError(f"{where} must be an int, got {v!r}")
-    return v
-
-
-def _check_arrays(s: Sample, where: str) -> None:
-    n = len(s.token_ids)
-    for name, dtype in ARRAYS:
-        arr = getattr(s, name)
-        if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.shape != (n,):
-            raise ExportError(f"{where} {name} must be {dtype} [{n}]")
-    if n == 0:
-        return
-    if int(s.token_ids.min()) < 0:
-        raise ExportError(f"{where} token_ids has a negative id")
-    if int(s.loss_mask.max()) > 1:
-        raise ExportError(f"{where} loss_mask is not 0/1")
-    if not np.isfinite(s.logprobs).all() or ((s.loss_mask == 0) & (s.logprobs != 0.0)).any():
-        raise ExportError(f"{where} logprobs are not finite, or not 0.0 where the mask is 0")
-    r = s.routed_experts
-    if r is not None and (r.ndim != 3 or r.shape[0] != n - 1 or r.dtype.name not in _ROUTED_DTYPES):
-        raise ExportError(f"{where} routed_experts must be uint8/int16 [{n - 1}, layers, topk]")
-    idx = s.weight_version_index
-    if int(idx.min()) < -1 or int(idx.max()) >= len(s.version_table):
-        raise ExportError(f"{where} weight_version_index outside its table of {len(s.version_table)}")
-
-
-def _check_meta(s: Sample, where: str) -> None:
-    n = len(s.token_ids)
-    prev = 0
-    for i, (p, o, e) in enumerate(s.turn_boundaries):
-        if not prev <= p <= o <= e <= n:
-            raise ExportError(f"{where} turn {i} boundaries {(p, o, e)} out of order in {n} tokens")
-        prev = e
-    if n and s.loss_mask.any():
-        inside = np.zeros(n, dtype=bool)
-        for _, o, e in s.turn_boundaries:
-            inside[o:e] = True
-        if (s.loss_mask.astype(bool) & ~inside).any():
-            raise ExportError(f"{where} loss_mask is 1 outside the turns' outputs")
-    if s.status not in STATUSES:
-        raise ExportError(f"{where} status {s.status!r} is not one of {STATUSES}")
-    if s.reason is not None and not isinstance(s.reason, str):
-        raise ExportError(f"{where} reason must be a str or null")
-    if s.reward is not None and (not isinstance(s.reward, float) or not math.isfinite(s.reward)):
-        raise ExportError(f"{where} reward must be a finite float or null, got {s.reward!r}")
-    tr = s.turn_rewards
-    if not isinstance(tr, list) or len(tr) != len(s.turn_boundaries) or not all(
-            r is None or (isinstance(r, float) and math.isfinite(r)) for r in tr):
-        raise ExportError(f"{where} turn_rewards must be one finite float or null per turn, got {tr!r}")
-    tl = s.turn_lineage
-    if not isinstance(tl, list) or len(tl) != len(s.turn_boundaries):
-        raise ExportError(f"{where} turn_lineage must be one lineage or null per turn, got {tl!r}")
-    for i, d in enumerate(tl):
-        try:
-            lin = lineage_from_dict(d)
-        except ValueError as exc:
-            raise ExportError(f"{where} turn_lineage[{i}]: {exc}") from exc
-        if lin is not None and d is not None and lin.to_dict() != d:
-            raise ExportError(f"{where} turn_lineage[{i}] has fields {sorted(d)}, not a lineage's")
-    if not isinstance(s.metadata, dict) or not isinstance(s.diagnostics, list):
-        raise ExportError(f"{where} metadata must be an object and diagnostics a list")
-    for v in s.version_table:
-        if v is None or isinstance(v, bool) or not isinstance(v, str | int | float):
-            raise ExportError(f"{where} version_table holds {v!r}")
-
-
 def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
-    if isinstance(meta, dict) and ROUTED in meta:
-        meta = {k: v for k, v in meta.items() if k != ROUTED}
+    if isinstance(meta, dict) and (ROUTED in meta or SUPPORT in meta):
+        meta = {k: v for k, v in meta.items() if k not in (ROUTED, SUPPORT)}
     if isinstance(meta, dict) and any(k not in meta for k in _PER_TURN):  # written before them: none
         tb = meta.get("turn_boundaries")
         meta = {**{k: [None] * (len(tb) if isinstance(tb, list) else 0) for k in _PER_TURN}, **meta}
     if not isinstance(meta, dict) or set(meta) != set(_META_KEYS):
         raise ExportError(f"{where} has fields {sorted(meta) if isinstance(meta, dict) else meta!r}")
     try:
-        turns = [(_int(p, where), _int(o, where), _int(e, where)) for p, o, e in meta["turn_boundaries"]]
-        path = [_int(b, f"{where} path") for b in meta["path"]]
+        turns = [(check_int(p, where), check_int(o, where), check_int(e, where)) for p, o, e in meta["turn_boundaries"]]
+        path = [check_int(b, f"{where} path") for b in meta["path"]]
         table = list(meta["version_table"])
     except (TypeError, ValueError) as exc:
         raise ExportError(f"{where}: malformed turn_boundaries, path or version_table: {exc}") from exc
@@ -293,10 +233,20 @@ def _sample(arrays: Mapping[str, np.ndarray], meta: Any, where: str) -> Sample:
         diagnostics=meta["diagnostics"],
         path=path,
         routed_experts=arrays.get(ROUTED),
+        sampling_support=_support_csr(arrays.get(SUPPORT_IDS), arrays.get(SUPPORT_OFFSETS), where),
     )
-    _check_arrays(s, where)
-    _check_meta(s, where)
+    check_arrays(s, where)
+    check_meta(s, where)
     return s
+
+
+def _support_csr(ids: Any, offsets: Any, where: str) -> SupportCSR | None:
+    if ids is None and offsets is None:
+        return None
+    try:
+        return SupportCSR(np.asarray(ids), np.asarray(offsets))
+    except Exception as exc:  # InvariantError, or a non-array: the payload is malformed
+        raise ExportError(f"{where} sampling_support: {exc}") from exc
 
 
 def _check_header(head: Mapping[str, Any]) -> None:
@@ -325,6 +275,7 @@ def _split(arrays: Mapping[str, np.ndarray], metas: Any) -> list[Sample]:
             raise ExportError(f"{name} must be {dtype} [{total}]")
     bounds = offsets.tolist()
     routed, pos = arrays.get(ROUTED), 0
+    sup_ids, sup_off, spos, sid = arrays.get(SUPPORT_IDS), arrays.get(SUPPORT_OFFSETS), 0, 0
     out = []
     for i, (a, b, m) in enumerate(zip(bounds[:-1], bounds[1:], metas, strict=True)):
         part = {k: v[a:b] for k, v in flat.items()}
@@ -334,10 +285,27 @@ def _split(arrays: Mapping[str, np.ndarray], metas: Any) -> list[Sample]:
                 raise ExportError(f"sample {i}: routed_experts rows missing from the batch")
             part[ROUTED] = routed[pos : pos + n]
             pos += n
+        if isinstance(m, dict) and m.get(SUPPORT) is True:
+            if sup_ids is None or sup_off is None or sup_off.ndim != 1 or spos + b - a + 1 > sup_off.shape[0]:
+                raise ExportError(f"sample {i}: sampling_support missing from the batch")
+            off = sup_off[spos : spos + b - a + 1]
+            part[SUPPORT_OFFSETS], part[SUPPORT_IDS] = off, sup_ids[sid : sid + int(off[-1])]
+            spos, sid = spos + b - a + 1, sid + int(off[-1])
         out.append(_sample(part, m, f"sample {i}"))
     if routed is not None and pos != routed.shape[0]:
         raise ExportError(f"{routed.shape[0] - pos} routed_experts rows belong to no sample")
+    if sup_off is not None and (spos != sup_off.shape[0] or sup_ids is None or sid != sup_ids.shape[0]):
+        raise ExportError("sampling_support entries belong to no sample")
     return out
+
+
+def _int32s(values: list[Any], where: str) -> np.ndarray:
+    if not all(type(v) is int for v in values):
+        raise ExportError(f"{where} must be ints")
+    arr = np.array(values, dtype=np.int64)
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ExportError(f"{where} do not fit int32")
+    return arr.astype(np.int32)
 
 
 def load_samples_json(data: bytes | str | Mapping[str, Any]) -> list[Sample]:
@@ -374,7 +342,14 @@ def load_samples_json(data: bytes | str | Mapping[str, Any]) -> list[Sample]:
             arrays[name] = arr
         if d.get(ROUTED) is not None:
             arrays[ROUTED] = routed_from_json(d[ROUTED], where, max(0, len(arrays["token_ids"]) - 1))
-        out.append(_sample(arrays, {k: v for k, v in d.items() if k not in arrays and k != ROUTED}, where))
+        sup = d.get(SUPPORT)
+        if sup is not None:
+            if not isinstance(sup, dict) or not all(isinstance(sup.get(k), list) for k in ("ids", "offsets")):
+                raise ExportError(f"{where} sampling_support must be {{'ids': [...], 'offsets': [...]}}")
+            arrays[SUPPORT_IDS] = _int32s(sup["ids"], f"{where} sampling_support ids")
+            arrays[SUPPORT_OFFSETS] = _int32s(sup["offsets"], f"{where} sampling_support offsets")
+        skip = (ROUTED, SUPPORT)
+        out.append(_sample(arrays, {k: v for k, v in d.items() if k not in arrays and k not in skip}, where))
     return out
 
 

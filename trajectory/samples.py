@@ -82,6 +82,7 @@ from trajectory.lineage import AgentFilter
 from trajectory.messages import normalize_message
 from trajectory.routed import line_rows
 from trajectory.sample_turns import turn_diagnostics, weight_versions
+from trajectory.support import SupportCSR, line_support
 from trajectory.tree import Branch, TrajectoryTree
 from trajectory.turn_record import TurnRecord, WeightVersion
 from trajectory.turn_rewards import check_turn_rewards, committed_seqs
@@ -126,6 +127,9 @@ class Sample:
     # routing replay: (len - 1, layers, topk) expert ids of positions [0, len - 1)
     # (`trajectory.routed.line_rows`); None when the session did not record them
     routed_experts: np.ndarray | None = None
+    # sampling support (`trajectory.support`): CSR over every token, a sampled token's row
+    # the ids its sampler could draw, the others empty; None when the session did not ask
+    sampling_support: SupportCSR | None = None
 
     def __post_init__(self) -> None:
         if not self.turn_rewards:  # not given: no turn has a reward
@@ -347,6 +351,7 @@ def _sample(
         diagnostics=[turn_diagnostics(t, owners[t.index]) for t in kept],
         path=lines.path(branch.id),
         routed_experts=line_rows(kept, end),
+        sampling_support=line_support(kept, end),
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from trajectory.lineage import Lineage
 from trajectory.routed import RoutedRows
+from trajectory.support import SupportCSR
 
 Message = Mapping[str, Any]
 WeightVersion = str | int | float | None
@@ -55,6 +56,8 @@ class TurnRecord:
     routed_experts: RoutedRows | None = field(default=None, compare=False, repr=False)
     # which agent and thread asked for it (trajectory.lineage); None: the client said nothing
     lineage: Lineage | None = None
+    # sampling support (trajectory.support): one row per sampled id, when the session asked
+    sampling_support: SupportCSR | None = field(default=None, compare=False, repr=False)
 
     @property
     def weight_version(self) -> WeightVersion:

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -78,6 +79,8 @@ class SessionCreate(BaseModel):
             raise ValueError("seed and sampling.seed are exclusive: seed derives one per engine request, "
                              "sampling.seed sends the same one with every request")
         return self
+    # capture each sampled token's support (true: k = 20, or k itself); turn/support_rules.py
+    sampling_support: StrictBool | Annotated[int, Field(strict=True, ge=1)] | None = None
 
 
 TurnSeq = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]

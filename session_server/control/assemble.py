@@ -39,6 +39,8 @@ class ResilientResult(GenerateResult):
     # (decoded and gap-checked off the loop by session_server.routed.join)
     routed_pieces: tuple[Piece, ...] = ()
     stale_bound: dict[str, Any] | None = None  # ended at an update by max_weight_lag (control/lag.py)
+    # how the engine that ran it reports sampling support (`EngineCapabilities.support_logprobs`)
+    support_rule: str | None = None
 
     def counters(self) -> dict[str, Any]:
         """Per-turn control counters, for the session view."""

@@ -177,6 +177,9 @@ class EngineCapabilities:
     reports_dp_size: bool = False  # `DPSizeReporting.dp_size`: how many DP ranks it serves
     names_model: bool = False  # `ModelNaming.served_model_path`: the model it was started with
     pushes_weight_version: bool = False  # `VersionPushing.update_weight_version`
+    # how a token's sampling support reads out of its top logprobs (`trajectory.support`):
+    # "processed" (masked tokens at the floor) or "post_temperature" (untruncated); None: it cannot
+    support_logprobs: Literal["processed", "post_temperature"] | None = None
 
 
 @runtime_checkable

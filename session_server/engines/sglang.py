@@ -94,6 +94,9 @@ class SGLangAdapter:
     protocol = "sglang"
     capabilities = EngineCapabilities(
         streams=True, reports_load=True, reports_dp_size=True, names_model=True, pushes_weight_version=True,
+        # SGLang's top logprobs are log(softmax(logits / T)) before top-k/top-p/min-p
+        # (layers/sampler.py; the default without SGLANG_RETURN_ORIGINAL_LOGPROB)
+        support_logprobs="post_temperature",
     )
 
     def __init__(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -64,6 +65,7 @@ class EngineCore:
         weight_version: str = "default",
         abort_plan: Sequence[int] = (),
         script: Sequence[dict[str, Any]] = (),
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         if protocol not in ("sglang", "vllm"):
             raise ValueError(f"protocol must be sglang or vllm, not {protocol!r}")
@@ -71,6 +73,11 @@ class EngineCore:
             raise ValueError("dp must be >= 1")
         self.protocol = protocol
         self.model = model
+        # vLLM's server flag `--logprobs-mode` (config/model.py `LogprobsMode`, 0.32):
+        # "processed_logprobs" returns logprobs after min-p and top-k/top-p masking, a
+        # masked token at -inf (its wire floor -9999.0). SGLang has no such mode: its
+        # logprobs are post-temperature and untruncated (layers/sampler.py)
+        self.logprobs_mode = logprobs_mode
         self.policy = ScriptedPolicy(model, seed=seed, noncanonical=noncanonical)
         if script:
             self.policy.set_script(script)
@@ -148,7 +155,7 @@ class EngineCore:
                     spans.append([i, i + 1, self.weight_version])
                 out.lps.append(cursor.logprob(i, tok))
                 if out.tops is not None:
-                    out.tops.append(cursor.top(i, tok, job.top_k))
+                    out.tops.append(self._top(job, cursor.top(i, tok, job.top_k)))
                 job.produced = i + 1
                 stop = self._stop(job, out.ids, eos)
                 held = (stop is not None and job.fault == "hold_on_stop") or (
@@ -174,6 +181,27 @@ class EngineCore:
             return out
         finally:
             self.running.pop(job.rid, None)
+
+    def _top(self, job: Job, top: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """A token's top logprobs as the engine returns them: untruncated, unless vLLM
+        runs with processed logprobs, where the tokens its sampler masked (rank past
+        top_k, past top_p's cumulative mass, under min_p of the most likely) read
+        -inf, sent as vLLM's wire floor -9999.0 (`_clamp_logprob`, 0.32). The sim's
+        `top` is sorted descending with the sampled token first, so it is never masked."""
+        if self.protocol != "vllm" or self.logprobs_mode != "processed_logprobs":
+            return top
+        p = job.params
+        top_k = int(p.get("top_k") or -1)
+        top_p = float(p.get("top_p") or 1.0)  # None or unset: no top-p
+        min_p = float(p.get("min_p") or 0.0)
+        out: list[tuple[int, float]] = []
+        csum, p_max = 0.0, (math.exp(top[0][1]) if top else 0.0)
+        for rank, (tid, lp) in enumerate(top):
+            prob = math.exp(lp)
+            csum += prob
+            masked = (0 < top_k <= rank) or (top_p < 1.0 and csum - prob > top_p) or prob < min_p * p_max
+            out.append((tid, -9999.0 if masked and rank else lp))
+        return out
 
     def _stop(self, job: Job, ids: list[Any], eos: set[int]) -> int | str | None:
         """What stops `job` after `ids`: the last id (a stop id, or EOS unless ignored) or

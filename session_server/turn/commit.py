@@ -22,6 +22,7 @@ import numpy as np
 from trajectory.codec.base import ChatCodec, ParsedAssistant
 from trajectory.errors import ValidationError
 from trajectory.lineage import Lineage
+from trajectory.support import SupportCSR
 from trajectory.tree import ROLLBACK_REASON, Branch
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
@@ -37,6 +38,7 @@ from ..structured import apply_output_policy
 from .chat_request import ChatRequest
 from .engine_request import EngineCall
 from .prepare import Prepared
+from .support_rules import support_of
 
 __all__ = ["Checked", "Committed", "PendingTurn", "commit", "validate"]
 
@@ -51,6 +53,7 @@ class Checked:
     message: dict[str, Any]  # the assistant message returned and stored
     finish: str  # stop | tool_calls | length | abort | repetition
     routed: np.ndarray | None = None  # routing replay: (rows, layers, topk) for [routed start, output_end - 1)
+    support: SupportCSR | None = None  # sampling support asked: one row per sampled id
     extra: dict[str, Any] = field(default_factory=dict)  # more for the turn record (a live stream's notes)
 
 
@@ -96,7 +99,7 @@ async def validate(
     """The engine output validated, parsed and shaped by the request's output policy;
     with routing replay, its routed experts decoded and gap-checked. One offload hop,
     none for a short output without routed experts."""
-    routed = call is not None and call.greq.return_routed_experts
+    routed = call is not None and (call.greq.return_routed_experts or call.support_sampling is not None)
     if not routed and len(result.output_ids) <= INLINE_OUTPUT_TOKENS:
         return _checked(ctx, result, expect, req, prep, call)
     return await ctx.offload.run(_checked, ctx, result, expect, req, prep, call)
@@ -110,12 +113,16 @@ def _checked(
     routed = None
     if call is not None and call.greq.return_routed_experts:
         routed = _routed_rows(ctx, call, result)
+    support = None
+    if call is not None and call.support_sampling is not None:  # aligned with the ids: tops join as they do
+        support = support_of(result.top_logprobs, valid.ids, getattr(result, "support_rule", None),
+                             call.support_sampling, call.greq.top_logprobs)
     parsed, message = _shaped(parsed, req, ctx.codec, valid)
     finish = valid.finish_reason
     if finish == "stop" and parsed.tool_calls:
         finish = "tool_calls"
     return Checked(valid=valid, parsed=parsed, repair=repair, message=message, finish=finish,
-                   routed=routed, extra=extra)
+                   routed=routed, support=support, extra=extra)
 
 
 def _shaped(parsed: ParsedAssistant, req: ChatRequest, codec: ChatCodec,
@@ -210,6 +217,7 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
                 extra=extra,
                 routed_experts=checked.routed,
                 lineage=turn.lineage,
+                sampling_support=checked.support,
             )
         if "control" in extra:
             session.control_totals.add(result)
@@ -232,7 +240,7 @@ async def commit(ctx: ServerContext, session: Session, claim: Claim, turn: Pendi
                     prompt_ids=prompt_ids, ids=valid.ids, logprobs=valid.logprobs, repair=checked.repair,
                     finish=checked.finish, spans=result.weight_spans or None, version=valid.weight_version,
                     request_messages=prep.new_messages, assistant_message=checked.message, engine=turn.target_id,
-                    cached=valid.cached_tokens, extra=extra, routed=checked.routed,
+                    cached=valid.cached_tokens, extra=extra, routed=checked.routed, support=checked.support,
                     answered=prep.answered, control=control_delta(undo.control, session.control_totals),
                     notes=undo.notes_added(session), recorded=turn.recorded, matched_stop=result.matched_stop,
                     lineage=turn.lineage)

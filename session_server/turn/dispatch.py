@@ -133,6 +133,7 @@ async def _attempt(
         result = await generate_resilient(adapter, pinned, ctx.control, expect=expect, admit=admit, deadline=deadline,
                                           on_delta=on_delta, decode=_output_text(ctx) if greq.sampling.stop else None,
                                           trace=trace)
+        result = replace(result, support_rule=adapter.capabilities.support_logprobs)
         return result
     except UpstreamTransportError as exc:
         if not await _engine_down(ctx, engine.id, exc):

@@ -25,6 +25,7 @@ from ..sessions import Session
 from ..structured import Constraint
 from .chat_request import CLIENT_SAMPLING_FIELDS, PINNED_FIELDS, ChatRequest, SessionSampling
 from .prepare import Prepared
+from .support_rules import check_turn
 
 __all__ = ["EngineCall", "engine_request"]
 
@@ -39,6 +40,8 @@ class EngineCall:
     routed_shape: tuple[int, int] | None = None
     # the turn record's `sampling`: the policy, what the engine was sent, what the client sent
     sampling_record: dict[str, Any] = field(default_factory=dict)
+    # sampling support asked: the session's pinned sampling its supports are read with
+    support_sampling: dict[str, Any] | None = None
 
 
 def engine_request(
@@ -51,13 +54,18 @@ def engine_request(
     routed_start, routed_shape = _replay_start(session, prep) if session.config.routing_replay else (0, None)
     budget = _budget(ctx, session, req, len(input_ids))
     sampling, seed_key = _sampling(ctx, session, req, prep.constraint, _seed_place(session, prep))
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
+    k = session.config.sampling_support
+    if k is not None:  # the support is read out of k top logprobs; the client still sees its own
+        check_turn(session.config.sampling, req, pinned=session.config.sampling_policy == "pinned")
+        top_logprobs = max(top_logprobs, k)
     greq = GenerateRequest(
         request_id=request_id or new_request_id(),
         input_ids=input_ids,
         max_tokens=budget,
         sampling=sampling,
         seed_key=seed_key,
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        top_logprobs=top_logprobs,
         lora=session.config.lora,
         timeout_s=req.timeout_s or ctx.settings.turn_timeout_s,
         return_routed_experts=session.config.routing_replay,
@@ -75,7 +83,8 @@ def engine_request(
         top_logprobs=greq.top_logprobs,
     )
     return EngineCall(greq=greq, expect=expect, routed_shape=routed_shape,
-                      sampling_record=_sampling_record(session, req, greq))
+                      sampling_record=_sampling_record(session, req, greq),
+                      support_sampling=session.config.sampling if k is not None else None)
 
 
 def _replay_start(session: Session, prep: Prepared) -> tuple[int, tuple[int, int] | None]:

@@ -20,6 +20,7 @@ from ...errors import BadRequest, JournalUnavailable
 from ...journal import durable
 from ...journal_records import CREATE, create_body
 from ...sessions import Session, SessionConfig
+from ...turn.support_rules import resolve_k
 from .. import samples as samples_api
 from ..edge import route_doc
 from ..models import SessionCreate, parse_json_model
@@ -160,6 +161,7 @@ async def create_session(request: Request) -> Response:
         max_weight_lag=spec.max_weight_lag,
         sampling_policy=spec.sampling_policy or ctx.settings.sampling_policy,
         seed=spec.seed,
+        sampling_support=resolve_k(spec.sampling_support, spec.sampling.model_dump(exclude_none=True)),
     )
     if cfg.routing_replay:
         _require_routed_shape(ctx)

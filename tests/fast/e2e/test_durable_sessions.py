@@ -27,6 +27,7 @@ import pytest
 from session_server.engines.base import derive_seed
 from session_server.ops.cluster import free_ports
 from session_server.sim import running_sim
+from trajectory.sample_formats import load_samples_json
 
 SESSIONS = 200
 TURNS = 5
@@ -447,3 +448,33 @@ async def test_a_sessions_sampling_policy_seed_and_turn_sampling_survive_a_resta
     assert [(q["sampling_params"]["temperature"], q["sampling_params"]["sampling_seed"]) for q in log] == [
         (1.0, derive_seed(17, 0, 0, 0)), (1.0, derive_seed(17, 0, 1, 0))]
     assert turns[1]["extra"]["sampling"]["client"]["temperature"] == 0.0
+
+
+async def test_sampling_support_and_its_pinned_sampling_survive_a_restart(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The supports of a committed turn come back byte for byte in its samples; the
+    session still asks for them and still refuses a turn that changes its top_p."""
+    qwen3 = tokenizer_dirs["qwen3"]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "fix it"}], "max_tokens": 24}
+    async with running_sim("sglang", str(qwen3)) as engine:
+        async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log") as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            sid = (await http.post("/sessions", json={"sampling_support": 8,
+                                                      "sampling": {"top_k": 4, "temperature": 1.0}})).json()["session_id"]
+            first = await http.post(f"/sessions/{sid}/v1/chat/completions", json=chat)
+            assert first.status_code == 200, first.text
+            before = (await http.get(f"/sessions/{sid}/samples", params={"format": "json"})).content
+            server.kill()
+            await server.start()
+            after = (await http.get(f"/sessions/{sid}/samples", params={"format": "json"})).content
+            refused = await http.post(f"/sessions/{sid}/v1/chat/completions", json={**chat, "top_p": 0.5})
+            more = {**chat, "messages": [*chat["messages"], first.json()["choices"][0]["message"],
+                                         {"role": "user", "content": "again"}]}
+            assert (await http.post(f"/sessions/{sid}/v1/chat/completions", json=more)).status_code == 200
+            (s,) = load_samples_json((await http.get(f"/sessions/{sid}/samples", params={"format": "json"})).content)
+    assert after == before and b'"sampling_support"' in before
+    assert refused.status_code == 400 and "top_p" in refused.text
+    assert s.sampling_support is not None
+    sampled = [i for i in range(len(s)) if s.loss_mask[i]]
+    assert sampled and all(int(s.token_ids[i]) in s.sampling_support.row(i).tolist() for i in sampled)

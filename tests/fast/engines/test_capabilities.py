@@ -33,8 +33,18 @@ def _own_methods(proto: type) -> set[str]:
     return {n for n, v in vars(proto).items() if inspect.isfunction(v)}
 
 
+# capabilities that are a fact about the engine's replies, not methods of a protocol
+_REPLY_FACTS = {"support_logprobs"}
+
+
 def test_every_capability_flag_names_a_protocol() -> None:
-    assert set(EngineCapabilities.__dataclass_fields__) == set(_PROTOCOL_OF)
+    assert set(EngineCapabilities.__dataclass_fields__) - _REPLY_FACTS == set(_PROTOCOL_OF)
+
+
+def test_each_adapter_says_how_its_top_logprobs_show_the_sampling_support() -> None:
+    # vLLM with --logprobs-mode processed_logprobs masks at -inf; SGLang's are post-temperature, untruncated
+    assert VLLMAdapter.capabilities.support_logprobs == "processed"
+    assert SGLangAdapter.capabilities.support_logprobs == "post_temperature"
 
 
 @pytest.mark.parametrize("cls", [SGLangAdapter, VLLMAdapter])

@@ -29,6 +29,7 @@ from session_server.sessions import MAX_DIAGNOSTICS, SAMPLING_POLICIES, Session,
 from trajectory import export
 from trajectory.codec.base import HistoryPolicy
 from trajectory.lineage import KINDS, Lineage
+from trajectory.support import SupportCSR
 from trajectory.tree import ROLLBACK_REASON
 
 ROUTED = (2, 3)  # (layers, topk) of the routed experts rows
@@ -182,3 +183,27 @@ def test_a_reward_record_from_before_per_turn_rewards_replays_with_none() -> Non
     rows = [Row(1, s.id, CREATE, time.time(), create_body(s)), Row(2, s.id, REWARD, time.time(), old)]
     [back] = replay_rows(rows, time.monotonic).sessions
     assert back.reward == 1.0 and back.turn_rewards == {}
+
+
+@settings(max_examples=30, deadline=None)
+@given(turns=st.lists(st.lists(st.lists(st.integers(0, 151_000), min_size=1, max_size=8), min_size=1, max_size=6),
+                      min_size=1, max_size=4))
+def test_replayed_turns_keep_their_sampling_support_and_the_session_its_k(turns: list[list[list[int]]]) -> None:
+    s = Session("w0.sup", SessionConfig(ttl_s=60.0, sampling={"top_k": 8, "temperature": 1.0}, sampling_support=8),
+                0.0)
+    rows = [Row(1, s.id, CREATE, time.time(), create_body(s))]
+    for k, support in enumerate(turns):
+        ids = np.array([r[0] for r in support], dtype=np.int32)
+        lps = np.full(len(ids), -0.25, dtype=np.float32)
+        csr = SupportCSR.from_lists(support)
+        record = s.tree.active.trajectory.commit_turn([k + 1], ids, lps, finish_reason="stop", engine="e0",
+                                                     sampling_support=csr)
+        rows.append(Row(len(rows) + 1, s.id, TURN, time.time(), turn_body(
+            op="first" if k == 0 else "append", branch_id=0, checkpoint=0, reason=None, shared=None, tools=None,
+            seq=record.seq, prompt_ids=[k + 1], ids=ids, logprobs=lps, repair=[], finish="stop", spans=None,
+            version=None, request_messages=[], assistant_message={}, engine="e0", cached=0, extra={}, routed=None,
+            answered=None, control=None, notes=[], support=csr)))
+    [back] = replay_rows(rows, time.monotonic).sessions
+    assert back.config == s.config and back.config.sampling_support == 8
+    got = [t.sampling_support for t in back.tree.active.trajectory.turns]
+    assert [g.to_lists() if g is not None else None for g in got] == turns
