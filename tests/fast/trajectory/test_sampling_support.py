@@ -134,3 +134,21 @@ def test_ids_tied_with_the_top_k_th_stay_in_the_support_as_vllm_keeps_them() -> 
     with pytest.raises(ValidationError, match="ask a larger k"):  # the ties fill every logprob asked
         support_from_tops([[(5, -0.5), (9, -1.5), (4, -1.5)]], [4], rule="processed",
                           sampling=SupportSampling(top_k=2), asked=3)
+
+
+def test_trajectory_export_keeps_each_turns_sampling_support() -> None:
+    """The trajectory export (JSON and npz) carries every turn field, routed experts
+    included: a trainer building samples from an export must get the same supports as
+    one building them from the live tree."""
+    from trajectory.export import from_dict, from_npz_bytes, to_dict, to_npz_bytes
+
+    tree = _tree_with_supports([([1, 2], [[5, 6], [7]]), ([3], [[8, 9, 10]])])
+    [live] = build_samples(tree)
+    assert live.sampling_support is not None
+    for name, back in (("json", from_dict(to_dict(tree))), ("npz", from_npz_bytes(to_npz_bytes(tree)))):
+        turns = back.active.trajectory.turns
+        assert [None if t.sampling_support is None else t.sampling_support.to_lists() for t in turns] == [
+            [[5, 6], [7]], [[8, 9, 10]]], name
+        [sample] = build_samples(back)
+        assert sample.sampling_support is not None, name
+        assert sample.sampling_support.to_lists() == live.sampling_support.to_lists(), name
