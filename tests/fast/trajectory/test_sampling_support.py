@@ -152,4 +152,3 @@ def test_trajectory_export_keeps_each_turns_sampling_support() -> None:
         [sample] = build_samples(back)
         assert sample.sampling_support is not None, name
         assert sample.sampling_support.to_lists() == live.sampling_support.to_lists(), name
-
