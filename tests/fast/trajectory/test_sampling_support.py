@@ -152,3 +152,16 @@ def test_trajectory_export_keeps_each_turns_sampling_support() -> None:
         [sample] = build_samples(back)
         assert sample.sampling_support is not None, name
         assert sample.sampling_support.to_lists() == live.sampling_support.to_lists(), name
+
+
+def test_to_miles_refuses_a_support_that_does_not_cover_the_sample_as_an_export_error() -> None:
+    """The mappings read any object with the sample's fields and refuse a malformed one
+    with `ExportError` (framework_view checks every other field's length): a support
+    with fewer rows than tokens must be refused the same way, not crash mid-mapping."""
+    from trajectory.errors import ExportError
+
+    [sample] = build_samples(_tree_with_supports([([1, 2], [[5, 6], [7]])]))
+    assert sample.sampling_support is not None
+    sample.sampling_support = sample.sampling_support.slice(0, len(sample) - 2)
+    with pytest.raises(ExportError):
+        to_miles(sample)
