@@ -142,3 +142,16 @@ def test_a_line_cut_to_turns_an_earlier_sample_trains_is_dropped() -> None:
 def test_an_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="agent_kind must be one of main, subagent, side"):
         AgentFilter(kind="boss")
+
+
+def test_a_line_whose_first_selected_turn_is_past_max_seq_len_still_comes_back_truncated() -> None:
+    """Without a filter a line whose first turn already ends past `max_seq_len` comes back
+    empty with status "truncated" and a reason (trajectory/samples.py "Truncation"), so a
+    trainer sees what it lost. With `agent=` the same line must not vanish silently: its
+    first turn is the selected agent's, no earlier sample trains it."""
+    t = TrajectoryTree()
+    t.commit_turn([1, 2, 3, 4], [100, 101, 102], [-0.5] * 3, finish_reason="stop", lineage=MAIN)
+    [plain] = build_samples(t, max_seq_len=3)
+    assert plain.status == "truncated" and len(plain) == 0 and plain.reason
+    got = build_samples(t, max_seq_len=3, agent=AgentFilter("main"))
+    assert [(s.status, len(s), bool(s.reason)) for s in got] == [("truncated", 0, True)]

@@ -134,3 +134,34 @@ def test_ids_tied_with_the_top_k_th_stay_in_the_support_as_vllm_keeps_them() -> 
     with pytest.raises(ValidationError, match="ask a larger k"):  # the ties fill every logprob asked
         support_from_tops([[(5, -0.5), (9, -1.5), (4, -1.5)]], [4], rule="processed",
                           sampling=SupportSampling(top_k=2), asked=3)
+
+
+def test_trajectory_export_keeps_each_turns_sampling_support() -> None:
+    """The trajectory export (JSON and npz) carries every turn field, routed experts
+    included: a trainer building samples from an export must get the same supports as
+    one building them from the live tree."""
+    from trajectory.export import from_dict, from_npz_bytes, to_dict, to_npz_bytes
+
+    tree = _tree_with_supports([([1, 2], [[5, 6], [7]]), ([3], [[8, 9, 10]])])
+    [live] = build_samples(tree)
+    assert live.sampling_support is not None
+    for name, back in (("json", from_dict(to_dict(tree))), ("npz", from_npz_bytes(to_npz_bytes(tree)))):
+        turns = back.active.trajectory.turns
+        assert [None if t.sampling_support is None else t.sampling_support.to_lists() for t in turns] == [
+            [[5, 6], [7]], [[8, 9, 10]]], name
+        [sample] = build_samples(back)
+        assert sample.sampling_support is not None, name
+        assert sample.sampling_support.to_lists() == live.sampling_support.to_lists(), name
+
+
+def test_to_miles_refuses_a_support_that_does_not_cover_the_sample_as_an_export_error() -> None:
+    """The mappings read any object with the sample's fields and refuse a malformed one
+    with `ExportError` (framework_view checks every other field's length): a support
+    with fewer rows than tokens must be refused the same way, not crash mid-mapping."""
+    from trajectory.errors import ExportError
+
+    [sample] = build_samples(_tree_with_supports([([1, 2], [[5, 6], [7]])]))
+    assert sample.sampling_support is not None
+    sample.sampling_support = sample.sampling_support.slice(0, len(sample) - 2)
+    with pytest.raises(ExportError):
+        to_miles(sample)
