@@ -24,7 +24,8 @@ to a Python float prints and parses back to the same value).
   ``b{id}_logprobs`` float32) and one uint8 array ``meta`` holding the UTF-8
   JSON of everything else. Loaded with ``allow_pickle=False``.
 
-Routed experts (routing replay, `trajectory.routed`), only where turns have them,
+A turn's sampling support (`trajectory.support`), where captured: ``"sampling_support":
+{"ids", "offsets"}`` in its dict (its CSR as int lists). Routed experts (routing replay, `trajectory.routed`), only where turns have them,
 so exports without them are unchanged: each such turn's dict has
 ``"routed_experts": {"start", "rows"}`` and its branch the rows of its own turns
 concatenated in turn order, shape ``(sum rows, layers, topk)``: in JSON a
@@ -53,6 +54,7 @@ from trajectory.linear import LinearTrajectory
 from trajectory.routed import RoutedRows
 from trajectory.routed import from_json as routed_from_json
 from trajectory.routed import to_json as routed_to_json
+from trajectory.support import SupportCSR
 from trajectory.tree import Branch, TrajectoryTree
 from trajectory.turn_record import TurnRecord, WeightSpan
 
@@ -83,6 +85,9 @@ def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
     }
     if t.routed_experts is not None:
         out["routed_experts"] = {"start": t.routed_experts.start, "rows": int(t.routed_experts.rows.shape[0])}
+    if t.sampling_support is not None:  # one row per sampled id (`trajectory.support`), only where asked
+        out["sampling_support"] = {"ids": t.sampling_support.ids.tolist(),
+                                   "offsets": t.sampling_support.offsets.tolist()}
     return out
 
 
@@ -91,6 +96,16 @@ def _lineage(d: Any, where: str) -> Lineage | None:
         return lineage_from_dict(d)
     except ValueError as exc:
         raise ExportError(f"{where}: {exc}") from exc
+
+
+def _support(d: Any, where: str) -> SupportCSR | None:
+    if d is None:
+        return None
+    try:
+        return SupportCSR(_typed(d["ids"], np.int32, f"{where} support ids"),
+                          _typed(d["offsets"], np.int32, f"{where} support offsets"))
+    except (TypeError, KeyError, TrajectoryError) as exc:
+        raise ExportError(f"{where}: sampling_support is not CSR ids and offsets ({exc})") from exc
 
 
 def _own_turns(b: Branch) -> tuple[TurnRecord, ...]:
@@ -218,7 +233,10 @@ def _turn_from_dict(d: Mapping[str, Any], where: str, seq: int | None) -> TurnRe
         extra=dict(d["extra"]),
         seq=_int(d["seq"], f"{where} seq") if seq is None else seq,
         lineage=_lineage(d.get("lineage"), where),  # absent in exports written before lineage
+        sampling_support=_support(d.get("sampling_support"), where),
     )
+    if turn.sampling_support is not None and len(turn.sampling_support) != turn.num_sampled:
+        raise ExportError(f"{where}: sampling_support rows are not one per sampled id ({turn.num_sampled})")
     if d.get("weight_version") != turn.weight_version:
         raise ExportError(f"{where}: weight_version disagrees with its spans")
     return turn

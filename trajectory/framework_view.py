@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from trajectory.errors import ExportError
+from trajectory.errors import ExportError, TrajectoryError
 from trajectory.lineage import lineage_from_dict
+from trajectory.support import SupportCSR
 from trajectory.turn_rewards import token_rewards
 
 STATUSES = ("completed", "truncated", "aborted")
@@ -52,7 +53,7 @@ class SampleView:
     turn_rewards: tuple[float | None, ...] = ()  # one per turn, None where none
     turn_lineage: tuple[dict[str, Any] | None, ...] = ()  # one per turn: who asked (`trajectory.lineage`)
     turn_sampling: list[Any] | None = None  # per turn: its recorded `sampling` (None: not recorded)
-    sampling_support: Any = None  # `trajectory.support.SupportCSR` per token, when the session captured it
+    sampling_support: SupportCSR | None = None  # one row per token, when the session captured it
 
     def rewarded(self) -> bool:
         """Whether any turn has a reward of its own."""
@@ -152,9 +153,24 @@ def sample_view(sample: Any) -> SampleView:
         turn_rewards=_sample_turn_rewards(sample, len(turns)),
         turn_lineage=_sample_turn_lineage(sample, len(turns)),
         turn_sampling=_turn_sampling(sample, len(turns)),
-        sampling_support=(sample.get("sampling_support") if isinstance(sample, Mapping)
-                          else getattr(sample, "sampling_support", None)),
+        sampling_support=_sample_support(sample, n),
     )
+
+
+def _sample_support(sample: Any, n: int) -> SupportCSR | None:
+    """The sample's sampling support (optional field): a `SupportCSR` with one row per
+    token, or a mapping of its `ids` and `offsets`."""
+    raw = sample.get("sampling_support") if isinstance(sample, Mapping) else getattr(sample, "sampling_support", None)
+    if raw is None:
+        return None
+    try:
+        sup = raw if isinstance(raw, SupportCSR) else SupportCSR(np.asarray(raw["ids"], dtype=np.int32),
+                                                                  np.asarray(raw["offsets"], dtype=np.int32))
+    except (TypeError, KeyError, ValueError, TrajectoryError) as exc:
+        raise ExportError(f"sample sampling_support is not CSR ids and offsets ({exc})") from None
+    if len(sup) != n:
+        raise ExportError(f"sample sampling_support has {len(sup)} rows for {n} tokens")
+    return sup
 
 
 def turn_sampling_field(v: SampleView) -> dict[str, Any]:

@@ -312,8 +312,8 @@ def _sample(
     trained_before = 0
     while trained_before < n_keep and (owners[trained_before], trained_before) in claimed:
         trained_before += 1
-    if select.active and trained_before == n_keep and n_keep < len(turns):
-        return None  # cut by the agent filter to turns an earlier sample trains
+    if select.active and trained_before == n_keep == line_end < len(turns):
+        return None  # cut by the agent filter (not by length) to turns an earlier sample trains
     if trained_before:
         cut = traj.checkpoints[trained_before]
         mask[:cut] = 0

@@ -50,7 +50,7 @@ from session_server.engines.base import (
     GenerateRequest,
     GenerateResult,
     TokenDelta,
-    derive_seed,
+    segment_sampling,
 )
 from session_server.engines.base import streaming as streaming_of
 from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
@@ -243,23 +243,18 @@ class _Turn:
         st.counts.rids.append(seg_rid)
         epoch, dispatch_version = control.epoch, control.weight_version
         seg_input = extend(request.input_ids, st.acc.ids)
-        sampling = request.sampling if request.seed_key is None else replace(
-            request.sampling, seed=derive_seed(*request.seed_key, len(st.counts.rids) - 1))
+        k = len(st.counts.rids) - 1
+        sampling = segment_sampling(request, k)
         st.counts.seeds.append(sampling.seed)
+        span = None if self.trace is None else self.trace.segment(k, seg_rid, self.engine)
         seg = replace(
-            request,
-            request_id=seg_rid,
-            sampling=sampling,
-            input_ids=seg_input,
-            max_tokens=st.remaining,
+            request, request_id=seg_rid, sampling=sampling, input_ids=seg_input, max_tokens=st.remaining,
             cache_salt=salted(request.cache_salt, control.cache_salt()),
-            timeout_s=max(0.001, self.deadline - time.monotonic()),
-            slot_held=True,
+            timeout_s=max(0.001, self.deadline - time.monotonic()), slot_held=True,
             routed_experts_start=st.acc.routed_start(request),  # rows already held (R3)
+            # the engine continues the segment's trace (tracing.py)
+            trace_headers=request.trace_headers if span is None else span.headers,
         )
-        span = None if self.trace is None else self.trace.segment(len(st.counts.rids) - 1, seg_rid, self.engine)
-        if span is not None:  # the engine continues the segment's trace (tracing.py)
-            seg = replace(seg, trace_headers=span.headers)
         with (span if span is not None else contextlib.nullcontext(),
               control.track_flight(seg_rid, engine=self.engine, lora=request.lora),
               st.lag.watch(control, adapter, seg_rid, dispatch_version) as watch,

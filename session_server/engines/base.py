@@ -110,6 +110,14 @@ class GenerateRequest:
     seed_key: tuple[int, int, int] | None = None
 
 
+def segment_sampling(request: GenerateRequest, segment: int) -> SamplingParams:
+    """The sampling of segment `segment` of `request`: its own, with the derived seed in a
+    seeded session (`GenerateRequest.seed_key`)."""
+    if request.seed_key is None:
+        return request.sampling
+    return replace(request.sampling, seed=derive_seed(*request.seed_key, segment))
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     """One engine answer, shape-normalised but value-raw (see module doc)."""

@@ -133,7 +133,8 @@ async def _attempt(
         result = await generate_resilient(adapter, pinned, ctx.control, expect=expect, admit=admit, deadline=deadline,
                                           on_delta=on_delta, decode=_output_text(ctx) if greq.sampling.stop else None,
                                           trace=trace)
-        result = replace(result, support_rule=adapter.capabilities.support_logprobs)
+        if greq.top_logprobs:  # a support session reads its supports with its engine's rule (commit)
+            result = replace(result, support_rule=adapter.capabilities.support_logprobs)
         return result
     except UpstreamTransportError as exc:
         if not await _engine_down(ctx, engine.id, exc):

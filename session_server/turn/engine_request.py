@@ -53,7 +53,8 @@ def engine_request(
     input_ids = np.concatenate([prep.context_ids, np.asarray(prompt_ids, dtype=np.int32)])
     routed_start, routed_shape = _replay_start(session, prep) if session.config.routing_replay else (0, None)
     budget = _budget(ctx, session, req, len(input_ids))
-    sampling, seed_key = _sampling(ctx, session, req, prep.constraint, _seed_place(session, prep))
+    place = _seed_place(session, prep) if session.config.seed is not None else (0, 0)  # unseeded: unused
+    sampling, seed_key = _sampling(ctx, session, req, prep.constraint, place)
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else 0
     k = session.config.sampling_support
     if k is not None:  # the support is read out of k top logprobs; the client still sees its own

@@ -45,9 +45,10 @@ def resolve_k(asked: bool | int | None, sampling: dict[str, Any]) -> int | None:
         if sampling.get(name) is not None:
             raise BadRequest(f"sampling.{name}: a session with sampling_support cannot replay {name}")
     top_k = sampling.get("top_k")
-    if top_k is None or not 1 <= top_k <= k:
-        raise BadRequest(f"sampling.top_k: a session with sampling_support needs top_k in [1, {k}] (bounds the "
-                         f"support), got {top_k}")
+    if top_k is None or not 1 <= top_k < k:  # the k-th top logprob shows where the support ends
+        raise BadRequest(f"sampling.top_k: a session with sampling_support k={k} needs top_k in [1, {k - 1}] "
+                         f"(top_k bounds the support; one more top logprob than top_k tells a full support "
+                         f"from one the engine did not truncate), got {top_k}")
     if sampling.get("temperature") == 0:
         raise BadRequest("sampling.temperature: a session with sampling_support needs temperature > 0")
     return k
