@@ -454,13 +454,14 @@ async def test_sampling_support_and_its_pinned_sampling_survive_a_restart(
     tokenizer_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     """The supports of a committed turn come back byte for byte in its samples; the
-    session still asks for them and still refuses a turn that changes its top_p."""
+    session still asks for them and (its `client` policy kept) still refuses a turn that
+    changes its top_p."""
     qwen3 = tokenizer_dirs["qwen3"]
     chat = {"model": "m", "messages": [{"role": "user", "content": "fix it"}], "max_tokens": 24}
     async with running_sim("sglang", str(qwen3)) as engine:
         async with serving(qwen3, engine, tmp_path / "j", tmp_path / "log") as server, \
                 httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-            sid = (await http.post("/sessions", json={"sampling_support": 8,
+            sid = (await http.post("/sessions", json={"sampling_support": 8, "sampling_policy": "client",
                                                       "sampling": {"top_k": 4, "temperature": 1.0}})).json()["session_id"]
             first = await http.post(f"/sessions/{sid}/v1/chat/completions", json=chat)
             assert first.status_code == 200, first.text
