@@ -29,9 +29,10 @@ Precedence, first match wins (`source` names what was read):
 6. body fields the dialect read: Anthropic `metadata.user_id` (its `session_id` when it
    is Claude Code's JSON), `prompt_cache_key` (Responses and chat).
 
-A header this reads must be printable ASCII within its bound, else the turn is a 400
-naming the header (before any work). Body fields and the fields inside Codex's JSON
-header are the harness's own telemetry: one that is malformed is skipped, not refused.
+An `x-tito-*` header must be printable ASCII within its bound, else the turn is a 400
+naming the header (before any work). Every other header, body field and field inside
+Codex's JSON header is a harness's (or a proxy's) own: one that is malformed is
+skipped, not refused.
 """
 
 from __future__ import annotations
@@ -62,12 +63,20 @@ def _printable(v: str, limit: int) -> bool:
     return 0 < len(v) <= limit and all(" " <= c <= "~" for c in v)
 
 
+_OURS = frozenset({AGENT, THREAD, PARENT, KIND})
+
+
 def _header(headers: Mapping[str, str], name: str, limit: int = MAX_VALUE) -> str | None:
+    """A header's value. Ours (`x-tito-*`), malformed, is the client's 400; another's
+    (a harness's or a proxy's: `session-id` is a common name) is skipped, since a
+    label we only read along must never fail a turn."""
     v = headers.get(name)
     if v is None:
         return None
     if not _printable(v, limit):
-        raise BadRequest(f"header {name}: must be 1 to {limit} printable ASCII characters")
+        if name in _OURS:
+            raise BadRequest(f"header {name}: must be 1 to {limit} printable ASCII characters")
+        return None
     return v
 
 

@@ -86,10 +86,10 @@ async def test_anthropic_turns_carry_claude_codes_session_and_sub_agent(qwen3_di
 
 
 @pytest.mark.parametrize(("header", "value"), [("x-tito-agent", "x" * 257), ("x-tito-thread", "tab\there"),
-                                               ("x-tito-agent-kind", "boss"), ("x-claude-code-agent-id", "a" * 300)])
+                                               ("x-tito-agent-kind", "boss"), ("x-tito-parent", "p" * 300)])
 async def test_a_bad_lineage_header_is_a_400_naming_it_and_commits_nothing(
         qwen3_dir: Path, header: str, value: str) -> None:
-    headers = {header: value} if header != "x-tito-agent-kind" else {header: value, "x-tito-agent": "a"}
+    headers = {header: value} if header in ("x-tito-agent", "x-tito-thread") else {header: value, "x-tito-agent": "a"}
     async with live_stack(qwen3_dir, "sglang") as st:
         sid = await st.session()
         oai = AsyncOpenAI(base_url=f"{st.url}/sessions/{sid}/v1", api_key="x", max_retries=0)
@@ -104,3 +104,18 @@ async def test_a_bad_lineage_header_is_a_400_naming_it_and_commits_nothing(
     assert f"header {header}" in chat_err.value.message
     assert msg_err.value.body["type"] == "error" and f"header {header}" in msg_err.value.body["error"]["message"]  # type: ignore[index]
     assert sum(len(b["turns"]) for b in traj["branches"]) == 0
+
+
+@pytest.mark.parametrize("header", ["session-id", "thread-id", "x-claude-code-agent-id", "x-claude-code-session-id"])
+async def test_a_malformed_header_of_another_party_is_skipped_not_refused(qwen3_dir: Path, header: str) -> None:
+    """`session-id` and the like are common names a proxy may send for its own purposes:
+    a value we cannot keep as a label is left out, and the turn is served (labelled from
+    what else the request says, here nothing)."""
+    async with live_stack(qwen3_dir, "sglang") as st:
+        sid = await st.session()
+        oai = AsyncOpenAI(base_url=f"{st.url}/sessions/{sid}/v1", api_key="x", max_retries=0)
+        r = await oai.chat.completions.create(model="m", messages=MSG, max_tokens=8,  # type: ignore[arg-type]
+                                              extra_headers={header: "z" * 300})
+        traj = await st.trajectory(sid)
+    assert r.choices[0].message is not None
+    assert [t["lineage"] for b in traj["branches"] for t in b["turns"]] == [None]
