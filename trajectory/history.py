@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from trajectory.errors import InvariantError
 from trajectory.messages import match_returned, messages_equal
+from trajectory.sent_forms import form_digest
 from trajectory.tree import TrajectoryTree
 
 Message = Mapping[str, Any]
@@ -111,17 +112,27 @@ def _is_returned(traj: Any, counts: Sequence[int], i: int) -> bool:
 
 
 def _match_line(traj: Any, counts: Sequence[int], request: Sequence[Message], start: int) -> int:
-    """How far `request` equals the line's messages, comparing from `start` on."""
+    """How far `request` equals the line's messages, comparing from `start` on. A message
+    sent before in the same exact form matches by its digest (`sent_forms`); only the
+    others are compared field by field, and their digests kept once they match."""
     m = start
     limit = min(traj.num_messages, len(request))
+    known = traj.sent_forms
     while m < limit:
-        committed, sent = traj.message(m), request[m]
+        sent = request[m]
+        digest = form_digest(sent)
+        if digest is not None and known.matches(m, digest):
+            m += 1
+            continue
+        committed = traj.message(m)
         if _is_returned(traj, counts, m):
             same = match_returned(committed, sent) is not None
         else:
             same = messages_equal(committed, sent)
         if not same:
             break
+        if digest is not None:
+            known.note(m, digest)
         m += 1
     return m
 

@@ -50,6 +50,7 @@ from trajectory.line_checks import (
 )
 from trajectory.lineage import Lineage
 from trajectory.routed import RoutedRows, coverage_end
+from trajectory.sent_forms import SentForms
 from trajectory.support import SupportCSR
 from trajectory.turn_record import Message, TurnRecord, WeightVersion
 
@@ -64,7 +65,7 @@ class LinearTrajectory:
     """A branch's tokens, mask, logprobs, turns and messages (see module doc)."""
 
     __slots__ = ("_buf", "_base", "_base_len", "_turns", "_checkpoints", "_messages",
-                 "_message_counts", "_clock")
+                 "_message_counts", "_clock", "sent_forms")
 
     def __init__(self) -> None:
         self._buf = TokenBuffer()  # the tokens this trajectory added itself
@@ -75,6 +76,7 @@ class LinearTrajectory:
         self._messages: list[Message] = []
         self._message_counts: list[int] = [0]
         self._clock: Callable[[], int] | None = None  # a tree's commit counter
+        self.sent_forms = SentForms()  # what `history.attach` knows matches each message
 
     @classmethod
     def from_parts(
@@ -367,6 +369,7 @@ class LinearTrajectory:
         del self._turns[checkpoint:]
         del self._checkpoints[checkpoint + 1 :]
         del self._messages[self._message_counts[checkpoint] :]
+        self.sent_forms.truncate(self._message_counts[checkpoint])
         del self._message_counts[checkpoint + 1 :]
 
     def _prefix_segments(self, n: int) -> list[Segment]:

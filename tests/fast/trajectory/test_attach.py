@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trajectory.history import Attachment, attach
+from trajectory.sent_forms import SentForms
 from trajectory.tree import TrajectoryTree
 
 SYS = {"role": "system", "content": "main agent"}
@@ -117,3 +118,69 @@ def test_interleaved_conversations_never_fork_needlessly(steps: list[tuple[int, 
         cid = f"sdk_{agent}_{n}" if rename else f"{agent}_{n}"
         convs[agent] = [*request, call(n, cid), tool(cid)]
     assert len(tree) == len(convs)
+
+
+def _forgetting(tree: TrajectoryTree) -> None:
+    """Every line as if no sent form had ever matched (the comparison message by message)."""
+    for b in tree.branches():
+        b.trajectory.sent_forms = SentForms()
+
+
+def _variant(message: dict[str, Any], how: int) -> dict[str, Any]:
+    """A form of `message` a client may send back: as is, keys reordered, empty content
+    as None, a name of another JSON type (`1` and `true` are different messages), or the
+    text edited (a different message)."""
+    if how == 1:
+        return dict(reversed(list(message.items())))
+    if how == 2 and not message.get("content"):
+        return {**message, "content": None if message.get("content") == "" else ""}
+    if how == 3:
+        return {**message, "name": 1}
+    if how == 4:
+        return {**message, "name": True}
+    if how == 5:
+        return {**message, "content": f"{message.get('content')} (edited)"}
+    return dict(message)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.lists(st.integers(0, 5), min_size=8, max_size=8),
+                          st.integers(0, 3)), min_size=1, max_size=10))
+def test_known_sent_forms_never_change_where_a_request_attaches(
+        steps: list[tuple[int, list[int], int]]) -> None:
+    """Whatever forms the re-sent messages take (reordered keys, None for "", a `1` where
+    `true` was sent, edits) and however far back a request cuts its history, the digests
+    kept of forms that matched before give the very attachment a tree that knows none of
+    them computes, message by message."""
+    tree = TrajectoryTree()
+    convs: dict[int, list[dict[str, Any]]] = {}
+    for agent, hows, cut in steps:
+        base = convs.setdefault(agent, [{"role": "system", "content": f"agent {agent}"},
+                                        {"role": "user", "content": "go"}])
+        kept = base[: max(2, len(base) - 2 * cut)]
+        request = [_variant(m, hows[i % len(hows)]) for i, m in enumerate(kept)]
+        request.append({"role": "user", "content": f"step {len(request)}"})
+        plan = attach(tree, request)
+        remembered = [b.trajectory.sent_forms for b in tree.branches()]
+        _forgetting(tree)
+        assert attach(tree, request) == plan
+        for b, forms in zip(tree.branches(), remembered, strict=True):
+            b.trajectory.sent_forms = forms
+        n = sum(1 for m in request if m["role"] == "assistant")
+        commit(tree, plan, call(n, f"{agent}_{n}"))
+        convs[agent] = [*request, call(n, f"sdk_{agent}_{n}"), tool(f"sdk_{agent}_{n}")]
+
+
+def test_a_known_form_matches_only_at_its_own_position() -> None:
+    """A message re-sent where another, identical-looking one stood (the tool result
+    repeated in place of the user's next message) is a different history: the request
+    rolls back to the last turn it still matches."""
+    tree = TrajectoryTree()
+    request = [SYS, {"role": "user", "content": "go"}]
+    for i in range(3):
+        commit(tree, attach(tree, request), call(i, f"c{i}"))
+        request = [*request, call(i, f"c{i}"), tool(f"c{i}")]
+    assert attach(tree, request).kind == "append"  # every form seen and kept
+    moved = [*request[:4], request[3], *request[5:]]  # turn 1's tool result at message 4
+    plan = attach(tree, moved)
+    assert (plan.kind, plan.checkpoint) == ("rollback", 1)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from trajectory.errors import CheckpointError, InvariantError
 from trajectory.linear import LinearTrajectory
+from trajectory.sent_forms import form_digest
 
 _ids = st.lists(st.integers(0, 150_000), max_size=12)
 _msg = st.fixed_dictionaries(
@@ -166,8 +167,14 @@ def test_rollback() -> None:
             request_messages=[{"role": "user", "content": str(i)}],
             assistant_message={"role": "assistant", "content": str(i)},
         )
+    for i, m in enumerate(traj.messages()):  # every message's form known (history.attach)
+        traj.sent_forms.note(i, form_digest(m) or b"")
     traj.rollback(1)
     assert traj.ids.tolist() == [0, 10] and traj.num_turns == 1 and len(traj.messages()) == 2
+    # what was known of the removed messages goes with them; the kept ones stay known
+    known = [traj.sent_forms.matches(i, form_digest({"role": "user", "content": str(i // 2)}) or b"")
+             for i in (0, 2)]
+    assert known == [True, False]
     traj.check_invariants()
     for bad in (2, -1, True, "1"):
         with pytest.raises(CheckpointError):
