@@ -86,10 +86,12 @@ def load_tokenizer(spec: str) -> Any:
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Show every default, except `None` (those flags say in words what unset means)."""
+    """Show every default, except `None` and an on/off switch's (those flags say in
+    words what unset means; `--no-restart (default: True)` reads as the opposite)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
+        switch = isinstance(action.default, bool) and not isinstance(action, argparse.BooleanOptionalAction)
+        if action.default is None or switch:
             return action.help
         return super()._get_help_string(action)
 
