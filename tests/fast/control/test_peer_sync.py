@@ -245,7 +245,7 @@ async def test_a_peer_not_up_yet_is_one_short_line_not_a_connection_error(caplog
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        down = "http://127.0.0.1:{}".format(s.getsockname()[1])  # nothing listens once closed
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
     relay = PeerRelay([down], timeout_s=5.0)
     ctx = SimpleNamespace(control=plane(), registry=EngineRegistry(EnginePool()),
                           settings=SimpleNamespace(turn_timeout_s=1.0))
