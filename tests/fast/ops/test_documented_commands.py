@@ -152,6 +152,18 @@ def test_the_docs_cite_no_internal_issue_numbers() -> None:
     assert not found
 
 
+def test_samples_doc_describes_history_rewrite_as_turns_record_it() -> None:
+    """docs/samples.md said the field was "None for now" after turns began to record it."""
+    from types import SimpleNamespace
+
+    from session_server.turn.prepare import _history_rewrite
+
+    recorded = _history_rewrite(SimpleNamespace(prev_output=(1, 40, 60)), 3)  # type: ignore[arg-type]
+    doc = " ".join((ROOT / "docs" / "samples.md").read_text().split())
+    assert "None for now" not in doc
+    assert all(f'"{key}"' in doc for key in recorded), (sorted(recorded), "docs/samples.md")
+
+
 def test_switch_flags_do_not_show_a_misleading_default() -> None:
     """`--no-restart ... (default: True)` reads as "no restart is the default"."""
     help_text = " ".join(_subparsers()["cluster"].format_help().split())
