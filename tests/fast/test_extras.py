@@ -2,8 +2,8 @@
 CI nothing a test needs from them is missing.
 
 Tests of an optional package `importorskip` it, so a checkout with only the core and
-`test` extras runs what it can. Under `CI=true` (what `.ci/run` and most CI services
-set) the README's `.[dev]` install must have brought every one of them: a skip there
+`test` extras runs what it can. Under `CI=true` (set by CI services; `tests/engine` reads
+it the same way) the README's `.[dev]` install must have brought every one of them: a skip there
 would hide an untested client, so this test fails instead, naming the package.
 """
 
