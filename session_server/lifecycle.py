@@ -170,8 +170,9 @@ async def _sync(relay: PeerRelay, ctx: ServerContext) -> None:
         return
     if outcome.adopted_from:
         log.info("joined the cluster: %s", orjson.dumps(outcome.as_dict()).decode())
-    else:
-        log.info("no peer answered: serving with this instance's own state")
+    else:  # the first worker of a cluster to come up: expected, one line
+        why = "; ".join(f"{peer} {reason}" for peer, reason in outcome.unanswered.items())
+        log.info("no peer answered%s: serving with this instance's own state", f" ({why})" if why else "")
 
 
 async def loop_lag_probe(metrics: Metrics, interval_s: float) -> None:

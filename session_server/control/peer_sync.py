@@ -60,9 +60,13 @@ class SyncOutcome:
     adopted_from: list[str]
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    unanswered: dict[str, str] = field(default_factory=dict)  # peer -> why, in a few words
 
     def as_dict(self) -> dict[str, Any]:
-        return {"adopted_from": self.adopted_from, "added": self.added, "removed": self.removed}
+        out: dict[str, Any] = {"adopted_from": self.adopted_from, "added": self.added, "removed": self.removed}
+        if self.unanswered:
+            out["unanswered"] = self.unanswered
+        return out
 
 
 def cluster_view(states: dict[str, Any], engines: dict[str, Any]) -> ClusterView:
@@ -91,10 +95,10 @@ def cluster_view(states: dict[str, Any], engines: dict[str, Any]) -> ClusterView
     return view
 
 
-async def _read(relay: PeerRelay) -> ClusterView:
+async def _read(relay: PeerRelay, misses: dict[str, str]) -> ClusterView:
     timeout_s = min(READ_TIMEOUT_S, relay.timeout_s)
-    states, engines = await asyncio.gather(relay.fetch("/control/state", timeout_s=timeout_s),
-                                           relay.fetch("/engines", timeout_s=timeout_s))
+    states, engines = await asyncio.gather(relay.fetch("/control/state", timeout_s=timeout_s, misses=misses),
+                                           relay.fetch("/engines", timeout_s=timeout_s, misses=misses))
     return cluster_view(states, engines)
 
 
@@ -131,7 +135,7 @@ async def sync_from_peers(relay: PeerRelay, control: ControlPlane, registry: Eng
     outcome = SyncOutcome(adopted_from=[])
     noted = registry.note_changes()
     try:
-        view = await _read(relay)
+        view = await _read(relay, outcome.unanswered)
         if not view.peers:
             return outcome
         await _reconcile_engines(registry, view, noted, drain_s, outcome)

@@ -97,9 +97,13 @@ class PeerRelay:
             out["error"] = _error_text(reply, status)
         return out
 
-    async def fetch(self, path: str, *, timeout_s: float) -> dict[str, Any]:
+    async def fetch(self, path: str, *, timeout_s: float, misses: dict[str, str] | None = None) -> dict[str, Any]:
         """`GET path` on every peer concurrently: its JSON body where it answered 200,
-        else None (down, refused, timed out): a peer sync reads the cluster's state."""
+        else None (down, refused, timed out): a peer sync reads the cluster's state.
+
+        A peer that does not answer is expected (workers of a cluster start together,
+        and the first up finds the others not yet listening): it is logged at DEBUG, and
+        its reason in a few words goes into `misses` for the caller's one summary line."""
         headers = {RELAYED_HEADER: "1"}
         if self.admin_token:
             headers["authorization"] = f"Bearer {self.admin_token}"
@@ -108,12 +112,15 @@ class PeerRelay:
                 async with self._session().get(peer + path, headers=headers,
                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                     if resp.status != 200:
-                        log.info("peer %s answered %d to GET %s", peer, resp.status, path)
-                        return None
-                    return orjson.loads(await resp.read())
+                        reason = f"answered {resp.status}"
+                    else:
+                        return orjson.loads(await resp.read())
             except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-                log.info("peer %s unreachable for GET %s: %r", peer, path, exc)
-                return None
+                reason = short_reason(exc)
+            log.debug("peer %s: GET %s: %s", peer, path, reason)
+            if misses is not None:
+                misses.setdefault(peer, reason)
+            return None
 
         outcomes = await asyncio.gather(*(one(peer) for peer in self.peers))
         return dict(zip(self.peers, outcomes, strict=True))
@@ -149,6 +156,23 @@ class PeerRelay:
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+
+def short_reason(exc: BaseException) -> str:
+    """Why a peer did not answer, in a few words (aiohttp's repr of a refused connect is
+    three hundred characters of connection key)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        os_error = exc.os_error
+        if isinstance(os_error, ConnectionRefusedError):
+            return "connection refused"
+        return f"cannot connect ({os_error.strerror or type(os_error).__name__})"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, orjson.JSONDecodeError):
+        return "answered no JSON"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "disconnected"
+    return type(exc).__name__
 
 
 def _json_or_text(raw: bytes) -> Any:

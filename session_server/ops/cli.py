@@ -21,6 +21,7 @@ __all__ = ["build_parser", "load_tokenizer", "main", "settings_from_args"]
 HUB_PROBE_TIMEOUT_S = 3.0
 JOURNAL_ENV = f"{ENV_PREFIX}JOURNAL_DIR"
 DEFAULT_CLUSTER_JOURNAL = "session-journal"  # under the working directory, unless named
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process SIGPIPE ended
 
 
 class TokenizerUnavailable(Exception):
@@ -62,6 +63,10 @@ def load_tokenizer(spec: str) -> Any:
 
     builtin = _builtin_names()
     instead = f"pass a local tokenizer directory or a built-in offline name ({', '.join(builtin)})"
+    if spec == "toy" and not Path(spec).exists():
+        raise TokenizerUnavailable(
+            "'toy' is the simulator's byte-level tokenizer for its own tests (sim-engine takes it): it has no "
+            f"chat template, so there is nothing to serve or verify; {instead}, each with its model's real template")
     path_or_name = spec
     if not Path(spec).exists() and spec in builtin:
         path_or_name = str(cached_tokenizer_dir(spec))
@@ -86,10 +91,12 @@ def load_tokenizer(spec: str) -> Any:
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Show every default, except `None` (those flags say in words what unset means)."""
+    """Show every default, except `None` and an on/off switch's (those flags say in
+    words what unset means; `--no-restart (default: True)` reads as the opposite)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
+        switch = isinstance(action.default, bool) and not isinstance(action, argparse.BooleanOptionalAction)
+        if action.default is None or switch:
             return action.help
         return super()._get_help_string(action)
 
@@ -386,7 +393,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "cluster":
         args.serve_args = rest
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # the reader went away (`verify-template --json | head`): stop quietly, as a
+        # Unix tool does, with the status a death by SIGPIPE gives; the interpreter's
+        # final flush of stdout would fail again, so it goes to /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

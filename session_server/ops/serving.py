@@ -24,6 +24,7 @@ queue of 2,048 (the kernel caps it at net.core.somaxconn).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 KEEP_ALIVE_S = 75
@@ -31,6 +32,28 @@ KEEP_ALIVE_S = 75
 
 LISTEN_BACKLOG = 4096
 """Accept-queue length asked of the kernel (capped there by net.core.somaxconn)."""
+
+
+class QuietHealthChecks(logging.Filter):
+    """Drops uvicorn's access line for a `GET /health` answered 200. A proxy checks every
+    worker every second (`session-server cluster`'s HAProxy, a Kubernetes probe): those
+    lines would bury everything else; a failing check (503 recovering, syncing) is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn: (client, method, path, http version, status)
+        return not (isinstance(args, tuple) and len(args) == 5 and args[2] == "/health" and args[4] == 200)
+
+
+def access_log_config() -> dict[str, Any]:
+    """uvicorn's own logging config, its access handler filtered by `QuietHealthChecks`."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["quiet_health_checks"] = {"()": QuietHealthChecks}
+    config["handlers"]["access"]["filters"] = ["quiet_health_checks"]
+    return config
 
 
 def uvicorn_options(
@@ -48,4 +71,5 @@ def uvicorn_options(
         "timeout_keep_alive": KEEP_ALIVE_S,
         "timeout_graceful_shutdown": timeout_graceful_shutdown,
         "backlog": LISTEN_BACKLOG,
+        "log_config": access_log_config(),
     }

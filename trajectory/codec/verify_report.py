@@ -135,8 +135,29 @@ class VerifyReport:
             "engine": {"url": self.engine, "status": self.engine_status},
         }
 
+    def verdict(self) -> str:
+        """One line: what was checked and what holds (the last line of the text report)."""
+        steps = [s for s in self.steps if s.outcome != "unsupported"]
+        compared = [s for s in steps if s.outcome in ("exact", "mismatch")]
+        exact = sum(s.outcome == "exact" for s in compared)
+        rewrites = sum(s.outcome == "rewrite" for s in steps)
+        refused = sum(s.outcome == "refused" for s in steps)
+        judged = [p for p in self.parses if p.ok is not None]
+        parsed = sum(p.ok is True for p in judged)
+        checked = (f"{len(steps)} appended steps (thinking {', '.join(self.thinking_modes)}): "
+                   f"{exact}/{len(compared)} bridged token-exact with the template's full render, "
+                   f"{rewrites} where the template re-renders earlier turns (the committed tokens are kept), "
+                   f"{refused} refused; {parsed}/{len(judged)} assistant messages parse back")
+        if self.error:
+            return f"FAILED: {self.error}"
+        if not self.ok:
+            return f"FAILED: {len(self.hard_failures)} hard mismatch(es) in {checked}"
+        warned = f" ({len(self.warnings)} warning(s))" if self.warnings else ""
+        return f"OK: {checked}{warned}"
+
     def format_text(self) -> str:
-        """The human report: summary per role, then every step and parse that is not clean."""
+        """The human report: summary per role, every failure and warning on its own
+        line, the steps reported only (re-rendered history) counted, then the verdict."""
         lines = [
             f"family: {self.family or '-'}"
             + (f" (requested {self.family_requested})" if self.family_requested else " (detected)"),
@@ -148,33 +169,47 @@ class VerifyReport:
         roles = self.roles()
         if roles:
             lines.append("")
-            lines.append(f"{'role':<10} {'append-only':<12} {'bridge exact':<13} {'refused':<8} rewrite  unsupported")
+            lines.append(f"{'appended':<10} {'append-only':<12} {'token-exact':<12} {'refused':<8} "
+                         "re-rendered  unsupported")
             for role, r in roles.items():
-                lines.append(
-                    f"{role:<10} {r['append_only']:<12} {str(r['exact']) + '/' + str(r['compared']):<13} "
-                    f"{r['refused']:<8} {r['rewrite']:<8} {r['unsupported']}"
-                )
+                exact = f"{r['exact']}/{r['compared']}" if r["compared"] else "-"
+                lines.append(f"{role:<10} {r['append_only']:<12} {exact:<12} {r['refused']:<8} "
+                             f"{r['rewrite']:<12} {r['unsupported']}")
+            lines.append("(token-exact: of the steps compared, how many bridged to the template's own "
+                         "render; re-rendered: the template rewrites earlier turns there, so only the new "
+                         "tokens are compared)")
         if self.parses:
             good = sum(p.ok is True for p in self.parses)
             judged = sum(p.ok is not None for p in self.parses)
             lines.append(f"\nparse round-trip: {good}/{judged} assistant messages")
-        notes = [s for s in self.steps if s.outcome != "exact"]
-        odd_parses = [p for p in self.parses if p.ok is not True]
-        if notes or odd_parses:
-            lines.append("\nnot token-exact or not checked "
-                         "(FAIL: hard mismatch; WARN: refused an append-only step; note: reported only):")
-        for s in notes:
-            tag = "FAIL" if s.hard else "WARN" if s.warn else "note"
+        loud = [s for s in self.steps if s.hard or s.warn]
+        bad_parses = [p for p in self.parses if p.ok is False]
+        if loud or bad_parses:
+            lines.append("\nFAIL: bridge != the template's full render, or a parse that does not round-trip; "
+                         "WARN: refused a step the template renders append-only:")
+        for s in loud:
             lines.append(
-                f"  [{tag}] {s.scenario}[{s.step}] +{'+'.join(s.roles)} thinking={s.thinking}: "
-                f"{s.outcome}{' - ' + s.detail if s.detail else ''}"
+                f"  [{'FAIL' if s.hard else 'WARN'}] {s.scenario}[{s.step}] +{'+'.join(s.roles)} "
+                f"thinking={s.thinking}: {s.outcome}{' - ' + s.detail if s.detail else ''}"
             )
-        for p in odd_parses:
-            tag = "FAIL" if p.ok is False else "note"
-            lines.append(f"  [{tag}] parse {p.scenario} thinking={p.thinking}: {p.detail}")
+        for p in bad_parses:
+            lines.append(f"  [FAIL] parse {p.scenario} thinking={p.thinking}: {p.detail}")
+        quiet = [s for s in self.steps if s.outcome != "exact" and not (s.hard or s.warn)]
+        if quiet:
+            counts: dict[str, int] = {}
+            for s in quiet:
+                key = f"{s.outcome} +{'+'.join(s.roles)}"
+                counts[key] = counts.get(key, 0) + 1
+            differ = sum("differ" in s.detail for s in quiet)
+            lines.append(f"\nreported, not failed: {len(quiet)} step(s): "
+                         + ", ".join(f"{k} x{n}" for k, n in counts.items())
+                         + (f"; in {differ} the new tokens differ from the full render's tail" if differ else "")
+                         + " (--json lists each)")
+        unjudged = [p for p in self.parses if p.ok is None]
+        if unjudged:
+            lines.append(f"parses not judged (the template cannot render the message): {len(unjudged)}")
         if self.engine:
             lines.append(f"\nengine {self.engine}: {self.engine_status}")
         lines.append("")
-        warned = f" ({len(self.warnings)} warning(s))" if self.warnings else ""
-        lines.append(("OK" if self.ok else f"FAILED: {len(self.hard_failures)} hard mismatch(es)") + warned)
+        lines.append(self.verdict())
         return "\n".join(lines)

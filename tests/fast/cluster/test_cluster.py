@@ -152,6 +152,11 @@ async def test_cluster_routes_by_instance_and_a_dead_worker_fails_only_its_sessi
             running_cluster(qwen3, engine, 3, tmp_path, "--no-restart") as cl, \
             httpx.AsyncClient(base_url=cl.url, timeout=60) as http:
         assert sorted(cl.workers) == ["w0", "w1", "w2"], cl.log_text()[-2000:]
+        # a normal start: the workers that find their peers not up yet say so in one short
+        # line each; no connection-error reprs, no access line per HAProxy health check
+        start = cl.log_text()
+        assert "ClientConnectorError" not in start and '"GET /health HTTP/1.0" 200' not in start, start[-3000:]
+        assert max(len(line) for line in start.splitlines()) < 400, start[-3000:]
         # sessions created through the proxy land on several instances; base_url is the proxy's
         made = [(await http.post("/sessions", json={"metadata": {"k": k}})).json() for k in range(6)]
         by_instance: dict[str, list[dict[str, Any]]] = {}

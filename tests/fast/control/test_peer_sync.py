@@ -38,7 +38,7 @@ class ScriptedRelay:
         self.on_fetch = on_fetch
         self.reads = 0
 
-    async def fetch(self, path: str, *, timeout_s: float) -> dict[str, Any]:
+    async def fetch(self, path: str, *, timeout_s: float, misses: dict[str, str] | None = None) -> dict[str, Any]:
         if path == "/control/state":
             self.reads += 1
             if self.on_fetch is not None:
@@ -225,9 +225,37 @@ async def test_a_failed_sync_never_leaves_the_gate_closed() -> None:
     control = plane()
 
     class Fails(ScriptedRelay):
-        async def fetch(self, path: str, *, timeout_s: float) -> dict[str, Any]:
+        async def fetch(self, path: str, *, timeout_s: float, misses: dict[str, str] | None = None) -> dict[str, Any]:
             raise RuntimeError("shutdown")
 
     with pytest.raises(RuntimeError):
         await sync_from_peers(Fails({}), control, EngineRegistry(EnginePool()))  # type: ignore[arg-type]
     assert control.synced and not control.blocked()
+
+
+async def test_a_peer_not_up_yet_is_one_short_line_not_a_connection_error(caplog: pytest.LogCaptureFixture) -> None:
+    """The first worker of a cluster to come up finds the others not listening yet: that
+    is expected, so it is one short INFO line naming them and why, not two lines per peer
+    of aiohttp's three-hundred-character `ClientConnectorError(ConnectionKey(...))`."""
+    import socket
+    from types import SimpleNamespace
+
+    from session_server.control.relay import PeerRelay
+    from session_server.lifecycle import _sync
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    relay = PeerRelay([down], timeout_s=5.0)
+    ctx = SimpleNamespace(control=plane(), registry=EngineRegistry(EnginePool()),
+                          settings=SimpleNamespace(turn_timeout_s=1.0))
+    try:
+        with caplog.at_level("DEBUG", logger="session_server"):
+            await _sync(relay, ctx)  # type: ignore[arg-type]
+    finally:
+        await relay.aclose()
+    assert ctx.control.synced
+    shown = [r for r in caplog.records if r.levelname != "DEBUG"]
+    assert [r.getMessage() for r in shown] == [
+        f"no peer answered ({down} connection refused): serving with this instance's own state"]
+    assert all(r.levelname == "INFO" for r in shown)

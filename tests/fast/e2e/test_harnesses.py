@@ -28,6 +28,7 @@ import pytest
 
 from session_server.api.dialects.anthropic_messages import AnthropicMessages
 
+from ..doc_blocks import shell_block
 from ..stack import Stack, live_stack
 from .test_openai_client_episodes import assert_trajectory_matches_engine
 
@@ -54,6 +55,25 @@ async def _run(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: floa
         await proc.wait()
         raise
     return int(proc.returncode or 0), out.decode(errors="replace"), err.decode(errors="replace")
+
+
+README_SESSION = shell_block("curl -s -X POST")
+README_CLAUDE = shell_block("claude -p")
+README_CODEX = shell_block("codex exec")
+README_SERVER = "http://127.0.0.1:8000"
+
+
+async def _run_readme(st: Stack, block: str, *, cwd: Path, env: dict[str, str]) -> tuple[int, str, str, str]:
+    """The README's session block then `block`, as written, in bash; only the server URL
+    is this test's. Returns the harness's exit code, stdout and stderr (the session id
+    is echoed to stderr after it, for the test to read the trajectory)."""
+    assert README_SERVER in README_SESSION
+    script = "\n".join([README_SESSION.replace(README_SERVER, st.url), block.rstrip(), "rc=$?",
+                        'echo "tito-test-sid=$SID" >&2', "exit $rc"])
+    rc, out, err = await _run(["bash", "-c", script], cwd=cwd, env=env)
+    sids = [line.split("=", 1)[1] for line in err.splitlines() if line.startswith("tito-test-sid=")]
+    assert sids and sids[-1], f"the README's session block made no session: {err[-2000:]}"
+    return rc, out, err, sids[-1]
 
 
 async def _one_branch(st: Stack, sid: str, tag: str) -> dict[str, Any]:
@@ -191,21 +211,21 @@ CLAUDE_SCRIPT = [
 
 
 async def test_claude_code_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
-    """`claude -p ... --output-format json` with ANTHROPIC_BASE_URL = the session root: its
-    streamed Messages requests (system blocks with cache_control, 25 built-in tools,
-    adaptive thinking, mid-conversation system messages, betas) run a Bash tool call and
-    answer; its title side-request (structured output) is a branch of its own."""
+    """The README's Claude Code commands, pasted as written (only `SERVER` is this test's
+    server): a session from `POST /sessions`, then `claude -p ... --output-format json
+    --allowedTools Bash` with ANTHROPIC_BASE_URL = the session root. Its streamed Messages
+    requests (system blocks with cache_control, 25 built-in tools, adaptive thinking,
+    mid-conversation system messages, betas) run a Bash tool call and answer; its title
+    side-request (structured output) is a branch of its own."""
     claude = _tool("TITO_CLAUDE_BIN", "claude")
     work = tmp_path / "work"
     work.mkdir()
     (work / "notes.txt").write_text("hello from the sandbox\n")
     async with live_stack(qwen3_dir, "sglang", script=CLAUDE_SCRIPT) as st:
-        sid = await st.session()
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "ANTHROPIC_API_KEY": "x",
-               "ANTHROPIC_BASE_URL": f"{st.url}/sessions/{sid}", "DISABLE_TELEMETRY": "1",
-               "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
-        rc, out, err = await _run([claude, "-p", "Print the notes", "--output-format", "json",
-                                   "--allowedTools", "Bash"], cwd=work, env=env)
+        env = {"PATH": f"{Path(claude).parent}:{os.environ.get('PATH', '')}", "HOME": str(tmp_path),
+               "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+               "DISABLE_AUTOUPDATER": "1"}
+        rc, out, err, sid = await _run_readme(st, README_CLAUDE, cwd=work, env=env)
         traj = await st.trajectory(sid)
         log = await st.engine_log()
     assert rc == 0, f"claude exited {rc}: {out[-2000:]} {err[-2000:]}"
@@ -296,27 +316,24 @@ wire_api = "responses"
 
 
 async def test_codex_exec_episode_trajectory_equals_engine_io(qwen3_dir: Path, tmp_path: Path) -> None:
-    """`codex exec` with a custom Responses provider whose base_url is the session's /v1:
-    its streamed requests (`store: false`, `include: [reasoning.encrypted_content]`, a
-    `namespace` tool group and the hosted `web_search`, which are left out of the prompt)
-    run an `exec_command` call and answer, on one branch."""
+    """The README's Codex commands, pasted as written (only `SERVER` is this test's
+    server): a session, a custom Responses provider in `$CODEX_HOME/config.toml` whose
+    base_url is the session's /v1, then `codex exec --skip-git-repo-check -s
+    workspace-write ... </dev/null`. Its streamed requests (`store: false`, `include:
+    [reasoning.encrypted_content]`, a `namespace` tool group and the hosted `web_search`,
+    which are left out of the prompt) run an `exec_command` call and answer, on one branch."""
     codex = _tool("TITO_CODEX_BIN", "codex")
-    work, home = tmp_path / "work", tmp_path / "codex-home"
+    work = tmp_path / "work"
     work.mkdir()
-    home.mkdir()
     (work / "notes.txt").write_text("hello from the sandbox\n")
-    last = tmp_path / "last.txt"
     async with live_stack(qwen3_dir, "vllm", script=CODEX_SCRIPT) as st:
-        sid = await st.session()
-        (home / "config.toml").write_text(CODEX_CONFIG.format(base_url=f"{st.url}/sessions/{sid}/v1"))
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "CODEX_HOME": str(home),
-               "TITO_API_KEY": "x"}
-        rc, out, err = await _run([codex, "exec", "--skip-git-repo-check", "--ephemeral",
-                                   "-o", str(last), "Print the notes"], cwd=work, env=env)
+        env = {"PATH": f"{Path(codex).parent}:{os.environ.get('PATH', '')}", "HOME": str(tmp_path)}
+        rc, out, err, sid = await _run_readme(st, README_CODEX, cwd=work, env=env)
         traj = await st.trajectory(sid)
         log = await st.engine_log()
     assert rc == 0, f"codex exited {rc}: {out[-2000:]} {err[-2000:]}"
-    assert last.read_text().strip() == "The notes say hello."
+    assert out.strip().splitlines()[-1] == "The notes say hello.", out  # its last message, on stdout
+    assert (work / ".codex-tito" / "config.toml").exists()  # where the README puts it, not ~/.codex
     branch = traj["branches"][0]
     assert len(traj["branches"]) == 1 and len(branch["turns"]) == 2
     assert_trajectory_matches_engine(branch, log, "codex")

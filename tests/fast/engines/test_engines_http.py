@@ -134,3 +134,22 @@ async def test_post_engines_malformed_url_is_400_not_502(qwen3_dir: Path, url: s
         r = await st.http.post("/engines", json={"url": url})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request", r.text
+
+
+async def test_post_engines_unreachable_is_added_unhealthy_or_a_502_as_the_readme_says(qwen3_dir: Path) -> None:
+    """Nothing listens there. With its protocol named it is added unhealthy (the health
+    checks take it in once it is up); without, its protocol cannot be probed: 502
+    `upstream_unreachable` (the engine failed to answer), not a 400 (bad input)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the block ends: nothing listens on it
+    async with live_stack(qwen3_dir, "sglang") as st:
+        probed = await st.http.post("/engines", json={"url": f"http://127.0.0.1:{port}"})
+        named = await st.http.post("/engines", json={"url": f"sglang=http://127.0.0.1:{port}"})
+    assert probed.status_code == 502 and probed.json()["error"]["type"] == "upstream_unreachable", probed.text
+    assert named.status_code == 201 and named.json()["healthy"] is False, named.text
+    readme = " ".join((Path(__file__).resolve().parents[3] / "README.md").read_text().split())
+    assert "one that does not answer is added unhealthy when its protocol is named" in readme
+    assert "else a 502 `upstream_unreachable`" in readme

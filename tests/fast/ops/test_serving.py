@@ -81,3 +81,23 @@ async def test_harness_server_keeps_an_idle_connection_past_uvicorns_5s_default(
             assert await _get_health(reader, writer) == first  # same connection, still served
         finally:
             writer.close()
+
+
+def test_health_checks_answered_200_are_not_in_the_access_log() -> None:
+    """A cluster's HAProxy checks every worker every second: a line each buried the log.
+    A failing check (503 while recovering or syncing) stays."""
+    import logging.config
+
+    config = uvicorn_options(host="127.0.0.1", port=1, log_level="info", timeout_graceful_shutdown=1)["log_config"]
+    logging.config.dictConfig(config)  # what uvicorn does with it
+    access = logging.getLogger("uvicorn.access")
+    fmt = '%s - "%s %s HTTP/%s" %d'
+
+    def shown(path: str, status: int) -> bool:
+        record = access.makeRecord("uvicorn.access", logging.INFO, __file__, 0, fmt,
+                                   ("127.0.0.1:1", "GET", path, "1.0", status), None)
+        return all(h.filter(record) for h in access.handlers)
+
+    assert access.handlers
+    assert not shown("/health", 200)
+    assert shown("/health", 503) and shown("/sessions/x/trajectory", 200)
