@@ -35,9 +35,10 @@ import numpy as np
 
 from trajectory.buffer import IDS_DTYPE, LOGPROBS_DTYPE
 from trajectory.codec.base import HistoryPolicy
+from trajectory.history import attach, fork_reason
 from trajectory.lineage import Lineage, lineage_from_dict
 from trajectory.support import SupportCSR
-from trajectory.tree import ROLLBACK_REASON
+from trajectory.tree import LEGACY_FORK_REASON, ROLLBACK_REASON, TEMPLATE_REWRITE, TrajectoryTree
 
 from .sessions import MAX_DIAGNOSTICS, Session, SessionConfig
 
@@ -151,7 +152,7 @@ def _apply_turn(s: Session, t: Mapping[str, Any]) -> None:
     elif op == "rollback":
         tree.branch_from(branch_id, t["checkpoint"], ROLLBACK_REASON)
     else:
-        tree.branch_from(branch_id, t["checkpoint"], t["reason"], shared=t["shared"])
+        tree.branch_from(branch_id, t["checkpoint"], _fork_reason(tree, t), shared=t["shared"])
     if op in ("first", "rollback", "fork"):
         s.tools_by_branch[tree.active_id] = t["tools"]
     tree.set_next_seq(t["seq"])
@@ -176,6 +177,21 @@ def _apply_turn(s: Session, t: Mapping[str, Any]) -> None:
         if len(s.diagnostics) == MAX_DIAGNOSTICS:  # as Session.note counts what the bound pushes out
             s.diagnostics_dropped += 1
         s.diagnostics.append(note)
+
+
+def _fork_reason(tree: TrajectoryTree, t: Mapping[str, Any]) -> str:
+    """A fork's reason as recorded; a record written while every fork without a known
+    cause, and a template's rewrite, were `history_rewrite` gets the word the branch gets
+    now: a template's fork shares tokens past its checkpoint (`shared` set), else the
+    request is attached again to the tree as it stood (the same tree prepare saw: the
+    record replays in commit order) and named as prepare names it."""
+    reason = t["reason"]
+    if reason != LEGACY_FORK_REASON:
+        return str(reason)
+    if t["shared"] is not None:
+        return TEMPLATE_REWRITE
+    lineage = lineage_from_dict(t.get("lineage"))
+    return fork_reason(attach(tree, t["req"]), None if lineage is None else lineage.kind)
 
 
 def _support(raw: Mapping[str, bytes] | None) -> SupportCSR | None:

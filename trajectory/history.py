@@ -21,7 +21,14 @@ from typing import Any, Literal
 from trajectory.errors import InvariantError
 from trajectory.messages import match_returned, messages_equal
 from trajectory.sent_forms import form_digest
-from trajectory.tree import TrajectoryTree
+from trajectory.tree import (
+    FIRST_TURN_RESENT,
+    HISTORY_EDITED,
+    NEW_CONVERSATION,
+    SIDE_REQUEST,
+    SUBAGENT,
+    TrajectoryTree,
+)
 
 Message = Mapping[str, Any]
 PlanKind = Literal["first", "append", "rollback", "fork"]
@@ -102,6 +109,9 @@ class Attachment:
     # rollback/fork: (branch, message index) where the request first differs from the
     # line it matched furthest (a diagnostic names why, e.g. inlined reasoning)
     diverged: tuple[int, int] | None = None
+    # fork: what the request is to the line it matched furthest (`NEW_CONVERSATION`,
+    # `HISTORY_EDITED` or `FIRST_TURN_RESENT`, see `_opening`); None otherwise
+    opening: str | None = None
 
 
 def _is_returned(traj: Any, counts: Sequence[int], i: int) -> bool:
@@ -185,7 +195,8 @@ def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
     if best is None:
         far = max(tree.branches(), key=lambda b: (matched[b.id], b.id == tree.active_id, b.id))
         return Attachment("fork", tree.active_id, 0, list(request),
-                          diverged=_diverged(far.trajectory, far.id, matched[far.id], request))
+                          diverged=_diverged(far.trajectory, far.id, matched[far.id], request),
+                          opening=_opening(far.trajectory, matched[far.id]))
     branch = tree.get(best[3])
     traj = branch.trajectory
     counts = traj.message_counts_view()
@@ -202,3 +213,25 @@ def attach(tree: TrajectoryTree, request: Sequence[Message]) -> Attachment:
 def _diverged(traj: Any, branch_id: int, m: int, request: Sequence[Message]) -> tuple[int, int] | None:
     """(branch, m) when message m of the line and of the request both exist (they differ)."""
     return (branch_id, m) if m < min(traj.num_messages, len(request)) else None
+
+
+def _opening(traj: Any, m: int) -> str:
+    """What a request that forks from the root is to the line it matched furthest, `m`
+    messages in: nothing in common (a new conversation), the line's whole first-turn
+    input again (turn 0 resent: what a rollback is to a later turn), or a first turn
+    that starts alike and then differs (an edited or compacted history)."""
+    if m == 0 or traj.num_turns == 0:
+        return NEW_CONVERSATION
+    first = traj.message_counts_view()[1]  # turn 0's messages, its answer included
+    inputs = first - (1 if traj.turn(0).assistant_message is not None else 0)
+    return FIRST_TURN_RESENT if m >= inputs else HISTORY_EDITED
+
+
+def fork_reason(a: Attachment, lineage_kind: str | None) -> str:
+    """The reason of the branch a root fork opens: what its lineage says the request is,
+    when it says a side request or a sub-agent, else what it is to the tree (`opening`)."""
+    if lineage_kind == "side":
+        return SIDE_REQUEST
+    if lineage_kind == "subagent":
+        return SUBAGENT
+    return a.opening or NEW_CONVERSATION

@@ -31,6 +31,23 @@ from trajectory.turn_record import TurnRecord
 
 ROOT_REASON = "root"
 ROLLBACK_REASON = "rollback"
+# Why a branch left its parent: one word per meaning (a branch's `reason`; the codec
+# refusals a `template` fork names, `not_append_only`, `role_mismatch`, ..., and the causes
+# prepare finds, `tools_changed`, `inlined_reasoning`, are the others). A request that
+# matches nothing past the root of any line starts a branch from the root as one of:
+NEW_CONVERSATION = "new_conversation"  # it shares no message with any line
+HISTORY_EDITED = "history_edited"  # it opens as a line does but differs inside its first turn's input
+FIRST_TURN_RESENT = "first_turn_resent"  # it repeats a line's whole first-turn input (turn 0 again)
+SIDE_REQUEST = "side_request"  # its lineage says a side request (a title, a summary, a compaction)
+SUBAGENT = "subagent"  # its lineage says a sub-agent
+# the template re-renders earlier turns and the session follows the template (a fork
+# under `history_policy="template"`; under `append` the same event is the per-turn
+# `history_rewrite` diagnostic and no branch)
+TEMPLATE_REWRITE = "template_rewrite"
+LEGACY_FORK_REASON = "history_rewrite"
+"""The one word every fork without a known cause, and a template's rewrite, got before
+the words above; journals written then still hold it (`journal_records` reads it back
+as the word the branch gets now)."""
 
 
 @dataclass(slots=True)

@@ -75,6 +75,14 @@ hashes `sampling_seed` in int64 tensors, vLLM seeds a torch generator; numpy-sty
 seeders refuse 2**32 and more)."""
 
 
+def request_headers(request: GenerateRequest) -> dict[str, str] | None:
+    """The HTTP headers of a generate request: its trace headers and its session
+    (`SESSION_HEADER`); None when it has neither."""
+    if request.session_id is None:
+        return dict(request.trace_headers) if request.trace_headers else None
+    return {**(request.trace_headers or {}), SESSION_HEADER: request.session_id}
+
+
 def derive_seed(session_seed: int, branch: int, turn: int, segment: int) -> int:
     """The seed of one engine request of a seeded session: a pure function of (session
     seed, branch, turn index, segment index), so a retried turn and a segment
@@ -83,6 +91,13 @@ def derive_seed(session_seed: int, branch: int, turn: int, segment: int) -> int:
     seed would replay its draws from position 0 on the continuation)."""
     digest = hashlib.blake2b(f"{session_seed}:{branch}:{turn}:{segment}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % DERIVED_SEED_BOUND
+
+
+SESSION_HEADER = "x-tito-session"
+"""The HTTP header naming the session a generate request serves. The engines ignore
+unknown headers (SGLang and vLLM read only the trace and data-parallel ones); it lets an
+engine-side log or proxy group a session's requests, and the simulator play a script
+set for that session alone (`POST /sim/script {"session"}`)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,7 @@ class GenerateRequest:
     # server-side: (session seed, branch, turn) of a seeded session; segment k of the turn
     # is sent `derive_seed(*seed_key, k)` in place of `sampling.seed` (control/resilient.py)
     seed_key: tuple[int, int, int] | None = None
+    session_id: str | None = None  # sent as `SESSION_HEADER`
 
 
 def segment_sampling(request: GenerateRequest, segment: int) -> SamplingParams:

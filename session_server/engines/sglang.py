@@ -20,6 +20,7 @@ from session_server.engines.base import (
     StreamItem,
     optional_sampling_fields,
     parsed_without_routed,
+    request_headers,
 )
 from session_server.engines.http import (
     ConnectionLimits,
@@ -120,7 +121,7 @@ class SGLangAdapter:
         """POST /generate; deadline `request.timeout_s` from dispatch (after the concurrency cap)."""
         body = encode_json(build_sglang_payload(request))
         reply = await self.http.generate("/generate", body, timeout_s=request.timeout_s,
-                                         headers=request.trace_headers, slot_held=request.slot_held)
+                                         headers=request_headers(request), slot_held=request.slot_held)
         if reply.status != 200:
             raise http_error(reply, what=f"sglang {request.request_id}", engine=self.base_url)
         # a reply can carry a ~1.4 MB routed-experts payload: decode it off the event loop
@@ -135,7 +136,7 @@ class SGLangAdapter:
         payload["stream"] = True
         acc = SGLangStream(request_id=request.request_id, engine=self.base_url)
         async for item in fold_stream(self.http.stream("/generate", encode_json(payload), timeout_s=request.timeout_s,
-                                                    headers=request.trace_headers, slot_held=request.slot_held),
+                                                    headers=request_headers(request), slot_held=request.slot_held),
                                       acc, self._offload):
             yield item
 

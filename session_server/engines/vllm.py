@@ -23,6 +23,7 @@ from session_server.engines.base import (
     StreamItem,
     optional_sampling_fields,
     parsed_without_routed,
+    request_headers,
 )
 from session_server.engines.http import (
     ConnectionLimits,
@@ -228,8 +229,8 @@ class VLLMAdapter:
                 payload["stream_options"] = {"include_usage": True}
         payload["stream"] = stream
         headers = {} if request.dp_rank is None else {DP_RANK_HEADER: str(request.dp_rank)}
-        if request.trace_headers:  # read by vLLM's OpenAI server (vllm/tracing.py TRACE_HEADERS)
-            headers.update(request.trace_headers)
+        # the trace headers are read by vLLM's OpenAI server (vllm/tracing.py TRACE_HEADERS)
+        headers.update(request_headers(request) or {})
         return path, encode_json(payload), headers
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:

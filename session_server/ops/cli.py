@@ -258,7 +258,16 @@ def _sim_epilog() -> str:
         "  GET    /sim/requests | DELETE /sim/requests    the request log (for tests)\n"
         '  GET    /sim/weight_version | POST {"version"}  the weight version replies report\n'
         f"kinds:\n{kinds}\n"
-        "see docs/api.md for what each kind does"
+        "see docs/api.md for what each kind does\n\n"
+        "what the simulated model says: reasoning, then calls of the tools the prompt offers (read\n"
+        "from the rendered prompt, arguments for each required parameter), then a final answer;\n"
+        "plain text when no tool is offered. To make a harness's own calls, script it:\n"
+        '  POST /sim/script {"turns": [MESSAGE, ...], "session": SID}\n'
+        "      turn k of that session plays MESSAGE k (the last repeats); MESSAGE is\n"
+        '      {"content", "reasoning_content", "tool_calls": [{"name", "arguments": {...}}]};\n'
+        '      {"turns": []} drops it. SID: the server\'s session id (sent as x-tito-session)\n'
+        "  WITHOUT \"session\" THE SCRIPT IS ENGINE-WIDE: every later request of every session\n"
+        "      with no script of its own plays it, until replaced or dropped"
     )
 
 

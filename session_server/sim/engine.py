@@ -126,7 +126,7 @@ class EngineCore:
             job.waiting = False
             cache = self.caches[job.rank]
             cached = cache.match(job.input_ids, job.cache_salt)
-            cursor = self.policy.start(job.input_ids, job.constrained, job.seed)
+            cursor = self.policy.start(job.input_ids, job.constrained, job.seed, job.session)
             out = Outcome([], [], [] if job.top_k else None, "length", None, len(job.input_ids), cached)
             fault_at = abort_at(job.fault, self.protocol, len(cursor.planned) - cursor.offset, job.max_tokens)
             eos = set(self.model.eos_ids)
@@ -240,6 +240,7 @@ class EngineCore:
                 "fault": job.fault,
                 "routed_start": job.routed_start,
                 "trace_headers": job.trace_headers,
+                "session": job.session,
                 "status": status,
                 "output_ids": None if out is None else [int(t) for t in out.ids],
                 "finish_reason": None if out is None else out.finish,

@@ -8,8 +8,10 @@ How one request is answered (`ScriptedPolicy.start`):
    no occurrence: the whole context is the prompt;
 2. the *planned response* is drawn from a hash of (seed, context before that point):
    while fewer tool turns have happened than the episode's script asks for
-   (1-3, drawn from the episode's first prompt), reasoning plus one or two tool
-   calls; then reasoning plus a final answer. It is an assistant message dict
+   (1-3, drawn from the episode's first prompt), reasoning plus one or two calls of
+   the tools the prompt offers (`offered.py`: read from the rendered prompt, as a
+   model reads them; arguments for each required parameter of the tool's schema);
+   then, or at once when the prompt offers no tool, reasoning plus a final answer. It is an assistant message dict
    rendered to ids by the injected `render` (in practice the codec's
    `canonical_assistant_ids`), optionally re-segmented non-canonically;
 3. tokens already sampled after the turn start are skipped, so resubmitting
@@ -17,7 +19,9 @@ How one request is answered (`ScriptedPolicy.start`):
    after the plan the model emits EOS.
 A test may replace step 2 with a *script* (`set_script`): turn k of an episode plays the
 k-th scripted assistant message (the last one repeats), rendered to ids the same way,
-so a real harness's own tools (mini-swe-agent's `bash`, Claude Code's `Bash`) get called.
+so a real harness's exact calls are made. A script is kept for one session (the
+`x-tito-session` header the server sends with each generate request) or, set without
+one, for every request on the engine that has no session script of its own.
 Logprobs are a hash of (seed, context digest, position, token), in (-5, 0].
 
 A request's own seed (SGLang `sampling_params.sampling_seed`, vLLM `seed`) is honoured as
@@ -39,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from session_server.sim.offered import OfferedTool, arguments_for, offered_tools
 from trajectory.codec.probe import decode_text
 
 __all__ = ["Cursor", "ScriptedPolicy", "SimModel", "sim_model_from_tokenizer"]
@@ -48,11 +53,7 @@ _WORDS = (
     "path", "need", "first", "then", "read", "update", "function", "result", "so", "we",
     "should", "look", "at", "call", "tool", "answer", "data", "line", "fix", "it",
 )
-_TOOLS = (
-    ("read_file", "path", ("src/app.py", "README.md", "setup.cfg", "tests/test_core.py")),
-    ("run_shell", "command", ("ls -la", "pytest -q", "git status", "cat setup.py")),
-    ("search", "query", ("config loader", "retry logic", "parse error", "unit tests")),
-)
+_MAX_SCRIPTS = 4096  # session scripts kept (the oldest dropped past it)
 
 
 @dataclass(frozen=True)
@@ -148,19 +149,35 @@ class ScriptedPolicy:
         self.model = model
         self.seed = seed
         self.noncanonical = noncanonical and model.splitter is not None
-        self._plans: dict[tuple[bytes, int], tuple[list[int], dict[str, Any]]] = {}  # (prefix, seed) -> plan
-        self._script: list[dict[str, Any]] = []
+        # (prefix, seed, script owner) -> plan
+        self._plans: dict[tuple[bytes, int, str | None], tuple[list[int], dict[str, Any]]] = {}
+        self._scripts: dict[str | None, list[dict[str, Any]]] = {}  # session (None: engine-wide) -> turns
+        self._tools: dict[bytes, tuple[OfferedTool, ...]] = {}  # episode's first prompt -> its tools
 
-    def set_script(self, turns: Sequence[dict[str, Any]]) -> None:
+    def set_script(self, turns: Sequence[dict[str, Any]], session: str | None = None) -> None:
         """Script the episode: turn k answers `turns[min(k, len - 1)]`; () restores the
         hashed script. Each turn is `{"content"?, "reasoning_content"?, "tool_calls"?:
-        [{"name", "arguments": object}]}`; ValueError names what is malformed."""
-        self._script = [_scripted_message(t, k) for k, t in enumerate(turns)]
+        [{"name", "arguments": object}]}`; ValueError names what is malformed. `session`:
+        only that session's requests play it; None: every request without a session
+        script of its own (engine-wide: a later, unrelated run plays it too)."""
+        script = [_scripted_message(t, k) for k, t in enumerate(turns)]
+        self._scripts.pop(session, None)
+        if script:
+            if len(self._scripts) >= _MAX_SCRIPTS:
+                self._scripts.pop(next(k for k in self._scripts if k is not None))
+            self._scripts[session] = script
         self._plans.clear()
 
-    def _scripted(self, h: int, tool_turns_done: int) -> dict[str, Any]:
+    def script_owner(self, session: str | None) -> tuple[bool, str | None]:
+        """Whether a request of `session` plays a script, and whose: its own (the
+        session) or the engine-wide one (None); (False, None): the hashed agent."""
+        if session is not None and session in self._scripts:
+            return True, session
+        return None in self._scripts, None
+
+    def _scripted(self, script: list[dict[str, Any]], h: int, tool_turns_done: int) -> dict[str, Any]:
         """The scripted message of turn `tool_turns_done`, its call ids minted as usual."""
-        message = dict(self._script[min(tool_turns_done, len(self._script) - 1)])
+        message = dict(script[min(tool_turns_done, len(script) - 1)])
         calls = []
         for j, (name, args) in enumerate(message.pop("calls")):
             call_id = self.model.call_id
@@ -173,21 +190,22 @@ class ScriptedPolicy:
             message["tool_calls"] = calls
         return message
 
-    def _message(self, h: int, tool_turns_done: int, script_len: int) -> dict[str, Any]:
+    def _message(self, h: int, tool_turns_done: int, script_len: int,
+                 tools: tuple[OfferedTool, ...]) -> dict[str, Any]:
         words = [_WORDS[(h >> (3 * i)) % len(_WORDS)] for i in range(6 + h % 7)]
         reasoning = " ".join(words).capitalize() + "."
-        if tool_turns_done < script_len:
+        if tool_turns_done < script_len and tools:
             calls = []
             for j in range(1 + (h >> 40) % 2):
-                name, arg, values = _TOOLS[(h >> (44 + 2 * j)) % len(_TOOLS)]
-                value = values[(h >> (50 + 2 * j)) % len(values)]
+                name, params = tools[(h >> (44 + 2 * j)) % len(tools)]
+                args = arguments_for(params, h >> (50 + 2 * j))
                 call_id = self.model.call_id
                 calls.append(
                     {
                         "id": call_id(name, 2 * tool_turns_done + j) if call_id else
                         f"call_{_h(self.seed, h, j) % 16**8:08x}",
                         "type": "function",
-                        "function": {"name": name, "arguments": json.dumps({arg: value})},
+                        "function": {"name": name, "arguments": json.dumps(args)},
                     }
                 )
             return {"role": "assistant", "content": "", "reasoning_content": reasoning,
@@ -204,22 +222,29 @@ class ScriptedPolicy:
             out.extend(parts if parts else [t])
         return out
 
-    def plan(self, prefix: np.ndarray, turn_starts: np.ndarray, seed: int | None = None) -> tuple[list[int], dict[str, Any]]:
+    def plan(self, prefix: np.ndarray, turn_starts: np.ndarray, seed: int | None = None,
+             session: str | None = None) -> tuple[list[int], dict[str, Any]]:
         """Planned ids (through EOT) of the turn that follows `prefix`; `turn_starts`:
         where each turn of the context began to be sampled (`_turn_starts`); `seed`: the
-        effective seed (`_seed_of`; None: the server's)."""
+        effective seed (`_seed_of`; None: the server's); `session`: the request's session
+        (whose script it plays, `script_owner`)."""
         seed = self.seed if seed is None else seed
         key = _digest(prefix)
-        cached = self._plans.get((key, seed))
+        scripted, owner = self.script_owner(session)
+        slot = (key, seed, owner)
+        cached = self._plans.get(slot)
         if cached is not None:
             return cached
         first = int(turn_starts[0]) if len(turn_starts) else len(prefix)
-        episode_h = _h(self.seed, _digest(prefix[:first]))
+        episode = _digest(prefix[:first])
+        episode_h = _h(self.seed, episode)
         script_len = 1 + episode_h % 3
         tool_turns_done = max(0, len(turn_starts) - 1)
         h = _h(seed, key)
-        message = (self._scripted(h, tool_turns_done) if self._script
-                   else self._message(h, tool_turns_done, script_len))
+        if scripted:
+            message = self._scripted(self._scripts[owner], h, tool_turns_done)
+        else:
+            message = self._message(h, tool_turns_done, script_len, self._offered(episode, prefix[:first]))
         try:
             ids = list(self.model.render(message))
         except Exception:
@@ -236,8 +261,18 @@ class ScriptedPolicy:
             ids = self._resegment(ids, key)
         if len(self._plans) > 4096:
             self._plans.clear()
-        self._plans[(key, seed)] = (ids, message)
+        self._plans[slot] = (ids, message)
         return ids, message
+
+    def _offered(self, episode: bytes, first_prompt: np.ndarray) -> tuple[OfferedTool, ...]:
+        """The tools the episode's first prompt offers (the template renders them there:
+        system prompt or first user message), decoded once per episode."""
+        tools = self._tools.get(episode)
+        if tools is None:
+            if len(self._tools) > 1024:
+                self._tools.clear()
+            tools = self._tools[episode] = offered_tools(self.model.decode(first_prompt.tolist()))
+        return tools
 
     def _seed_of(self, request_seed: int | None) -> int:
         """The seed a request draws with: the server's, or the request's mixed into it."""
@@ -247,7 +282,7 @@ class ScriptedPolicy:
         """A plan drawn for this prefix under any seed whose head is `already` (a partial
         resubmitted under another seed: see the module doc); O(plans) on that path only."""
         n = len(already)
-        for (k, _), (ids, message) in self._plans.items():
+        for (k, _, _), (ids, message) in self._plans.items():
             if k == key and n <= len(ids) and np.array_equal(already, ids[:n]):
                 return ids, message
         return None
@@ -260,9 +295,11 @@ class ScriptedPolicy:
             starts = np.union1d(starts, _occurrences(ctx, resume) + len(resume))
         return starts
 
-    def start(self, context: Sequence[int], constrained: str | None = None, seed: int | None = None) -> Cursor:
+    def start(self, context: Sequence[int], constrained: str | None = None, seed: int | None = None,
+              session: str | None = None) -> Cursor:
         """`constrained`: the text a constraint forces (sim/constrained.py), then EOS;
-        `seed`: the request's own seed (None: the server's)."""
+        `seed`: the request's own seed (None: the server's); `session`: the request's
+        session, as the server names it (`x-tito-session`), for its script."""
         eff = self._seed_of(seed)
         ctx = np.asarray(context, dtype=np.int64)
         starts = self._turn_starts(ctx)
@@ -272,7 +309,7 @@ class ScriptedPolicy:
             message: dict[str, Any] = {}
             planned = [*self.model.encode(constrained), self.model.eos_ids[0]]
         else:
-            planned, message = self.plan(prefix, starts, eff)
+            planned, message = self.plan(prefix, starts, eff, session)
         already = ctx[turn_start:]
         n = len(already)
         diverged = n > len(planned) or (n > 0 and not np.array_equal(already, planned[:n]))

@@ -13,6 +13,7 @@ generate responses carry only real fields.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from session_server.sim.sampler import SimModel, sim_model_from_tokenizer
 from session_server.sim.sglang_wire import SGLangWire
 from session_server.sim.vllm_wire import VLLMWire
 from session_server.sim.wire import json_response, padding_payload
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FAULT_KINDS", "SimEngine", "load_sim_model", "run_sim_engine", "running_sim"]
 
@@ -98,14 +101,26 @@ class SimEngine(EngineCore):
         return json_response({"pending": []})
 
     async def sim_script(self, request: web.Request) -> web.Response:
-        """POST {"turns": [assistant message, ...]}: script the policy (`ScriptedPolicy.
-        set_script`); {"turns": []} restores the hashed script."""
+        """POST {"turns": [assistant message, ...], "session"?: sid}: script the policy
+        (`ScriptedPolicy.set_script`) for that session's requests, or without a session
+        for every request on the engine (said in the answer's `scope` and `warning`, and
+        logged: a script left behind answers a later, unrelated run); {"turns": []}
+        drops the script of that scope."""
         try:
             body = msgspec.json.decode(await request.read())
-            self.policy.set_script(body["turns"])
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-            return json_response({"error": f"expected {{turns: [...]}}: {exc}"}, 400)
-        return json_response({"turns": len(body["turns"])})
+            session = body.get("session")
+            if session is not None and (not isinstance(session, str) or not session):
+                raise ValueError(f"session must be a non-empty string, got {session!r}")
+            self.policy.set_script(body["turns"], session)
+        except (msgspec.DecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            return json_response({"error": f"expected {{turns: [...], session?: str}}: {exc}"}, 400)
+        if session is not None:
+            return json_response({"turns": len(body["turns"]), "scope": "session", "session": session})
+        warning = ("engine-wide script: every request of every session without a script of its own plays it "
+                   "until it is replaced or dropped ({\"turns\": []}); pass \"session\" to scope it")
+        if body["turns"]:
+            log.warning("sim: %s", warning)
+        return json_response({"turns": len(body["turns"]), "scope": "engine", "warning": warning})
 
     async def sim_aborts(self, request: web.Request) -> web.Response:
         """The abort log: every abort call received and every rid that ended aborted."""

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from session_server.engines.base import SESSION_HEADER
 from session_server.sim.engine import PAUSE_MODES, EngineCore
 from session_server.sim.faults import answer_fault, stream_view
 from session_server.sim.job import Job, Outcome
@@ -141,6 +142,7 @@ class SGLangWire:
             cache_salt=salt(body.get("extra_key")),
             routed_start=int(body.get("routed_experts_start_len") or 0) if body.get("return_routed_experts") else None,
             trace_headers=trace_headers(request),
+            session=request.headers.get(SESSION_HEADER),
         )
         refused = attach_constraint(self.engine, job, sglang_constraint(sp), sglang_error)
         return job if refused is None else refused

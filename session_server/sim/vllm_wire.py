@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from session_server.engines.base import SESSION_HEADER
 from session_server.sim.engine import EngineCore
 from session_server.sim.faults import VALUE_FAULTS, answer_fault, stream_view
 from session_server.sim.job import Job, Outcome
@@ -187,6 +188,7 @@ class VLLMWire:
             fault=self.engine.faults.take(),
             cache_salt=salt(body.get("cache_salt")),
             trace_headers=trace_headers(request),
+            session=request.headers.get(SESSION_HEADER),
         )
         refused = attach_constraint(self.engine, job, vllm_constraint(sp.get("structured_outputs")), vllm_error)
         return job if refused is None else refused

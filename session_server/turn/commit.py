@@ -23,7 +23,7 @@ from trajectory.codec.base import ChatCodec, ParsedAssistant
 from trajectory.errors import ValidationError
 from trajectory.lineage import Lineage
 from trajectory.support import SupportCSR
-from trajectory.tree import ROLLBACK_REASON, Branch
+from trajectory.tree import NEW_CONVERSATION, ROLLBACK_REASON, Branch
 from trajectory.validate import Expectations, ValidGeneration, validate_generation
 
 from ..context import ServerContext, log
@@ -363,7 +363,8 @@ def _apply_branch_change(ctx: ServerContext, session: Session, prep: Prepared) -
                          shared_tokens=prep.fork_shared or branch.trajectory.checkpoints[prep.checkpoint], **detail)
         # a fork render decided shares the line up to where the template's render first
         # differs (prepare._fork_point); one decided at prepare starts from checkpoint 0
-        tree.branch_from(branch.id, prep.checkpoint, prep.fork_reason or "history_rewrite", shared=prep.fork_shared)
+        tree.branch_from(branch.id, prep.checkpoint, prep.fork_reason or prep.opening or NEW_CONVERSATION,
+                         shared=prep.fork_shared)
         ctx.metrics.branches_total.labels(reason="fork").inc()
 
 

@@ -72,6 +72,7 @@ def engine_request(
         return_routed_experts=session.config.routing_replay,
         routed_experts_start=routed_start,
         max_weight_lag=req.max_weight_lag if req.max_weight_lag is not None else session.config.max_weight_lag,
+        session_id=session.id,
     )
     expect = Expectations(
         request_id=greq.request_id,

@@ -16,9 +16,9 @@ from typing import Any, cast
 import numpy as np
 
 from trajectory.codec.base import BridgeRefusal, HistoryPolicy, Message, RefusalReason
-from trajectory.history import attach
+from trajectory.history import attach, fork_reason
 from trajectory.messages import inlined_reasoning
-from trajectory.tree import TrajectoryTree
+from trajectory.tree import TEMPLATE_REWRITE, TrajectoryTree
 
 from ..context import ServerContext
 from ..errors import BadRequest, BranchLimit, HistoryMismatch
@@ -50,6 +50,9 @@ class Prepared:
     constraint: Constraint | None = None  # tool_choice / response_format, derived off the loop
     fork_reason: str | None = None  # why a fork was decided (prepare or render; diagnostic at commit)
     fork_detail: str | None = None  # the codec's words for a fork decided at render
+    # a fork from the root with no known cause: the new branch's reason, what the request
+    # is (`trajectory.history.fork_reason`: new conversation, turn 0 resent, ...); not noted
+    opening: str | None = None
     tool_call_renames: dict[str, Any] = field(default_factory=dict)  # client id -> ours (10.2)
     prev_output: tuple[int, int, int] | None = None  # (turn index, output_start, output_end) before the node
     history_rewrite: dict[str, Any] | None = None  # set by render: where a re-render would differ
@@ -136,6 +139,7 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         constraint=request_constraint(req, ctx.codec.family),
         fork_reason=fork_reason,
         fork_detail=fork_detail,
+        opening=fork_reason_of(plan, req) if plan.kind == "fork" else None,
         tool_call_renames=dict(plan.renames) if kind in ("append", "rollback") else {},
         prev_output=_prev_output(traj, checkpoint) if keep else None,
         line_checkpoints=tuple(traj.checkpoints[: checkpoint + 1]) if keep else (0,),
@@ -143,6 +147,12 @@ def prepare(ctx: ServerContext, session: Session, req: ChatRequest) -> Prepared:
         line_output_starts=tuple(traj.turn(i).output_start for i in range(checkpoint)) if keep else (),
         answered=answered,
     )
+
+
+def fork_reason_of(plan: Any, req: ChatRequest) -> str:
+    """A root fork's branch reason from the attachment and the request's lineage."""
+    lineage = req._lineage
+    return fork_reason(plan, None if lineage is None else lineage.kind)
 
 
 def _divergence_cause(tree: TrajectoryTree, at: tuple[int, int],
@@ -224,7 +234,7 @@ async def render_prompt(ctx: ServerContext, session: Session, prep: Prepared, *,
                              new_messages=full[prep.line_message_counts[k]:],
                              context_ids=prep.context_ids[:shared], tail=[int(x) for x in prep.context_ids[:shared][-_TAIL_TOKENS:]],
                              history=list(prep.history[: prep.line_message_counts[k]]), prev_output=None,
-                             fork_reason=result.reason.value, fork_detail=result.detail)
+                             fork_reason=_template_fork(result.reason), fork_detail=result.detail)
             return Prompt(ids[shared:], forked)
         raise HistoryMismatch(
             f"cannot prove the committed tokens stay a prefix ({result.reason.value}: {result.detail}); "
@@ -236,6 +246,13 @@ async def render_prompt(ctx: ServerContext, session: Session, prep: Prepared, *,
                      **rewrite)
         return Prompt(list(result.prompt_ids), replace(prep, history_rewrite=rewrite))
     return Prompt(list(result.prompt_ids), prep)
+
+
+def _template_fork(reason: RefusalReason) -> str:
+    """The reason of a fork the codec's refusal decides: the refusal's own word, except
+    that a template's history rewrite is `template_rewrite` as a branch (under `append`
+    the same event is the turn's `history_rewrite` diagnostic, and no branch)."""
+    return TEMPLATE_REWRITE if reason is RefusalReason.HISTORY_REWRITE else reason.value
 
 
 def _rewrite_fork(codec: Any, prep: Prepared, full: list[Message]) -> tuple[list[int], int, int]:

@@ -46,7 +46,11 @@ def session_view(s: Session) -> dict[str, Any]:
         "sampling": s.config.sampling,
         "seed": s.config.seed,
         "active_branch": active.id,
+        # the active branch's line (the turns a sample of it holds); `turns_total`: every
+        # turn the session committed, on any branch, each once (a branch's inherited turns
+        # are its parent's)
         "turns": len(traj.turns),
+        "turns_total": sum(b.trajectory.num_turns - b.fork_checkpoint for b in s.tree.branches()),
         "tokens": len(traj),
         "sampled_tokens": sum(t.output_end - t.output_start for t in traj.turns),
         # every branch's tokens, each stored once (branches share their prefixes)

@@ -74,7 +74,7 @@ def _commit(s: Session, step: dict[str, Any], rows: list[Row], routed_on: bool) 
         at = traj.checkpoints[checkpoint]
         limit = traj.turn(checkpoint).output_start if checkpoint < traj.num_turns else at
         shared = at + int(step["share"] * (limit - at))
-        reason = "history_rewrite"
+        reason = "template_rewrite"  # a fork sharing part of a prompt: what the template policy writes
         tree.branch_from(branch.id, checkpoint, reason, shared=shared)
     else:
         tree.activate(branch.id)
@@ -207,3 +207,39 @@ def test_replayed_turns_keep_their_sampling_support_and_the_session_its_k(turns:
     assert back.config == s.config and back.config.sampling_support == 8
     got = [t.sampling_support for t in back.tree.active.trajectory.turns]
     assert [g.to_lists() if g is not None else None for g in got] == turns
+
+
+def test_forks_journaled_under_the_old_single_word_replay_with_the_word_each_gets_now() -> None:
+    """Before each meaning had its word, every fork without a known cause (a new
+    conversation, a resent turn 0, an edited first turn, a title request) and a template's
+    rewrite were journaled as `history_rewrite`: such a journal still replays, each branch
+    named as prepare names it now (`shared` set: the template's fork)."""
+    s = Session("w0.old", SessionConfig(ttl_s=60.0), 0.0)
+    rows = [Row(1, s.id, CREATE, time.time(), create_body(s))]
+    first = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "fix it"}]
+    title = Lineage(agent="title", kind="side", source="x-tito-agent")
+    forks = [  # (op, the request's messages, shared, lineage)
+        ("first", first, None, None),
+        ("fork", first, None, None),  # turn 0 again
+        ("fork", [{"role": "user", "content": "something else"}], None, None),
+        ("fork", [first[0], {"role": "user", "content": "fix the other one"}], None, None),
+        ("fork", [{"role": "system", "content": "Write a title."}, first[1]], None, title),
+        ("fork", first, 1, None),  # a template's rewrite: shares a token past checkpoint 0
+    ]
+    answer = {"role": "assistant", "content": "done"}
+    for op, msgs, shared, lineage in forks:
+        if op == "fork":
+            s.tree.branch_from(0, 0, "history_rewrite", shared=shared)
+        prompt = [1, 2, 3] if shared is None else [2, 3]
+        ids, lps = np.array([4, 5], dtype=np.int32), np.zeros(2, dtype=np.float32)
+        record = s.tree.active.trajectory.commit_turn(prompt, ids, lps, finish_reason="stop", request_messages=msgs,
+                                                     assistant_message=answer, engine="e0", lineage=lineage)
+        rows.append(Row(len(rows) + 1, s.id, TURN, time.time(), turn_body(
+            op=op, branch_id=0, checkpoint=0, reason="history_rewrite" if op == "fork" else None, shared=shared,
+            tools=None, seq=record.seq, prompt_ids=prompt, ids=ids, logprobs=lps, repair=[], finish="stop",
+            spans=None, version=None, request_messages=msgs, assistant_message=answer, engine="e0", cached=0,
+            extra={}, routed=None, answered=None, control=None, notes=[], lineage=lineage)))
+    [back] = replay_rows(rows, time.monotonic).sessions
+    assert [b.reason for b in back.tree.branches()] == [
+        "root", "first_turn_resent", "new_conversation", "history_edited", "side_request", "template_rewrite"]
+    assert [len(b.trajectory) for b in back.tree.branches()] == [len(b.trajectory) for b in s.tree.branches()]

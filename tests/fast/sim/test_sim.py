@@ -14,7 +14,10 @@ from session_server.errors import UpstreamHTTPError, UpstreamTransportError
 from session_server.sim import FAULT_KINDS, PrefixCache, ScriptedPolicy, running_sim
 from session_server.sim.toy import TOY_EOT, toy_decode, toy_encode, toy_model, toy_prompt
 
-PROMPT = toy_prompt(("user", "list the files"))
+# the simulated model calls the tools its prompt offers (sim/offered.py): one, as a template prints it
+TOOLS_TEXT = '<tools>\n{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", ' \
+    '"properties": {"path": {"type": "string"}}, "required": ["path"]}}}\n</tools>'
+PROMPT = toy_prompt(("system", TOOLS_TEXT), ("user", "list the files"))
 
 
 def _rid(n: int) -> str:

@@ -36,7 +36,7 @@ def commit(tree: TrajectoryTree, plan: Attachment, reply: dict[str, Any]) -> Non
     elif plan.kind == "rollback":
         tree.branch_from(plan.branch_id, plan.checkpoint, "rollback")
     else:
-        tree.branch_from(plan.branch_id, 0, "history_rewrite")
+        tree.branch_from(plan.branch_id, 0, "new_conversation")
     tree.commit_turn([1, 2], [3], [-0.5], finish_reason="tool_calls",
                      request_messages=plan.new_messages, assistant_message=reply)
 

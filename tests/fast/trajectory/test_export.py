@@ -62,7 +62,7 @@ def sample_tree() -> TrajectoryTree:
     )
     tree.rollback(1)
     tree.active.trajectory.commit_turn([11], [12], [-2.5], finish_reason="stop")
-    tree.fork("history_rewrite")
+    tree.fork("new_conversation")
     return tree
 
 
@@ -95,7 +95,7 @@ def test_to_dict_shape() -> None:
     assert [(b["id"], b["parent_id"], b["reason"]) for b in d["branches"]] == [
         (0, None, "root"),
         (1, 0, "rollback"),
-        (2, 1, "history_rewrite"),
+        (2, 1, "new_conversation"),
     ]
 
 
@@ -249,7 +249,7 @@ def _prompt_fork_tree() -> TrajectoryTree:
                      request_messages=[{"role": "user", "content": "a"}], assistant_message={"role": "assistant"})
     tree.commit_turn([5, 6, 7], [8], [-0.25], finish_reason="stop",
                      request_messages=[{"role": "tool", "content": "b"}], assistant_message={"role": "assistant"})
-    tree.branch_from(0, 1, "history_rewrite", shared=6)  # [4, 6) of turn 1's prompt shared
+    tree.branch_from(0, 1, "template_rewrite", shared=6)  # [4, 6) of turn 1's prompt shared
     tree.commit_turn([9], [10], [-1.0], finish_reason="stop",
                      request_messages=[{"role": "tool", "content": "c"}], assistant_message={"role": "assistant"})
     return tree

@@ -61,7 +61,7 @@ def _tree_with_branches() -> TrajectoryTree:
         _turn(tree.active.trajectory, i)
     tree.rollback(1)  # branch 1: turn 0 of branch 0, then its own
     _turn(tree.active.trajectory, 7)
-    tree.fork("history_rewrite")  # branch 2: re-rendered from scratch
+    tree.fork("new_conversation")  # branch 2: re-rendered from scratch
     _turn(tree.active.trajectory, 8)
     _turn(tree.active.trajectory, 9)
     return tree
@@ -94,7 +94,7 @@ def test_a_fork_rewrite_asks_from_zero_and_a_turn_without_rows_restarts_the_chai
     tree = TrajectoryTree()
     _turn(tree.active.trajectory, 0)
     _turn(tree.active.trajectory, 1)
-    b = tree.fork("history_rewrite")
+    b = tree.fork("new_conversation")
     assert b.trajectory.routed_start() == 0  # a rewrite re-renders the line: every position again
     _turn(b.trajectory, 5)
     assert b.trajectory.turns[0].routed_experts.start == 0

@@ -44,14 +44,14 @@ def _harness_tree() -> TrajectoryTree:
     t = TrajectoryTree()
     _turn(t, 0, MAIN)
     _turn(t, 1, MAIN)
-    t.branch_from(0, 2, "history_rewrite")
+    t.branch_from(0, 2, "new_conversation")
     _turn(t, 2, SIDE)
     t.branch_from(0, 2, "rollback")
     _turn(t, 3, MAIN)
-    t.branch_from(0, 0, "history_rewrite")
+    t.branch_from(0, 0, "new_conversation")
     _turn(t, 4, SUB)
     _turn(t, 5, SUB)
-    t.branch_from(0, 0, "history_rewrite")
+    t.branch_from(0, 0, "new_conversation")
     _turn(t, 6, None)
     return t
 

@@ -81,7 +81,7 @@ class Oracle:
 
     def branch(self, checkpoint: int, fork: bool) -> None:
         old = self.tree.active.id
-        new = self.tree.fork("history_rewrite") if fork else self.tree.rollback(checkpoint)
+        new = self.tree.fork("new_conversation") if fork else self.tree.rollback(checkpoint)
         self.line[new.id] = self.line[old][: new.fork_checkpoint]
         if fork:
             self.conv = self.clock  # a rewritten history: a new first request
@@ -313,7 +313,7 @@ def test_a_fork_drops_nothing_but_a_retry_inside_it_does() -> None:
     t = TrajectoryTree()
     _turn(t, 0, request_messages=[{"role": "user", "content": "main task"}])
     _turn(t, 1)
-    t.fork("history_rewrite")  # a rewritten history (or a sub-agent): both lines are trained
+    t.fork("new_conversation")  # a rewritten history (or a sub-agent): both lines are trained
     _turn(t, 2, request_messages=[{"role": "user", "content": "a sub-task"}])
     _turn(t, 3)
     assert _paths(t) == [[0], [0, 1]]

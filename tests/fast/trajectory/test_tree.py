@@ -51,8 +51,8 @@ def test_rollback_keeps_old_branch() -> None:
 def test_fork_is_empty_child_of_active() -> None:
     tree = TrajectoryTree()
     _turn(tree, 0)
-    b = tree.fork("history_rewrite")
-    assert (b.parent_id, b.fork_checkpoint, b.fork_index, b.reason) == (0, 0, 0, "history_rewrite")
+    b = tree.fork("new_conversation")
+    assert (b.parent_id, b.fork_checkpoint, b.fork_index, b.reason) == (0, 0, 0, "new_conversation")
     assert len(b.trajectory) == 0 and b.trajectory.messages() == []
     tree.check_invariants()
 
@@ -171,7 +171,7 @@ def test_a_fork_into_the_next_prompt_shares_it_and_opens_its_turn_with_it() -> N
     _prompted_turn(tree, [1, 2, 3], [10])
     _prompted_turn(tree, [4, 5, 6, 7], [11, 12])  # turn 1: prompt [4, 8), sampled [8, 10)
     parent = tree.active
-    b = tree.branch_from(parent.id, 1, "history_rewrite", shared=6)
+    b = tree.branch_from(parent.id, 1, "template_rewrite", shared=6)
     assert (b.fork_checkpoint, b.fork_index) == (1, 6)
     assert b.trajectory.prompt_head == 2 and b.trajectory.buffer.ids.tolist() == []
     _prompted_turn(tree, [8, 9], [13])
@@ -189,16 +189,16 @@ def test_a_fork_never_shares_a_sampled_token_as_prompt() -> None:
     tree = TrajectoryTree()
     _prompted_turn(tree, [1, 2], [10, 11])
     with pytest.raises(CheckpointError, match="prompt after it"):
-        tree.branch_from(0, 0, "history_rewrite", shared=3)  # token 2 was sampled
+        tree.branch_from(0, 0, "template_rewrite", shared=3)  # token 2 was sampled
     with pytest.raises(CheckpointError, match="prompt after it"):
-        tree.branch_from(0, 1, "history_rewrite", shared=5)  # past the line's end
+        tree.branch_from(0, 1, "template_rewrite", shared=5)  # past the line's end
     assert len(tree) == 1
 
 
 def test_a_prompt_head_no_turn_opens_is_refused_by_the_tree_and_can_be_discarded() -> None:
     tree = TrajectoryTree()
     _prompted_turn(tree, [1, 2, 3], [10])
-    b = tree.branch_from(0, 0, "history_rewrite", shared=2)
+    b = tree.branch_from(0, 0, "template_rewrite", shared=2)
     with pytest.raises(InvariantError, match="belong to no turn"):
         tree.check_invariants()
     b.trajectory.check_invariants(allow_head=True)  # a fresh fork: a head of prompt tokens

@@ -183,12 +183,16 @@ async def test_same_tools_resent_is_no_change(qwen3_dir: Path) -> None:
 
 
 async def test_no_tools_sent_means_tool_markup_is_content(qwen3_dir: Path) -> None:
-    """The simulated agent calls tools on its first turn; without `tools` in the request
-    the text is content and the turn finishes `stop`."""
+    """A model that writes tool-call markup though the request sent no `tools` (the
+    simulated one, scripted to: unscripted it calls only offered tools): the text is
+    content and the turn finishes `stop`."""
     async with live_stack(qwen3_dir) as st:
         with_tools = (await st.chat(await st.session(), {"messages": [USER], "tools": TOOLS, "max_tokens": 128})).json()
         assert with_tools["choices"][0]["message"].get("tool_calls")
-        r = await st.chat(await st.session(), {"messages": [USER], "max_tokens": 128})
+        sid = await st.session()
+        script = {"turns": [{"tool_calls": [{"name": "read_file", "arguments": {"path": "a.py"}}]}], "session": sid}
+        assert (await st.http.post(f"{st.engines[0]}/sim/script", json=script)).status_code == 200
+        r = await st.chat(sid, {"messages": [USER], "max_tokens": 128})
     choice = r.json()["choices"][0]
     assert "tool_calls" not in choice["message"] and choice["finish_reason"] == "stop"
     assert "<tool_call>" in choice["message"]["content"]

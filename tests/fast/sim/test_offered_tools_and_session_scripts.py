@@ -1,0 +1,87 @@
+"""The simulated model calls the tools the request offers, read as an engine reads them
+(from the rendered prompt), answers in plain text when none is offered, and a script set
+for one session is played by that session alone (an engine-wide one says so)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from session_server.sim.offered import arguments_for, offered_tools
+
+from ..stack import live_stack
+
+USER = {"role": "user", "content": "What is the weather in Paris?"}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "days", "unit"]}}}
+BASH = {"type": "function", "function": {
+    "name": "Bash", "description": "Run a command",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
+                   "required": ["command"]}}}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "glm4moe"])
+def test_the_tools_a_template_renders_are_read_back_from_the_prompt(family: str,
+                                                                   tokenizer_dirs: dict[str, Path]) -> None:
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dirs[family]))
+    text = tok.apply_chat_template([USER], tools=[WEATHER, BASH], add_generation_prompt=True, tokenize=False)
+    tools = offered_tools(text)
+    assert [name for name, _ in tools] == ["get_weather", "Bash"], text
+    args = arguments_for(dict(tools[0][1]), 12345)
+    assert set(args) == {"city", "days", "unit"} and isinstance(args["city"], str)
+    assert isinstance(args["days"], int) and args["unit"] in ("c", "f")
+    assert set(arguments_for(dict(tools[1][1]), 7)) == {"command"}  # required parameters only
+    assert offered_tools(tok.apply_chat_template([USER], add_generation_prompt=True, tokenize=False)) == ()
+
+
+def _calls(reply: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    msg = reply["choices"][0]["message"]
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls") or []]
+
+
+async def test_the_simulated_model_calls_the_offered_tools_and_answers_in_text_without_any(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir) as st:
+        seen: set[str] = set()
+        for k in range(6):  # a few episodes: each plans 1-3 tool turns first
+            user = {"role": "user", "content": f"Task {k}: check the weather."}
+            r = await st.chat(await st.session(), {"model": "m", "messages": [user], "tools": [WEATHER, BASH],
+                                                   "max_tokens": 256})
+            assert r.status_code == 200, r.text
+            calls = _calls(r.json())
+            assert calls and "<tool_call>" not in (r.json()["choices"][0]["message"]["content"] or ""), r.json()
+            for name, args in calls:
+                assert name in ("get_weather", "Bash")
+                assert set(args) == ({"city", "days", "unit"} if name == "get_weather" else {"command"})
+                seen.add(name)
+            r = await st.chat(await st.session(), {"model": "m", "messages": [user], "max_tokens": 256})
+            plain = r.json()["choices"][0]["message"]
+            assert not plain.get("tool_calls") and plain["content"].startswith("Done:"), plain
+        assert seen == {"get_weather", "Bash"}
+
+
+async def test_a_session_script_is_played_by_that_session_only(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir) as st, httpx.AsyncClient() as c:
+        scripted, other = await st.session(), await st.session()
+        r = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [{"content": "Scripted."}], "session": scripted})
+        assert r.status_code == 200 and r.json()["scope"] == "session", r.text
+        body = {"model": "m", "messages": [USER], "max_tokens": 64}
+        assert (await st.chat(scripted, body)).json()["choices"][0]["message"]["content"] == "Scripted."
+        assert (await st.chat(other, body)).json()["choices"][0]["message"]["content"] != "Scripted."
+        # without a session the script is engine-wide, and the answer says so
+        r = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [{"content": "Everyone."}]})
+        assert r.json()["scope"] == "engine" and "engine-wide" in r.json()["warning"]
+        third = await st.session()
+        assert (await st.chat(third, body)).json()["choices"][0]["message"]["content"] == "Everyone."
+        # the session's own script still wins over the engine-wide one
+        again = {"model": "m", "messages": [{"role": "user", "content": "Again."}], "max_tokens": 64}
+        assert (await st.chat(scripted, again)).json()["choices"][0]["message"]["content"] == "Scripted."
+        bad = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [], "session": 3})
+        assert bad.status_code == 400
