@@ -21,8 +21,10 @@ request bodies are never buffered and streamed responses stay streamed.
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 import secrets
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -38,7 +40,17 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Schema and docs pages describe the API (public, like the source); they hold no data.
-OPEN_PATHS = frozenset({"/health", "/v1/models", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# The viewer's login page takes the admin token and holds nothing else.
+OPEN_PATHS = frozenset({"/health", "/v1/models", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+                        "/ui/login"})
+
+# The trajectory viewer's credential (api/ui.py): a browser cannot send a bearer header
+# on a page load, so `/ui/login` sets this cookie, derived from the admin token (the
+# token itself never sits in the browser). It is accepted for GET and HEAD only (every
+# route that changes anything is a POST or DELETE), HttpOnly and SameSite=Strict: the
+# viewer reads, and another site can neither read nor make it act.
+UI_COOKIE = b"tito_ui"
+READ_METHODS = frozenset({"GET", "HEAD"})
 
 
 class Access(enum.Enum):
@@ -60,6 +72,27 @@ def classify(path: str) -> tuple[Access, str | None]:
     if len(parts) == 5 and parts[1] == "sessions" and parts[3] == "v1" and parts[2] and parts[4]:
         return Access.SESSION, parts[2]
     return Access.ADMIN, None
+
+
+def ui_cookie_value(admin_token: str) -> str:
+    """The viewer cookie's value for `admin_token` (a keyed hash: the cookie proves the
+    token was presented without being it)."""
+    return hmac.new(admin_token.encode(), b"tito-ui-cookie-v1", hashlib.sha256).hexdigest()
+
+
+def _cookie(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == b"cookie":
+            for part in value.split(b";"):
+                k, _, v = part.strip().partition(b"=")
+                if k == name and v:
+                    return v
+    return None
+
+
+def is_ui_page(path: str) -> bool:
+    """A viewer page a browser navigates to (a denied load goes to the login page)."""
+    return (path == "/ui" or path.startswith("/ui/")) and not path.startswith(("/ui/api/", "/ui/static/"))
 
 
 def presented_tokens(headers: Iterable[tuple[bytes, bytes]], *, allow_api_key: bool) -> list[bytes]:
@@ -90,6 +123,7 @@ class BearerAuth:
     def __init__(self, app: ASGIApp, admin_token: str) -> None:
         self.app = app
         self.admin = admin_token.encode()
+        self.ui_cookie = ui_cookie_value(admin_token).encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,6 +137,14 @@ class BearerAuth:
         if _matches(presented, self.admin) or (sid is not None and self._session_ok(scope, sid, presented)):
             await self.app(scope, receive, send)
             return
+        if access is Access.ADMIN and scope["method"] in READ_METHODS:
+            cookie = _cookie(scope["headers"], UI_COOKIE)
+            if cookie is not None and _matches([cookie], self.ui_cookie):
+                await self.app(scope, receive, send)
+                return
+            if not presented and is_ui_page(scope["path"]):
+                await _to_login(scope, send)
+                return
         if sid is not None and presented and (unheld := self._unheld(scope, sid)) is not None:
             await _send_error(scope, send, unheld, [])
             return
@@ -146,6 +188,15 @@ class BearerAuth:
                 # anthropic-sdk `_should_retry`, openai-python `_should_retry`).
                 (b"x-should-retry", b"false"),
             ])
+
+
+async def _to_login(scope: Scope, send: Send) -> None:
+    """A viewer page loaded without a credential: to the login page, which comes back here."""
+    back = urllib.parse.quote(scope["path"], safe="/")
+    await send({"type": "http.response.start", "status": 303,
+                "headers": [(b"location", f"/ui/login?next={back}".encode()), (b"content-length", b"0"),
+                            (b"cache-control", b"no-store")]})
+    await send({"type": "http.response.body", "body": b""})
 
 
 async def _send_error(scope: Scope, send: Send, err: ServiceError, headers: list[tuple[bytes, bytes]]) -> None:

@@ -162,6 +162,9 @@ class Session:
         self.responses: dict[str, Any] = {}
         self.journaled_use = now  # the store's clock at the last `touch` the journal kept
         self.gone_reason = ""  # why it left the store (closed, expired, taken by samples close): a tombstone's words
+        # the viewer's live subscribers (turn/watch.py): transient, never journaled (they hold no
+        # committed state: a restarted server's viewer reconnects and reads the tree)
+        self.watchers: list[Callable[[dict[str, Any]], None]] = []
 
     def built_on(self, turn: tuple[int, int]) -> bool:
         """Whether a committed turn extends `turn` (branch id, turn index): its client must

@@ -213,7 +213,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from .demo import run_demo
 
-    return asyncio.run(run_demo(out_dir=args.out, turns=args.turns, protocol=args.protocol))
+    return asyncio.run(run_demo(out_dir=args.out, turns=args.turns, protocol=args.protocol, hold_s=args.hold_s))
 
 
 def _verify_template(args: argparse.Namespace) -> int:
@@ -388,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="demo_output", help="directory for the exported trajectory")
     d.add_argument("--turns", type=int, default=8, help="agent turns")
     d.add_argument("--protocol", choices=("sglang", "vllm"), default="sglang", help="simulated engine protocol")
+    d.add_argument("--hold-s", type=float, default=0.0, help="keep the server up this long after the episode, to "
+                   "look at the session in the viewer (its URL is printed)")
     d.set_defaults(func=_demo)
     return p
 

@@ -7,6 +7,7 @@ Qwen3's special tokens and chat template), so no hub download is needed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -117,20 +118,30 @@ def _summary(traj: dict[str, Any], episode: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def run_demo(*, out_dir: str = "demo_output", turns: int = 8, protocol: str = "sglang") -> int:
+async def run_demo(*, out_dir: str = "demo_output", turns: int = 8, protocol: str = "sglang", hold_s: float = 0.0) -> int:
+    """The episode, its summary, and the session's page in the trajectory viewer
+    (printed first, so it can be opened while the agent runs; `hold_s` keeps the server
+    up that long afterwards to look at it)."""
     tok_dir = cached_tokenizer_dir("qwen3")
     async with running_sim(protocol, str(tok_dir), seed=7, dp=2, latency_ms=1.0) as engine_url:
         config = AppConfig(tokenizer=str(tok_dir), engines=[f"{protocol}={engine_url}"], settings=Settings())
         async with running_server(config) as server_url, httpx.AsyncClient(base_url=server_url) as http:
             created = (await http.post("/sessions", json={"metadata": {"demo": True}})).json()
+            viewer = f"{server_url}/ui/sessions/{created['session_id']}"
+            print(f"viewer: {viewer}", flush=True)
             episode = await run_agent(created["base_url"], max_turns=turns)
             traj = (await http.get(f"/sessions/{created['session_id']}/trajectory")).json()
             view = (await http.get(f"/sessions/{created['session_id']}")).json()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "trajectory.json"
-    path.write_text(json.dumps(traj))
-    print(_summary(traj, episode))
-    print(f"  home target: {view['home']}   branches: {len(view['branches'])}")
-    print(f"  trajectory written to {path}")
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / "trajectory.json"
+            path.write_text(json.dumps(traj))
+            print(_summary(traj, episode))
+            print(f"  home target: {view['home']}   branches: {len(view['branches'])}")
+            print(f"  trajectory written to {path}")
+            if hold_s > 0:
+                print(f"  the viewer stays up {hold_s:g} s: {viewer}", flush=True)
+                await asyncio.sleep(hold_s)
+            else:
+                print(f"  viewer (while the demo runs; --hold-s keeps it up): {viewer}")
     return 0

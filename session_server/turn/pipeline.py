@@ -37,6 +37,7 @@ from ..errors import ClientGone, SessionBusy, SessionClosed
 from ..journal_records import DISCARDED, encode
 from ..sessions import Claim, Session, SessionState
 from ..tracing import TurnTrace, request_attributes
+from . import watch
 from .chat_request import ChatRequest
 from .commit import Checked, Committed, PendingTurn, commit, validate
 from .dispatch import Generated, generate_turn
@@ -207,6 +208,7 @@ class TurnRunner:
                     session.turn = None
                 ctx.metrics.turns_in_flight.dec()
                 ctx.store.release(session, claim)
+                watch.ended(session, work.done() and not work.cancelled() and work.exception() is None)
 
     async def _parse(self, session_id: str, body: bytes, parse: Callable[[bytes], ChatRequest]) -> ChatRequest:
         """The dialect's parse, off the loop when the body is large, under the session lock."""
@@ -289,7 +291,8 @@ class TurnRunner:
         call = engine_request(ctx, session, req, prompt.prep, prompt.prompt_ids,
                               request_id=live.request_id if live is not None else None)
         streams = live is not None and live.begin(req, call, prompt.prep)
-        on_delta = live.on_delta if live is not None and streams else None
+        on_delta = watch.observed(session, live.on_delta if live is not None and streams else None)
+        watch.begun(session, prompt.prep.branch_id, len(prompt.prep.context_ids) + len(prompt.prompt_ids), streams)
         if timer.trace is not None:
             timer.trace.request(_request_attributes(req, call))
         gen = await generate_turn(ctx, session, req, call, on_placed=lambda: timer.lap("route"), on_delta=on_delta,

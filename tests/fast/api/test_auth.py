@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from openai import AsyncOpenAI
 
 from session_server.app import AppConfig, create_app
-from session_server.auth import Access, classify, presented_tokens
+from session_server.auth import Access, classify, is_ui_page, presented_tokens
 from session_server.context import Settings
 
 from ..stack import CHAT, live_stack
@@ -62,6 +62,19 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("HEAD", "/docs/oauth2-redirect"): Access.OPEN,
     ("GET", "/redoc"): Access.OPEN,
     ("HEAD", "/redoc"): Access.OPEN,
+    # the trajectory viewer: its pages and data are the admin's (read with the viewer
+    # cookie too); its login page takes the token and holds nothing
+    ("GET", "/ui"): Access.ADMIN,
+    ("GET", "/ui/"): Access.ADMIN,
+    ("GET", "/ui/control"): Access.ADMIN,
+    ("GET", "/ui/sessions/{sid}"): Access.ADMIN,
+    ("GET", "/ui/static/{name}"): Access.ADMIN,
+    ("GET", "/ui/api/sessions"): Access.ADMIN,
+    ("GET", "/ui/api/meta"): Access.ADMIN,
+    ("GET", "/sessions/{sid}/tokens"): Access.ADMIN,
+    ("GET", "/sessions/{sid}/live"): Access.ADMIN,
+    ("GET", "/ui/login"): Access.OPEN,
+    ("POST", "/ui/login"): Access.OPEN,
 }
 
 
@@ -125,12 +138,18 @@ def test_auth_route_matrix(client: TestClient, method: str, path: str, cred: str
     url = path.replace("{sid}", mine["session_id"]).replace("{engine_id}", "e999")
     if (method, path) == ("DELETE", "/sessions/{sid}"):
         url += "?return_trajectory=true"
-    r = client.request(method, url, headers=headers, content=b"{}" if method == "POST" else None)
     allowed = (
         access is Access.OPEN
         or cred == "admin"
         or (access is Access.SESSION and cred == "own_session")
     )
+    if allowed and path == "/sessions/{sid}/live":
+        return  # an endless event stream (TestClient reads a body whole): test_viewer_pages reads it
+    r = client.request(method, url, headers=headers, content=b"{}" if method == "POST" else None,
+                       follow_redirects=False)
+    if not allowed and cred == "none" and is_ui_page(url):  # a browser's page load: to the login page
+        assert r.status_code == 303 and r.headers["location"].startswith("/ui/login?next=/ui"), r.headers
+        return
     if allowed:
         assert r.status_code != 401, (method, url, cred, r.text)
     else:

@@ -1,0 +1,180 @@
+// The token view of one line: every token with its text and its kind (sampled, template,
+// tool output, repair), logprob as shading with the value on hover, and markers for turn,
+// output, weight-version, abort/resubmit, repair and history-rewrite positions.
+// A line is cut into chunks (a turn's prompt or output, at most CHUNK tokens); a chunk's
+// texts are fetched and its tokens built only when it scrolls near view, so a 100K-token
+// line costs the page a few chunks at a time.
+"use strict";
+
+V.CHUNK = 2000;
+
+V.tokenKinds = function (line) {
+  // kind of each position from the arrays alone (tool output is found later, by text)
+  const n = line.token_ids.length;
+  const kind = new Array(n).fill("template");
+  for (let i = 0; i < n; i++) if (line.loss_mask[i]) kind[i] = "sampled";
+  for (const t of line.turns) {
+    for (let i = t.output_start; i < t.output_end; i++) if (!line.loss_mask[i]) kind[i] = "sampled nomask";
+    for (let i = t.output_end; i < t.end; i++) kind[i] = "repair";
+  }
+  return kind;
+};
+
+V.lineMarks = function (line) {
+  // position -> [[class, label, title]]
+  const marks = new Map();
+  const add = (pos, cls, label, title) => {
+    if (!marks.has(pos)) marks.set(pos, []);
+    marks.get(pos).push([cls, label, title || label]);
+  };
+  for (const t of line.turns) {
+    const x = t.extra || {};
+    const renames = x.tool_call_id_renames;
+    add(t.prompt_start, "turn", `turn ${t.index} · seq ${t.seq}`,
+      `turn ${t.index} (commit order ${t.seq}): prompt tokens ${t.prompt_start}-${t.output_start}`);
+    if (renames && Object.keys(renames).length) {
+      add(t.prompt_start, "rename", "tool-call ids renamed",
+        Object.entries(renames).map(([a, b]) => `${a} → ${b}`).join("\n"));
+    }
+    const spans = t.weight_spans || [];
+    add(t.output_start, "output", `output · v${spans.length ? spans[0][2] : t.weight_version} · ${t.engine || ""}`,
+      `sampled ${t.output_start}-${t.output_end}, finish ${t.finish_reason}`);
+    const c = x.control || {};
+    const aborts = c.aborts || 0;
+    for (let k = 1; k < spans.length; k++) {
+      add(spans[k][0], "version", `v${spans[k - 1][2]} → v${spans[k][2]}`, `weight version changes at token ${spans[k][0]}`);
+      if (k <= aborts) add(spans[k][0], "abort", "abort · resubmit", "the engine was paused here; the partial was kept and resubmitted");
+    }
+    if (aborts >= spans.length && aborts > 0) {
+      add(t.output_start, "abort", `${aborts} abort(s) · ${c.resubmits || 0} resubmit(s)`,
+        "pauses aborted and resubmitted this turn; positions without a version change are not recorded");
+    }
+    if (t.repair_tokens) add(t.output_end, "repair", `repair ×${t.repair_tokens}`, "tokens the server added to close the turn");
+    const rw = x.history_rewrite;
+    if (rw && rw.first_diff !== null && rw.first_diff !== undefined) {
+      add(rw.first_diff, "rewrite", "history rewrite: first differing token",
+        `a re-render of turn ${rw.rewritten_turn} would differ from here; the line keeps what the model saw`);
+    }
+  }
+  return marks;
+};
+
+V.lineChunks = function (line) {
+  const out = [];
+  const piece = (a, b, turn, part) => {
+    for (let s = a; s < b; s += V.CHUNK) out.push({ start: s, end: Math.min(b, s + V.CHUNK), turn: turn, part: part });
+  };
+  let at = 0;
+  for (const t of line.turns) {
+    if (t.prompt_start > at) piece(at, t.prompt_start, null, "other");
+    piece(t.prompt_start, t.output_start, t, "prompt");
+    piece(t.output_start, t.end, t, "output");
+    at = t.end;
+  }
+  if (line.token_ids.length > at) piece(at, line.token_ids.length, null, "other");
+  return out;
+};
+
+function toolTexts(turn) {
+  const out = [];
+  for (const m of (turn && turn.request_messages) || []) {
+    if (m.role !== "tool") continue;
+    if (typeof m.content === "string") out.push(m.content);
+    else if (Array.isArray(m.content)) for (const p of m.content) if (p && typeof p.text === "string") out.push(p.text);
+  }
+  return out.filter((s) => s.length > 0);
+}
+
+function markToolOutput(chunk, texts, kinds) {
+  // a prompt chunk: the tokens whose text overlaps a tool message's content
+  let joined = "";
+  const starts = [];
+  for (const t of texts) { starts.push(joined.length); joined += t; }
+  let from = 0;
+  for (const tool of toolTexts(chunk.turn)) {
+    const at = joined.indexOf(tool, from);
+    if (at < 0) continue;
+    from = at + tool.length;
+    for (let k = 0; k < texts.length; k++) {
+      const a = starts[k], b = a + texts[k].length;
+      if (b > at && a < from && kinds[chunk.start + k] === "template") kinds[chunk.start + k] = "tool";
+    }
+  }
+}
+
+V.tokenSpan = function (i, text, kind, line, versionOf) {
+  const lp = line.logprobs[i];
+  const span = V.el("span", { class: "tok " + kind, data: { i: i } });
+  span.textContent = V.shown(text);
+  let title = `#${i} id ${line.token_ids[i]} · ${kind} · mask ${line.loss_mask[i]}`;
+  if (kind.startsWith("sampled") || kind === "repair") {
+    title += ` · logprob ${lp.toFixed(4)} · p ${Math.exp(lp).toFixed(3)}`;
+    const v = versionOf(i);
+    if (v !== null) title += ` · weights v${v}`;
+    span.style.setProperty("--a", Math.min(0.85, 0.08 + (-lp) / 6).toFixed(3));
+  }
+  span.title = title;
+  return span;
+};
+
+V.renderLine = function (holder, sid, line) {
+  const kinds = V.tokenKinds(line);
+  const marks = V.lineMarks(line);
+  const spanStarts = [];
+  for (const t of line.turns) for (const s of t.weight_spans || []) spanStarts.push(s);
+  const versionOf = (i) => { for (const s of spanStarts) if (i >= s[0] && i < s[1]) return s[2]; return null; };
+  const count = (k) => kinds.filter((x) => x === k).length;
+  holder.appendChild(V.el("p", { class: "legend", id: "token-summary" },
+    V.el("span", { text: `${line.token_ids.length} tokens` }),
+    V.el("span", { class: "tok sampled", text: `sampled (trained) ${count("sampled")}` }),
+    V.el("span", { class: "tok template", text: `template / tool output ${count("template")}` }),
+    V.el("span", { class: "tok repair", text: `repair ${count("repair")}` }),
+    V.el("span", { class: "tok tool", text: "tool output" }),
+    V.el("span", { class: "muted", text: "darker = less likely; hover a token for its id, logprob and version" })));
+  const box = V.el("div", { class: "line", id: "line-tokens" });
+  holder.appendChild(box);
+  const chunks = V.lineChunks(line);
+  const fill = async (div, chunk) => {
+    let data;
+    try {
+      data = await V.api(`/sessions/${encodeURIComponent(sid)}/tokens?branch=${line.id}&start=${chunk.start}&end=${chunk.end}`);
+    } catch (e) { div.textContent = "(could not load: " + e.message + ")"; return; }
+    if (chunk.part === "prompt") markToolOutput(chunk, data.texts, kinds);
+    const frag = document.createDocumentFragment();
+    for (let k = 0; k < data.texts.length; k++) {
+      const i = chunk.start + k;
+      for (const [cls, label, title] of marks.get(i) || []) frag.appendChild(V.el("span", { class: "mark " + cls, text: label, title: title, data: { at: i } }));
+      const sp = V.tokenSpan(i, data.texts[k], kinds[i], line, versionOf);
+      if (marks.has(i) && marks.get(i).some((m) => m[0] === "rewrite")) sp.classList.add("rewrite");
+      frag.appendChild(sp);
+    }
+    if (chunk.end === line.token_ids.length) for (const [cls, label, title] of marks.get(chunk.end) || []) frag.appendChild(V.el("span", { class: "mark " + cls, text: label, title: title }));
+    V.clear(div).appendChild(frag);
+    div.style.minHeight = "";
+    div.classList.remove("pending");
+    div.dataset.loaded = "1";
+  };
+  const observer = new IntersectionObserver((entries) => {
+    for (const e of entries) {
+      if (!e.isIntersecting || e.target.dataset.loading) continue;
+      e.target.dataset.loading = "1";
+      observer.unobserve(e.target);
+      fill(e.target, chunks[parseInt(e.target.dataset.chunk, 10)]);
+    }
+  }, { root: box, rootMargin: "1500px 0px" });
+  chunks.forEach((c, k) => {
+    const div = V.el("div", { class: "chunk pending", data: { chunk: k, start: c.start, end: c.end },
+      text: `tokens ${c.start}-${c.end} (${c.part})…` });
+    div.style.minHeight = Math.ceil((c.end - c.start) / 14) * 1.3 + "em";
+    box.appendChild(div);
+    observer.observe(div);
+  });
+  return {
+    box: box,
+    // scroll to token i (its chunk is loaded by the observer once it is in view)
+    reveal: (i) => {
+      const k = chunks.findIndex((c) => i >= c.start && i < c.end);
+      if (k >= 0) box.querySelector(`[data-chunk="${k}"]`).scrollIntoView({ block: "start" });
+    },
+  };
+};

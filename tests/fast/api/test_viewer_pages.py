@@ -1,0 +1,207 @@
+"""The trajectory viewer in a real headless Chromium (Debian's `chromium`, driven by
+Playwright): one session with a retry, a fork, a pause with a weight-version change and
+a history rewrite, seen on its pages; the live turn growing; model output shown as text.
+
+Screenshots of each page go to `docs/screenshots/` (linked from the README). Without
+/usr/bin/chromium the tests skip here; under CI (`CI` set) that is a failure: `.ci/run`
+installs it, and a browser suite that silently skips proves nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from session_server.context import Settings
+
+from ..stack import Stack, live_stack, until_in_flight
+
+CHROMIUM = os.environ.get("TITO_CHROMIUM", "/usr/bin/chromium")
+SHOTS = Path(__file__).resolve().parents[3] / "docs" / "screenshots"
+EVIL = "<script>window.__pwned = 1</script><img src=x onerror=window.__pwned=2>"
+SCRIPT = [
+    {"reasoning_content": "Look at the config first.", "content": f"Reading it. {EVIL} " + "ok " * 30},
+    {"content": "Second answer: " + "step " * 60},
+]
+U1 = [{"role": "user", "content": "The tests fail after the config change. Fix it."}]
+
+
+def _browser_or_skip() -> Any:
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("playwright is not installed (pip install -e '.[dev]')")
+    if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
+        if os.environ.get("CI"):
+            pytest.fail(f"CI: no Chromium at {CHROMIUM}: .ci/run installs Debian's chromium")
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium, or set TITO_CHROMIUM)")
+    return async_playwright
+
+
+async def _scene(st: Stack) -> str:
+    """turn 0; turn 1 paused mid-output while the weights go v1 -> v2 (and the template
+    would re-render turn 0: a history rewrite); a retry of turn 1 (rollback); a fork (the
+    agent edits its own earlier answer)."""
+    assert (await st.http.post("/control/weight_version", json={"version": 1})).status_code == 200
+    async with httpx.AsyncClient() as sim:
+        await sim.post(f"{st.engines[0]}/sim/weight_version", json={"version": 1})
+        sid = await st.session(metadata={"task": "viewer-demo"})
+        r = await st.chat(sid, {"messages": U1, "max_tokens": 200})
+        a1 = r.json()["choices"][0]["message"]
+        msgs = [*U1, {"role": "assistant", "content": a1["content"], "reasoning_content": a1.get("reasoning_content")},
+                {"role": "user", "content": "Go on."}]
+        chat = asyncio.create_task(st.chat(sid, {"messages": msgs, "max_tokens": 200}))
+        await until_in_flight(st, sid)
+        await asyncio.sleep(0.05)
+        assert (await st.http.post("/control/pause", json={"mode": "abort"})).json()["ok"]
+        await sim.post(f"{st.engines[0]}/sim/weight_version", json={"version": 2})
+        assert (await st.http.post("/control/weight_version", json={"version": 2})).status_code == 200
+        assert (await st.http.post("/control/resume", json={})).status_code == 200
+        assert (await chat).status_code == 200
+    assert (await st.chat(sid, {"messages": msgs, "max_tokens": 40})).status_code == 200  # the retry
+    forked = [*U1, {"role": "assistant", "content": "An edited answer."}, {"role": "user", "content": "Again."}]
+    assert (await st.chat(sid, {"messages": forked, "max_tokens": 40})).status_code == 200
+    return sid
+
+
+async def _page(browser: Any, url: str) -> Any:
+    """A page without the viewer's Content-Security-Policy (Playwright's waits evaluate
+    strings, which it forbids): the escaping alone must keep model output inert here."""
+    page = await browser.new_page(viewport={"width": 1400, "height": 1000}, bypass_csp=True)
+    await page.goto(url)
+    await page.wait_for_selector("body[data-ready='1']")
+    return page
+
+
+async def test_session_page_shows_tree_tokens_versions_samples_and_escapes_model_output(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, latency_ms=3, script=SCRIPT) as st:
+        await _check_session_pages(st, await _scene(st))
+
+
+async def _check_session_pages(st: Stack, sid: str) -> None:
+    traj = await st.trajectory(sid)
+    branches = {b["id"]: b for b in traj["branches"]}
+    reasons = sorted(b["reason"] for b in branches.values())
+    assert reasons == ["history_rewrite", "rollback", "root"], reasons  # the scene has what the test claims
+    root = branches[0]
+    spans = root["turns"][1]["weight_spans"]
+    assert [v for _, _, v in spans] == [1, 2], spans
+    samples = (await st.http.get(f"/sessions/{sid}/samples")).json()["samples"]
+    kept = sorted(s["path"][-1] for s in samples)
+    async with _browser_or_skip()() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = await _page(browser, f"{st.url}/ui/sessions/{sid}?branch=0")
+            # the branch tree: one node per branch, with its fork reason and the picker's kept lines
+            nodes = page.locator("#branch-tree .node")
+            assert await nodes.count() == 3
+            got = {int(await n.get_attribute("data-branch")): await n.get_attribute("data-reason")
+                   for n in await nodes.all()}
+            assert got == {b["id"]: b["reason"] for b in branches.values()}
+            kept_ui = sorted([int(await n.get_attribute("data-branch")) for n in await nodes.all()
+                              if await n.locator(".badge.kept").count()])
+            assert kept_ui == kept
+            assert await page.locator("#samples .sample").count() == len(samples)
+            # the token view: every token, classed by the loss mask
+            await page.wait_for_function(
+                "document.querySelectorAll('#line-tokens .chunk').length > 0 && "
+                "[...document.querySelectorAll('#line-tokens .chunk')].every(c => c.dataset.loaded)")
+            n_tok = await page.locator("#line-tokens .tok").count()
+            assert n_tok == len(root["token_ids"])
+            assert await page.locator("#line-tokens .tok.sampled").count() == sum(root["loss_mask"])
+            repair = sum(t["repair_tokens"] for t in root["turns"])
+            assert await page.locator("#line-tokens .tok.repair").count() == repair
+            # the version boundary sits right before the first token sampled under v2
+            at = await page.locator("#line-tokens .mark.version").first.get_attribute("data-at")
+            assert int(at) == spans[1][0]
+            nxt = page.locator("#line-tokens .mark.version").first.locator("xpath=following-sibling::span[contains(@class,'tok')][1]")
+            assert int(await nxt.get_attribute("data-i")) == spans[1][0]
+            assert await page.locator("#line-tokens .mark.abort").count() >= 1
+            # the history rewrite's first differing token is marked
+            first_diff = root["turns"][1]["extra"]["history_rewrite"]["first_diff"]
+            assert int(await page.locator("#line-tokens .tok.rewrite").get_attribute("data-i")) == first_diff
+            # model output with markup is text: nothing ran, no element was made from it
+            assert await page.evaluate("window.__pwned === undefined")
+            assert await page.locator("#line-tokens script, #line-tokens img").count() == 0
+            text = await page.locator("#line-tokens").inner_text()
+            assert "<script>" in text.replace("↵", "")
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            await page.screenshot(path=str(SHOTS / "session.png"), full_page=True)
+            # the conversation view: messages as sent, each answer linked to its tokens
+            await page.click("button[data-tab='conversation']")
+            conv = page.locator("#conversation")
+            assert EVIL in await conv.inner_text()
+            assert await conv.locator("script, img").count() == 0
+            links = conv.locator("a.to-tokens")
+            assert [int(await a.get_attribute("data-at")) for a in await links.all()] == \
+                [t["output_start"] for t in root["turns"]]
+            await page.screenshot(path=str(SHOTS / "conversation.png"), full_page=True)
+            # the list and the control page
+            page = await _page(browser, f"{st.url}/ui?meta=task=viewer-demo")
+            assert await page.locator("tr.session-row").count() == 1
+            assert sid in await page.locator("#session-table").inner_text()
+            await page.screenshot(path=str(SHOTS / "sessions.png"), full_page=True)
+            page = await _page(browser, f"{st.url}/ui/control")
+            assert "2" in await page.locator("#control-state").inner_text()
+            assert await page.locator("#engines tr").count() == 2
+            await page.screenshot(path=str(SHOTS / "control.png"), full_page=True)
+        finally:
+            await browser.close()
+
+
+async def test_live_turn_grows_in_the_page_as_it_is_sampled(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, latency_ms=15, script=[{"content": "slow " * 80}]) as st:
+        sid = await st.session()
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await _page(browser, f"{st.url}/ui/sessions/{sid}")
+                await page.wait_for_function("document.getElementById('status').textContent.startsWith('live')")
+                chat = asyncio.create_task(st.chat(sid, {"messages": U1, "max_tokens": 120, "stream": True}))
+                await page.wait_for_selector("#live-turn .tok")
+                first = await page.locator("#live-turn .tok").count()
+                await page.wait_for_function(f"document.querySelectorAll('#live-turn .tok').length > {first + 5}")
+                await page.screenshot(path=str(SHOTS / "live.png"))
+                assert (await chat).status_code == 200
+                await page.wait_for_function("document.querySelectorAll('#line-tokens .tok').length > 0")
+            finally:
+                await browser.close()
+
+
+async def test_pages_and_data_need_the_admin_token_and_login_sets_a_read_only_cookie(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, settings=Settings(admin_token="T0ken")) as st:
+        admin = {"Authorization": "Bearer T0ken"}
+        sid = (await st.http.post("/sessions", json={}, headers=admin)).json()["session_id"]
+        async with httpx.AsyncClient(base_url=st.url) as anon:
+            for path in ("/ui/api/sessions", f"/sessions/{sid}/tokens?branch=0", f"/sessions/{sid}/live",
+                         "/ui/static/session.js"):
+                assert (await anon.get(path)).status_code == 401, path
+            r = await anon.get(f"/ui/sessions/{sid}")
+            assert r.status_code == 303 and r.headers["location"] == f"/ui/login?next=/ui/sessions/{sid}"
+            assert (await anon.post("/ui/login", data={"token": "wrong"})).status_code == 403
+            r = await anon.post("/ui/login", data={"token": "T0ken", "next": "//evil.example/"})
+            assert r.status_code == 303 and r.headers["location"] == "/ui"  # no open redirect
+            assert "T0ken" not in r.headers["set-cookie"] and "HttpOnly" in r.headers["set-cookie"]
+            assert (await anon.get("/ui/api/sessions")).status_code == 200  # the cookie reads
+            assert (await anon.post("/control/pause", json={})).status_code == 401  # and changes nothing
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await browser.new_page()
+                await page.goto(f"{st.url}/ui/sessions/{sid}")
+                assert "/ui/login" in page.url
+                await page.fill("#token", "T0ken")
+                await page.click("button[type='submit']")
+                await page.wait_for_selector("body[data-ready='1']")
+                assert page.url.endswith(f"/ui/sessions/{sid}")
+                assert await page.locator("#branch-tree .node").count() == 1
+            finally:
+                await browser.close()
