@@ -19,8 +19,9 @@ How one request is answered (`ScriptedPolicy.start`):
    after the plan the model emits EOS.
 A test may replace step 2 with a *script* (`set_script`): turn k of an episode plays the
 k-th scripted assistant message (the last one repeats), rendered to ids the same way,
-so a real harness's exact calls are made. A script is kept for one session (the
-`x-tito-session` header the server sends with each generate request) or, set without
+so a real harness's exact calls are made. A script is kept for one session (by the
+`x-tito-session` header the server sends with each generate request: the session's tag,
+a digest of its id, engines/base.session_tag) or, set without
 one, for every request on the engine that has no session script of its own.
 Logprobs are a hash of (seed, context digest, position, token), in (-5, 0].
 
@@ -299,7 +300,7 @@ class ScriptedPolicy:
               session: str | None = None) -> Cursor:
         """`constrained`: the text a constraint forces (sim/constrained.py), then EOS;
         `seed`: the request's own seed (None: the server's); `session`: the request's
-        session, as the server names it (`x-tito-session`), for its script."""
+        session, as the server tags it (`x-tito-session`), for its script."""
         eff = self._seed_of(seed)
         ctx = np.asarray(context, dtype=np.int64)
         starts = self._turn_starts(ctx)

@@ -67,14 +67,20 @@ async def test_the_simulated_model_calls_the_offered_tools_and_answers_in_text_w
         assert seen == {"get_weather", "Bash"}
 
 
-async def test_a_session_script_is_played_by_that_session_only(qwen3_dir: Path) -> None:
-    async with live_stack(qwen3_dir) as st, httpx.AsyncClient() as c:
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_a_session_script_is_played_by_that_session_only_and_engines_never_see_the_id(
+        qwen3_dir: Path, protocol: str) -> None:
+    async with live_stack(qwen3_dir, protocol) as st, httpx.AsyncClient() as c:
         scripted, other = await st.session(), await st.session()
         r = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [{"content": "Scripted."}], "session": scripted})
         assert r.status_code == 200 and r.json()["scope"] == "session", r.text
         body = {"model": "m", "messages": [USER], "max_tokens": 64}
         assert (await st.chat(scripted, body)).json()["choices"][0]["message"]["content"] == "Scripted."
         assert (await st.chat(other, body)).json()["choices"][0]["message"]["content"] != "Scripted."
+        # the engine is told the session's digest, never its id (a capability when auth is off)
+        tags = [entry["session"] for entry in await st.engine_log()]
+        assert len(tags) == 2 and len(set(tags)) == 2 and all(isinstance(t, str) and len(t) == 32 for t in tags)
+        assert not {scripted, other} & set(tags) and not any(scripted in t or other in t for t in tags), tags
         # without a session the script is engine-wide, and the answer says so
         r = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [{"content": "Everyone."}]})
         assert r.json()["scope"] == "engine" and "engine-wide" in r.json()["warning"]
