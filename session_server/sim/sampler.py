@@ -279,12 +279,15 @@ class ScriptedPolicy:
         """The seed a request draws with: the server's, or the request's mixed into it."""
         return self.seed if request_seed is None else _h(self.seed, "request-seed", request_seed)
 
-    def _plan_holding(self, key: bytes, already: np.ndarray) -> tuple[list[int], dict[str, Any]] | None:
+    def _plan_holding(self, key: bytes, already: np.ndarray,
+                      owner: str | None) -> tuple[list[int], dict[str, Any]] | None:
         """A plan drawn for this prefix under any seed whose head is `already` (a partial
-        resubmitted under another seed: see the module doc); O(plans) on that path only."""
+        resubmitted under another seed: see the module doc), among the plans of the
+        request's own script `owner` (another session's script never answers it);
+        O(plans) on that path only."""
         n = len(already)
-        for (k, _, _), (ids, message) in self._plans.items():
-            if k == key and n <= len(ids) and np.array_equal(already, ids[:n]):
+        for (k, _, o), (ids, message) in self._plans.items():
+            if k == key and o == owner and n <= len(ids) and np.array_equal(already, ids[:n]):
                 return ids, message
         return None
 
@@ -314,7 +317,8 @@ class ScriptedPolicy:
         already = ctx[turn_start:]
         n = len(already)
         diverged = n > len(planned) or (n > 0 and not np.array_equal(already, planned[:n]))
-        if diverged and constrained is None and (held := self._plan_holding(_digest(prefix), already)) is not None:
+        if diverged and constrained is None and (
+                held := self._plan_holding(_digest(prefix), already, self.script_owner(session)[1])) is not None:
             (planned, message), diverged = held, False
         if constrained is not None:
             # a real engine's grammar matcher starts at the first *output* token: ids already
