@@ -49,14 +49,14 @@ import orjson
 
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import ExportError, TrajectoryError
+from trajectory.history import fork_reason_now
 from trajectory.lineage import Lineage, lineage_from_dict
 from trajectory.linear import LinearTrajectory
 from trajectory.routed import RoutedRows
 from trajectory.routed import from_json as routed_from_json
 from trajectory.routed import to_json as routed_to_json
 from trajectory.support import SupportCSR
-from trajectory.history import attach, fork_reason
-from trajectory.tree import LEGACY_FORK_REASON, TEMPLATE_REWRITE, Branch, TrajectoryTree
+from trajectory.tree import Branch, TrajectoryTree
 from trajectory.turn_record import TurnRecord, WeightSpan
 
 FORMAT = "tito-trajectory"
@@ -353,28 +353,9 @@ class _Importer:
             messages = messages[traj.checkpoint_message_counts[k] :]
         if [dict(m) for m in meta["messages"]] != messages:
             raise ExportError(f"{where}: messages disagree with the turns' messages")
-        reason = str(meta["reason"])
-        if reason == LEGACY_FORK_REASON and parent_id is not None:
-            reason = self._legacy_reason(parent_id, fork_index, own)
-        branch = Branch(bid, parent_id, k, fork_index, traj, reason)
-        self.built[bid] = branch
+        reason = fork_reason_now(str(meta["reason"]), list(self.built.values()), parent_id, fork_index, own)
+        self.built[bid] = branch = Branch(bid, parent_id, k, fork_index, traj, reason)
         return branch
-
-    def _legacy_reason(self, parent_id: int, fork_index: int, own: list[TurnRecord]) -> str:
-        """The word an exported `history_rewrite` branch gets now, as journal replay gives
-        it (session_server/journal_records.py `_fork_reason`): a branch that shares tokens
-        with its parent is a template's fork; a root fork is named by its first turn's
-        lineage, else by attaching that turn's request to the branches before it (ids
-        grow with commits, so they are the tree it forked from, best-effort as replay is:
-        a concurrent request's branch committed first may be among them). A root fork
-        with no turn of its own cannot be decided and keeps the old word."""
-        if fork_index > 0:
-            return TEMPLATE_REWRITE
-        if not own:
-            return LEGACY_FORK_REASON
-        lineage = own[0].lineage
-        before = TrajectoryTree.from_branches(list(self.built.values()), parent_id)
-        return fork_reason(attach(before, own[0].request_messages), None if lineage is None else lineage.kind)
 
     def _own_part(
         self, where: str, ids: np.ndarray, mask: np.ndarray, lps: np.ndarray, n: int,
