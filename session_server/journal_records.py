@@ -181,10 +181,13 @@ def _apply_turn(s: Session, t: Mapping[str, Any]) -> None:
 
 def _fork_reason(tree: TrajectoryTree, t: Mapping[str, Any]) -> str:
     """A fork's reason as recorded; a record written while every fork without a known
-    cause, and a template's rewrite, were `history_rewrite` gets the word the branch gets
-    now: a template's fork shares tokens past its checkpoint (`shared` set), else the
-    request is attached again to the tree as it stood (the same tree prepare saw: the
-    record replays in commit order) and named as prepare names it."""
+    cause, and a template's rewrite, were `history_rewrite` gets a best-effort word, from
+    the tree as replayed: a template's fork shares tokens past its checkpoint (`shared`
+    set), else the request is attached again to the tree as it stands at this record
+    and named as prepare names it. Records replay in commit order, which is not always
+    the tree prepare saw: with concurrent requests on a session, a turn committed between
+    this request's prepare and its commit is already in the replayed tree, so the word
+    may differ from the one live would have given (an old journal never recorded it)."""
     reason = t["reason"]
     if reason != LEGACY_FORK_REASON:
         return str(reason)

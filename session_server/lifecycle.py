@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,8 +171,22 @@ async def _sync(relay: PeerRelay, ctx: ServerContext) -> None:
     if outcome.adopted_from:
         log.info("joined the cluster: %s", orjson.dumps(outcome.as_dict()).decode())
     else:  # the first worker of a cluster to come up: expected, one line
-        why = "; ".join(f"{peer} {reason}" for peer, reason in outcome.unanswered.items())
+        why = unanswered_summary(outcome.unanswered)
         log.info("no peer answered%s: serving with this instance's own state", f" ({why})" if why else "")
+
+
+PEERS_NAMED = 3  # unanswered peers a start-up line names; the rest are counted
+_ENTRY_CHARS = 96  # one peer and its reason, at most
+
+
+def unanswered_summary(unanswered: Mapping[str, str]) -> str:
+    """The peers that did not answer, as one short line whatever the cluster's size: the
+    first `PEERS_NAMED` with their reasons, then "and N more" (a 9-worker cluster's first
+    worker would otherwise log eight peers on one line, past what a log line should be)."""
+    entries = [f"{peer} {reason}" for peer, reason in unanswered.items()]
+    named = [e if len(e) <= _ENTRY_CHARS else e[: _ENTRY_CHARS - 3] + "..." for e in entries[:PEERS_NAMED]]
+    more = len(entries) - len(named)
+    return "; ".join(named) + (f"; and {more} more" if more else "")
 
 
 async def loop_lag_probe(metrics: Metrics, interval_s: float) -> None:

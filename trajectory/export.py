@@ -49,6 +49,7 @@ import orjson
 
 from trajectory.buffer import TokenBuffer
 from trajectory.errors import ExportError, TrajectoryError
+from trajectory.history import fork_reason_now
 from trajectory.lineage import Lineage, lineage_from_dict
 from trajectory.linear import LinearTrajectory
 from trajectory.routed import RoutedRows
@@ -352,8 +353,8 @@ class _Importer:
             messages = messages[traj.checkpoint_message_counts[k] :]
         if [dict(m) for m in meta["messages"]] != messages:
             raise ExportError(f"{where}: messages disagree with the turns' messages")
-        branch = Branch(bid, parent_id, k, fork_index, traj, str(meta["reason"]))
-        self.built[bid] = branch
+        reason = fork_reason_now(str(meta["reason"]), list(self.built.values()), parent_id, fork_index, own)
+        self.built[bid] = branch = Branch(bid, parent_id, k, fork_index, traj, reason)
         return branch
 
     def _own_part(

@@ -24,11 +24,15 @@ from trajectory.sent_forms import form_digest
 from trajectory.tree import (
     FIRST_TURN_RESENT,
     HISTORY_EDITED,
+    LEGACY_FORK_REASON,
     NEW_CONVERSATION,
     SIDE_REQUEST,
     SUBAGENT,
+    TEMPLATE_REWRITE,
+    Branch,
     TrajectoryTree,
 )
+from trajectory.turn_record import TurnRecord
 
 Message = Mapping[str, Any]
 PlanKind = Literal["first", "append", "rollback", "fork"]
@@ -235,3 +239,23 @@ def fork_reason(a: Attachment, lineage_kind: str | None) -> str:
     if lineage_kind == "subagent":
         return SUBAGENT
     return a.opening or NEW_CONVERSATION
+
+
+def fork_reason_now(reason: str, before: list[Branch], parent_id: int | None, fork_index: int,
+                    own: Sequence[TurnRecord]) -> str:
+    """An imported branch's `reason`, the old single word `LEGACY_FORK_REASON` read as
+    journal replay reads it (session_server/journal_records.py): a branch that shares
+    tokens with its parent is a template's fork; a root fork is named by its first
+    turn's lineage, else by attaching that turn's request to the branches `before` it
+    (ids grow with commits: the tree it forked from, best effort as replay is, since a
+    concurrent request's branch committed first may be among them). A root fork with no
+    turn of its own cannot be decided and keeps the old word; other words are kept."""
+    if reason != LEGACY_FORK_REASON or parent_id is None:
+        return reason
+    if fork_index > 0:
+        return TEMPLATE_REWRITE
+    if not own:
+        return LEGACY_FORK_REASON
+    first = own[0]
+    tree = TrajectoryTree.from_branches(before, parent_id)
+    return fork_reason(attach(tree, first.request_messages), None if first.lineage is None else first.lineage.kind)

@@ -77,10 +77,10 @@ seeders refuse 2**32 and more)."""
 
 def request_headers(request: GenerateRequest) -> dict[str, str] | None:
     """The HTTP headers of a generate request: its trace headers and its session
-    (`SESSION_HEADER`); None when it has neither."""
+    (`SESSION_HEADER`, its `session_tag`); None when it has neither."""
     if request.session_id is None:
         return dict(request.trace_headers) if request.trace_headers else None
-    return {**(request.trace_headers or {}), SESSION_HEADER: request.session_id}
+    return {**(request.trace_headers or {}), SESSION_HEADER: session_tag(request.session_id)}
 
 
 def derive_seed(session_seed: int, branch: int, turn: int, segment: int) -> int:
@@ -94,10 +94,18 @@ def derive_seed(session_seed: int, branch: int, turn: int, segment: int) -> int:
 
 
 SESSION_HEADER = "x-tito-session"
-"""The HTTP header naming the session a generate request serves. The engines ignore
-unknown headers (SGLang and vLLM read only the trace and data-parallel ones); it lets an
-engine-side log or proxy group a session's requests, and the simulator play a script
-set for that session alone (`POST /sim/script {"session"}`)."""
+"""The HTTP header naming the session a generate request serves, by its `session_tag`.
+The engines ignore unknown headers (SGLang and vLLM read only the trace and data-parallel
+ones); it lets an engine-side log or proxy group a session's requests, and the simulator
+play a script set for that session alone (`POST /sim/script {"session"}`)."""
+
+
+def session_tag(session_id: str) -> str:
+    """What `SESSION_HEADER` carries for a session: a digest that groups its requests
+    and cannot be turned back into the id. The id itself is a capability (with auth off,
+    whoever knows it drives the session), and engines, proxies and their logs are not
+    trusted with it; the simulator digests a posted session id the same way to match."""
+    return hashlib.sha256(b"tito-session:" + session_id.encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

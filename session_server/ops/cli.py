@@ -265,7 +265,8 @@ def _sim_epilog() -> str:
         '  POST /sim/script {"turns": [MESSAGE, ...], "session": SID}\n'
         "      turn k of that session plays MESSAGE k (the last repeats); MESSAGE is\n"
         '      {"content", "reasoning_content", "tool_calls": [{"name", "arguments": {...}}]};\n'
-        '      {"turns": []} drops it. SID: the server\'s session id (sent as x-tito-session)\n'
+        '      {"turns": []} drops it. SID: the server\'s session id (the engine sees only\n'
+        "      its digest, the x-tito-session header)\n"
         "  WITHOUT \"session\" THE SCRIPT IS ENGINE-WIDE: every later request of every session\n"
         "      with no script of its own plays it, until replaced or dropped"
     )

@@ -34,7 +34,8 @@ def _tool(name: str, description: str, arg: str) -> dict[str, Any]:
     }
 
 
-# The tools the simulated agent's script calls (session_server/sim/sampler.py).
+# The tools the demo agent offers; the simulated model reads them back from the rendered
+# prompt and calls them (session_server/sim/offered.py), so changing these changes its calls.
 TOOLS: list[dict[str, Any]] = [
     _tool("read_file", "Read a file of the repository.", "path"),
     _tool("run_shell", "Run a shell command in the sandbox.", "command"),

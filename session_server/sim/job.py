@@ -35,7 +35,7 @@ class Job:
     stop_strs: tuple[str, ...] = ()  # stop strings, matched on the decoded output only
     # the W3C trace headers the request came with (`wire.trace_headers`), kept in the request log
     trace_headers: dict[str, str] = field(default_factory=dict)
-    session: str | None = None  # the server's session of the request (`x-tito-session`): its script
+    session: str | None = None  # the request's session tag (`x-tito-session`): its script
     seed: int | None = None  # the request's own seed (SGLang sampling_seed, vLLM seed): sampler.py
 
 

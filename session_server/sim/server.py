@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from session_server.engines.base import session_tag
 from session_server.loopback import serving_aiohttp
 from session_server.sim.engine import EngineCore
 from session_server.sim.faults import FAULT_KINDS
@@ -102,7 +103,8 @@ class SimEngine(EngineCore):
 
     async def sim_script(self, request: web.Request) -> web.Response:
         """POST {"turns": [assistant message, ...], "session"?: sid}: script the policy
-        (`ScriptedPolicy.set_script`) for that session's requests, or without a session
+        (`ScriptedPolicy.set_script`) for that session's requests (kept under the
+        session's tag, which is what its requests carry), or without a session
         for every request on the engine (said in the answer's `scope` and `warning`, and
         logged: a script left behind answers a later, unrelated run); {"turns": []}
         drops the script of that scope."""
@@ -111,7 +113,8 @@ class SimEngine(EngineCore):
             session = body.get("session")
             if session is not None and (not isinstance(session, str) or not session):
                 raise ValueError(f"session must be a non-empty string, got {session!r}")
-            self.policy.set_script(body["turns"], session)
+            # requests name their session by its tag (engines/base.session_tag), never its id
+            self.policy.set_script(body["turns"], None if session is None else session_tag(session))
         except (msgspec.DecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             return json_response({"error": f"expected {{turns: [...], session?: str}}: {exc}"}, 400)
         if session is not None:

@@ -259,3 +259,32 @@ async def test_a_peer_not_up_yet_is_one_short_line_not_a_connection_error(caplog
     assert [r.getMessage() for r in shown] == [
         f"no peer answered ({down} connection refused): serving with this instance's own state"]
     assert all(r.levelname == "INFO" for r in shown)
+
+
+async def test_many_peers_not_up_yet_are_still_one_short_line(caplog: pytest.LogCaptureFixture) -> None:
+    """The first worker of a large cluster finds every other worker down: its line names
+    the first few of them and counts the rest, so it stays one short line (a cluster's
+    start log keeps every line under 400 characters) whatever the cluster's size."""
+    import socket
+    from types import SimpleNamespace
+
+    from session_server.control.relay import PeerRelay
+    from session_server.lifecycle import PEERS_NAMED, _sync
+
+    down = []
+    for _ in range(12):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            down.append(f"http://127.0.0.1:{s.getsockname()[1]}")  # nothing listens once closed
+    relay = PeerRelay(down, timeout_s=5.0)
+    ctx = SimpleNamespace(control=plane(), registry=EngineRegistry(EnginePool()),
+                          settings=SimpleNamespace(turn_timeout_s=1.0))
+    try:
+        with caplog.at_level("INFO", logger="session_server"):
+            await _sync(relay, ctx)  # type: ignore[arg-type]
+    finally:
+        await relay.aclose()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname != "DEBUG"]
+    assert len(line) < 300 and "\n" not in line, line
+    assert f"and {len(down) - PEERS_NAMED} more" in line, line
+    assert sum(url in line for url in down) == PEERS_NAMED, line

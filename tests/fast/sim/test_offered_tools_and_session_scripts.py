@@ -67,14 +67,20 @@ async def test_the_simulated_model_calls_the_offered_tools_and_answers_in_text_w
         assert seen == {"get_weather", "Bash"}
 
 
-async def test_a_session_script_is_played_by_that_session_only(qwen3_dir: Path) -> None:
-    async with live_stack(qwen3_dir) as st, httpx.AsyncClient() as c:
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+async def test_a_session_script_is_played_by_that_session_only_and_engines_never_see_the_id(
+        qwen3_dir: Path, protocol: str) -> None:
+    async with live_stack(qwen3_dir, protocol) as st, httpx.AsyncClient() as c:
         scripted, other = await st.session(), await st.session()
         r = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [{"content": "Scripted."}], "session": scripted})
         assert r.status_code == 200 and r.json()["scope"] == "session", r.text
         body = {"model": "m", "messages": [USER], "max_tokens": 64}
         assert (await st.chat(scripted, body)).json()["choices"][0]["message"]["content"] == "Scripted."
         assert (await st.chat(other, body)).json()["choices"][0]["message"]["content"] != "Scripted."
+        # the engine is told the session's digest, never its id (a capability when auth is off)
+        tags = [entry["session"] for entry in await st.engine_log()]
+        assert len(tags) == 2 and len(set(tags)) == 2 and all(isinstance(t, str) and len(t) == 32 for t in tags)
+        assert not {scripted, other} & set(tags) and not any(scripted in t or other in t for t in tags), tags
         # without a session the script is engine-wide, and the answer says so
         r = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [{"content": "Everyone."}]})
         assert r.json()["scope"] == "engine" and "engine-wide" in r.json()["warning"]
@@ -85,3 +91,28 @@ async def test_a_session_script_is_played_by_that_session_only(qwen3_dir: Path) 
         assert (await st.chat(scripted, again)).json()["choices"][0]["message"]["content"] == "Scripted."
         bad = await c.post(f"{st.engines[0]}/sim/script", json={"turns": [], "session": 3})
         assert bad.status_code == 400
+
+
+def test_a_partial_resubmitted_under_another_seed_continues_only_its_own_sessions_plan() -> None:
+    """A resubmitted partial continues the plan it was drawn from (sampler module doc);
+    that plan is looked up among the request's own script owner's plans: another
+    session's script, cached for the same prefix, never answers it."""
+    import numpy as np
+
+    from session_server.sim import ScriptedPolicy
+    from session_server.sim.toy import TOY_EOT, toy_model, toy_prompt
+
+    prompt = toy_prompt(("user", "list the files"))
+    p = ScriptedPolicy(toy_model(), seed=0)
+    p.set_script([{"content": "Only session A says this."}], session="A")
+    a = p.start(prompt, seed=1, session="A").planned
+    b = p.start(prompt, seed=1, session="B").planned
+    k = next(i for i in range(len(a)) if i >= len(b) or a[i] != b[i]) + 1  # a head of A's plan only
+    # B resubmits A's head under another seed: not its plan, so its turn closes
+    c = p.start([*prompt, *a[:k]], seed=2, session="B")
+    assert c.diverged and c.token(0) == TOY_EOT
+    # A itself does continue its own plan under another seed, and B its own
+    assert p.start([*prompt, *a[:k]], seed=2, session="A").token(0) == a[k]
+    kb = max(1, len(b) // 2)
+    cb = p.start([*prompt, *b[:kb]], seed=2, session="B")
+    assert not cb.diverged and np.array_equal([cb.token(i) for i in range(len(b) - kb)], b[kb:])

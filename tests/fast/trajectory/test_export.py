@@ -289,3 +289,34 @@ def test_an_export_with_tokens_after_the_last_turn_is_refused() -> None:
     branch.update(grown)
     with pytest.raises(ExportError, match="no turn"):
         from_dict(data)
+
+
+def test_an_exported_tree_with_the_old_single_fork_word_imports_with_the_word_each_branch_gets_now() -> None:
+    """Exports written before each meaning had its word name every fork without a known
+    cause, and a template's rewrite, `history_rewrite`: import gives each the word journal
+    replay gives it (a branch sharing tokens with its parent: the template's fork; a root
+    fork: its lineage, else what its request is to the branches before it)."""
+    from trajectory.lineage import Lineage
+
+    first = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "fix it"}]
+    title = Lineage(agent="title", kind="side", source="x-tito-agent")
+    forks = [  # (the request's messages, shared, lineage); the first is the root's own turn
+        (first, None, None),
+        (first, None, None),  # turn 0 again
+        ([{"role": "user", "content": "something else"}], None, None),
+        ([first[0], {"role": "user", "content": "fix the other one"}], None, None),
+        ([{"role": "system", "content": "Write a title."}, first[1]], None, title),
+        (first, 1, None),  # a template's rewrite: shares a token with its parent
+    ]
+    tree = TrajectoryTree()
+    for i, (msgs, shared, lineage) in enumerate(forks):
+        if i:
+            tree.branch_from(0, 0, "history_rewrite", shared=shared)
+        prompt = [1, 2, 3] if shared is None else [2, 3]
+        tree.active.trajectory.commit_turn(prompt, [4, 5], [0.0, 0.0], finish_reason="stop", request_messages=msgs,
+                                           assistant_message={"role": "assistant", "content": "done"}, lineage=lineage)
+    d = orjson.loads(orjson.dumps(to_dict(tree)))
+    assert [b["reason"] for b in d["branches"]][1:] == ["history_rewrite"] * 5
+    want = ["root", "first_turn_resent", "new_conversation", "history_edited", "side_request", "template_rewrite"]
+    assert [b.reason for b in from_dict(d).branches()] == want
+    assert [b.reason for b in from_npz_bytes(to_npz_bytes(tree)).branches()] == want
