@@ -18,6 +18,7 @@ import httpx
 from ..stack import Stack, live_stack, until_in_flight
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
+LONG = " ".join(f"step {i} of the refactor reads the loader, moves one function and reruns the tests." for i in range(40))
 
 
 async def _streamed_chat(st: Stack, sid: str, body: dict[str, Any]) -> int:
@@ -36,6 +37,9 @@ async def _keep_paused_turn(st: Stack, stream: bool) -> tuple[list[tuple[int, in
     """One turn frozen by a `keep` pause while the version goes 1 -> 2: (the committed
     spans relative to the turn's output, the engine's true per-token versions)."""
     sid = await st.session()
+    async with httpx.AsyncClient() as sim:  # an answer longer than the turn's budget: still sampling at the pause
+        r = await sim.post(f"{st.engines[0]}/sim/script", json={"turns": [{"content": LONG}], "session": sid})
+        assert r.status_code == 200, r.text
     body = {"model": "m", "messages": MSGS, "max_tokens": 160}
     chat = asyncio.create_task(_streamed_chat(st, sid, body) if stream else st.chat(sid, body))
     await until_in_flight(st, sid)
