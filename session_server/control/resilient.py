@@ -37,8 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import itertools
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -67,6 +65,7 @@ from .segment import (
     counted,
     enter_by,
     extend,
+    new_request_id,
     salted,
     stop_strings,
     streamed,
@@ -75,16 +74,6 @@ from .stops import Decode, StopStrings, StreamStops
 from .versions import ReceivedSplit, SegmentSpans, received_split, reports_per_token, segment_spans
 
 __all__ = ["AbortEvent", "Phase", "Segment", "TurnState", "generate_resilient", "new_request_id"]
-
-_RID_PREFIX = secrets.token_hex(8)  # per process: ids of two server processes never collide
-_rid_counter = itertools.count()
-
-
-def new_request_id() -> str:
-    """A fixed-width (32 hex chars) id: SGLang aborts by rid *prefix*, so ids must be
-    prefix-free; equal width makes them so. Random per process, then a counter
-    (no syscall per request)."""
-    return f"{_RID_PREFIX}{next(_rid_counter):016x}"
 
 
 @dataclass(frozen=True)
@@ -291,6 +280,7 @@ class _Turn:
         if seg.result.finish_reason == "abort":
             return Phase.ACCUMULATE
         st.acc.add_routed(self.request, seg.result, seg.input_len, seg.sampled)
+        st.counts.mark(len(st.acc.ids), len(seg.result.output_ids), str(seg.result.finish_reason))
         st.result = assemble(self.request, st.first, seg.result, seg.spans, st.acc, st.counts)
         return Phase.DONE
 
@@ -306,7 +296,9 @@ class _Turn:
         n = len(result.output_ids)
         st.counts.aborts += 1
         control.record_abort(empty=n == 0)
-        if n and not self.constrained:
+        keeps = bool(n) and not self.constrained
+        st.counts.mark(len(st.acc.ids), n if keeps else 0, "abort", dropped=0 if keeps else n)
+        if keeps:
             st.acc.add_routed(request, result, seg.input_len)  # before add: its start is the rows held
             st.acc.add(result, spans)
             st.lag.keep(*(v for _, _, v in spans), *seg.watch.versions)
