@@ -73,7 +73,9 @@ from .segment import (
 from .stops import Decode, StopStrings, StreamStops
 from .versions import ReceivedSplit, SegmentSpans, received_split, reports_per_token, segment_spans
 
-__all__ = ["AbortEvent", "Phase", "Segment", "TurnState", "generate_resilient", "new_request_id"]
+Peek = Callable[[], Callable[[TokenDelta], None] | None]  # a watcher's callback, if one watches now
+
+__all__ = ["AbortEvent", "Peek", "Phase", "Segment", "TurnState", "generate_resilient", "new_request_id"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ class _Turn:
                  expect: Expectations | None, on_abort: Callable[[AbortEvent], None] | None, deadline: float,
                  admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None,
                  on_delta: Callable[[TokenDelta], None] | None, decode: Decode | None,
-                 trace: TurnTrace | None = None) -> None:
+                 trace: TurnTrace | None = None, peek: Peek | None = None) -> None:
         self.adapter, self.request, self.control, self.trace = adapter, request, control, trace
         self.expect, self.on_abort, self.deadline, self.admit = expect, on_abort, deadline, admit
         self.on_delta = on_delta
@@ -173,6 +175,8 @@ class _Turn:
         self.constrained = request.sampling.constraint is not None
         streamer = streaming_of(adapter) if on_delta is not None and not self.constrained else None
         self.streaming = None if streamer is None else streamer.generate_stream
+        peeker = streaming_of(adapter) if peek is not None and on_delta is None and not self.constrained else None
+        self.peek, self.peek_stream = peek or (lambda: None), None if peeker is None else peeker.generate_stream
         self.stops = (StopStrings(request.sampling.stop, decode)
                       if decode and request.sampling.stop and not self.constrained else None)
         self.steps: dict[Phase, Callable[[], Awaitable[Phase]]] = {
@@ -253,13 +257,15 @@ class _Turn:
                     watch_stops = StreamStops(self.stops, st.acc.ids) if self.stops is not None and st.acc.ids else None
                     result = await streamed(self.streaming(seg), counted(self.on_delta, split), self.expect, seg_rid,
                                             watch_stops, partial(control.abort_engine_request, adapter, seg_rid))
+                elif self.peek_stream is not None and (watcher := self.peek()) is not None:
+                    result = await streamed(self.peek_stream(seg), watcher, None, seg_rid)  # the watcher checks
                 else:
                     result = await adapter.generate(seg)
             except (asyncio.CancelledError, UpstreamTimeout):
                 control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
                 raise
             except UpstreamInvalid:
-                if self.streaming is not None:  # a rejected chunk: nobody reads the rest
+                if self.streaming is not None or self.peek_stream is not None:  # a rejected chunk
                     control.abort_engine_request(adapter, seg_rid)
                 raise
             if span is not None:
@@ -361,6 +367,7 @@ async def generate_resilient(
     on_delta: Callable[[TokenDelta], None] | None = None,
     decode: Decode | None = None,
     trace: TurnTrace | None = None,
+    peek: Peek | None = None,
 ) -> ResilientResult:
     """Generate one turn through any number of pauses: abort -> accumulate -> resubmit
     (the phases of `_Turn`, in the module docstring).
@@ -381,10 +388,13 @@ async def generate_resilient(
     `decode` (output ids -> text) lets the server match `request.sampling.stop` where the
     engine cannot: on an aborted step and across a resubmission's boundary (stops.py).
     `trace` (tracing on): a span per segment, its context sent to the engine.
+    `peek` (a turn the client does not stream): asked per segment for a watcher's callback;
+    given one, the segment is streamed to it alone, unchecked (`generate_stream` returns what
+    `generate` does; no chunk check, stop cut or version split: it commits as if unwatched).
     Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
     empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
     """
     if deadline is None:
         deadline = time.monotonic() + request.timeout_s
     return await _Turn(adapter, request, control, expect=expect, on_abort=on_abort, deadline=deadline,
-                       admit=admit, on_delta=on_delta, decode=decode, trace=trace).run()
+                       admit=admit, on_delta=on_delta, decode=decode, trace=trace, peek=peek).run()

@@ -209,6 +209,34 @@ async def test_an_abort_without_a_version_change_is_marked_at_the_token_where_th
                 await browser.close()
 
 
+async def test_a_non_streamed_turn_grows_in_the_page_before_it_commits(qwen3_dir: Path) -> None:
+    """The client asks without `stream`: the watching page still sees the engine's tokens
+    as they are sampled, and the client's answer and the trajectory are an unwatched turn's."""
+    async with live_stack(qwen3_dir, latency_ms=15, script=[{"content": "slow " * 80}] * 2) as st:
+        ref_sid = await st.session()
+        ref = await st.chat(ref_sid, {"messages": U1, "max_tokens": 120})
+        sid = await st.session()
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await _page(browser, f"{st.url}/ui/sessions/{sid}")
+                await page.wait_for_function("document.getElementById('status').textContent.startsWith('live')")
+                chat = asyncio.create_task(st.chat(sid, {"messages": U1, "max_tokens": 120}))
+                await page.wait_for_selector("#live-turn .tok")
+                first = await page.locator("#live-turn .tok").count()
+                await page.wait_for_function(f"document.querySelectorAll('#live-turn .tok').length > {first + 5}")
+                assert not chat.done()  # tokens grew while the client still waited for its one answer
+                got = await chat
+                assert got.status_code == 200
+                await page.wait_for_function("document.querySelectorAll('#line-tokens .tok').length > 0")
+            finally:
+                await browser.close()
+        assert got.json()["choices"] == ref.json()["choices"]
+        a, b = (await st.trajectory(sid))["branches"][0], (await st.trajectory(ref_sid))["branches"][0]
+        for key in ("token_ids", "loss_mask", "logprobs"):
+            assert a[key] == b[key], key
+
+
 async def test_pages_and_data_need_the_admin_token_and_login_sets_a_read_only_cookie(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=Settings(admin_token="T0ken")) as st:
         admin = {"Authorization": "Bearer T0ken"}
