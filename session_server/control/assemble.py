@@ -41,6 +41,8 @@ class ResilientResult(GenerateResult):
     stale_bound: dict[str, Any] | None = None  # ended at an update by max_weight_lag (control/lag.py)
     # how the engine that ran it reports sampling support (`EngineCapabilities.support_logprobs`)
     support_rule: str | None = None
+    # where each segment's kept ids lie in the output and how it ended (`Counts.mark`)
+    segment_marks: tuple[dict[str, Any], ...] = ()
 
     def counters(self) -> dict[str, Any]:
         """Per-turn control counters, for the session view."""
@@ -119,6 +121,16 @@ class Counts:
     paused_wait_s: float = 0.0
     rids: list[str] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)  # the seed each segment was sent
+    marks: list[dict[str, Any]] = field(default_factory=list)  # one per settled segment
+
+    def mark(self, start: int, kept: int, ended: str, dropped: int = 0) -> None:
+        """Record the last dispatched segment: its `kept` ids are output `[start, end)` (an
+        abort's end is where the resubmission starts: the exact abort point), `ended` the
+        engine's finish (`abort`, `stop`, `length`), `dropped` the ids of a constrained
+        partial that were discarded. Only this tells a reader where a pause cut a turn
+        that no weight update split."""
+        mark = {"start": start, "end": start + kept, "ended": ended, "request_id": self.rids[-1]}
+        self.marks.append({**mark, "dropped": dropped} if dropped else mark)
 
 
 def assemble(
@@ -186,4 +198,5 @@ def assemble(
         version_mismatches=counts.mismatches,
         dropped_tokens=counts.dropped_tokens,
         routed_pieces=tuple(acc.pieces),
+        segment_marks=tuple(counts.marks),
     )

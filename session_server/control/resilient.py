@@ -37,8 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import itertools
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -67,6 +65,7 @@ from .segment import (
     counted,
     enter_by,
     extend,
+    new_request_id,
     salted,
     stop_strings,
     streamed,
@@ -74,17 +73,9 @@ from .segment import (
 from .stops import Decode, StopStrings, StreamStops
 from .versions import ReceivedSplit, SegmentSpans, received_split, reports_per_token, segment_spans
 
-__all__ = ["AbortEvent", "Phase", "Segment", "TurnState", "generate_resilient", "new_request_id"]
+Peek = Callable[[], Callable[[TokenDelta], None] | None]  # a watcher's callback, if one watches now
 
-_RID_PREFIX = secrets.token_hex(8)  # per process: ids of two server processes never collide
-_rid_counter = itertools.count()
-
-
-def new_request_id() -> str:
-    """A fixed-width (32 hex chars) id: SGLang aborts by rid *prefix*, so ids must be
-    prefix-free; equal width makes them so. Random per process, then a counter
-    (no syscall per request)."""
-    return f"{_RID_PREFIX}{next(_rid_counter):016x}"
+__all__ = ["AbortEvent", "Peek", "Phase", "Segment", "TurnState", "generate_resilient", "new_request_id"]
 
 
 @dataclass(frozen=True)
@@ -173,7 +164,7 @@ class _Turn:
                  expect: Expectations | None, on_abort: Callable[[AbortEvent], None] | None, deadline: float,
                  admit: Callable[[int | None], contextlib.AbstractAsyncContextManager[Any]] | None,
                  on_delta: Callable[[TokenDelta], None] | None, decode: Decode | None,
-                 trace: TurnTrace | None = None) -> None:
+                 trace: TurnTrace | None = None, peek: Peek | None = None) -> None:
         self.adapter, self.request, self.control, self.trace = adapter, request, control, trace
         self.expect, self.on_abort, self.deadline, self.admit = expect, on_abort, deadline, admit
         self.on_delta = on_delta
@@ -184,6 +175,8 @@ class _Turn:
         self.constrained = request.sampling.constraint is not None
         streamer = streaming_of(adapter) if on_delta is not None and not self.constrained else None
         self.streaming = None if streamer is None else streamer.generate_stream
+        peeker = streaming_of(adapter) if peek is not None and on_delta is None and not self.constrained else None
+        self.peek, self.peek_stream = peek or (lambda: None), None if peeker is None else peeker.generate_stream
         self.stops = (StopStrings(request.sampling.stop, decode)
                       if decode and request.sampling.stop and not self.constrained else None)
         self.steps: dict[Phase, Callable[[], Awaitable[Phase]]] = {
@@ -264,13 +257,15 @@ class _Turn:
                     watch_stops = StreamStops(self.stops, st.acc.ids) if self.stops is not None and st.acc.ids else None
                     result = await streamed(self.streaming(seg), counted(self.on_delta, split), self.expect, seg_rid,
                                             watch_stops, partial(control.abort_engine_request, adapter, seg_rid))
+                elif self.peek_stream is not None and (watcher := self.peek()) is not None:
+                    result = await streamed(self.peek_stream(seg), watcher, None, seg_rid)  # the watcher checks
                 else:
                     result = await adapter.generate(seg)
             except (asyncio.CancelledError, UpstreamTimeout):
                 control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
                 raise
             except UpstreamInvalid:
-                if self.streaming is not None:  # a rejected chunk: nobody reads the rest
+                if self.streaming is not None or self.peek_stream is not None:  # a rejected chunk
                     control.abort_engine_request(adapter, seg_rid)
                 raise
             if span is not None:
@@ -291,6 +286,7 @@ class _Turn:
         if seg.result.finish_reason == "abort":
             return Phase.ACCUMULATE
         st.acc.add_routed(self.request, seg.result, seg.input_len, seg.sampled)
+        st.counts.mark(len(st.acc.ids), len(seg.result.output_ids), str(seg.result.finish_reason))
         st.result = assemble(self.request, st.first, seg.result, seg.spans, st.acc, st.counts)
         return Phase.DONE
 
@@ -306,7 +302,9 @@ class _Turn:
         n = len(result.output_ids)
         st.counts.aborts += 1
         control.record_abort(empty=n == 0)
-        if n and not self.constrained:
+        keeps = bool(n) and not self.constrained
+        st.counts.mark(len(st.acc.ids), n if keeps else 0, "abort", dropped=0 if keeps else n)
+        if keeps:
             st.acc.add_routed(request, result, seg.input_len)  # before add: its start is the rows held
             st.acc.add(result, spans)
             st.lag.keep(*(v for _, _, v in spans), *seg.watch.versions)
@@ -369,6 +367,7 @@ async def generate_resilient(
     on_delta: Callable[[TokenDelta], None] | None = None,
     decode: Decode | None = None,
     trace: TurnTrace | None = None,
+    peek: Peek | None = None,
 ) -> ResilientResult:
     """Generate one turn through any number of pauses: abort -> accumulate -> resubmit
     (the phases of `_Turn`, in the module docstring).
@@ -389,10 +388,13 @@ async def generate_resilient(
     `decode` (output ids -> text) lets the server match `request.sampling.stop` where the
     engine cannot: on an aborted step and across a resubmission's boundary (stops.py).
     `trace` (tracing on): a span per segment, its context sent to the engine.
+    `peek` (a turn the client does not stream): asked per segment for a watcher's callback;
+    given one, the segment is streamed to it alone, unchecked (`generate_stream` returns what
+    `generate` does; no chunk check, stop cut or version split: it commits as if unwatched).
     Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
     empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
     """
     if deadline is None:
         deadline = time.monotonic() + request.timeout_s
     return await _Turn(adapter, request, control, expect=expect, on_abort=on_abort, deadline=deadline,
-                       admit=admit, on_delta=on_delta, decode=decode, trace=trace).run()
+                       admit=admit, on_delta=on_delta, decode=decode, trace=trace, peek=peek).run()

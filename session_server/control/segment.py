@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -27,8 +29,19 @@ from .stops import StopStrings, StreamStops, cut_at
 from .versions import ReceivedSplit, SegmentSpans
 
 __all__ = [
-    "abort_on_stop_is_stop", "check_partial", "counted", "enter_by", "extend", "salted", "stop_strings", "streamed",
+    "abort_on_stop_is_stop", "check_partial", "counted", "enter_by", "extend", "new_request_id", "salted",
+    "stop_strings", "streamed",
 ]
+
+_RID_PREFIX = secrets.token_hex(8)  # per process: ids of two server processes never collide
+_rid_counter = itertools.count()
+
+
+def new_request_id() -> str:
+    """A fixed-width (32 hex chars) id: SGLang aborts by rid *prefix*, so ids must be
+    prefix-free; equal width makes them so. Random per process, then a counter
+    (no syscall per request)."""
+    return f"{_RID_PREFIX}{next(_rid_counter):016x}"
 
 
 async def enter_by(stack: contextlib.AsyncExitStack, cm: contextlib.AbstractAsyncContextManager[Any],

@@ -381,6 +381,8 @@ def _turn_extra(turn: PendingTurn) -> dict[str, Any]:
         extra["routed_experts_bytes"] = wire_size(result.routed_experts)
     if result.aborts or result.resubmits or result.paused_wait_s:
         extra["control"] = result.counters()
+    if result.aborts:  # where each abort cut the output and its resubmission went on (the viewer marks them)
+        extra["segments"] = [{**m, "engine": turn.target_id} for m in result.segment_marks]
     if result.stale_bound is not None:  # ended at a weight update by max_weight_lag
         extra["stale_bound"] = result.stale_bound
     if prep.history_rewrite is not None:  # kept under the append policy

@@ -32,6 +32,7 @@ from ..structured import engine_refusal
 from ..tracing import TurnTrace
 from .chat_request import ChatRequest
 from .engine_request import EngineCall
+from .watch import Peeker
 
 __all__ = ["Generated", "dispatch", "generate_turn"]
 
@@ -55,11 +56,13 @@ class _EngineDown:
 async def generate_turn(
     ctx: ServerContext, session: Session, req: ChatRequest, call: EngineCall, on_placed: Callable[[], None],
     on_delta: Callable[[TokenDelta], None] | None = None, trace: TurnTrace | None = None,
+    peek: Peeker | None = None,
 ) -> Generated:
     """Route, admit and generate; an engine's 4xx on a constraint is the client's 400.
-    `on_delta`: a streamed turn's engine deltas, `trace`: its spans (`generate_resilient`)."""
+    `on_delta`: a streamed turn's engine deltas, `trace`: its spans, `peek`: a watcher's
+    view of a turn the client does not stream (`generate_resilient`)."""
     try:
-        return await dispatch(ctx, session, call.greq, call.expect, on_placed, on_delta, trace)
+        return await dispatch(ctx, session, call.greq, call.expect, on_placed, on_delta, trace, peek)
     except UpstreamHTTPError as exc:
         refusal = engine_refusal(exc, call.greq.sampling.constraint, req)
         if refusal is not None:
@@ -70,7 +73,7 @@ async def generate_turn(
 async def dispatch(
     ctx: ServerContext, session: Session, greq: GenerateRequest, expect: Expectations,
     on_placed: Callable[[], None], on_delta: Callable[[TokenDelta], None] | None = None,
-    trace: TurnTrace | None = None,
+    trace: TurnTrace | None = None, peek: Peeker | None = None,
 ) -> Generated:
     """Send to the session's home; when that engine is down, re-home once and retry.
 
@@ -78,7 +81,8 @@ async def dispatch(
     `generate_resilient`: the pause gate, prefill admission (a large uncached
     prefill waits in the server for its engine), a generation slot, and the
     generation; pauses are survived there (abort, accumulate, resubmit).
-    `on_placed` is called once, when the first target is chosen."""
+    `on_placed` is called once, when the first target is chosen. Tokens a watcher saw
+    (`peek`) were never the client's: they do not stop a re-home."""
     hashes = None
     if ctx.pool.policy.needs_prefix_hashes:
         hashes = prefix_block_hashes(greq.input_ids)  # hashed as numpy bytes, no per-id ints
@@ -96,7 +100,7 @@ async def dispatch(
         target = route(ctx, session, len(greq.input_ids), hashes)
         if attempt == 0:
             on_placed()  # the engine request built and its target chosen
-        got = await _attempt(ctx, session, target, greq, expect, deadline, forward if on_delta else None, trace)
+        got = await _attempt(ctx, session, target, greq, expect, deadline, forward if on_delta else None, trace, peek)
         if not isinstance(got, _EngineDown):
             return Generated(result=got, target_id=target.id)
         if attempt == attempts - 1 or shown:  # streamed tokens were shown: no other sample
@@ -104,6 +108,8 @@ async def dispatch(
         # nothing was received and nothing committed: a fresh generation on the
         # new home is a valid sample of the same turn
         log.warning("engine %s is down (%s); re-homing session %s", got.engine_id, got.error, session.id)
+        if peek is not None:
+            peek.restart()
     raise AssertionError("unreachable")
 
 
@@ -117,7 +123,7 @@ def route(ctx: ServerContext, session: Session, context_tokens: int, hashes: Any
 async def _attempt(
     ctx: ServerContext, session: Session, target: TargetStats, greq: GenerateRequest,
     expect: Expectations, deadline: float, on_delta: Callable[[TokenDelta], None] | None = None,
-    trace: TurnTrace | None = None,
+    trace: TurnTrace | None = None, peek: Peeker | None = None,
 ) -> ResilientResult | _EngineDown:
     """One try on `target`, its load and outcome booked there (in flight, cache estimate,
     engine health). A dead engine is returned, not raised, so the caller can re-home."""
@@ -132,7 +138,7 @@ async def _attempt(
     try:
         result = await generate_resilient(adapter, pinned, ctx.control, expect=expect, admit=admit, deadline=deadline,
                                           on_delta=on_delta, decode=_output_text(ctx) if greq.sampling.stop else None,
-                                          trace=trace)
+                                          trace=trace, peek=peek)
         if greq.top_logprobs:  # a support session reads its supports with its engine's rule (commit)
             result = replace(result, support_rule=adapter.capabilities.support_logprobs)
         return result

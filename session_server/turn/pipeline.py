@@ -292,11 +292,12 @@ class TurnRunner:
                               request_id=live.request_id if live is not None else None)
         streams = live is not None and live.begin(req, call, prompt.prep)
         on_delta = watch.observed(session, live.on_delta if live is not None and streams else None)
+        peek = None if on_delta is not None else watch.Peeker(session, call.expect)  # the watchers' view of it
         watch.begun(session, prompt.prep.branch_id, len(prompt.prep.context_ids) + len(prompt.prompt_ids), streams)
         if timer.trace is not None:
             timer.trace.request(_request_attributes(req, call))
         gen = await generate_turn(ctx, session, req, call, on_placed=lambda: timer.lap("route"), on_delta=on_delta,
-                                  trace=timer.trace)
+                                  trace=timer.trace, peek=peek)
         timer.lap("generate")
         checked = await validate(ctx, gen.result, call.expect, req, prompt.prep, call)
         if live is not None and streams:

@@ -4,9 +4,16 @@ The viewer (`api/ui_data.py`, `GET /sessions/{sid}/live`) subscribes a callback 
 `Session.watchers`; the pipeline tells it when a turn begins (its branch and where its
 output will start), each delta a streamed turn samples (ids and logprobs, exactly
 what the turn's own stream gets: the engine path is not changed for a watcher), and
-when the turn ends, committed or not. A turn that is not streamed sends no deltas: it
-shows as in flight, and its tokens appear when it commits (the viewer reads the tree
-again on `end`).
+when the turn ends, committed or not.
+
+A turn the client does not stream (most RL clients) is streamed from the engine to
+the watchers alone while one watches (`Peeker`, asked at each segment's dispatch:
+`generate_resilient(peek=...)`): the client still gets one answer at the end, and
+nothing a watcher saw counts as shown to the client, so an engine that dies mid-turn
+is still re-homed (the watchers get `restart`, then the new engine's tokens). Without
+a watcher at a segment's dispatch (a viewer opened mid-segment, a constrained turn, an
+engine that cannot stream) that segment's tokens appear when the turn commits (the
+viewer reads the tree again on `end`).
 
 Publishing is a few appends to bounded queues on the loop (the subscriber owns the
 bound and drops past it): a watcher can never slow or fail a turn.
@@ -18,10 +25,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trajectory.errors import ValidationError
+from trajectory.validate import Expectations, validate_chunk
+
 from ..engines.base import TokenDelta
 from ..sessions import Session
 
-__all__ = ["begun", "ended", "observed", "publish"]
+__all__ = ["Peeker", "begun", "ended", "observed", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,45 @@ def _plain(values: Sequence[Any]) -> list[Any]:
     return [v.item() if hasattr(v, "item") else v for v in values]
 
 
+def _tokens(delta: TokenDelta) -> dict[str, Any]:
+    return {"event": "tokens", "ids": _plain(delta.ids), "logprobs": _plain(delta.logprobs)}
+
+
+class Peeker:
+    """A non-streamed turn's deltas for the watchers only (`generate_resilient`'s `peek`).
+    Each is held to the per-token rules here, not by the turn: a bad chunk stops what the
+    watchers see and never fails the turn (its final answer is judged as an unwatched
+    turn's, which a lie only in the stream would pass)."""
+
+    def __init__(self, session: Session, expect: Expectations) -> None:
+        self.session, self.expect = session, expect
+        self.shown = False  # a watcher got tokens of this attempt
+        self.broken = False  # a chunk failed the checks: nothing more is shown of this attempt
+
+    def __call__(self) -> Callable[[TokenDelta], None] | None:
+        """The callback for the segment being dispatched, or None when nobody watches
+        (the segment then goes to the engine unstreamed, exactly as before)."""
+        return self._publish if self.session.watchers else None
+
+    def _publish(self, delta: TokenDelta) -> None:
+        if self.broken or not self.session.watchers:
+            return
+        try:
+            ids, lps = validate_chunk(delta.ids, delta.logprobs, None, self.expect)
+        except ValidationError as exc:
+            self.broken = True
+            publish(self.session, {"event": "unshown", "reason": str(exc)})
+            return
+        self.shown = True
+        publish(self.session, {"event": "tokens", "ids": ids.tolist(), "logprobs": lps.tolist()})
+
+    def restart(self) -> None:
+        """The turn is re-homed and generated afresh: what the watchers saw is void."""
+        if self.shown and self.session.watchers:
+            publish(self.session, {"event": "restart"})
+        self.shown = self.broken = False
+
+
 def observed(session: Session, on_delta: Callable[[TokenDelta], None] | None) -> Callable[[TokenDelta], None] | None:
     """The streamed turn's `on_delta`, also publishing each delta to the session's
     watchers (looked up per delta: a viewer that opens mid-turn sees the rest)."""
@@ -61,6 +110,6 @@ def observed(session: Session, on_delta: Callable[[TokenDelta], None] | None) ->
     def both(delta: TokenDelta) -> None:
         forward(delta)
         if session.watchers:
-            publish(session, {"event": "tokens", "ids": _plain(delta.ids), "logprobs": _plain(delta.logprobs)})
+            publish(session, _tokens(delta))
 
     return both

@@ -158,7 +158,8 @@ function followLive(box, base, sid) {
       count = 0;
       V.clear(box);
       turnBox = V.el("div", { class: "line livebox", id: "live-turn" });
-      box.appendChild(V.el("h2", { text: `Turn in flight on branch ${ev.branch}` + (ev.streams ? "" : " (not streamed: its tokens show at commit)") }));
+      box.appendChild(V.el("h2", { text: `Turn in flight on branch ${ev.branch}` + (ev.streams ? ""
+        : " (not streamed to its client: shown here as the engine samples; a constrained turn's at commit)") }));
       box.appendChild(V.el("p", { class: "muted", id: "live-count", text: "0 tokens so far" }));
       box.appendChild(turnBox);
       V.status("live: turn in flight");
@@ -168,6 +169,12 @@ function followLive(box, base, sid) {
       }
       count += ev.ids.length;
       document.getElementById("live-count").textContent = `${count} tokens so far`;
+    } else if (ev.event === "unshown" && turnBox) {
+      document.getElementById("live-count").textContent = `${count} tokens so far; the rest at commit (${ev.reason})`;
+    } else if (ev.event === "restart" && turnBox) {
+      // the engine died and the turn was re-homed: it is generated afresh
+      V.clear(turnBox); count = 0;
+      document.getElementById("live-count").textContent = "re-homed: 0 tokens so far";
     } else if (ev.event === "end" || ev.event === "resync") {
       V.status(ev.committed ? "live: turn committed, reloading" : "live: turn ended");
       src.close();

@@ -43,11 +43,23 @@ V.lineMarks = function (line) {
     const aborts = c.aborts || 0;
     for (let k = 1; k < spans.length; k++) {
       add(spans[k][0], "version", `v${spans[k - 1][2]} → v${spans[k][2]}`, `weight version changes at token ${spans[k][0]}`);
-      if (k <= aborts) add(spans[k][0], "abort", "abort · resubmit", "the engine was paused here; the partial was kept and resubmitted");
+      if (k <= aborts && !x.segments) add(spans[k][0], "abort", "abort · resubmit", "the engine was paused here; the partial was kept and resubmitted");
     }
-    if (aborts >= spans.length && aborts > 0) {
+    if (x.segments) {
+      // each aborted segment's end, exactly: where the engine stopped and the resubmission began
+      const segs = x.segments;
+      for (let k = 0; k < segs.length; k++) {
+        const s = segs[k], next = segs[k + 1];
+        if (s.ended !== "abort") continue;
+        const what = next ? "abort · resubmit" : "abort (turn ended)";
+        add(t.output_start + s.end, "abort", what,
+          `segment ${k} (${s.request_id} on ${s.engine}) aborted after output token ${s.end}` +
+          (s.dropped ? `; its ${s.dropped} tokens were dropped (constrained) and regenerated` : "") +
+          (next ? `; resubmitted as ${next.request_id}` : ""));
+      }
+    } else if (aborts >= spans.length && aborts > 0) {
       add(t.output_start, "abort", `${aborts} abort(s) · ${c.resubmits || 0} resubmit(s)`,
-        "pauses aborted and resubmitted this turn; positions without a version change are not recorded");
+        "pauses aborted and resubmitted this turn; where is recorded only for turns committed with extra.segments");
     }
     if (t.repair_tokens) add(t.output_end, "repair", `repair ×${t.repair_tokens}`, "tokens the server added to close the turn");
     const rw = x.history_rewrite;

@@ -176,6 +176,67 @@ async def test_live_turn_grows_in_the_page_as_it_is_sampled(qwen3_dir: Path) -> 
                 await browser.close()
 
 
+async def test_an_abort_without_a_version_change_is_marked_at_the_token_where_the_engine_stopped(
+        qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, latency_ms=4, script=[{"content": "step " * 150}]) as st, \
+            httpx.AsyncClient() as sim:
+        sid = await st.session()
+        chat = asyncio.create_task(st.chat(sid, {"messages": U1, "max_tokens": 200}))
+        await until_in_flight(st, sid)
+        await asyncio.sleep(0.08)
+        assert (await st.http.post("/control/pause", json={"mode": "abort"})).json()["ok"]
+        await asyncio.sleep(0.03)
+        assert (await st.http.post("/control/resume", json={})).status_code == 200
+        assert (await chat).status_code == 200
+        log = (await sim.get(f"{st.engines[0]}/sim/requests")).json()
+        turn = (await st.trajectory(sid))["branches"][0]["turns"][0]
+        assert [r["finish_reason"] for r in log][:1] == ["abort"] and len(log) == 2, log
+        assert len(turn["weight_spans"]) == 1  # one version: no version boundary tells where it was cut
+        at = turn["output_start"] + len(log[0]["output_ids"])  # the first token of the resubmission
+        assert turn["extra"]["segments"][0]["end"] == len(log[0]["output_ids"])
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await _page(browser, f"{st.url}/ui/sessions/{sid}")
+                await page.wait_for_selector("#line-tokens .mark.abort")
+                marks = page.locator("#line-tokens .mark.abort")
+                assert await marks.count() == 1
+                assert int(await marks.first.get_attribute("data-at")) == at
+                nxt = marks.first.locator("xpath=following-sibling::span[contains(@class,'tok')][1]")
+                assert int(await nxt.get_attribute("data-i")) == at
+                assert await page.locator("#line-tokens .mark.version").count() == 0
+            finally:
+                await browser.close()
+
+
+async def test_a_non_streamed_turn_grows_in_the_page_before_it_commits(qwen3_dir: Path) -> None:
+    """The client asks without `stream`: the watching page still sees the engine's tokens
+    as they are sampled, and the client's answer and the trajectory are an unwatched turn's."""
+    async with live_stack(qwen3_dir, latency_ms=15, script=[{"content": "slow " * 80}] * 2) as st:
+        ref_sid = await st.session()
+        ref = await st.chat(ref_sid, {"messages": U1, "max_tokens": 120})
+        sid = await st.session()
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await _page(browser, f"{st.url}/ui/sessions/{sid}")
+                await page.wait_for_function("document.getElementById('status').textContent.startsWith('live')")
+                chat = asyncio.create_task(st.chat(sid, {"messages": U1, "max_tokens": 120}))
+                await page.wait_for_selector("#live-turn .tok")
+                first = await page.locator("#live-turn .tok").count()
+                await page.wait_for_function(f"document.querySelectorAll('#live-turn .tok').length > {first + 5}")
+                assert not chat.done()  # tokens grew while the client still waited for its one answer
+                got = await chat
+                assert got.status_code == 200
+                await page.wait_for_function("document.querySelectorAll('#line-tokens .tok').length > 0")
+            finally:
+                await browser.close()
+        assert got.json()["choices"] == ref.json()["choices"]
+        a, b = (await st.trajectory(sid))["branches"][0], (await st.trajectory(ref_sid))["branches"][0]
+        for key in ("token_ids", "loss_mask", "logprobs"):
+            assert a[key] == b[key], key
+
+
 async def test_pages_and_data_need_the_admin_token_and_login_sets_a_read_only_cookie(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, settings=Settings(admin_token="T0ken")) as st:
         admin = {"Authorization": "Bearer T0ken"}

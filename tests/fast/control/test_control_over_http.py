@@ -54,6 +54,35 @@ async def test_pauses_mid_turn_commit_the_uninterrupted_tokens(qwen3_dir: Path) 
         assert metric_value(metrics, "tito_turn_resubmits_total") >= 1
 
 
+async def test_an_abort_pause_records_the_output_offset_where_the_engine_stopped_and_the_resubmit_began(
+        qwen3_dir: Path) -> None:
+    """No weight update: only the recorded segments say where the pause cut the turn."""
+    script = [{"content": "step " * 150}]  # ~150 tokens at 4 ms each: the pause lands mid-turn
+    async with live_stack(qwen3_dir, latency_ms=4, script=script) as st, httpx.AsyncClient() as sim:
+        sid = await st.session()
+        chat = asyncio.create_task(st.chat(sid, {"messages": MSGS, "max_tokens": 200}))
+        await until_in_flight(st, sid)
+        await asyncio.sleep(0.08)
+        assert (await st.http.post("/control/pause", json={"mode": "abort"})).json()["ok"]
+        await asyncio.sleep(0.03)
+        assert (await st.http.post("/control/resume", json={})).status_code == 200
+        assert (await chat).status_code == 200
+        log = (await sim.get(f"{st.engines[0]}/sim/requests")).json()
+        line = _branch(await st.trajectory(sid))
+    turn = line["turns"][0]
+    assert [r["finish_reason"] for r in log][0] == "abort" and len(log) == 2, log
+    cut = len(log[0]["output_ids"])
+    n = turn["output_end"] - turn["output_start"]
+    assert 0 < cut < n
+    engine = turn["engine"]
+    assert turn["extra"]["segments"] == [
+        {"start": 0, "end": cut, "ended": "abort", "request_id": log[0]["rid"], "engine": engine},
+        {"start": cut, "end": n, "ended": log[1]["finish_reason"], "request_id": log[1]["rid"], "engine": engine},
+    ]
+    ids = line["token_ids"][turn["output_start"]:turn["output_end"]]
+    assert ids[:cut] == log[0]["output_ids"] and ids[cut:] == log[1]["output_ids"]
+
+
 async def test_weight_version_spans_across_a_bump_mid_turn(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         assert (await st.http.post("/control/weight_version", json={"version": 1})).status_code == 200

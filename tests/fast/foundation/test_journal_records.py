@@ -95,7 +95,11 @@ def _commit(s: Session, step: dict[str, Any], rows: list[Row], routed_on: bool) 
     extra = {"request_id": f"r{seq}", "parse_status": "ok", "history_rewrite": {"at": seq},
              "sampling": {"policy": "pinned", "engine": {"temperature": 1.0, "seed": 2**31 - 1 - seq, "max_tokens": 64},
                           "client": {"temperature": 0.0, "top_p": 0.5, "seed": 2**63 - 1, "max_tokens": 32000},
-                          "overridden": ["temperature", "top_p", "seed"], "seeds": [seq, 2**31 - 1]}}
+                          "overridden": ["temperature", "top_p", "seed"], "seeds": [seq, 2**31 - 1]},
+             "segments": [{"start": 0, "end": seq, "ended": "abort", "request_id": f"r{seq}", "engine": "e0"},
+                          {"start": seq, "end": seq + 3, "ended": "abort", "request_id": f"s{seq}", "engine": "e0",
+                           "dropped": 2},
+                          {"start": seq + 3, "end": seq + 9, "ended": "stop", "request_id": f"t{seq}", "engine": "e0"}]}
     record = new.trajectory.commit_turn(
         step["prompt"], ids, lps, finish_reason="stop", weight_spans=spans,
         weight_version=None if spans else step["version"], repair_ids=repair, request_messages=messages,
@@ -153,6 +157,9 @@ def test_replayed_records_rebuild_the_committed_session(steps: list[dict[str, An
     assert (back.config.sampling_policy, back.config.seed) == (policy, seed)
     assert [t.extra["sampling"] for b in back.tree.branches() for t in b.trajectory.turns] == \
         [t.extra["sampling"] for b in s.tree.branches() for t in b.trajectory.turns]
+    # where each abort cut a turn and its resubmission went on (the viewer's abort markers)
+    assert [t.extra["segments"] for b in back.tree.branches() for t in b.trajectory.turns] == \
+        [t.extra["segments"] for b in s.tree.branches() for t in b.trajectory.turns]
 
 
 def test_a_recovered_session_keeps_its_count_of_dropped_diagnostics() -> None:
