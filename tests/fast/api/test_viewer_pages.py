@@ -90,7 +90,7 @@ async def _check_session_pages(st: Stack, sid: str) -> None:
     traj = await st.trajectory(sid)
     branches = {b["id"]: b for b in traj["branches"]}
     reasons = sorted(b["reason"] for b in branches.values())
-    assert reasons == ["history_rewrite", "rollback", "root"], reasons  # the scene has what the test claims
+    assert reasons == ["first_turn_resent", "rollback", "root"], reasons  # the scene has what the test claims
     root = branches[0]
     spans = root["turns"][1]["weight_spans"]
     assert [v for _, _, v in spans] == [1, 2], spans
