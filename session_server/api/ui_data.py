@@ -187,7 +187,7 @@ async def meta(request: Request) -> Response:
                           "instance_id": ctx.store.instance_id})
 
 
-UTF8_LOOKBACK = 4  # tokens read before a range: a character it starts inside of is still whole
+UTF8_LOOKAROUND = 4  # tokens read either side of a range: a character it cuts is still whole
 MAX_CHAR_TOKENS = 8  # a run of partial tokens longer than this is not one character: shown as is
 
 
@@ -196,8 +196,8 @@ def _texts(tokenizer: Any, ids: list[int], skip: int) -> tuple[list[str], list[t
     byte-level BPE splits an emoji or a CJK character) on the token that completes it:
     alone, each of those tokens decodes to U+FFFD. The others get "" and a
     `(token, completing token)` pair in the second list. `ids` starts `skip` tokens
-    before the range, so a character the range starts inside of is whole; the result
-    covers `ids[skip:]`, positions relative to it."""
+    before the range (and the caller reads past its end), so a character the range
+    cuts is whole; the result covers `ids[skip:]`, positions relative to it."""
     def one(i: int) -> str:
         return str(tokenizer.decode([i], skip_special_tokens=False))
 
@@ -227,6 +227,10 @@ def _texts(tokenizer: Any, ids: list[int], skip: int) -> tuple[list[str], list[t
             run.append(k)
             joined = str(tokenizer.decode(ids[run[0]:k + 1], skip_special_tokens=False))
         if not joined.endswith("\ufffd"):  # the run ends in a whole character: this token completes it
+            while joined.startswith("\ufffd") and len(run) > 1:  # bytes of a character begun before `ids`
+                orphan = run.pop(0)
+                texts[orphan] = one(ids[orphan])
+                joined = str(tokenizer.decode(ids[run[0]:k + 1], skip_special_tokens=False))
             texts[k] = joined
             parts += [(p, k) for p in run[:-1]]
             run.clear()
@@ -253,11 +257,12 @@ async def token_texts(
     stop = min(len(line), start + MAX_TOKEN_RANGE if end is None else end)
     if stop - start > MAX_TOKEN_RANGE:
         raise BadRequest(f"at most {MAX_TOKEN_RANGE} tokens per read (asked {stop - start})")
-    first = max(0, start - UTF8_LOOKBACK)
-    ids = line.ids_until(stop)[first:stop].tolist() if stop > start else []
+    # a few tokens either side: a character cut by the range's start or end is still whole
+    first, last = max(0, start - UTF8_LOOKAROUND), min(len(line), stop + UTF8_LOOKAROUND)
+    ids = line.ids_until(last)[first:last].tolist() if stop > start else []
     texts, parts = await ctx.offload.run(_texts, ctx.tokenizer, ids, start - first) if ids else ([], [])
-    return json_response({"branch": branch, "start": start, "end": max(start, stop), "texts": texts,
-                          "parts": [[start + p, start + k] for p, k in parts]})
+    return json_response({"branch": branch, "start": start, "end": max(start, stop), "texts": texts[:stop - start],
+                          "parts": [[start + p, start + k] for p, k in parts if p < stop - start]})
 
 
 def _frame(event: dict[str, Any]) -> bytes:

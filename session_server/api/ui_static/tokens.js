@@ -7,7 +7,7 @@
 // thousand token elements (MAX_TOKENS beyond those near view) however far it is scrolled.
 "use strict";
 
-V.CHUNK = 2000;
+V.CHUNK = 1000;
 V.MAX_TOKENS = 6000;  // token elements kept beyond those near view
 
 V.tokenKinds = function (line) {

@@ -62,4 +62,15 @@ async def test_a_character_split_over_tokens_shows_on_the_token_that_completes_i
         assert all(texts[p] == "" for p, _ in body["parts"])
         # a range that starts inside the emoji still shows it whole on its last token
         part = (await st.http.get(f"/sessions/{sid}/tokens", params={"branch": 0, "start": at - 1, "end": at + 3})).json()
-        assert part["texts"][:2] == ["", "😀"] and part["parts"] == [[at - 1, at]]
+        assert part["texts"][:2] == ["", "😀"] and [p for p in part["parts"] if p[1] == at] == [[at - 1, at]]
+        # and one that ends inside it: its bytes point at the token past the end that completes it
+        part = (await st.http.get(f"/sessions/{sid}/tokens", params={"branch": 0, "start": at - 5, "end": at - 1})).json()
+        assert len(part["texts"]) == 4 and "\ufffd" not in "".join(part["texts"])
+        assert [[at - 3, at], [at - 2, at]] == [p for p in part["parts"] if p[1] == at]
+        # cut anywhere, the ranges' texts still make the line's text, with no U+FFFD
+        for size in (1, 2, 3, 5):
+            texts = []
+            for a in range(0, len(ids), size):
+                texts += (await st.http.get(f"/sessions/{sid}/tokens",
+                                            params={"branch": 0, "start": a, "end": a + size})).json()["texts"]
+            assert "".join(texts) == tok.decode(ids, skip_special_tokens=False), size
