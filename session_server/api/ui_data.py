@@ -4,12 +4,18 @@ The viewer's pages (`ui.py`) read a session through the routes every client has
 (`GET /sessions/{sid}`, `/trajectory`, `/samples`, `/control/state`, `/engines`); this
 module adds three thin ones:
 
-- `GET /ui/api/sessions`: this instance's sessions, filtered and paged. The store is
-  copied on the loop (one C-level list copy) and filtered in the offload threads, so
-  10,000 sessions cost the loop nothing per session.
+- `GET /ui/api/sessions`: the sessions, filtered and paged. The store is copied on
+  the loop (one C-level list copy) and filtered in the offload threads, so 10,000
+  sessions cost the loop nothing per session; a page costs O(sessions) to filter and
+  sort and O(page) rows, never a session's history. In a cluster (`--peers`) the
+  instance asked merges its peers' first `offset + limit` matched rows with its own
+  (the same fan-out a peer sync reads with, control/relay.py), so the list covers every
+  instance whichever one the proxy picked; a peer that does not answer is named in
+  `missing`. Newest first is by each instance's monotonic clock: one machine's
+  instances (`session-server cluster`) share it.
 - `GET /sessions/{sid}/tokens?branch=&start=&end=`: the text of each token of a range
   of a line, decoded one id at a time (a token's own text, not the text of the run it
-  sits in), off the loop. The page asks for the chunks it shows, so a 100K-token line is
+  sits in; a character split over tokens goes to the token completing it), off the loop. The page asks for the chunks it shows, so a 100K-token line is
   never decoded or sent whole.
 - `GET /sessions/{sid}/live`: server-sent events of the session's turns as they run
   (`turn/watch.py`). Under `/sessions/{sid}/` so a cluster's proxy routes it to the
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 import orjson
 from fastapi import APIRouter, Query, Request
@@ -30,15 +37,18 @@ from fastapi.responses import Response, StreamingResponse
 
 from trajectory.samples import DEFAULT_PICKER, PICKERS
 
+from ..control.relay import RELAYED_HEADER
 from ..errors import BadRequest
 from ..sessions import Session, instance_of
 from .edge import route_doc
-from .routes.common import ctx_of, json_response
+from .routes.common import ctx_of, json_response, relay_of
 
 __all__ = ["router"]
 
 router = APIRouter()
 
+MAX_PAGE = 500  # sessions a client's page holds
+PEER_LIST_S = 10.0  # a peer slower than this to list is named in `missing`: the page shows the rest
 MAX_TOKEN_RANGE = 4096  # tokens per `/tokens` read: one chunk of the page, decoded in one offload hop
 LIVE_QUEUE = 2048  # events a slow viewer may fall behind by before it is told to read the tree again
 KEEPALIVE_S = 15.0  # a comment frame this often: proxies keep the stream open, a gone session ends it
@@ -62,6 +72,10 @@ def _row(s: Session) -> dict[str, Any]:
         "diagnostics": len(s.diagnostics) + s.diagnostics_dropped,
         "created_at": s.created_at,
     }
+
+
+def _order(s: Session) -> tuple[float, str]:
+    return s.created_at, s.id
 
 
 def _meta_match(metadata: dict[str, Any], wanted: Sequence[tuple[str, str | None]]) -> bool:
@@ -97,7 +111,7 @@ def _listing(sessions: list[Session], q: dict[str, Any]) -> dict[str, Any]:
         if q["meta"] and not _meta_match(s.config.metadata, q["meta"]):
             continue
         kept.append(s)
-    kept.sort(key=lambda s: s.created_at, reverse=True)
+    kept.sort(key=_order, reverse=True)  # the id breaks ties (replayed sessions share one time): pages never overlap
     page = kept[q["offset"]: q["offset"] + q["limit"]]
     return {"total": len(sessions), "matched": len(kept), "offset": q["offset"], "limit": q["limit"],
             "sessions": [_row(s) for s in page], "homes": homes}
@@ -124,16 +138,45 @@ async def list_sessions(
     reward_max: float | None = None,
     meta: Annotated[list[str] | None, Query(max_length=16)] = None,
     offset: Annotated[int, Query(ge=0)] = 0,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    limit: Annotated[int, Query(ge=1)] = 50,
 ) -> Response:
-    """This instance's sessions, newest first, filtered and paged; `homes`: how many
-    sessions each engine target is home to (all sessions, not only the matched)."""
+    """The cluster's sessions (this instance's, and with `--peers` every peer's), newest
+    first, filtered and paged; `homes`: how many sessions each engine target is home to
+    (all sessions, not only the matched); `instances`: who answered, `missing`: the
+    peers that did not (their sessions are not in the list)."""
     ctx = ctx_of(request)
+    relay = relay_of(request)
+    relayed = request.headers.get(RELAYED_HEADER) is not None
+    if limit > MAX_PAGE and not relayed:  # a peer's part of a page reaches down to the page's end
+        raise BadRequest(f"limit: at most {MAX_PAGE} sessions a page (asked {limit})")
     q = {"state": state, "instance": instance, "busy": busy, "has_diagnostics": has_diagnostics,
          "reward_min": reward_min, "reward_max": reward_max, "meta": _meta_filters(meta or []),
          "offset": offset, "limit": limit}
     sessions = list(ctx.store.all().values())
-    return json_response(await ctx.offload.run(_listing, sessions, q))
+    if not relay.wanted(request.headers):
+        out = await ctx.offload.run(_listing, sessions, q)
+        return json_response({**out, "instances": [ctx.store.instance_id], "missing": {}})
+    # every instance's first offset+limit matched rows, merged: the page is the same
+    # whichever instance the proxy picked
+    params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("offset", "limit")]
+    path = "/ui/api/sessions?" + urlencode([*params, ("offset", 0), ("limit", offset + limit)])
+    misses: dict[str, str] = {}
+    local, peers = await asyncio.gather(
+        ctx.offload.run(_listing, sessions, {**q, "offset": 0, "limit": offset + limit}),
+        relay.fetch(path, timeout_s=min(PEER_LIST_S, ctx.settings.peer_timeout_s), misses=misses))
+    parts = [local, *(p for p in peers.values() if isinstance(p, dict))]
+    rows = sorted((r for p in parts for r in p["sessions"]), key=lambda r: (r["created_at"], r["session_id"]),
+                  reverse=True)
+    homes: dict[str, int] = {}
+    for p in parts:
+        for home, n in p["homes"].items():
+            homes[home] = homes.get(home, 0) + n
+    answered = [ctx.store.instance_id] + [i for p in parts[1:] for i in p.get("instances", [])]
+    return json_response({
+        "total": sum(p["total"] for p in parts), "matched": sum(p["matched"] for p in parts),
+        "offset": offset, "limit": limit, "sessions": rows[offset:offset + limit], "homes": homes,
+        "instances": answered, "missing": {peer: misses.get(peer, "no answer") for peer, p in peers.items()
+                                           if not isinstance(p, dict)}})
 
 
 @router.get("/ui/api/meta", **route_doc(None))
@@ -144,8 +187,57 @@ async def meta(request: Request) -> Response:
                           "instance_id": ctx.store.instance_id})
 
 
-def _texts(tokenizer: Any, ids: list[int]) -> list[str]:
-    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+UTF8_LOOKAROUND = 4  # tokens read either side of a range: a character it cuts is still whole
+MAX_CHAR_TOKENS = 8  # a run of partial tokens longer than this is not one character: shown as is
+
+
+def _texts(tokenizer: Any, ids: list[int], skip: int) -> tuple[list[str], list[tuple[int, int]]]:
+    """Each token's text, with a UTF-8 character whose bytes several tokens hold (a
+    byte-level BPE splits an emoji or a CJK character) on the token that completes it:
+    alone, each of those tokens decodes to U+FFFD. The others get "" and a
+    `(token, completing token)` pair in the second list. `ids` starts `skip` tokens
+    before the range (and the caller reads past its end), so a character the range
+    cuts is whole; the result covers `ids[skip:]`, positions relative to it."""
+    def one(i: int) -> str:
+        return str(tokenizer.decode([i], skip_special_tokens=False))
+
+    texts: list[str] = []
+    parts: list[tuple[int, int]] = []
+    run: list[int] = []  # positions of the partial tokens not yet completed
+
+    def flush() -> None:  # never completed (a real U+FFFD, a cut line): each token's own text
+        for k in run:
+            texts[k] = one(ids[k])
+        run.clear()
+
+    for k, i in enumerate(ids):
+        texts.append("")
+        alone = one(i)
+        if "\ufffd" not in alone:
+            if not run:
+                texts[k] = alone
+                continue
+            joined = str(tokenizer.decode(ids[run[0]:k + 1], skip_special_tokens=False))
+            if joined == str(tokenizer.decode(ids[run[0]:k], skip_special_tokens=False)) + alone:
+                flush()  # this token completes nothing: the run before it stays as it was
+                texts[k] = alone
+                continue
+            run.append(k)
+        else:
+            run.append(k)
+            joined = str(tokenizer.decode(ids[run[0]:k + 1], skip_special_tokens=False))
+        if not joined.endswith("\ufffd"):  # the run ends in a whole character: this token completes it
+            while joined.startswith("\ufffd") and len(run) > 1:  # bytes of a character begun before `ids`
+                orphan = run.pop(0)
+                texts[orphan] = one(ids[orphan])
+                joined = str(tokenizer.decode(ids[run[0]:k + 1], skip_special_tokens=False))
+            texts[k] = joined
+            parts += [(p, k) for p in run[:-1]]
+            run.clear()
+        elif len(run) >= MAX_CHAR_TOKENS:
+            flush()
+    flush()
+    return texts[skip:], [(p - skip, k - skip) for p, k in parts if p >= skip]
 
 
 @router.get("/sessions/{sid}/tokens", **route_doc(None, 400, 404))
@@ -153,8 +245,10 @@ async def token_texts(
     sid: str, request: Request, branch: Annotated[int, Query(ge=0)],
     start: Annotated[int, Query(ge=0)] = 0, end: Annotated[int | None, Query(ge=0)] = None,
 ) -> Response:
-    """`{"branch", "start", "end", "texts"}`: each token's own text in [start, end) of the
-    branch's line (at most MAX_TOKEN_RANGE tokens; `end` defaults to that bound)."""
+    """`{"branch", "start", "end", "texts", "parts"}`: each token's own text in [start, end)
+    of the branch's line (at most MAX_TOKEN_RANGE tokens; `end` defaults to that bound);
+    a character split over tokens is the text of the token that completes it, and each
+    `[token, completing token]` of `parts` (line positions) names one holding only bytes."""
     ctx = ctx_of(request)
     s = ctx.store.get(sid)
     if branch not in {b.id for b in s.tree.branches()}:
@@ -163,9 +257,12 @@ async def token_texts(
     stop = min(len(line), start + MAX_TOKEN_RANGE if end is None else end)
     if stop - start > MAX_TOKEN_RANGE:
         raise BadRequest(f"at most {MAX_TOKEN_RANGE} tokens per read (asked {stop - start})")
-    ids = line.ids_until(stop)[start:stop].tolist() if stop > start else []
-    texts = await ctx.offload.run(_texts, ctx.tokenizer, ids)
-    return json_response({"branch": branch, "start": start, "end": max(start, stop), "texts": texts})
+    # a few tokens either side: a character cut by the range's start or end is still whole
+    first, last = max(0, start - UTF8_LOOKAROUND), min(len(line), stop + UTF8_LOOKAROUND)
+    ids = line.ids_until(last)[first:last].tolist() if stop > start else []
+    texts, parts = await ctx.offload.run(_texts, ctx.tokenizer, ids, start - first) if ids else ([], [])
+    return json_response({"branch": branch, "start": start, "end": max(start, stop), "texts": texts[:stop - start],
+                          "parts": [[start + p, start + k] for p, k in parts if p < stop - start]})
 
 
 def _frame(event: dict[str, Any]) -> bytes:

@@ -39,6 +39,11 @@ V.listPage = async function (app) {
 
   out.appendChild(V.el("p", { id: "counts", class: "muted",
     text: `${data.matched} of ${data.total} sessions match; showing ${data.sessions.length} from ${offset}` }));
+  out.appendChild(V.el("p", { id: "instances", class: "muted", text: `instances listed: ${data.instances.join(", ")}` +
+    (Object.keys(data.missing).length ? "" : " (all)") }));
+  for (const [peer, why] of Object.entries(data.missing)) {
+    out.appendChild(V.el("p", { class: "err missing", text: `not listed: the instance at ${peer} (${why}): its sessions are missing here` }));
+  }
   const table = V.el("table", { id: "session-table" }, V.el("tr", {},
     ...["session", "state", "instance", "home", "turns", "tokens", "branches", "reward", "diagnostics", "metadata"]
       .map((h) => V.el("th", { text: h }))));

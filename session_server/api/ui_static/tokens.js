@@ -2,11 +2,13 @@
 // tool output, repair), logprob as shading with the value on hover, and markers for turn,
 // output, weight-version, abort/resubmit, repair and history-rewrite positions.
 // A line is cut into chunks (a turn's prompt or output, at most CHUNK tokens); a chunk's
-// texts are fetched and its tokens built only when it scrolls near view, so a 100K-token
-// line costs the page a few chunks at a time.
+// texts are fetched and its tokens built only when it scrolls near view, and a chunk far
+// from view is emptied again (its height kept), so a 100K-token line holds a few
+// thousand token elements (MAX_TOKENS beyond those near view) however far it is scrolled.
 "use strict";
 
-V.CHUNK = 2000;
+V.CHUNK = 1000;
+V.MAX_TOKENS = 6000;  // token elements kept beyond those near view
 
 V.tokenKinds = function (line) {
   // kind of each position from the arrays alone (tool output is found later, by text)
@@ -114,9 +116,9 @@ function markToolOutput(chunk, texts, kinds) {
   }
 }
 
-V.tokenSpan = function (i, text, kind, line, versionOf) {
+V.tokenSpan = function (i, text, kind, line, versionOf, part) {
   const lp = line.logprobs[i];
-  const span = V.el("span", { class: "tok " + kind, data: { i: i } });
+  const span = V.el("span", { class: "tok " + kind + (part === undefined ? "" : " part"), data: { i: i } });
   span.textContent = V.shown(text);
   let title = `#${i} id ${line.token_ids[i]} · ${kind} · mask ${line.loss_mask[i]}`;
   if (kind.startsWith("sampled") || kind === "repair") {
@@ -125,6 +127,8 @@ V.tokenSpan = function (i, text, kind, line, versionOf) {
     if (v !== null) title += ` · weights v${v}`;
     span.style.setProperty("--a", Math.min(0.85, 0.08 + (-lp) / 6).toFixed(3));
   }
+  // a token holding only some bytes of a UTF-8 character: the character shows on the token that completes it
+  if (part !== undefined) title += ` · bytes of a character completed by token #${part}`;
   span.title = title;
   return span;
 };
@@ -145,18 +149,29 @@ V.renderLine = function (holder, sid, line) {
     V.el("span", { class: "muted", text: "darker = less likely; hover a token for its id, logprob and version" })));
   const box = V.el("div", { class: "line", id: "line-tokens" });
   holder.appendChild(box);
+  // a click on a token shows its facts below the line (the hover title, kept after the pointer moves)
+  const detail = V.el("p", { class: "kv", id: "token-detail", text: "click a token for its id, logprob and version" });
+  holder.appendChild(detail);
+  box.addEventListener("click", (ev) => {
+    const tok = ev.target.closest && ev.target.closest(".tok");
+    if (tok) detail.textContent = `${tok.title} · text ${JSON.stringify(tok.textContent)}`;
+  });
+  const loaded = new Map();  // chunk index -> its token count, for the chunks whose elements are in the page
+  const near = new Set();  // chunk indexes in or near view (the observer's margin)
   const chunks = V.lineChunks(line);
+  chunks.forEach((c, k) => { c.index = k; });
   const fill = async (div, chunk) => {
     let data;
     try {
       data = await V.api(`/sessions/${encodeURIComponent(sid)}/tokens?branch=${line.id}&start=${chunk.start}&end=${chunk.end}`);
     } catch (e) { div.textContent = "(could not load: " + e.message + ")"; return; }
     if (chunk.part === "prompt") markToolOutput(chunk, data.texts, kinds);
+    const part = new Map((data.parts || []).map(([k, j]) => [k, j]));
     const frag = document.createDocumentFragment();
     for (let k = 0; k < data.texts.length; k++) {
       const i = chunk.start + k;
       for (const [cls, label, title] of marks.get(i) || []) frag.appendChild(V.el("span", { class: "mark " + cls, text: label, title: title, data: { at: i } }));
-      const sp = V.tokenSpan(i, data.texts[k], kinds[i], line, versionOf);
+      const sp = V.tokenSpan(i, data.texts[k], kinds[i], line, versionOf, part.get(i));
       if (marks.has(i) && marks.get(i).some((m) => m[0] === "rewrite")) sp.classList.add("rewrite");
       frag.appendChild(sp);
     }
@@ -165,13 +180,32 @@ V.renderLine = function (holder, sid, line) {
     div.style.minHeight = "";
     div.classList.remove("pending");
     div.dataset.loaded = "1";
+    loaded.set(chunk.index, chunk.end - chunk.start);
+    trim(chunk.index);
+  };
+  const unload = (k) => {
+    const div = box.querySelector(`[data-chunk="${k}"]`);
+    div.style.minHeight = div.offsetHeight + "px";  // the scroll position does not jump
+    V.clear(div).textContent = `tokens ${chunks[k].start}-${chunks[k].end} (${chunks[k].part})…`;
+    div.classList.add("pending");
+    delete div.dataset.loaded; delete div.dataset.loading;
+    loaded.delete(k);
+  };
+  const trim = (at) => {
+    // past the bound, the loaded chunks farthest from the one just filled are emptied; never one near view
+    let total = 0;
+    for (const n of loaded.values()) total += n;
+    const far = [...loaded.keys()].filter((k) => !near.has(k)).sort((a, b) => Math.abs(b - at) - Math.abs(a - at));
+    while (total > V.MAX_TOKENS && far.length) { const k = far.shift(); total -= loaded.get(k); unload(k); }
   };
   const observer = new IntersectionObserver((entries) => {
     for (const e of entries) {
-      if (!e.isIntersecting || e.target.dataset.loading) continue;
+      const k = parseInt(e.target.dataset.chunk, 10);
+      if (!e.isIntersecting) { near.delete(k); continue; }
+      near.add(k);
+      if (e.target.dataset.loading) continue;
       e.target.dataset.loading = "1";
-      observer.unobserve(e.target);
-      fill(e.target, chunks[parseInt(e.target.dataset.chunk, 10)]);
+      fill(e.target, chunks[k]);
     }
   }, { root: box, rootMargin: "1500px 0px" });
   chunks.forEach((c, k) => {

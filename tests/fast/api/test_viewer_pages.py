@@ -266,3 +266,58 @@ async def test_pages_and_data_need_the_admin_token_and_login_sets_a_read_only_co
                 assert await page.locator("#branch-tree .node").count() == 1
             finally:
                 await browser.close()
+
+
+SPLIT = "naïve 😀 世界 "  # characters the offline byte-level BPE splits over several tokens
+MAX_TOKEN_ELEMENTS = 10_000
+
+
+async def long_line_session(st: Stack, words: int = 24_000) -> str:
+    """A session whose line holds ~100K tokens: one turn with a huge prompt (a long
+    document an agent pasted), split characters included."""
+    sid = await st.session()
+    doc = "".join(f"line {k} of the pasted log {SPLIT}\n" for k in range(words // 8))
+    r = await st.chat(sid, {"messages": [{"role": "user", "content": doc}], "max_tokens": 16})
+    assert r.status_code == 200, r.text
+    return sid
+
+
+async def test_a_100k_token_line_keeps_few_token_elements_loads_its_end_and_answers_clicks(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir) as st:
+        sid = await long_line_session(st)
+        line = (await st.trajectory(sid))["branches"][0]
+        n = len(line["token_ids"])
+        assert n >= 90_000, n  # the scene is the size the test claims
+        last = (await st.http.get(f"/sessions/{sid}/tokens", params={"branch": 0, "start": n - 50, "end": n})).json()
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await _page(browser, f"{st.url}/ui/sessions/{sid}")
+                await page.wait_for_selector("#line-tokens .chunk[data-loaded='1']")
+                assert f"{n} tokens" in await page.locator("#token-summary").inner_text()  # the full count
+                box = page.locator("#line-tokens")
+                # scroll through the whole line in steps, as a reader dragging the bar would
+                height = await box.evaluate("b => b.scrollHeight")
+                most = 0
+                for k in range(1, 21):
+                    await box.evaluate(f"b => {{ b.scrollTop = {height * k // 20}; }}")
+                    await page.wait_for_timeout(100)
+                    most = max(most, await page.locator("#line-tokens .tok").count())
+                await box.evaluate("b => { b.scrollTop = b.scrollHeight; }")
+                await page.wait_for_selector(f"#line-tokens .tok[data-i='{n - 1}']")
+                most = max(most, await page.locator("#line-tokens .tok").count())
+                assert most < MAX_TOKEN_ELEMENTS, most  # bounded however far it was scrolled
+                # the last tokens are the data route's, position by position
+                got = [await page.locator(f"#line-tokens .tok[data-i='{i}']").text_content() for i in range(n - 50, n)]
+                assert [t.replace("↵", "").replace("→", "") for t in got] == last["texts"]
+                # a split character shows whole on the token completing it, never U+FFFD
+                text = await box.inner_text()
+                assert "😀" in text and "世界" in text and "\ufffd" not in text
+                # the page still answers: a click on a token shows its facts
+                tok = page.locator(f"#line-tokens .tok[data-i='{n - 1}']")
+                await tok.click()
+                await page.wait_for_function(
+                    f"document.getElementById('token-detail').textContent.startsWith('#{n - 1} id ')")
+                await page.screenshot(path=str(SHOTS / "long-line.png"))
+            finally:
+                await browser.close()

@@ -1,0 +1,76 @@
+"""The viewer's data routes: the session list pages every session exactly once under
+its filters, and the token texts show a character split over tokens on the token that
+completes it (the offline qwen3 tokenizer is byte-level: an emoji is four tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from ..stack import live_stack
+
+SPLIT = "naïve 😀 世界 ok"
+
+
+async def test_session_list_pages_hold_every_matching_session_exactly_once(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir) as st:
+        sem = asyncio.Semaphore(16)
+
+        async def make(k: int) -> str:
+            async with sem:
+                return await st.session(metadata={"task": f"t{k % 3}", "k": k})
+
+        sids = await asyncio.gather(*(make(k) for k in range(300)))
+        want = {sid for k, sid in enumerate(sids) if k % 3 == 1}
+        for params, expected in (({}, set(sids)), ({"meta": "task=t1"}, want)):
+            seen: list[str] = []
+            times: list[float] = []
+            offset = 0
+            while True:
+                r = await st.http.get("/ui/api/sessions", params={**params, "offset": offset, "limit": 37})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["total"] == 300 and body["matched"] == len(expected)
+                if not body["sessions"]:
+                    break
+                seen += [row["session_id"] for row in body["sessions"]]
+                times += [row["created_at"] for row in body["sessions"]]
+                offset += 37
+            assert len(seen) == len(set(seen)) == len(expected)  # nothing twice, nothing skipped
+            assert set(seen) == expected
+            assert times == sorted(times, reverse=True)  # newest first, across pages
+        assert (await st.http.get("/ui/api/sessions", params={"limit": 501})).status_code == 400
+
+
+async def test_a_character_split_over_tokens_shows_on_the_token_that_completes_it(qwen3_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    assert "\ufffd" in tok.decode(tok.encode("😀", add_special_tokens=False)[:1])  # the split the test is about
+    async with live_stack(qwen3_dir) as st:
+        sid = await st.session()
+        r = await st.chat(sid, {"messages": [{"role": "user", "content": SPLIT}], "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        ids = (await st.trajectory(sid))["branches"][0]["token_ids"]
+        body = (await st.http.get(f"/sessions/{sid}/tokens", params={"branch": 0})).json()
+        texts = body["texts"]
+        assert "".join(texts) == tok.decode(ids, skip_special_tokens=False)  # the line's text, whole
+        assert not any("\ufffd" in t for t in texts)
+        assert "😀" in texts and "世" in texts and "界" in texts
+        at = texts.index("😀")
+        assert [p for p, k in body["parts"] if k == at] == [at - 3, at - 2, at - 1]  # the emoji's 4 byte tokens
+        assert all(texts[p] == "" for p, _ in body["parts"])
+        # a range that starts inside the emoji still shows it whole on its last token
+        part = (await st.http.get(f"/sessions/{sid}/tokens", params={"branch": 0, "start": at - 1, "end": at + 3})).json()
+        assert part["texts"][:2] == ["", "😀"] and [p for p in part["parts"] if p[1] == at] == [[at - 1, at]]
+        # and one that ends inside it: its bytes point at the token past the end that completes it
+        part = (await st.http.get(f"/sessions/{sid}/tokens", params={"branch": 0, "start": at - 5, "end": at - 1})).json()
+        assert len(part["texts"]) == 4 and "\ufffd" not in "".join(part["texts"])
+        assert [[at - 3, at], [at - 2, at]] == [p for p in part["parts"] if p[1] == at]
+        # cut anywhere, the ranges' texts still make the line's text, with no U+FFFD
+        for size in (1, 2, 3, 5):
+            texts = []
+            for a in range(0, len(ids), size):
+                texts += (await st.http.get(f"/sessions/{sid}/tokens",
+                                            params={"branch": 0, "start": a, "end": a + size})).json()["texts"]
+            assert "".join(texts) == tok.decode(ids, skip_special_tokens=False), size
