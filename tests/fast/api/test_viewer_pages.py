@@ -2,7 +2,9 @@
 Playwright): one session with a retry, a fork, a pause with a weight-version change and
 a history rewrite, seen on its pages; the live turn growing; model output shown as text.
 
-Screenshots of each page go to `docs/screenshots/` (linked from the README). Without
+Screenshots of each page are taken on every run; they go to `docs/screenshots/` (linked
+from the README) when `TITO_SCREENSHOTS=docs/screenshots` is set, else to a temporary
+folder, so a test run leaves the checkout as it found it. Without
 /usr/bin/chromium the tests skip here; under CI (`CI` set) that is a failure: `.ci/run`
 installs it, and a browser suite that silently skips proves nothing.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,8 @@ from session_server.context import Settings
 from ..stack import Stack, live_stack, until_in_flight
 
 CHROMIUM = os.environ.get("TITO_CHROMIUM", "/usr/bin/chromium")
-SHOTS = Path(__file__).resolve().parents[3] / "docs" / "screenshots"
+SHOTS = (Path(os.environ["TITO_SCREENSHOTS"]).resolve() if os.environ.get("TITO_SCREENSHOTS")
+         else Path(tempfile.mkdtemp(prefix="tito-screenshots-")))
 EVIL = "<script>window.__pwned = 1</script><img src=x onerror=window.__pwned=2>"
 SCRIPT = [
     {"reasoning_content": "Look at the config first.", "content": f"Reading it. {EVIL} " + "ok " * 30},

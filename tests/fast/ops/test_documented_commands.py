@@ -43,7 +43,8 @@ FOREIGN_FLAGS = {
     "--allowedTools": "Claude Code", "--skip-git-repo-check": "Codex CLI",  # run in test_harnesses.py
 }
 # `TITO_*` names that are not server settings
-FOREIGN_ENV = {"TITO_API_KEY": "the env_key of the README's Codex provider"}
+FOREIGN_ENV = {"TITO_API_KEY": "the env_key of the README's Codex provider",
+               "TITO_SCREENSHOTS": "where tests/fast/api/test_viewer_pages.py writes its screenshots"}
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
