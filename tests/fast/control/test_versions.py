@@ -18,7 +18,6 @@ from session_server.sim import SimModel, running_sim
 from tests.fast.control.conftest import Spy, make_adapter
 from trajectory.errors import ValidationError
 
-
 # longer than a turn's budget: a request still sampling when a test pauses it
 LONG = " ".join(f"chapter {i} of the story walks the reader through one more room of the house." for i in range(40))
 
