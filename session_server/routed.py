@@ -192,7 +192,17 @@ def _flat_rows(arr: np.ndarray, p: Piece, shape: RoutedShape, expect: tuple[int,
             raise UpstreamInvalid(f"{where}: {size} routed ids are not whole rows of {known[0]}x{known[1]} "
                                   "(layers x topk: the routed_experts_layers and routed_experts_topk settings, "
                                   "else the model's config.json)")
-        return arr.reshape(size // per, *known)
+        rows = size // per
+        asked = next((n for n in (want, p.rows_end) if n > 0 and size % n == 0), None)
+        if rows not in (want, p.rows_end) and asked is not None:
+            # whole rows of another width for exactly the positions asked: the width is
+            # what is wrong, not the count (that the ids also split into rows of this
+            # width is a coincidence of the turn's length), so name where it came from
+            raise UpstreamInvalid(f"{where}: {size} routed ids are rows of {size // asked} for the {asked} "
+                                  f"positions asked, not of {known[0]}x{known[1]} (layers x topk: the "
+                                  "routed_experts_layers and routed_experts_topk settings, else the model's "
+                                  "config.json)")
+        return arr.reshape(rows, *known)
     if want <= 0 or size % want:
         raise UpstreamInvalid(
             f"{where}: {size} routed ids for {want} positions: the row width is unknown; set "

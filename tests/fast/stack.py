@@ -70,6 +70,14 @@ class Stack:
         await writer.drain()
         return writer
 
+    async def script(self, sid: str, *turns: dict[str, Any], i: int = 0) -> None:
+        """Script session `sid`'s answers on engine `i` (`POST /sim/script`, kept for that
+        session): a test that needs a long answer, or given tool calls, says so here rather
+        than leaning on whatever the simulator answers unscripted."""
+        async with httpx.AsyncClient() as c:
+            r = await c.post(f"{self.engines[i]}/sim/script", json={"turns": list(turns), "session": sid})
+            assert r.status_code == 200 and r.json()["scope"] == "session", r.text
+
     async def fault(self, kind: str, count: int = 1, i: int = 0) -> None:
         async with httpx.AsyncClient() as c:
             r = await c.post(f"{self.engines[i]}/sim/faults", json={"kind": kind, "count": count})

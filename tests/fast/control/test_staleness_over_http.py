@@ -20,6 +20,8 @@ from ..stack import Stack, live_stack, metric_value, until_in_flight
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
 BODY = {"messages": MSGS, "max_tokens": 200}
+# ~120 tokens at 4 ms each: still sampling through every update a test makes, then a stop
+LONG = " ".join(f"step {i} of the refactor reads the loader, moves one function and reruns the tests." for i in range(7))
 
 
 async def _set_version(st: Stack, version: int) -> None:
@@ -33,6 +35,13 @@ async def _update(st: Stack, version: int, mode: str = "abort") -> None:
     assert (await st.http.post("/control/pause", json={"mode": mode})).json()["ok"]
     await _set_version(st, version)
     assert (await st.http.post("/control/resume", json={})).status_code == 200
+
+
+async def _long_session(st: Stack, **body: Any) -> str:
+    """A session whose answer is LONG (scripted): its turn outlasts the updates made during it."""
+    sid = await st.session(**body)
+    await st.script(sid, {"content": LONG})
+    return sid
 
 
 async def _chat_through(st: Stack, sid: str, versions: list[int], body: dict[str, Any] | None = None,
@@ -52,7 +61,7 @@ async def _turn(st: Stack, sid: str) -> dict[str, Any]:
 
 
 async def _reference(st: Stack) -> dict[str, Any]:
-    sid = await st.session()
+    sid = await _long_session(st)
     assert (await st.chat(sid, BODY)).status_code == 200
     return await _turn(st, sid)
 
@@ -64,7 +73,7 @@ def _versions(turn: dict[str, Any]) -> list[str]:
 async def test_k1_ends_the_turn_at_the_first_update(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
-        sid = await st.session(max_weight_lag=1)
+        sid = await _long_session(st, max_weight_lag=1)
         r = await _chat_through(st, sid, [2])
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
@@ -101,7 +110,7 @@ async def test_k1_ends_the_turn_at_the_first_update(qwen3_dir: Path) -> None:
 async def test_k2_resubmits_once_then_ends_at_the_second_update(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
-        sid = await st.session(max_weight_lag=2)
+        sid = await _long_session(st, max_weight_lag=2)
         r = await _chat_through(st, sid, [2, 3])
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort", r.text
         turn = await _turn(st, sid)
@@ -117,7 +126,7 @@ async def test_unbounded_resubmits_through_every_update(qwen3_dir: Path) -> None
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
         ref = await _reference(st)
-        sid = await st.session()
+        sid = await _long_session(st)
         r = await _chat_through(st, sid, [2, 3, 4], gap_s=0.03)
         assert r.status_code == 200, r.text
         turn = await _turn(st, sid)
@@ -144,11 +153,11 @@ async def test_an_update_before_the_first_token_resubmits(qwen3_dir: Path) -> No
 async def test_the_request_overrides_the_session(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
-        loose = await st.session(max_weight_lag=1)
+        loose = await _long_session(st, max_weight_lag=1)
         r = await _chat_through(st, loose, [2], body={**BODY, "max_weight_lag": 2})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] != "abort", r.text
         assert _versions(await _turn(st, loose)) == ["1", "2"]
-        strict = await st.session()
+        strict = await _long_session(st)
         r = await _chat_through(st, strict, [3], body={**BODY, "max_weight_lag": 1})
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort", r.text
         assert _versions(await _turn(st, strict)) == ["2"]
@@ -179,7 +188,7 @@ async def test_invalid_bounds_are_400_in_the_envelope(qwen3_dir: Path) -> None:
 async def test_anthropic_and_responses_report_the_cut_turn_as_incomplete(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=4) as st:
         await _set_version(st, 1)
-        sid = await st.session(max_weight_lag=1)
+        sid = await _long_session(st, max_weight_lag=1)
         chat = asyncio.create_task(st.http.post(f"/sessions/{sid}/v1/messages",
                                                 json={"messages": MSGS, "max_tokens": 200}))
         await until_in_flight(st, sid)
@@ -187,7 +196,7 @@ async def test_anthropic_and_responses_report_the_cut_turn_as_incomplete(qwen3_d
         await _update(st, 2)
         r = await chat
         assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
-        sid = await st.session(max_weight_lag=1)
+        sid = await _long_session(st, max_weight_lag=1)
         resp = asyncio.create_task(st.http.post(f"/sessions/{sid}/v1/responses",
                                                 json={"input": MSGS[0]["content"], "max_output_tokens": 200}))
         await until_in_flight(st, sid)

@@ -18,6 +18,9 @@ from session_server.sim import SimModel, running_sim
 from tests.fast.control.conftest import Spy, make_adapter
 from trajectory.errors import ValidationError
 
+# longer than a turn's budget: a request still sampling when a test pauses it
+LONG = " ".join(f"chapter {i} of the story walks the reader through one more room of the house." for i in range(40))
+
 
 def _rid(n: int) -> str:
     return f"{n:032x}"
@@ -38,11 +41,13 @@ async def test_a_keep_pause_splits_versions_where_the_engine_says_the_update_lan
     versions), not the dispatch version for every token."""
     prompt = make_prompt("tell me a long story")
     async with running_sim("vllm", qwen3_model, latency_ms=4) as url:
+        await _post(url + "/sim/script", {"turns": [{"content": LONG}], "session": "story"})  # sampling at the pause
         spy = Spy(make_adapter("vllm", url))
         control = ControlPlane(lambda: [spy], grace_s=0.005)
         try:
             assert (await control.push_weight_version(control.set_weight_version(1)))["ok"]
-            task = asyncio.create_task(generate_resilient(spy, GenerateRequest(_rid(1), prompt, 300), control))
+            request = GenerateRequest(_rid(1), prompt, 300, session_id="story")
+            task = asyncio.create_task(generate_resilient(spy, request, control))
             await asyncio.sleep(0.15)
             assert (await control.pause("keep"))["ok"]
             report = await control.push_weight_version(control.set_weight_version(2))
@@ -138,8 +143,10 @@ async def test_a_stale_version_on_an_aborted_partial_is_counted_not_a_502(
         adapter = make_adapter("sglang", url)
         control = ControlPlane(lambda: [adapter], grace_s=0.005, weight_version=5)
         await _post(url + "/sim/weight_version", {"version": "3"})
+        await _post(url + "/sim/script", {"turns": [{"content": LONG}], "session": "story"})  # sampling at the pause
         try:
-            task = asyncio.create_task(generate_resilient(adapter, GenerateRequest(_rid(3), prompt, 300), control))
+            request = GenerateRequest(_rid(3), prompt, 300, session_id="story")
+            task = asyncio.create_task(generate_resilient(adapter, request, control))
             await asyncio.sleep(0.1)
             assert (await control.pause("abort"))["ok"]
             assert (await control.resume())["ok"]

@@ -46,6 +46,15 @@ def test_the_settings_give_the_width_of_a_first_segment() -> None:
         join([_piece(_flat(extra), 0)], start=0, end=11, shape=RoutedShape(layers=4, topk=2))
 
 
+def test_settings_of_the_wrong_width_are_named_even_when_the_ids_split_into_their_rows() -> None:
+    # 12 positions of 4 x 2 = 96 ids, which also split into 8 rows of the settings' 4 x 3:
+    # the 502 names the settings whatever the turn's length, not only "8 rows for 12 positions"
+    rows = line_rows(list(range(100, 113)), SPEC)
+    assert rows.size == 96
+    with pytest.raises(UpstreamInvalid, match="rows of 8 for the 12 positions asked, not of 4x3.*routed_experts_topk"):
+        join([Piece(_flat(rows), 9, 4, 0)], start=0, end=12, shape=RoutedShape(layers=4, topk=3))
+
+
 def test_an_unknown_width_is_inferred_only_when_it_divides_else_a_502_naming_the_settings() -> None:
     rows = line_rows(IDS, SPEC)
     got = join([_piece(_flat(rows), 0)], start=0, end=11, shape=RoutedShape(topk=2))

@@ -107,6 +107,10 @@ async def test_errors_before_the_stream_starts_are_http_errors(qwen3_dir: Path) 
     assert isinstance(r, httpx.Response)
 
 
+# ~150 tokens: a turn that is still sampling when a test pauses it or its client leaves
+LONG = {"content": " ".join(f"step {i}: the fix reads the fixture, renames the import and reruns the test." for i in range(9))}
+
+
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 async def test_a_pause_mid_stream_is_invisible(qwen3_dir: Path, protocol: str) -> None:
     """abort -> accumulate -> resubmit while the client reads: the stream just goes on,
@@ -114,8 +118,10 @@ async def test_a_pause_mid_stream_is_invisible(qwen3_dir: Path, protocol: str) -
     msgs = [{"role": "user", "content": "Fix the failing test."}]
     async with live_stack(qwen3_dir, protocol, latency_ms=4) as st:
         ref_sid = await st.session()
+        await st.script(ref_sid, LONG)
         ref = await st.chat(ref_sid, {"model": "m", "messages": msgs, "max_tokens": 200})
         sid = await st.session()
+        await st.script(sid, LONG)  # still sampling when the pause lands
         texts: list[str] = []
         async with st.http.stream("POST", f"/sessions/{sid}/v1/chat/completions",
                                   json={"model": "m", "messages": msgs, "max_tokens": 200, "stream": True}) as r:
@@ -167,6 +173,7 @@ async def test_anthropic_sdk_stream_arrives_before_the_engine_finishes(qwen3_dir
 async def test_client_leaving_mid_stream_cancels_the_turn(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, "sglang", latency_ms=5) as st:
         sid = await st.session()
+        await st.script(sid, LONG)  # still sampling when the client leaves
         writer = await st.raw_chat(sid, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                          "max_tokens": 400, "stream": True})
         reader = writer.transport.get_protocol()._stream_reader  # type: ignore[attr-defined]
@@ -228,6 +235,7 @@ async def test_a_client_that_stops_reading_is_cut_at_the_stream_bound_and_the_tu
     limit = 4096
     async with live_stack(qwen3_dir, settings=Settings(stream_buffer_bytes=limit)) as st:
         sid = await st.session()
+        await st.script(sid, LONG)  # its frames are well over the bound in every dialect
         body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Fix the failing test."}],
                                 "max_tokens": 300, "stream": True, "logprobs": True, "top_logprobs": 5}
         if route == "/v1/messages":

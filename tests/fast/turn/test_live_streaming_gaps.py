@@ -261,6 +261,10 @@ async def test_a_streamed_turn_survives_a_refused_connection_before_any_token(
     assert again.status_code == 200, again.text  # the engine was not marked down
 
 
+# ~150 tokens at 5 ms each: a turn still sampling well after its client hung up
+LONG = {"content": " ".join(f"step {i}: the fix renames the import and reruns the failing test." for i in range(10))}
+
+
 async def _leave_after_first_text(st: Stack, sid: str, raw: bytes, headers: dict[str, str]) -> bytes:
     """Stream a chat, hang up once a text delta has arrived; the bytes read until then."""
     got = b""
@@ -300,6 +304,7 @@ async def test_a_streamed_turn_whose_client_leaves_is_kept_for_the_retry(qwen3_d
     raw = orjson.dumps({"model": "m", "messages": USER, "max_tokens": 200, "stream": True})
     async with live_stack(qwen3_dir, "sglang", latency_ms=5) as st:
         sid = await st.session()
+        await st.script(sid, LONG)  # the retry arrives while the turn still samples
         seen = await _leave_after_first_text(st, sid, raw, first)
         got, stamps = b"", []
         async with st.http.stream("POST", f"/sessions/{sid}/v1/chat/completions", content=raw,
@@ -331,6 +336,7 @@ async def test_a_streamed_turn_whose_client_leaves_without_a_retry_is_cancelled_
     raw = orjson.dumps({"model": "m", "messages": USER, "max_tokens": 400, "stream": True})
     async with live_stack(qwen3_dir, "sglang", latency_ms=5, settings=Settings(replay_grace_s=0.2)) as st:
         sid = await st.session()
+        await st.script(sid, LONG)
         await _leave_after_first_text(st, sid, raw, {"x-stainless-retry-count": "0"})
         turns = await _turns_when_idle(st, sid)
         aborted = await st.aborted_rids()
@@ -394,6 +400,7 @@ async def test_a_retry_following_a_stream_that_fails_gets_its_error_event_and_no
     raw = orjson.dumps({"model": "m", "messages": USER, "max_tokens": 200, "stream": True})
     async with live_stack(qwen3_dir, "sglang", latency_ms=5) as st:
         sid = await st.session()
+        await st.script(sid, LONG)  # the retry follows a turn still sampling
         await st.fault("nan_logprob")
         await _leave_after_first_text(st, sid, raw, {"x-stainless-retry-count": "0"})
         r = await st.http.post(f"/sessions/{sid}/v1/chat/completions", content=raw,
