@@ -191,8 +191,12 @@ class BearerAuth:
 
 
 async def _to_login(scope: Scope, send: Send) -> None:
-    """A viewer page loaded without a credential: to the login page, which comes back here."""
-    back = urllib.parse.quote(scope["path"], safe="/")
+    """A viewer page loaded without a credential: to the login page, which comes back
+    here, query string and all (the list's filters live in it)."""
+    back = scope["path"]
+    if query := scope.get("query_string", b"").decode("latin-1"):
+        back += "?" + query
+    back = urllib.parse.quote(back, safe="/")
     await send({"type": "http.response.start", "status": 303,
                 "headers": [(b"location", f"/ui/login?next={back}".encode()), (b"content-length", b"0"),
                             (b"cache-control", b"no-store")]})

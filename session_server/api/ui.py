@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import html
+import re
 import urllib.parse
 from importlib import resources
 
@@ -80,9 +81,16 @@ async def static(name: str) -> Response:
     return _send(name)
 
 
+# a viewer path of this server and an optional query, printable ASCII only: no `//host`,
+# no scheme, no backslash, no CR/LF (a header split) and nothing a latin-1 header cannot hold
+_NEXT = re.compile(r"/ui(?:/[A-Za-z0-9._~%/-]*)?(?:\?[ -~]*)?")
+
+
 def _safe_next(target: str) -> str:
-    """Only a viewer path of this server (never `//host` or a scheme): no open redirect."""
-    return target if target.startswith("/ui") and not target.startswith("//") and "\\" not in target else "/ui"
+    """Where the login sends the browser back: `target` when it is one of this server's
+    viewer paths (`_NEXT`, matched whole), else `/ui`. It goes into a `location` header,
+    so anything looser is an open redirect, a header split or an unencodable header."""
+    return target if _NEXT.fullmatch(target) else "/ui"
 
 
 def _login_form(target: str, status: int = 200) -> Response:
