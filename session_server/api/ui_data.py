@@ -27,6 +27,7 @@ All of them need the admin token when auth is on (`auth.py`: neither is an agent
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
 from urllib.parse import urlencode
@@ -48,6 +49,7 @@ __all__ = ["router"]
 router = APIRouter()
 
 MAX_PAGE = 500  # sessions a client's page holds
+MAX_OFFSET = 100_000  # how deep a page may start: a peer's part is at most this plus a page of rows
 PEER_LIST_S = 10.0  # a peer slower than this to list is named in `missing`: the page shows the rest
 MAX_TOKEN_RANGE = 4096  # tokens per `/tokens` read: one chunk of the page, decoded in one offload hop
 LIVE_QUEUE = 2048  # events a slow viewer may fall behind by before it is told to read the tree again
@@ -127,6 +129,35 @@ def _meta_filters(meta: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def _from_peer(request: Request, admin_token: str | None) -> bool:
+    """A peer's part of a cluster page (`x-tito-relayed`), which reaches down to the
+    page's end: believed only with the admin bearer token (a relay sends it, control/
+    relay.py), never with the viewer cookie or nothing. Without auth nobody holds more
+    than anybody else, and MAX_OFFSET still bounds the rows."""
+    if request.headers.get(RELAYED_HEADER) is None:
+        return False
+    if admin_token is None:
+        return True
+    return hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {admin_token}".encode())
+
+
+def _malformed(part: Any) -> str | None:
+    """Why a peer's list reply cannot be merged (a peer of another version, a proxy's
+    page), or None: such a peer is `missing`, never a 500 for the whole list."""
+    if not isinstance(part, dict):
+        return "malformed reply: not an object"
+    for key, kind in (("total", int), ("matched", int), ("sessions", list), ("homes", dict), ("instances", list)):
+        if not isinstance(part.get(key), kind):
+            return f"malformed reply: {key!r} missing or not a {kind.__name__}"
+    for row in part["sessions"]:
+        if not (isinstance(row, dict) and isinstance(row.get("session_id"), str)
+                and isinstance(row.get("created_at"), int | float)):
+            return "malformed reply: a session row without session_id or created_at"
+    if not all(isinstance(n, int) for n in part["homes"].values()):
+        return "malformed reply: 'homes' counts are not integers"
+    return None
+
+
 @router.get("/ui/api/sessions", **route_doc(None, 400))
 async def list_sessions(
     request: Request,
@@ -146,8 +177,9 @@ async def list_sessions(
     peers that did not (their sessions are not in the list)."""
     ctx = ctx_of(request)
     relay = relay_of(request)
-    relayed = request.headers.get(RELAYED_HEADER) is not None
-    if limit > MAX_PAGE and not relayed:  # a peer's part of a page reaches down to the page's end
+    if offset > MAX_OFFSET:
+        raise BadRequest(f"offset: at most {MAX_OFFSET} (asked {offset}); narrow the filters instead")
+    if limit > MAX_PAGE and not (limit <= MAX_OFFSET + MAX_PAGE and _from_peer(request, ctx.settings.admin_token)):
         raise BadRequest(f"limit: at most {MAX_PAGE} sessions a page (asked {limit})")
     q = {"state": state, "instance": instance, "busy": busy, "has_diagnostics": has_diagnostics,
          "reward_min": reward_min, "reward_max": reward_max, "meta": _meta_filters(meta or []),
@@ -164,6 +196,9 @@ async def list_sessions(
     local, peers = await asyncio.gather(
         ctx.offload.run(_listing, sessions, {**q, "offset": 0, "limit": offset + limit}),
         relay.fetch(path, timeout_s=min(PEER_LIST_S, ctx.settings.peer_timeout_s), misses=misses))
+    for peer, p in peers.items():
+        if p is not None and (why := _malformed(p)) is not None:
+            misses[peer], peers[peer] = why, None
     parts = [local, *(p for p in peers.values() if isinstance(p, dict))]
     rows = sorted((r for p in parts for r in p["sessions"]), key=lambda r: (r["created_at"], r["session_id"]),
                   reverse=True)
