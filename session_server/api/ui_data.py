@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -39,8 +40,10 @@ from fastapi.responses import Response, StreamingResponse
 from trajectory.samples import DEFAULT_PICKER, PICKERS
 
 from ..control.relay import RELAYED_HEADER
-from ..errors import BadRequest
+from ..errors import BadRequest, TooManyViewers
 from ..sessions import Session, instance_of
+from ..turn.watch import LiveTurn
+from ..turn.watch import token_texts as live_texts
 from .edge import route_doc
 from .routes.common import ctx_of, json_response, relay_of
 
@@ -52,6 +55,8 @@ MAX_PAGE = 500  # sessions a client's page holds
 MAX_OFFSET = 100_000  # how deep a page may start: a peer's part is at most this plus a page of rows
 PEER_LIST_S = 10.0  # a peer slower than this to list is named in `missing`: the page shows the rest
 MAX_TOKEN_RANGE = 4096  # tokens per `/tokens` read: one chunk of the page, decoded in one offload hop
+MAX_VIEWERS_PER_SESSION = 8  # live streams of one session: a page left open in many tabs is bounded
+MAX_VIEWERS = 256  # live streams of this process: each holds a connection and a small queue
 LIVE_QUEUE = 2048  # events a slow viewer may fall behind by before it is told to read the tree again
 KEEPALIVE_S = 15.0  # a comment frame this often: proxies keep the stream open, a gone session ends it
 MAX_LIVE_S = 600.0  # a stream ends after this (EventSource reconnects): none outlives a stuck client
@@ -304,53 +309,117 @@ def _frame(event: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
-@router.get("/sessions/{sid}/live", **route_doc(None, 404, media=("text/event-stream",)))
+class _Viewer:
+    """One viewer's events: a bounded deque and an Event its stream waits on (a put
+    is an append and a set, on the loop; no task per event or per wait)."""
+
+    def __init__(self) -> None:
+        self.events: deque[dict[str, Any]] = deque()
+        self.ready = asyncio.Event()
+        self.lost = False  # fell more than LIVE_QUEUE events behind: the page reads the tree again
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if len(self.events) >= LIVE_QUEUE:
+            self.lost = True
+        else:
+            self.events.append(event)
+        self.ready.set()
+
+
+def _viewer_count(app: Any) -> list[int]:
+    """This process's open live streams (a one-element list: mutable on app.state)."""
+    count: list[int] | None = getattr(app.state, "live_viewers", None)
+    if count is None:
+        count = app.state.live_viewers = [0]
+    return count
+
+
+def _hello(s: Session) -> dict[str, Any]:
+    """What a viewer opening now needs: whether a turn is in flight, and when known its
+    branch, output start and tokens so far (copied here, on the loop: C-level list
+    copies; their texts are decoded in an offload thread)."""
+    out: dict[str, Any] = {"event": "hello", "busy": s.inflight is not None, "active_branch": s.tree.active_id}
+    if isinstance(s.live_turn, LiveTurn):
+        out["turn"] = s.live_turn.view()
+    return out
+
+
+@router.get("/sessions/{sid}/live", **route_doc(None, 404, 429, media=("text/event-stream",)))
 async def live(sid: str, request: Request) -> Response:
-    """Server-sent events of the session's turns: `hello` (whether a turn is in flight),
-    then `begin`, `tokens` (a streamed turn's deltas), `end`; `resync` when this viewer
-    fell more than LIVE_QUEUE events behind (its page reads the tree again). The
-    stream ends when the client goes (Starlette cancels it on the disconnect), when the
-    session is gone, or after MAX_LIVE_S."""
+    """Server-sent events of the session's turns: `hello` (whether a turn is in flight
+    and, when one is, `turn`: its branch, output start and tokens so far, `known` False
+    when some were not seen), then `begin`, `tokens` (ids, logprobs and texts as
+    sampled), `restart`, `unshown`, `end`; `resync` when this viewer fell more than
+    LIVE_QUEUE events behind (its page reads the tree again). At most
+    MAX_VIEWERS_PER_SESSION streams a session and MAX_VIEWERS a process (else 429
+    too_many_viewers). The stream ends when the client goes (Starlette cancels it on
+    the disconnect), when the session is gone, or after MAX_LIVE_S."""
     ctx = ctx_of(request)
     s = ctx.store.get(sid)
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=LIVE_QUEUE)
-    lost = False
-
-    def subscriber(event: dict[str, Any]) -> None:
-        nonlocal lost
-        try:
-            queue.put_nowait(event)
-        except asyncio.QueueFull:
-            lost = True
+    count = _viewer_count(request.app)
+    if len(s.watchers) >= MAX_VIEWERS_PER_SESSION:
+        raise TooManyViewers(f"session {sid} already has {MAX_VIEWERS_PER_SESSION} live viewers")
+    if count[0] >= MAX_VIEWERS:
+        raise TooManyViewers(f"this instance already serves {MAX_VIEWERS} live viewers")
+    viewer = _Viewer()
+    s.watchers.append(viewer)  # counted now, not when the body starts: a burst cannot pass the caps
+    count[0] += 1
 
     async def frames() -> AsyncIterator[bytes]:
-        nonlocal lost
-        s.watchers.append(subscriber)
-        deadline = asyncio.get_running_loop().time() + MAX_LIVE_S
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MAX_LIVE_S
         try:
-            yield _frame({"event": "hello", "busy": s.inflight is not None, "active_branch": s.tree.active_id})
-            while asyncio.get_running_loop().time() < deadline:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=KEEPALIVE_S)
-                except TimeoutError:
-                    if ctx.store.all().get(s.id) is not s:
-                        yield _frame({"event": "gone"})
-                        return
-                    yield b": keep-alive\n\n"
-                    continue
-                if lost:
-                    while not queue.empty():
-                        queue.get_nowait()
-                    lost = False
+            hello = _hello(s)
+            viewer.events.clear()  # what came before now is in `hello`: sent once, not twice
+            viewer.lost = False
+            if "turn" in hello:
+                hello["turn"]["texts"] = await ctx.offload.run(live_texts, ctx.tokenizer, hello["turn"]["ids"])
+            yield _frame(hello)
+            while loop.time() < deadline:
+                if not viewer.events and not viewer.lost:
+                    viewer.ready.clear()
+                    try:
+                        async with asyncio.timeout(KEEPALIVE_S):
+                            await viewer.ready.wait()
+                    except TimeoutError:
+                        if ctx.store.all().get(s.id) is not s:
+                            yield _frame({"event": "gone"})
+                            return
+                        yield b": keep-alive\n\n"
+                        continue
+                if viewer.lost:
+                    viewer.events.clear()
+                    viewer.lost = False
                     yield _frame({"event": "resync"})
                     continue
-                if event["event"] == "tokens":  # a delta is a few ids: decoded here, on the loop
-                    event = {**event, "texts": [ctx.tokenizer.decode([i], skip_special_tokens=False)
-                                                for i in event["ids"]]}
-                yield _frame(event)
+                yield _frame(viewer.events.popleft())
         finally:
-            if subscriber in s.watchers:
-                s.watchers.remove(subscriber)
+            release()
 
-    return StreamingResponse(frames(), media_type="text/event-stream",
-                             headers={"cache-control": "no-store", "x-accel-buffering": "no"})
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            count[0] -= 1
+            if viewer in s.watchers:
+                s.watchers.remove(viewer)
+
+    return _LiveResponse(release, frames(), media_type="text/event-stream",
+                         headers={"cache-control": "no-store", "x-accel-buffering": "no"})
+
+
+class _LiveResponse(StreamingResponse):
+    """A live stream that gives its viewer's place back however the response ends: a
+    body generator that never started (the client left first) runs no `finally`."""
+
+    def __init__(self, release: Callable[[], None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()

@@ -16,13 +16,20 @@ engine that cannot stream) that segment's tokens appear when the turn commits (t
 viewer reads the tree again on `end`).
 
 Publishing is a few appends to bounded queues on the loop (the subscriber owns the
-bound and drops past it): a watcher can never slow or fail a turn.
+bound and drops past it): a watcher can never slow or fail a turn. A delta's texts are
+decoded once, here, into the event every watcher gets (not once per watcher).
+
+`Session.live_turn` (`LiveTurn`) is the turn in flight as a viewer opening mid-turn
+needs it (its branch, where its output starts, its tokens so far): transient like the
+watchers, never journaled (nothing in it is committed; a restarted server has no turn
+in flight).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from trajectory.errors import ValidationError
@@ -31,7 +38,7 @@ from trajectory.validate import Expectations, validate_chunk
 from ..engines.base import TokenDelta
 from ..sessions import Session
 
-__all__ = ["Peeker", "begun", "ended", "observed", "publish"]
+__all__ = ["LiveTurn", "Peeker", "begun", "ended", "observed", "publish", "token_texts"]
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +54,66 @@ def publish(session: Session, event: dict[str, Any]) -> None:
                 session.watchers.remove(callback)
 
 
+MAX_LIVE_TOKENS = 1 << 20  # a turn's tokens kept for a viewer opening mid-turn; past it, `known` goes False
+
+
+@dataclass
+class LiveTurn:
+    """The turn in flight, for a viewer that opens during it (`hello`)."""
+
+    branch: int
+    output_start: int
+    streams: bool
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    known: bool = True  # `ids` are all of this attempt's tokens so far (False: a segment nobody watched)
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[Any]) -> None:
+        if self.known and len(self.ids) + len(ids) > MAX_LIVE_TOKENS:
+            self.known = False
+        if self.known:
+            self.ids += ids
+            self.logprobs += logprobs
+
+    def restart(self) -> None:
+        self.ids, self.logprobs, self.known = [], [], True
+
+    def view(self) -> dict[str, Any]:
+        return {"branch": self.branch, "output_start": self.output_start, "streams": self.streams,
+                "known": self.known, "ids": list(self.ids) if self.known else [],
+                "logprobs": list(self.logprobs) if self.known else []}
+
+
+def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each id's own text, as the live view shows it (a delta is a few ids)."""
+    return [str(tokenizer.decode([i], skip_special_tokens=False)) for i in ids]
+
+
 def begun(session: Session, branch: int, output_start: int, streams: bool) -> None:
+    session.live_turn = LiveTurn(branch, output_start, streams)
     if session.watchers:
         publish(session, {"event": "begin", "branch": branch, "output_start": output_start, "streams": streams})
 
 
 def ended(session: Session, committed: bool) -> None:
+    session.live_turn = None
     if session.watchers:
         publish(session, {"event": "end", "committed": committed})
 
 
 def _plain(values: Sequence[Any]) -> list[Any]:
+    if hasattr(values, "tolist"):  # a numpy array: one C-level conversion
+        return list(values.tolist())
     return [v.item() if hasattr(v, "item") else v for v in values]
 
 
-def _tokens(delta: TokenDelta) -> dict[str, Any]:
-    return {"event": "tokens", "ids": _plain(delta.ids), "logprobs": _plain(delta.logprobs)}
+def _shown(session: Session, tokenizer: Any, ids: list[int], logprobs: list[Any]) -> None:
+    """Tokens sampled: kept for a viewer opening later, and published once, texts decoded once."""
+    live = session.live_turn
+    if isinstance(live, LiveTurn):
+        live.add(ids, logprobs)
+    if session.watchers:
+        publish(session, {"event": "tokens", "ids": ids, "logprobs": logprobs, "texts": token_texts(tokenizer, ids)})
 
 
 class Peeker:
@@ -71,15 +122,19 @@ class Peeker:
     watchers see and never fails the turn (its final answer is judged as an unwatched
     turn's, which a lie only in the stream would pass)."""
 
-    def __init__(self, session: Session, expect: Expectations) -> None:
-        self.session, self.expect = session, expect
+    def __init__(self, session: Session, expect: Expectations, tokenizer: Any) -> None:
+        self.session, self.expect, self.tokenizer = session, expect, tokenizer
         self.shown = False  # a watcher got tokens of this attempt
         self.broken = False  # a chunk failed the checks: nothing more is shown of this attempt
 
     def __call__(self) -> Callable[[TokenDelta], None] | None:
         """The callback for the segment being dispatched, or None when nobody watches
         (the segment then goes to the engine unstreamed, exactly as before)."""
-        return self._publish if self.session.watchers else None
+        if self.session.watchers:
+            return self._publish
+        if isinstance(self.session.live_turn, LiveTurn):  # this segment's tokens are not seen
+            self.session.live_turn.known = False
+        return None
 
     def _publish(self, delta: TokenDelta) -> None:
         if self.broken or not self.session.watchers:
@@ -91,25 +146,28 @@ class Peeker:
             publish(self.session, {"event": "unshown", "reason": str(exc)})
             return
         self.shown = True
-        publish(self.session, {"event": "tokens", "ids": ids.tolist(), "logprobs": lps.tolist()})
+        _shown(self.session, self.tokenizer, ids.tolist(), lps.tolist())
 
     def restart(self) -> None:
         """The turn is re-homed and generated afresh: what the watchers saw is void."""
+        if isinstance(self.session.live_turn, LiveTurn):
+            self.session.live_turn.restart()
         if self.shown and self.session.watchers:
             publish(self.session, {"event": "restart"})
         self.shown = self.broken = False
 
 
-def observed(session: Session, on_delta: Callable[[TokenDelta], None] | None) -> Callable[[TokenDelta], None] | None:
+def observed(session: Session, on_delta: Callable[[TokenDelta], None] | None,
+             tokenizer: Any) -> Callable[[TokenDelta], None] | None:
     """The streamed turn's `on_delta`, also publishing each delta to the session's
-    watchers (looked up per delta: a viewer that opens mid-turn sees the rest)."""
+    watchers (looked up per delta: a viewer that opens mid-turn sees the rest, and
+    `live_turn` holds what came before it)."""
     if on_delta is None:
         return None
     forward = on_delta
 
     def both(delta: TokenDelta) -> None:
         forward(delta)
-        if session.watchers:
-            publish(session, _tokens(delta))
+        _shown(session, tokenizer, _plain(delta.ids), _plain(delta.logprobs))
 
     return both

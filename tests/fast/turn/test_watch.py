@@ -6,6 +6,7 @@ stops what the watcher sees without failing the turn."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -65,3 +66,102 @@ async def test_a_lie_only_in_the_engine_stream_stops_the_watchers_view_not_the_t
         kinds = [e["event"] for e in events]
         assert "unshown" in kinds and "tokens" not in kinds, kinds
         assert events[-1] == {"event": "end", "committed": True}
+
+
+async def _events(st: Stack, sid: str, out: list[dict[str, Any]], until: str = "end") -> None:
+    """Read `sid`'s live events into `out` until one of kind `until`."""
+    async with st.http.stream("GET", f"/sessions/{sid}/live") as live:
+        assert live.status_code == 200
+        async for line in live.aiter_lines():
+            if line.startswith("data: "):
+                out.append(json.loads(line[6:]))
+                if out[-1]["event"] == until:
+                    return
+
+
+async def test_a_viewer_opened_mid_turn_gets_the_turn_so_far_in_hello(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, latency_ms=10, script=[{"content": "step " * 40}]) as st:
+        sid = await st.session()
+        events: list[dict[str, Any]] = []
+        reader: asyncio.Task[None] | None = None
+        async with st.http.stream("POST", f"/sessions/{sid}/v1/chat/completions",
+                                  json={**BODY, "stream": True}) as turn:  # streamed: nobody watches at its start
+            chunks = 0
+            async for line in turn.aiter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 6 and reader is None:  # a few tokens in: a viewer opens
+                    reader = asyncio.create_task(_events(st, sid, events))
+        assert reader is not None
+        await asyncio.wait_for(reader, 10)
+        hello = events[0]
+        assert hello["event"] == "hello" and hello["busy"] is True, hello
+        line = (await st.trajectory(sid))["branches"][0]
+        (done,) = line["turns"]
+        t = hello["turn"]
+        assert t["branch"] == 0 and t["output_start"] == done["output_start"] and t["known"] is True
+        assert 0 < len(t["ids"]) and len(t["texts"]) == len(t["ids"]) == len(t["logprobs"])
+        later = [i for e in events if e["event"] == "tokens" for i in e["ids"]]
+        assert t["ids"] + later == line["token_ids"][done["output_start"]:done["output_end"]]
+
+
+async def test_live_viewers_are_capped_per_session_and_per_process(qwen3_dir: Path) -> None:
+    from session_server.api import ui_data
+    from session_server.ops.harness import live_apps
+
+    async with live_stack(qwen3_dir) as st:
+        sid, other = await st.session(), await st.session()
+        streams = []
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(ui_data.MAX_VIEWERS_PER_SESSION):
+                r = await stack.enter_async_context(st.http.stream("GET", f"/sessions/{sid}/live"))
+                assert r.status_code == 200
+                streams.append(r)
+            over = await st.http.get(f"/sessions/{sid}/live")
+            assert over.status_code == 429 and over.json()["error"]["type"] == "too_many_viewers", over.text
+            assert over.headers["retry-after"] == "10"
+            count = live_apps[st.url].state.live_viewers
+            assert count[0] == ui_data.MAX_VIEWERS_PER_SESSION
+            count[0] += ui_data.MAX_VIEWERS - ui_data.MAX_VIEWERS_PER_SESSION  # the process is full
+            over = await st.http.get(f"/sessions/{other}/live")
+            assert over.status_code == 429 and over.json()["error"]["type"] == "too_many_viewers", over.text
+            count[0] -= ui_data.MAX_VIEWERS - ui_data.MAX_VIEWERS_PER_SESSION
+        for _ in range(200):  # closed streams give their places back
+            if count[0] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert count[0] == 0
+        async with st.http.stream("GET", f"/sessions/{sid}/live") as again:
+            assert again.status_code == 200
+
+
+async def test_n_viewers_of_a_turn_cost_one_decode_per_token(qwen3_dir: Path) -> None:
+    from session_server.ops.harness import live_apps
+
+    async with live_stack(qwen3_dir, latency_ms=2, script=[{"content": "step " * 40}] * 2) as st:
+        tokenizer = live_apps[st.url].state.ctx.tokenizer
+        real = tokenizer.decode
+        calls: list[int] = []
+
+        def counted(ids: Any, *a: Any, **kw: Any) -> Any:
+            calls.append(1)
+            return real(ids, *a, **kw)
+
+        tokenizer.decode = counted
+        try:
+            cost = []
+            for n in (1, 4):
+                sid = await st.session()
+                events: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+                readers = [asyncio.create_task(_events(st, sid, out)) for out in events]
+                while not all(events):  # every viewer subscribed (hello)
+                    await asyncio.sleep(0.01)
+                calls.clear()
+                answer = await st.chat(sid, BODY)
+                assert answer.status_code == 200
+                await asyncio.wait_for(asyncio.gather(*readers), 10)
+                cost.append(len(calls))
+                assert all(len(out) == len(events[0]) for out in events)
+                assert sum(len(e["ids"]) for e in events[0] if e["event"] == "tokens") > 10
+        finally:
+            del tokenizer.decode
+        assert cost[0] == cost[1], cost  # four viewers decode what one does
