@@ -36,6 +36,7 @@ from trajectory.errors import ValidationError
 from trajectory.validate import Expectations, validate_chunk
 
 from ..engines.base import TokenDelta
+from ..errors import UpstreamInvalid
 from ..sessions import Session
 
 __all__ = ["LiveTurn", "Peeker", "begun", "ended", "observed", "publish", "token_texts"]
@@ -119,8 +120,8 @@ def _shown(session: Session, tokenizer: Any, ids: list[int], logprobs: list[Any]
 class Peeker:
     """A non-streamed turn's deltas for the watchers only (`generate_resilient`'s `peek`).
     Each is held to the per-token rules here, not by the turn: a bad chunk stops what the
-    watchers see and never fails the turn (its final answer is judged as an unwatched
-    turn's, which a lie only in the stream would pass)."""
+    watchers see and never fails the turn (the segment is sent again unstreamed, and its
+    answer judged as an unwatched turn's)."""
 
     def __init__(self, session: Session, expect: Expectations, tokenizer: Any) -> None:
         self.session, self.expect, self.tokenizer = session, expect, tokenizer
@@ -144,7 +145,10 @@ class Peeker:
         except ValidationError as exc:
             self.broken = True
             publish(self.session, {"event": "unshown", "reason": str(exc)})
-            return
+            # an engine whose frames are deltas answers with them joined: the lie would be
+            # in the answer, which an unwatched turn never got; stop the stream, and the
+            # segment is sent again unstreamed (control/peek.py)
+            raise UpstreamInvalid(f"a watched stream's chunk failed the checks: {exc}") from exc
         self.shown = True
         _shown(self.session, self.tokenizer, ids.tolist(), lps.tolist())
 

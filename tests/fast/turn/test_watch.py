@@ -1,7 +1,10 @@
 """A turn the client does not stream, watched by a viewer (`GET /sessions/{sid}/live`):
-the watcher gets the engine's tokens as they are sampled, while the client's answer and
-the committed trajectory are an unwatched turn's, and a lie only in the engine's stream
-stops what the watcher sees without failing the turn."""
+on an engine whose stream frames are deltas (vLLM) the watcher gets the engine's tokens
+as they are sampled, while the client's answer and the committed trajectory are an
+unwatched turn's; a stream that fails (a lie in a chunk, a malformed frame) is sent again
+unstreamed, so watching never fails a turn. SGLang's default cumulative frames are not
+watched live (O(L^2)). A viewer opened mid-turn gets the turn so far; viewers are capped
+and a delta is decoded once for all of them."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import contextlib
 import json
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from ..stack import Stack, live_stack
 
@@ -39,7 +44,7 @@ async def _watched_turn(st: Stack, sid: str) -> tuple[Any, list[dict[str, Any]]]
 
 
 async def test_a_watched_non_streamed_turn_shows_its_tokens_and_commits_as_an_unwatched_one(qwen3_dir: Path) -> None:
-    async with live_stack(qwen3_dir, latency_ms=5, script=[{"content": "step " * 40}] * 2) as st:
+    async with live_stack(qwen3_dir, "vllm", latency_ms=5, script=[{"content": "step " * 40}] * 2) as st:
         ref_sid = await st.session()
         ref = await st.chat(ref_sid, BODY)
         sid = await st.session()
@@ -57,15 +62,36 @@ async def test_a_watched_non_streamed_turn_shows_its_tokens_and_commits_as_an_un
         assert shown == line["token_ids"][turn["output_start"]:turn["output_end"]]
 
 
-async def test_a_lie_only_in_the_engine_stream_stops_the_watchers_view_not_the_turn(qwen3_dir: Path) -> None:
-    async with live_stack(qwen3_dir, latency_ms=2, script=[{"content": "step " * 40}]) as st:
+@pytest.mark.parametrize("fault", ["stream_oov_id", "stream_negative_id", "stream_nan_logprob",
+                                   "stream_positive_logprob"])
+async def test_a_failed_watched_stream_falls_back_and_the_turn_answers_as_unwatched(qwen3_dir: Path, fault: str) -> None:
+    async with live_stack(qwen3_dir, "vllm", latency_ms=2, script=[{"content": "step " * 40}] * 2) as st:
+        ref_sid = await st.session()
+        ref = await st.chat(ref_sid, BODY)
+        assert ref.status_code == 200, ref.text
         sid = await st.session()
-        await st.fault("stream_oov_id")  # the frames lie; the final answer is clean
+        await st.fault(fault)  # the frames lie; vLLM's answer is its frames joined
         answer, events = await _watched_turn(st, sid)
         assert answer.status_code == 200, answer.text  # as an unwatched, non-streamed turn
-        kinds = [e["event"] for e in events]
-        assert "unshown" in kinds and "tokens" not in kinds, kinds
+        assert answer.json()["choices"] == ref.json()["choices"]
+        line, ref_line = (await st.trajectory(sid))["branches"][0], (await st.trajectory(ref_sid))["branches"][0]
+        for key in ("token_ids", "loss_mask", "logprobs"):
+            assert line[key] == ref_line[key], key
         assert events[-1] == {"event": "end", "committed": True}
+        kinds = [e["event"] for e in events]
+        assert "unshown" in kinds or "restart" in kinds, kinds  # the fault hit the watched stream
+        assert kinds[-2:] != ["tokens", "end"], kinds  # nothing shown after it: the resend is unstreamed
+
+
+async def test_cumulative_streams_are_not_watched_live(qwen3_dir: Path) -> None:
+    """SGLang's default frames repeat every earlier token: watching that way would move
+    O(L^2), so a watched non-streamed turn goes to SGLang unstreamed and shows at `end`."""
+    async with live_stack(qwen3_dir, latency_ms=2, script=[{"content": "step " * 40}]) as st:
+        sid = await st.session()
+        answer, events = await _watched_turn(st, sid)
+        assert answer.status_code == 200, answer.text
+        kinds = [e["event"] for e in events]
+        assert kinds == ["hello", "begin", "end"], kinds  # nothing streamed: shown at commit
 
 
 async def _events(st: Stack, sid: str, out: list[dict[str, Any]], until: str = "end") -> None:
@@ -137,7 +163,7 @@ async def test_live_viewers_are_capped_per_session_and_per_process(qwen3_dir: Pa
 async def test_n_viewers_of_a_turn_cost_one_decode_per_token(qwen3_dir: Path) -> None:
     from session_server.ops.harness import live_apps
 
-    async with live_stack(qwen3_dir, latency_ms=2, script=[{"content": "step " * 40}] * 2) as st:
+    async with live_stack(qwen3_dir, "vllm", latency_ms=2, script=[{"content": "step " * 40}] * 2) as st:
         tokenizer = live_apps[st.url].state.ctx.tokenizer
         real = tokenizer.decode
         calls: list[int] = []
