@@ -27,7 +27,7 @@ from importlib import resources
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..auth import UI_COOKIE, ui_cookie_value
+from ..auth import UI_COOKIE, UI_COOKIE_TTL_S, ui_cookie_value
 from .routes.common import ctx_of, read_body
 
 __all__ = ["PAGE_HEADERS", "router"]
@@ -118,5 +118,6 @@ async def login(request: Request) -> Response:
     if not hmac.compare_digest(token, admin.encode()):
         return _login_form(target, 403)
     secure = "; Secure" if request.url.scheme == "https" else ""
-    cookie = f"{UI_COOKIE.decode()}={ui_cookie_value(admin)}; Path=/; HttpOnly; SameSite=Strict{secure}"
+    cookie = (f"{UI_COOKIE.decode()}={ui_cookie_value(admin)}; Max-Age={UI_COOKIE_TTL_S}; Path=/; HttpOnly; "
+              f"SameSite=Strict{secure}")
     return Response(status_code=303, headers={"location": target, "set-cookie": cookie, "cache-control": "no-store"})

@@ -1,9 +1,11 @@
-"""The viewer's login: where it sends the browser back is only ever one of this
-server's viewer paths (anything else, `/ui`), never a raw 500 or a dropped connection,
-and a page load sent to it keeps its query string."""
+"""The viewer's login and cookie: where the login sends the browser back is only ever
+one of this server's viewer paths (anything else, `/ui`), never a raw 500 or a dropped
+connection, and a page load sent to it keeps its query string; the cookie carries a
+signed expiry, and a viewer's reads do not keep a session alive."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from session_server.app import AppConfig, create_app
+from session_server.auth import UI_COOKIE_TTL_S, ui_cookie_value
 from session_server.context import Settings
 
 ADMIN = "admin-secret-token"
@@ -56,3 +59,33 @@ def test_a_page_load_sent_to_login_keeps_its_query_string(client: TestClient) ->
     back = client.post("/ui/login", data={"token": ADMIN, "next": "/ui/sessions/abc?state=done&meta=task%3Dt1"},
                        follow_redirects=False)
     assert back.headers["location"] == "/ui/sessions/abc?state=done&meta=task%3Dt1"
+
+
+def test_the_viewer_cookie_expires_by_its_signed_value_and_max_age(client: TestClient) -> None:
+    client.cookies.clear()
+    r = client.post("/ui/login", data={"token": ADMIN, "next": "/ui"}, follow_redirects=False)
+    assert f"Max-Age={UI_COOKIE_TTL_S}" in r.headers["set-cookie"]
+    client.cookies.clear()
+    now = int(time.time())
+    good = ui_cookie_value(ADMIN)
+    expired = ui_cookie_value(ADMIN, expires=now - 1)
+    stretched = f"{now + 10 * UI_COOKIE_TTL_S}.{expired.partition('.')[2]}"  # a later expiry, the old signature
+    other = ui_cookie_value("another-token")
+    for value, ok in ((good, True), (expired, False), (stretched, False), (other, False), ("garbage", False)):
+        r = client.get("/engines", cookies={"tito_ui": value})
+        assert r.status_code == (200 if ok else 401), (value, r.status_code)
+
+
+def test_a_viewers_reads_do_not_keep_a_session_alive(client: TestClient) -> None:
+    client.cookies.clear()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    sid = client.post("/sessions", json={}, headers=admin).json()["session_id"]
+    session = client.app.state.ctx.store.all()[sid]  # type: ignore[attr-defined]
+    for path in (f"/sessions/{sid}", f"/sessions/{sid}/trajectory", f"/sessions/{sid}/samples"):
+        before = session.last_used
+        time.sleep(0.01)
+        assert client.get(path, cookies={"tito_ui": ui_cookie_value(ADMIN)}).status_code == 200
+        assert client.get(path, headers={**admin, "x-tito-viewer": "1"}).status_code == 200
+        assert session.last_used == before, path  # the viewer read it: not use
+        assert client.get(path, headers=admin).status_code == 200
+        assert session.last_used > before, path  # the trainer read it: use, its TTL restarts
