@@ -176,6 +176,31 @@ class LinearTrajectory:
         """Read-only ids of the tokens before `end` (a view when unshared)."""
         return self._gather("ids", end)
 
+    def ids_range(self, start: int, end: int) -> np.ndarray:
+        """Read-only ids of the tokens in `[start, end)` (clamped to the line): O(end - start)
+        plus one step per shared segment, whatever `start` is (`ids_until(end)[start:]`
+        would copy the whole prefix of a forked line first). A view when it lies in one
+        segment."""
+        n = len(self)
+        start, end = max(0, min(int(start), n)), max(0, min(int(end), n))
+        if end <= start:
+            return self._buf.ids[:0]
+        parts = []
+        at = 0  # line position of the current segment's first token
+        for buf, seg_start, seg_stop in self.segments():
+            size = seg_stop - seg_start
+            lo, hi = max(start, at), min(end, at + size)
+            if lo < hi:
+                parts.append(buf.ids[seg_start + lo - at : seg_start + hi - at])
+            at += size
+            if at >= end:
+                break
+        if len(parts) == 1:
+            return parts[0]
+        out = np.concatenate(parts)
+        out.flags.writeable = False
+        return out
+
     def tail(self, k: int) -> list[int]:
         """The last `k` token ids (what the codec needs to close a turn)."""
         own = self._buf.tail(k)
