@@ -138,19 +138,22 @@ class LinearTrajectory:
         is counted where it lives)."""
         return self._buf.nbytes
 
-    def _gather(self, attr: str, end: int | None) -> np.ndarray:
+    def _gather(self, attr: str, end: int | None, start: int = 0) -> np.ndarray:
+        """`attr` of the tokens in `[start, end)`: only the segments the range overlaps are
+        read (a view when it lies in one), so the cost is the range's, not `end`'s."""
         n = len(self) if end is None else max(0, min(int(end), len(self)))
-        if not self._base:
-            view: np.ndarray = getattr(self._buf, attr)[:n]
-            return view
-        parts = []
-        left = n
-        for buf, start, stop in self.segments():
-            if left <= 0:
+        start = max(0, min(int(start), n))
+        parts: list[np.ndarray] = []
+        at = 0  # line position of the segment's first token
+        for buf, first, stop in self.segments():
+            lo, hi = max(start, at), min(n, at + stop - first)
+            if lo < hi:
+                parts.append(getattr(buf, attr)[first + lo - at : first + hi - at])
+            at += stop - first
+            if at >= n:
                 break
-            take = min(stop - start, left)
-            parts.append(getattr(buf, attr)[start : start + take])
-            left -= take
+        if len(parts) == 1:
+            return parts[0]
         out = np.concatenate(parts) if parts else getattr(self._buf, attr)[:0].copy()
         out.flags.writeable = False
         return out
@@ -177,29 +180,8 @@ class LinearTrajectory:
         return self._gather("ids", end)
 
     def ids_range(self, start: int, end: int) -> np.ndarray:
-        """Read-only ids of the tokens in `[start, end)` (clamped to the line): O(end - start)
-        plus one step per shared segment, whatever `start` is (`ids_until(end)[start:]`
-        would copy the whole prefix of a forked line first). A view when it lies in one
-        segment."""
-        n = len(self)
-        start, end = max(0, min(int(start), n)), max(0, min(int(end), n))
-        if end <= start:
-            return self._buf.ids[:0]
-        parts = []
-        at = 0  # line position of the current segment's first token
-        for buf, seg_start, seg_stop in self.segments():
-            size = seg_stop - seg_start
-            lo, hi = max(start, at), min(end, at + size)
-            if lo < hi:
-                parts.append(buf.ids[seg_start + lo - at : seg_start + hi - at])
-            at += size
-            if at >= end:
-                break
-        if len(parts) == 1:
-            return parts[0]
-        out = np.concatenate(parts)
-        out.flags.writeable = False
-        return out
+        """Read-only ids in `[start, end)`, O(end - start) wherever it starts on a forked line."""
+        return self._gather("ids", end, start)
 
     def tail(self, k: int) -> list[int]:
         """The last `k` token ids (what the codec needs to close a turn)."""

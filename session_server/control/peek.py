@@ -16,7 +16,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Protocol
 
-from session_server.engines.base import EngineAdapter, GenerateRequest, GenerateResult, StreamItem, TokenDelta
+from session_server.engines.base import (
+    EngineAdapter,
+    GenerateRequest,
+    GenerateResult,
+    StreamItem,
+    TokenDelta,
+)
 from session_server.engines.base import streaming as streaming_of
 from session_server.errors import UpstreamInvalid
 

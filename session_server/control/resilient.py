@@ -58,8 +58,8 @@ from trajectory.validate import Expectations
 
 from .assemble import Acc, Counts, ResilientResult, assemble
 from .lag import LagBound, SegmentWatch
-from .plane import ControlPlane
 from .peek import Peek, peek_stream, peeked, resend
+from .plane import ControlPlane
 from .segment import (
     abort_on_stop_is_stop,
     check_partial,
