@@ -28,6 +28,7 @@ in flight).
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,24 +66,31 @@ class LiveTurn:
     branch: int
     output_start: int
     streams: bool
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
+    # compact (12 bytes a token, not ~70 as Python lists): every streamed turn in flight keeps them
+    ids: array[int] = field(default_factory=lambda: array("q"))
+    logprobs: array[float] = field(default_factory=lambda: array("d"))
     known: bool = True  # `ids` are all of this attempt's tokens so far (False: a segment nobody watched)
 
     def add(self, ids: Sequence[int], logprobs: Sequence[Any]) -> None:
         if self.known and len(self.ids) + len(ids) > MAX_LIVE_TOKENS:
             self.known = False
+            self.restart_arrays()
         if self.known:
-            self.ids += ids
-            self.logprobs += logprobs
+            self.ids.extend(ids)
+            self.logprobs.extend(float("nan") if v is None else v for v in logprobs)
+
+    def restart_arrays(self) -> None:
+        self.ids, self.logprobs = array("q"), array("d")
 
     def restart(self) -> None:
-        self.ids, self.logprobs, self.known = [], [], True
+        self.restart_arrays()
+        self.known = True
 
     def view(self) -> dict[str, Any]:
+        """The turn so far, as plain lists (a C-level copy each)."""
         return {"branch": self.branch, "output_start": self.output_start, "streams": self.streams,
-                "known": self.known, "ids": list(self.ids) if self.known else [],
-                "logprobs": list(self.logprobs) if self.known else []}
+                "known": self.known, "ids": self.ids.tolist() if self.known else [],
+                "logprobs": self.logprobs.tolist() if self.known else []}
 
 
 def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
