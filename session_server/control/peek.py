@@ -42,8 +42,9 @@ class Peek(Protocol):
         """The watchers' callback for the segment being dispatched, if one watches now
         (it raises `UpstreamInvalid` on a chunk it will not show)."""
 
-    def restart(self) -> None:
-        """What the watchers saw of this attempt is void: it is generated afresh."""
+    def restart(self, unseen: bool = False) -> None:
+        """What the watchers saw of this attempt is void: it is generated afresh
+        (`unseen`: its segment is sent again unstreamed)."""
 
 
 def peek_stream(adapter: EngineAdapter) -> Callable[[GenerateRequest], AsyncIterator[StreamItem]] | None:
@@ -62,7 +63,7 @@ async def peeked(items: AsyncIterator[StreamItem], watcher: Callable[[TokenDelta
     except UpstreamInvalid as exc:
         log.info("segment %s: its watched stream failed (%s); sent again unstreamed", seg_rid, exc)
         abort()
-        peek.restart()
+        peek.restart(unseen=True)
         return await resend(new_request_id())
 
 

@@ -82,9 +82,6 @@ class LiveTurn:
     def restart_arrays(self) -> None:
         self.ids, self.logprobs = array("q"), array("d")
 
-    def restart(self) -> None:
-        self.restart_arrays()
-        self.known = True
 
     def view(self) -> dict[str, Any]:
         """The turn so far, as plain lists (a C-level copy each)."""
@@ -99,7 +96,8 @@ def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 
 
 def begun(session: Session, branch: int, output_start: int, streams: bool) -> None:
-    session.live_turn = LiveTurn(branch, output_start, streams)
+    # a streamed turn's tokens are all seen; a non-streamed one's only once a watched segment starts
+    session.live_turn = LiveTurn(branch, output_start, streams, known=streams)
     if session.watchers:
         publish(session, {"event": "begin", "branch": branch, "output_start": output_start, "streams": streams})
 
@@ -135,14 +133,20 @@ class Peeker:
         self.session, self.expect, self.tokenizer = session, expect, tokenizer
         self.shown = False  # a watcher got tokens of this attempt
         self.broken = False  # a chunk failed the checks: nothing more is shown of this attempt
+        self.dispatched = 0  # segments of this attempt dispatched so far
 
     def __call__(self) -> Callable[[TokenDelta], None] | None:
         """The callback for the segment being dispatched, or None when nobody watches
         (the segment then goes to the engine unstreamed, exactly as before)."""
+        live = self.session.live_turn if isinstance(self.session.live_turn, LiveTurn) else None
+        first = self.dispatched == 0
+        self.dispatched += 1
         if self.session.watchers:
+            if first and live is not None:  # watched from the attempt's start: every token is seen
+                live.known = True
             return self._publish
-        if isinstance(self.session.live_turn, LiveTurn):  # this segment's tokens are not seen
-            self.session.live_turn.known = False
+        if live is not None:  # this segment's tokens are not seen
+            live.known = False
         return None
 
     def _publish(self, delta: TokenDelta) -> None:
@@ -160,10 +164,14 @@ class Peeker:
         self.shown = True
         _shown(self.session, self.tokenizer, ids.tolist(), lps.tolist())
 
-    def restart(self) -> None:
-        """The turn is re-homed and generated afresh: what the watchers saw is void."""
+    def restart(self, unseen: bool = False) -> None:
+        """The turn is re-homed and generated afresh: what the watchers saw is void.
+        `unseen`: its segment is being sent again unstreamed (control/peek.py), so the
+        attempt's tokens are not all seen even if a later segment is watched."""
         if isinstance(self.session.live_turn, LiveTurn):
-            self.session.live_turn.restart()
+            self.session.live_turn.restart_arrays()
+            self.session.live_turn.known = False
+        self.dispatched = 1 if unseen else 0
         if self.shown and self.session.watchers:
             publish(self.session, {"event": "restart"})
         self.shown = self.broken = False

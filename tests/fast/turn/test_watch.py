@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ..stack import Stack, live_stack
+from ..stack import Stack, live_stack, until_in_flight
 
 U1 = [{"role": "user", "content": "The tests fail after the config change. Fix it."}]
 BODY = {"messages": U1, "max_tokens": 60}
@@ -86,12 +86,17 @@ async def test_a_failed_watched_stream_falls_back_and_the_turn_answers_as_unwatc
 async def test_cumulative_streams_are_not_watched_live(qwen3_dir: Path) -> None:
     """SGLang's default frames repeat every earlier token: watching that way would move
     O(L^2), so a watched non-streamed turn goes to SGLang unstreamed and shows at `end`."""
-    async with live_stack(qwen3_dir, latency_ms=2, script=[{"content": "step " * 40}]) as st:
+    async with live_stack(qwen3_dir, latency_ms=10, script=[{"content": "step " * 40}]) as st:
         sid = await st.session()
-        answer, events = await _watched_turn(st, sid)
+        late: list[dict[str, Any]] = []
+        chat = asyncio.create_task(_watched_turn(st, sid))
+        await until_in_flight(st, sid)
+        await _events(st, sid, late, until="hello")  # a viewer opened mid-turn
+        answer, events = await chat
         assert answer.status_code == 200, answer.text
         kinds = [e["event"] for e in events]
         assert kinds == ["hello", "begin", "end"], kinds  # nothing streamed: shown at commit
+        assert late[0]["busy"] and late[0]["turn"]["known"] is False and late[0]["turn"]["ids"] == [], late
 
 
 async def _events(st: Stack, sid: str, out: list[dict[str, Any]], until: str = "end") -> None:
