@@ -24,6 +24,7 @@ import enum
 import hashlib
 import hmac
 import secrets
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
@@ -74,10 +75,35 @@ def classify(path: str) -> tuple[Access, str | None]:
     return Access.ADMIN, None
 
 
-def ui_cookie_value(admin_token: str) -> str:
-    """The viewer cookie's value for `admin_token` (a keyed hash: the cookie proves the
-    token was presented without being it)."""
-    return hmac.new(admin_token.encode(), b"tito-ui-cookie-v1", hashlib.sha256).hexdigest()
+UI_COOKIE_TTL_S = 12 * 3600  # a viewer signs in again after this: a copied cookie does not work for ever
+# a viewer's own reads (the page's fetches send it; the cookie implies it) are not use:
+# an open viewer must not keep a session from expiring (sessions.py `touch`)
+VIEWER_HEADER = "x-tito-viewer"
+
+
+def ui_cookie_value(admin_token: str, expires: int | None = None) -> str:
+    """The viewer cookie's value for `admin_token`: `<expiry>.<keyed hash of it>` (the
+    cookie proves the token was presented without being it, and until when it holds;
+    the expiry is inside the signed value, so a browser that ignores `Max-Age` or a
+    copied cookie still stops working at it). `expires`: unix seconds, default now + 12 h."""
+    if expires is None:
+        expires = int(time.time()) + UI_COOKIE_TTL_S
+    mac = hmac.new(admin_token.encode(), b"tito-ui-cookie-v2|%d" % expires, hashlib.sha256).hexdigest()
+    return f"{expires}.{mac}"
+
+
+def ui_cookie_ok(admin_token: bytes, cookie: bytes, now: float) -> bool:
+    """Whether `cookie` is a viewer cookie this token signed that has not expired."""
+    expires, dot, mac = cookie.partition(b".")
+    if not dot or not expires.isdigit() or len(expires) > 12 or int(expires) <= now:
+        return False
+    want = hmac.new(admin_token, b"tito-ui-cookie-v2|" + expires, hashlib.sha256).hexdigest().encode()
+    return hmac.compare_digest(mac, want)
+
+
+def is_viewer(scope: Scope) -> bool:
+    """A request of the viewer (its cookie, or its page's `x-tito-viewer` header)."""
+    return bool(scope.get("state", {}).get("viewer")) or any(k == VIEWER_HEADER.encode() for k, _ in scope["headers"])
 
 
 def _cookie(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
@@ -123,7 +149,6 @@ class BearerAuth:
     def __init__(self, app: ASGIApp, admin_token: str) -> None:
         self.app = app
         self.admin = admin_token.encode()
-        self.ui_cookie = ui_cookie_value(admin_token).encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -139,7 +164,8 @@ class BearerAuth:
             return
         if access is Access.ADMIN and scope["method"] in READ_METHODS:
             cookie = _cookie(scope["headers"], UI_COOKIE)
-            if cookie is not None and _matches([cookie], self.ui_cookie):
+            if cookie is not None and ui_cookie_ok(self.admin, cookie, time.time()):
+                scope.setdefault("state", {})["viewer"] = True  # its reads are not use (`is_viewer`)
                 await self.app(scope, receive, send)
                 return
             if not presented and is_ui_page(scope["path"]):
@@ -191,8 +217,12 @@ class BearerAuth:
 
 
 async def _to_login(scope: Scope, send: Send) -> None:
-    """A viewer page loaded without a credential: to the login page, which comes back here."""
-    back = urllib.parse.quote(scope["path"], safe="/")
+    """A viewer page loaded without a credential: to the login page, which comes back
+    here, query string and all (the list's filters live in it)."""
+    back = scope["path"]
+    if query := scope.get("query_string", b"").decode("latin-1"):
+        back += "?" + query
+    back = urllib.parse.quote(back, safe="/")
     await send({"type": "http.response.start", "status": 303,
                 "headers": [(b"location", f"/ui/login?next={back}".encode()), (b"content-length", b"0"),
                             (b"cache-control", b"no-store")]})

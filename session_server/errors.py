@@ -18,6 +18,7 @@
     ├── IdempotencyKeyReused             422 idempotency_key_reused (same Idempotency-Key, other body)
     ├── OverCapacity                     429 over_capacity   Retry-After: 5
     ├── BranchLimit                      429 branch_limit    Retry-After: 60 (names the cap)
+    ├── TooManyViewers                   429 too_many_viewers  Retry-After: 10 (the viewer's live streams are capped)
     ├── ClientGone                       499 client_gone (client disconnected mid-turn; logged, never sent)
     ├── InternalInvariant                500 internal_error (logged at ERROR)
     │   └── CommittedUnanswered          500 response_failed  x-should-retry: false (committed; the response failed)
@@ -177,6 +178,13 @@ class BranchLimit(ServiceError):
 
     status, type = 429, "branch_limit"
     retry_after_s = 60
+
+
+class TooManyViewers(ServiceError):
+    """A session's (or this process's) live viewer streams are at their cap (api/ui_data.py)."""
+
+    status, type = 429, "too_many_viewers"
+    retry_after_s = 10
 
 
 class ClientGone(ServiceError):

@@ -165,6 +165,7 @@ class Session:
         # the viewer's live subscribers (turn/watch.py): transient, never journaled (they hold no
         # committed state: a restarted server's viewer reconnects and reads the tree)
         self.watchers: list[Callable[[dict[str, Any]], None]] = []
+        self.live_turn: Any = None  # the turn in flight as a viewer sees it (turn/watch.py `LiveTurn`), transient too
 
     def built_on(self, turn: tuple[int, int]) -> bool:
         """Whether a committed turn extends `turn` (branch id, turn index): its client must

@@ -138,19 +138,22 @@ class LinearTrajectory:
         is counted where it lives)."""
         return self._buf.nbytes
 
-    def _gather(self, attr: str, end: int | None) -> np.ndarray:
+    def _gather(self, attr: str, end: int | None, start: int = 0) -> np.ndarray:
+        """`attr` of the tokens in `[start, end)`: only the segments the range overlaps are
+        read (a view when it lies in one), so the cost is the range's, not `end`'s."""
         n = len(self) if end is None else max(0, min(int(end), len(self)))
-        if not self._base:
-            view: np.ndarray = getattr(self._buf, attr)[:n]
-            return view
-        parts = []
-        left = n
-        for buf, start, stop in self.segments():
-            if left <= 0:
+        start = max(0, min(int(start), n))
+        parts: list[np.ndarray] = []
+        at = 0  # line position of the segment's first token
+        for buf, first, stop in self.segments():
+            lo, hi = max(start, at), min(n, at + stop - first)
+            if lo < hi:
+                parts.append(getattr(buf, attr)[first + lo - at : first + hi - at])
+            at += stop - first
+            if at >= n:
                 break
-            take = min(stop - start, left)
-            parts.append(getattr(buf, attr)[start : start + take])
-            left -= take
+        if len(parts) == 1:
+            return parts[0]
         out = np.concatenate(parts) if parts else getattr(self._buf, attr)[:0].copy()
         out.flags.writeable = False
         return out
@@ -175,6 +178,10 @@ class LinearTrajectory:
     def ids_until(self, end: int) -> np.ndarray:
         """Read-only ids of the tokens before `end` (a view when unshared)."""
         return self._gather("ids", end)
+
+    def ids_range(self, start: int, end: int) -> np.ndarray:
+        """Read-only ids in `[start, end)`, O(end - start) wherever it starts on a forked line."""
+        return self._gather("ids", end, start)
 
     def tail(self, k: int) -> list[int]:
         """The last `k` token ids (what the codec needs to close a turn)."""

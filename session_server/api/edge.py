@@ -33,7 +33,7 @@ ERROR_DESCRIPTIONS = {
     413: "body larger than the configured limit",
     421: "the session id names another instance of the cluster (wrong_instance): the proxy misrouted it; "
          "only on an instance with peers (elsewhere an unknown id is a 404)",
-    429: "a capacity limit was reached (session cap: over_capacity; branches per session: branch_limit)",
+    429: "a capacity limit was reached (session cap: over_capacity; branches per session: branch_limit; live viewers: too_many_viewers)",
     502: "the engine failed or answered invalid output; nothing was committed",
     503: "no healthy engine, paused past the deadline, the engine aborted, or a peer instance is down "
          "(instance_unavailable)",

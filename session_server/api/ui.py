@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import hmac
 import html
+import re
 import urllib.parse
 from importlib import resources
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..auth import UI_COOKIE, ui_cookie_value
+from ..auth import UI_COOKIE, UI_COOKIE_TTL_S, ui_cookie_value
 from .routes.common import ctx_of, read_body
 
 __all__ = ["PAGE_HEADERS", "router"]
@@ -80,9 +81,16 @@ async def static(name: str) -> Response:
     return _send(name)
 
 
+# a viewer path of this server and an optional query, printable ASCII only: no `//host`,
+# no scheme, no backslash, no CR/LF (a header split) and nothing a latin-1 header cannot hold
+_NEXT = re.compile(r"/ui(?:/[A-Za-z0-9._~%/-]*)?(?:\?[ -~]*)?")
+
+
 def _safe_next(target: str) -> str:
-    """Only a viewer path of this server (never `//host` or a scheme): no open redirect."""
-    return target if target.startswith("/ui") and not target.startswith("//") and "\\" not in target else "/ui"
+    """Where the login sends the browser back: `target` when it is one of this server's
+    viewer paths (`_NEXT`, matched whole), else `/ui`. It goes into a `location` header,
+    so anything looser is an open redirect, a header split or an unencodable header."""
+    return target if _NEXT.fullmatch(target) else "/ui"
 
 
 def _login_form(target: str, status: int = 200) -> Response:
@@ -110,5 +118,6 @@ async def login(request: Request) -> Response:
     if not hmac.compare_digest(token, admin.encode()):
         return _login_form(target, 403)
     secure = "; Secure" if request.url.scheme == "https" else ""
-    cookie = f"{UI_COOKIE.decode()}={ui_cookie_value(admin)}; Path=/; HttpOnly; SameSite=Strict{secure}"
+    cookie = (f"{UI_COOKIE.decode()}={ui_cookie_value(admin)}; Max-Age={UI_COOKIE_TTL_S}; Path=/; HttpOnly; "
+              f"SameSite=Strict{secure}")
     return Response(status_code=303, headers={"location": target, "set-cookie": cookie, "cache-control": "no-store"})

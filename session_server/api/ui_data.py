@@ -27,7 +27,9 @@ All of them need the admin token when auth is on (`auth.py`: neither is an agent
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import hmac
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -38,8 +40,10 @@ from fastapi.responses import Response, StreamingResponse
 from trajectory.samples import DEFAULT_PICKER, PICKERS
 
 from ..control.relay import RELAYED_HEADER
-from ..errors import BadRequest
+from ..errors import BadRequest, TooManyViewers
 from ..sessions import Session, instance_of
+from ..turn.watch import LiveTurn
+from ..turn.watch import token_texts as live_texts
 from .edge import route_doc
 from .routes.common import ctx_of, json_response, relay_of
 
@@ -48,8 +52,11 @@ __all__ = ["router"]
 router = APIRouter()
 
 MAX_PAGE = 500  # sessions a client's page holds
+MAX_OFFSET = 100_000  # how deep a page may start: a peer's part is at most this plus a page of rows
 PEER_LIST_S = 10.0  # a peer slower than this to list is named in `missing`: the page shows the rest
 MAX_TOKEN_RANGE = 4096  # tokens per `/tokens` read: one chunk of the page, decoded in one offload hop
+MAX_VIEWERS_PER_SESSION = 8  # live streams of one session: a page left open in many tabs is bounded
+MAX_VIEWERS = 256  # live streams of this process: each holds a connection and a small queue
 LIVE_QUEUE = 2048  # events a slow viewer may fall behind by before it is told to read the tree again
 KEEPALIVE_S = 15.0  # a comment frame this often: proxies keep the stream open, a gone session ends it
 MAX_LIVE_S = 600.0  # a stream ends after this (EventSource reconnects): none outlives a stuck client
@@ -127,6 +134,35 @@ def _meta_filters(meta: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def _from_peer(request: Request, admin_token: str | None) -> bool:
+    """A peer's part of a cluster page (`x-tito-relayed`), which reaches down to the
+    page's end: believed only with the admin bearer token (a relay sends it, control/
+    relay.py), never with the viewer cookie or nothing. Without auth nobody holds more
+    than anybody else, and MAX_OFFSET still bounds the rows."""
+    if request.headers.get(RELAYED_HEADER) is None:
+        return False
+    if admin_token is None:
+        return True
+    return hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {admin_token}".encode())
+
+
+def _malformed(part: Any) -> str | None:
+    """Why a peer's list reply cannot be merged (a peer of another version, a proxy's
+    page), or None: such a peer is `missing`, never a 500 for the whole list."""
+    if not isinstance(part, dict):
+        return "malformed reply: not an object"
+    for key, kind in (("total", int), ("matched", int), ("sessions", list), ("homes", dict), ("instances", list)):
+        if not isinstance(part.get(key), kind):
+            return f"malformed reply: {key!r} missing or not a {kind.__name__}"
+    for row in part["sessions"]:
+        if not (isinstance(row, dict) and isinstance(row.get("session_id"), str)
+                and isinstance(row.get("created_at"), int | float)):
+            return "malformed reply: a session row without session_id or created_at"
+    if not all(isinstance(n, int) for n in part["homes"].values()):
+        return "malformed reply: 'homes' counts are not integers"
+    return None
+
+
 @router.get("/ui/api/sessions", **route_doc(None, 400))
 async def list_sessions(
     request: Request,
@@ -146,8 +182,9 @@ async def list_sessions(
     peers that did not (their sessions are not in the list)."""
     ctx = ctx_of(request)
     relay = relay_of(request)
-    relayed = request.headers.get(RELAYED_HEADER) is not None
-    if limit > MAX_PAGE and not relayed:  # a peer's part of a page reaches down to the page's end
+    if offset > MAX_OFFSET:
+        raise BadRequest(f"offset: at most {MAX_OFFSET} (asked {offset}); narrow the filters instead")
+    if limit > MAX_PAGE and not (limit <= MAX_OFFSET + MAX_PAGE and _from_peer(request, ctx.settings.admin_token)):
         raise BadRequest(f"limit: at most {MAX_PAGE} sessions a page (asked {limit})")
     q = {"state": state, "instance": instance, "busy": busy, "has_diagnostics": has_diagnostics,
          "reward_min": reward_min, "reward_max": reward_max, "meta": _meta_filters(meta or []),
@@ -164,6 +201,9 @@ async def list_sessions(
     local, peers = await asyncio.gather(
         ctx.offload.run(_listing, sessions, {**q, "offset": 0, "limit": offset + limit}),
         relay.fetch(path, timeout_s=min(PEER_LIST_S, ctx.settings.peer_timeout_s), misses=misses))
+    for peer, p in peers.items():
+        if p is not None and (why := _malformed(p)) is not None:
+            misses[peer], peers[peer] = why, None
     parts = [local, *(p for p in peers.values() if isinstance(p, dict))]
     rows = sorted((r for p in parts for r in p["sessions"]), key=lambda r: (r["created_at"], r["session_id"]),
                   reverse=True)
@@ -259,7 +299,7 @@ async def token_texts(
         raise BadRequest(f"at most {MAX_TOKEN_RANGE} tokens per read (asked {stop - start})")
     # a few tokens either side: a character cut by the range's start or end is still whole
     first, last = max(0, start - UTF8_LOOKAROUND), min(len(line), stop + UTF8_LOOKAROUND)
-    ids = line.ids_until(last)[first:last].tolist() if stop > start else []
+    ids = line.ids_range(first, last).tolist() if stop > start else []  # O(range), not O(last)
     texts, parts = await ctx.offload.run(_texts, ctx.tokenizer, ids, start - first) if ids else ([], [])
     return json_response({"branch": branch, "start": start, "end": max(start, stop), "texts": texts[:stop - start],
                           "parts": [[start + p, start + k] for p, k in parts if p < stop - start]})
@@ -269,53 +309,117 @@ def _frame(event: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(event) + b"\n\n"
 
 
-@router.get("/sessions/{sid}/live", **route_doc(None, 404, media=("text/event-stream",)))
+class _Viewer:
+    """One viewer's events: a bounded deque and an Event its stream waits on (a put
+    is an append and a set, on the loop; no task per event or per wait)."""
+
+    def __init__(self) -> None:
+        self.events: deque[dict[str, Any]] = deque()
+        self.ready = asyncio.Event()
+        self.lost = False  # fell more than LIVE_QUEUE events behind: the page reads the tree again
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if len(self.events) >= LIVE_QUEUE:
+            self.lost = True
+        else:
+            self.events.append(event)
+        self.ready.set()
+
+
+def _viewer_count(app: Any) -> list[int]:
+    """This process's open live streams (a one-element list: mutable on app.state)."""
+    count: list[int] | None = getattr(app.state, "live_viewers", None)
+    if count is None:
+        count = app.state.live_viewers = [0]
+    return count
+
+
+def _hello(s: Session) -> dict[str, Any]:
+    """What a viewer opening now needs: whether a turn is in flight, and when known its
+    branch, output start and tokens so far (copied here, on the loop: C-level list
+    copies; their texts are decoded in an offload thread)."""
+    out: dict[str, Any] = {"event": "hello", "busy": s.inflight is not None, "active_branch": s.tree.active_id}
+    if isinstance(s.live_turn, LiveTurn):
+        out["turn"] = s.live_turn.view()
+    return out
+
+
+@router.get("/sessions/{sid}/live", **route_doc(None, 404, 429, media=("text/event-stream",)))
 async def live(sid: str, request: Request) -> Response:
-    """Server-sent events of the session's turns: `hello` (whether a turn is in flight),
-    then `begin`, `tokens` (a streamed turn's deltas), `end`; `resync` when this viewer
-    fell more than LIVE_QUEUE events behind (its page reads the tree again). The
-    stream ends when the client goes (Starlette cancels it on the disconnect), when the
-    session is gone, or after MAX_LIVE_S."""
+    """Server-sent events of the session's turns: `hello` (whether a turn is in flight
+    and, when one is, `turn`: its branch, output start and tokens so far, `known` False
+    when some were not seen), then `begin`, `tokens` (ids, logprobs and texts as
+    sampled), `restart`, `unshown`, `end`; `resync` when this viewer fell more than
+    LIVE_QUEUE events behind (its page reads the tree again). At most
+    MAX_VIEWERS_PER_SESSION streams a session and MAX_VIEWERS a process (else 429
+    too_many_viewers). The stream ends when the client goes (Starlette cancels it on
+    the disconnect), when the session is gone, or after MAX_LIVE_S."""
     ctx = ctx_of(request)
     s = ctx.store.get(sid)
-    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=LIVE_QUEUE)
-    lost = False
-
-    def subscriber(event: dict[str, Any]) -> None:
-        nonlocal lost
-        try:
-            queue.put_nowait(event)
-        except asyncio.QueueFull:
-            lost = True
+    count = _viewer_count(request.app)
+    if len(s.watchers) >= MAX_VIEWERS_PER_SESSION:
+        raise TooManyViewers(f"session {sid} already has {MAX_VIEWERS_PER_SESSION} live viewers")
+    if count[0] >= MAX_VIEWERS:
+        raise TooManyViewers(f"this instance already serves {MAX_VIEWERS} live viewers")
+    viewer = _Viewer()
+    s.watchers.append(viewer)  # counted now, not when the body starts: a burst cannot pass the caps
+    count[0] += 1
 
     async def frames() -> AsyncIterator[bytes]:
-        nonlocal lost
-        s.watchers.append(subscriber)
-        deadline = asyncio.get_running_loop().time() + MAX_LIVE_S
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + MAX_LIVE_S
         try:
-            yield _frame({"event": "hello", "busy": s.inflight is not None, "active_branch": s.tree.active_id})
-            while asyncio.get_running_loop().time() < deadline:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=KEEPALIVE_S)
-                except TimeoutError:
-                    if ctx.store.all().get(s.id) is not s:
-                        yield _frame({"event": "gone"})
-                        return
-                    yield b": keep-alive\n\n"
-                    continue
-                if lost:
-                    while not queue.empty():
-                        queue.get_nowait()
-                    lost = False
+            hello = _hello(s)
+            viewer.events.clear()  # what came before now is in `hello`: sent once, not twice
+            viewer.lost = False
+            if "turn" in hello:
+                hello["turn"]["texts"] = await ctx.offload.run(live_texts, ctx.tokenizer, hello["turn"]["ids"])
+            yield _frame(hello)
+            while loop.time() < deadline:
+                if not viewer.events and not viewer.lost:
+                    viewer.ready.clear()
+                    try:
+                        async with asyncio.timeout(KEEPALIVE_S):
+                            await viewer.ready.wait()
+                    except TimeoutError:
+                        if ctx.store.all().get(s.id) is not s:
+                            yield _frame({"event": "gone"})
+                            return
+                        yield b": keep-alive\n\n"
+                        continue
+                if viewer.lost:
+                    viewer.events.clear()
+                    viewer.lost = False
                     yield _frame({"event": "resync"})
                     continue
-                if event["event"] == "tokens":  # a delta is a few ids: decoded here, on the loop
-                    event = {**event, "texts": [ctx.tokenizer.decode([i], skip_special_tokens=False)
-                                                for i in event["ids"]]}
-                yield _frame(event)
+                yield _frame(viewer.events.popleft())
         finally:
-            if subscriber in s.watchers:
-                s.watchers.remove(subscriber)
+            release()
 
-    return StreamingResponse(frames(), media_type="text/event-stream",
-                             headers={"cache-control": "no-store", "x-accel-buffering": "no"})
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            count[0] -= 1
+            if viewer in s.watchers:
+                s.watchers.remove(viewer)
+
+    return _LiveResponse(release, frames(), media_type="text/event-stream",
+                         headers={"cache-control": "no-store", "x-accel-buffering": "no"})
+
+
+class _LiveResponse(StreamingResponse):
+    """A live stream that gives its viewer's place back however the response ends: a
+    body generator that never started (the client left first) runs no `finally`."""
+
+    def __init__(self, release: Callable[[], None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()

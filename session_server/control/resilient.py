@@ -58,6 +58,7 @@ from trajectory.validate import Expectations
 
 from .assemble import Acc, Counts, ResilientResult, assemble
 from .lag import LagBound, SegmentWatch
+from .peek import Peek, peek_stream, peeked, resend
 from .plane import ControlPlane
 from .segment import (
     abort_on_stop_is_stop,
@@ -72,8 +73,6 @@ from .segment import (
 )
 from .stops import Decode, StopStrings, StreamStops
 from .versions import ReceivedSplit, SegmentSpans, received_split, reports_per_token, segment_spans
-
-Peek = Callable[[], Callable[[TokenDelta], None] | None]  # a watcher's callback, if one watches now
 
 __all__ = ["AbortEvent", "Peek", "Phase", "Segment", "TurnState", "generate_resilient", "new_request_id"]
 
@@ -175,8 +174,8 @@ class _Turn:
         self.constrained = request.sampling.constraint is not None
         streamer = streaming_of(adapter) if on_delta is not None and not self.constrained else None
         self.streaming = None if streamer is None else streamer.generate_stream
-        peeker = streaming_of(adapter) if peek is not None and on_delta is None and not self.constrained else None
-        self.peek, self.peek_stream = peek or (lambda: None), None if peeker is None else peeker.generate_stream
+        self.peek = peek if peek is not None and on_delta is None and not self.constrained else None
+        self.peek_stream = None if self.peek is None else peek_stream(adapter)  # incremental streams only
         self.stops = (StopStrings(request.sampling.stop, decode)
                       if decode and request.sampling.stop and not self.constrained else None)
         self.steps: dict[Phase, Callable[[], Awaitable[Phase]]] = {
@@ -257,8 +256,9 @@ class _Turn:
                     watch_stops = StreamStops(self.stops, st.acc.ids) if self.stops is not None and st.acc.ids else None
                     result = await streamed(self.streaming(seg), counted(self.on_delta, split), self.expect, seg_rid,
                                             watch_stops, partial(control.abort_engine_request, adapter, seg_rid))
-                elif self.peek_stream is not None and (watcher := self.peek()) is not None:
-                    result = await streamed(self.peek_stream(seg), watcher, None, seg_rid)  # the watcher checks
+                elif self.peek is not None and self.peek_stream is not None and (watcher := self.peek()) is not None:
+                    result = await peeked(self.peek_stream(seg), watcher, seg_rid, self.peek, partial(
+                        resend, adapter, control, st.lag, seg, watch), partial(control.abort_engine_request, adapter, seg_rid))
                 else:
                     result = await adapter.generate(seg)
             except (asyncio.CancelledError, UpstreamTimeout):
@@ -389,8 +389,8 @@ async def generate_resilient(
     engine cannot: on an aborted step and across a resubmission's boundary (stops.py).
     `trace` (tracing on): a span per segment, its context sent to the engine.
     `peek` (a turn the client does not stream): asked per segment for a watcher's callback;
-    given one, the segment is streamed to it alone, unchecked (`generate_stream` returns what
-    `generate` does; no chunk check, stop cut or version split: it commits as if unwatched).
+    given one, the segment is streamed to it alone where frames are deltas (peek.py: a failed
+    stream is sent again unstreamed; no stop cut or version split: it commits as if unwatched).
     Engine errors propagate; `EngineAborted` after `max_empty_aborts` consecutive
     empty aborts that no pause explains; `PausedTooLong` when paused past the deadline.
     """

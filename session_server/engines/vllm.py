@@ -130,7 +130,7 @@ class VLLMAdapter:
     protocol = "vllm"
     # no dp_size: vLLM does not report its DP size (its own balancer spreads our requests)
     capabilities = EngineCapabilities(
-        streams=True, reports_load=True, names_model=True, pushes_weight_version=True,
+        streams=True, incremental_stream=True, reports_load=True, names_model=True, pushes_weight_version=True,
         # with the server flag `--logprobs-mode processed_logprobs` (0.32, engine arg, not
         # per request): logprobs after masking, a masked token at -9999.0 on the wire
         support_logprobs="processed",

@@ -291,8 +291,9 @@ class TurnRunner:
         call = engine_request(ctx, session, req, prompt.prep, prompt.prompt_ids,
                               request_id=live.request_id if live is not None else None)
         streams = live is not None and live.begin(req, call, prompt.prep)
-        on_delta = watch.observed(session, live.on_delta if live is not None and streams else None)
-        peek = None if on_delta is not None else watch.Peeker(session, call.expect)  # the watchers' view of it
+        on_delta = watch.observed(session, live.on_delta if live is not None and streams else None, ctx.tokenizer)
+        # the watchers' view of it
+        peek = None if on_delta is not None else watch.Peeker(session, call.expect, ctx.tokenizer)
         watch.begun(session, prompt.prep.branch_id, len(prompt.prep.context_ids) + len(prompt.prompt_ids), streams)
         if timer.trace is not None:
             timer.trace.request(_request_attributes(req, call))

@@ -14,11 +14,12 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from ...auth import is_viewer
 from ...context import ServerContext
 from ...control.relay import PeerRelay
 from ..edge import read_body
 
-__all__ = ["JSON", "OCTETS", "PARTIAL", "ctx_of", "json_response", "read_body", "relay_of"]
+__all__ = ["JSON", "OCTETS", "PARTIAL", "ctx_of", "json_response", "read_body", "read_use", "relay_of"]
 
 JSON = "application/json"
 OCTETS = "application/octet-stream"
@@ -39,3 +40,11 @@ def relay_of(request: Request) -> PeerRelay:
 
 def json_response(body: Any, status: int = 200) -> Response:
     return Response(content=orjson.dumps(body), status_code=status, media_type=JSON)
+
+
+def read_use(request: Request, session: Any) -> None:
+    """A read of `session` counts as use (its TTL restarts), unless the trajectory viewer
+    reads it (its cookie, or its page's `x-tito-viewer` header): a viewer left open must
+    not keep a session alive that its trainer and agent have left."""
+    if not is_viewer(request.scope):
+        ctx_of(request).store.touch(session)

@@ -18,7 +18,7 @@ from .. import samples as samples_api
 from ..cluster_rules import gathering_relay
 from ..edge import route_doc
 from ..models import AgentKind, RewardRequest, SampleFormat, SamplesBatch, parse_json_model
-from .common import JSON, OCTETS, ctx_of, json_response, read_body
+from .common import JSON, OCTETS, ctx_of, json_response, read_body, read_use
 
 __all__ = ["router"]
 
@@ -37,7 +37,7 @@ async def get_samples(
 ) -> Response:
     ctx = ctx_of(request)
     s = ctx.store.get(sid)
-    ctx.store.touch(s)
+    read_use(request, s)
     return await samples_api.session_response(ctx, s, format, picker, max_seq_len, AgentFilter(agent, agent_kind))
 
 

@@ -24,7 +24,7 @@ from ...turn.support_rules import resolve_k
 from .. import samples as samples_api
 from ..edge import route_doc
 from ..models import SessionCreate, parse_json_model
-from .common import JSON, OCTETS, ctx_of, json_response, read_body
+from .common import JSON, OCTETS, ctx_of, json_response, read_body, read_use
 
 __all__ = ["router", "session_view", "trajectory_response"]
 
@@ -184,9 +184,8 @@ async def create_session(request: Request) -> Response:
 
 @router.get("/sessions/{sid}", **route_doc(None, 404))
 async def get_session(sid: str, request: Request) -> Response:
-    store = ctx_of(request).store
-    s = store.get(sid)
-    store.touch(s)  # reading a session is using it: its TTL restarts
+    s = ctx_of(request).store.get(sid)
+    read_use(request, s)  # reading a session is using it: its TTL restarts
     return json_response(session_view(s))
 
 
@@ -202,7 +201,7 @@ async def head_session(sid: str, request: Request) -> Response:
 async def get_trajectory(sid: str, request: Request, format: str = "json") -> Response:
     ctx = ctx_of(request)
     s = ctx.store.get(sid)
-    ctx.store.touch(s)
+    read_use(request, s)
     return await trajectory_response(ctx, s, format)
 
 

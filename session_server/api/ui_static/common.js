@@ -29,7 +29,8 @@ V.clear = function (node) {
 };
 
 V.api = async function (path) {
-  const r = await fetch(path, { credentials: "same-origin", headers: { accept: "application/json" } });
+  // x-tito-viewer: the viewer reading a session is not its use (its TTL does not restart)
+  const r = await fetch(path, { credentials: "same-origin", headers: { accept: "application/json", "x-tito-viewer": "1" } });
   if (!r.ok) {
     let msg = r.status + " " + r.statusText;
     try { const b = await r.json(); if (b.error) msg += ": " + b.error.message; } catch (e) { /* not JSON */ }

@@ -151,24 +151,35 @@ function message(m, link) {
 function followLive(box, base, sid) {
   const src = new EventSource(base + "/live");
   let turnBox = null, count = 0;
+  const open = (branch, streams, note) => {  // the live box of a turn in flight
+    count = 0;
+    V.clear(box);
+    turnBox = V.el("div", { class: "line livebox", id: "live-turn" });
+    box.appendChild(V.el("h2", { text: `Turn in flight on branch ${branch ?? "?"}` + (streams ? ""
+      : " (not streamed to its client: shown here as the engine samples; a constrained turn's at commit)") }));
+    box.appendChild(V.el("p", { class: "muted", id: "live-count", text: note || "0 tokens so far" }));
+    box.appendChild(turnBox);
+    V.status("live: turn in flight");
+  };
+  const add = (ids, logprobs, texts) => {
+    for (let k = 0; k < ids.length; k++) {
+      turnBox.appendChild(V.el("span", { class: "tok live", title: `id ${ids[k]} · logprob ${Number(logprobs[k]).toFixed(4)}`, text: V.shown(texts[k]) }));
+    }
+    count += ids.length;
+    document.getElementById("live-count").textContent = `${count} tokens so far`;
+  };
   src.onmessage = (msg) => {
     const ev = JSON.parse(msg.data);
-    if (ev.event === "hello") V.status(ev.busy ? "live: a turn is in flight" : "live: idle");
-    else if (ev.event === "begin") {
-      count = 0;
-      V.clear(box);
-      turnBox = V.el("div", { class: "line livebox", id: "live-turn" });
-      box.appendChild(V.el("h2", { text: `Turn in flight on branch ${ev.branch}` + (ev.streams ? ""
-        : " (not streamed to its client: shown here as the engine samples; a constrained turn's at commit)") }));
-      box.appendChild(V.el("p", { class: "muted", id: "live-count", text: "0 tokens so far" }));
-      box.appendChild(turnBox);
-      V.status("live: turn in flight");
+    if (ev.event === "hello") {
+      if (!ev.busy) { V.status("live: idle"); return; }
+      // opened mid-turn: the turn so far, when the server saw it
+      const t = ev.turn;
+      open(t ? t.branch : null, t ? t.streams : false, t && !t.known ? "opened mid-turn: the tokens so far show at commit" : null);
+      if (t && t.known) add(t.ids, t.logprobs, t.texts);
+    } else if (ev.event === "begin") {
+      open(ev.branch, ev.streams, null);
     } else if (ev.event === "tokens" && turnBox) {
-      for (let k = 0; k < ev.ids.length; k++) {
-        turnBox.appendChild(V.el("span", { class: "tok live", title: `id ${ev.ids[k]} · logprob ${Number(ev.logprobs[k]).toFixed(4)}`, text: V.shown(ev.texts[k]) }));
-      }
-      count += ev.ids.length;
-      document.getElementById("live-count").textContent = `${count} tokens so far`;
+      add(ev.ids, ev.logprobs, ev.texts);
     } else if (ev.event === "unshown" && turnBox) {
       document.getElementById("live-count").textContent = `${count} tokens so far; the rest at commit (${ev.reason})`;
     } else if (ev.event === "restart" && turnBox) {

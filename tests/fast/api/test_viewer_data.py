@@ -5,9 +5,15 @@ completes it (the offline qwen3 tokenizer is byte-level: an emoji is four tokens
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+from aiohttp import web
 from transformers import AutoTokenizer
+
+from session_server.auth import ui_cookie_value
+from session_server.context import Settings
 
 from ..stack import live_stack
 
@@ -74,3 +80,56 @@ async def test_a_character_split_over_tokens_shows_on_the_token_that_completes_i
                 texts += (await st.http.get(f"/sessions/{sid}/tokens",
                                             params={"branch": 0, "start": a, "end": a + size})).json()["texts"]
             assert "".join(texts) == tok.decode(ids, skip_special_tokens=False), size
+
+
+@contextlib.asynccontextmanager
+async def _peer_answering(body: bytes) -> AsyncIterator[str]:
+    """A stand-in peer: every GET answers 200 with `body` (another version's reply, a
+    proxy's page)."""
+    async def any_get(_: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", any_get)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+ADMIN = "admin-secret-token"
+
+
+async def test_a_malformed_peer_list_reply_names_that_peer_missing(qwen3_dir: Path) -> None:
+    bad = (b'{"total": 1, "matched": 1, "sessions": [{"state": "idle"}], "homes": {}, "instances": ["x"]}', b'{}',
+           b'[1, 2]', b'{"total": 1, "matched": 1, "sessions": [], "homes": {"a": "1"}, "instances": []}')
+    for body in bad:
+        async with _peer_answering(body) as peer, \
+                live_stack(qwen3_dir, settings=Settings(peers=[peer], peer_timeout_s=2.0)) as st:
+            sid = await st.session()
+            r = await st.http.get("/ui/api/sessions")
+            assert r.status_code == 200, (body, r.text)
+            out = r.json()
+            assert [row["session_id"] for row in out["sessions"]] == [sid]
+            assert out["missing"][peer].startswith("malformed reply"), out["missing"]
+
+
+async def test_only_the_admin_token_lifts_the_page_limit_of_a_relayed_list(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, settings=Settings(admin_token=ADMIN)) as st:
+        relayed = {"x-tito-relayed": "1"}
+        admin = {"authorization": f"Bearer {ADMIN}"}
+        assert (await st.http.get("/ui/api/sessions", params={"limit": 5000}, headers=admin)).status_code == 400
+        assert (await st.http.get("/ui/api/sessions", params={"limit": 5000},
+                                  headers={**relayed, **admin})).status_code == 200
+        st.http.cookies.set("tito_ui", ui_cookie_value(ADMIN))
+        r = await st.http.get("/ui/api/sessions", params={"limit": 5000}, headers=relayed)
+        assert r.status_code == 400, r.text  # the viewer cookie is read-only, not a peer
+        r = await st.http.get("/ui/api/sessions", params={"limit": 10**9}, headers={**relayed, **admin})
+        assert r.status_code == 400, r.text  # a peer's part is bounded too
+        r = await st.http.get("/ui/api/sessions", params={"offset": 10**9}, headers=admin)
+        assert r.status_code == 400, r.text

@@ -128,7 +128,9 @@ async def _check_session_pages(st: Stack, sid: str) -> None:
             assert int(at) == spans[1][0]
             nxt = page.locator("#line-tokens .mark.version").first.locator("xpath=following-sibling::span[contains(@class,'tok')][1]")
             assert int(await nxt.get_attribute("data-i")) == spans[1][0]
-            assert await page.locator("#line-tokens .mark.abort").count() >= 1
+            aborted = [sg for t in root["turns"] for sg in t["extra"].get("segments", []) if sg["ended"] == "abort"]
+            assert len(aborted) == 1  # the scene's one pause mid-output
+            assert await page.locator("#line-tokens .mark.abort").count() == len(aborted)
             # the history rewrite's first differing token is marked
             first_diff = root["turns"][1]["extra"]["history_rewrite"]["first_diff"]
             assert int(await page.locator("#line-tokens .tok.rewrite").get_attribute("data-i")) == first_diff
@@ -154,7 +156,10 @@ async def _check_session_pages(st: Stack, sid: str) -> None:
             assert sid in await page.locator("#session-table").inner_text()
             await page.screenshot(path=str(SHOTS / "sessions.png"), full_page=True)
             page = await _page(browser, f"{st.url}/ui/control")
-            assert "2" in await page.locator("#control-state").inner_text()
+            rows = {await r.locator("th").inner_text(): await r.locator("td").inner_text()
+                    for r in await page.locator("#control-state tr").all()}
+            assert rows["weight version"] == "2" and rows["paused"] == "false", rows  # set to 2, resumed
+            assert rows["in flight"] == "0", rows
             assert await page.locator("#engines tr").count() == 2
             await page.screenshot(path=str(SHOTS / "control.png"), full_page=True)
         finally:
@@ -176,6 +181,28 @@ async def test_live_turn_grows_in_the_page_as_it_is_sampled(qwen3_dir: Path) -> 
                 await page.screenshot(path=str(SHOTS / "live.png"))
                 assert (await chat).status_code == 200
                 await page.wait_for_function("document.querySelectorAll('#line-tokens .tok').length > 0")
+            finally:
+                await browser.close()
+
+
+async def test_a_page_opened_mid_turn_shows_the_turn_so_far(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, latency_ms=15, script=[{"content": "slow " * 80}]) as st:
+        sid = await st.session()
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                async with st.http.stream("POST", f"/sessions/{sid}/v1/chat/completions",
+                                          json={"messages": U1, "max_tokens": 120, "stream": True}) as turn:
+                    lines = turn.aiter_lines()
+                    for _ in range(20):  # a few tokens in before the page opens
+                        await anext(lines)
+                    page = await _page(browser, f"{st.url}/ui/sessions/{sid}")
+                    await page.wait_for_selector("#live-turn .tok")
+                    shown = await page.locator("#live-turn .tok").count()
+                    assert shown >= 5, shown  # the tokens sampled before it opened, from `hello`
+                    assert "branch 0" in await page.locator("#live h2").inner_text()
+                    async for _ in lines:
+                        pass
             finally:
                 await browser.close()
 
@@ -215,8 +242,9 @@ async def test_an_abort_without_a_version_change_is_marked_at_the_token_where_th
 
 async def test_a_non_streamed_turn_grows_in_the_page_before_it_commits(qwen3_dir: Path) -> None:
     """The client asks without `stream`: the watching page still sees the engine's tokens
-    as they are sampled, and the client's answer and the trajectory are an unwatched turn's."""
-    async with live_stack(qwen3_dir, latency_ms=15, script=[{"content": "slow " * 80}] * 2) as st:
+    as they are sampled (vLLM: its stream frames are deltas), and the client's answer and
+    the trajectory are an unwatched turn's."""
+    async with live_stack(qwen3_dir, "vllm", latency_ms=15, script=[{"content": "slow " * 80}] * 2) as st:
         ref_sid = await st.session()
         ref = await st.chat(ref_sid, {"messages": U1, "max_tokens": 120})
         sid = await st.session()
@@ -255,6 +283,11 @@ async def test_pages_and_data_need_the_admin_token_and_login_sets_a_read_only_co
             r = await anon.post("/ui/login", data={"token": "T0ken", "next": "//evil.example/"})
             assert r.status_code == 303 and r.headers["location"] == "/ui"  # no open redirect
             assert "T0ken" not in r.headers["set-cookie"] and "HttpOnly" in r.headers["set-cookie"]
+            page = await anon.get(f"/ui/sessions/{sid}")  # with the cookie: the page, under its policy
+            assert page.status_code == 200
+            csp = page.headers["content-security-policy"]
+            assert "default-src 'none'" in csp and "script-src 'self'" in csp and "unsafe" not in csp, csp
+            assert "frame-ancestors 'none'" in csp and page.headers["x-content-type-options"] == "nosniff"
             assert (await anon.get("/ui/api/sessions")).status_code == 200  # the cookie reads
             assert (await anon.post("/control/pause", json={})).status_code == 401  # and changes nothing
         async with _browser_or_skip()() as pw:

@@ -34,7 +34,7 @@ def _own_methods(proto: type) -> set[str]:
 
 
 # capabilities that are a fact about the engine's replies, not methods of a protocol
-_REPLY_FACTS = {"support_logprobs"}
+_REPLY_FACTS = {"support_logprobs", "incremental_stream"}  # what a reply looks like, not a method
 
 
 def test_every_capability_flag_names_a_protocol() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -209,3 +210,30 @@ def test_a_prompt_head_no_turn_opens_is_refused_by_the_tree_and_can_be_discarded
     tree.check_invariants()
     with pytest.raises(BranchError):
         tree.discard(0, activate=0)  # the root
+
+
+def test_a_range_of_a_forked_line_is_the_slice_of_its_ids_read_from_its_segments_only() -> None:
+    tree = TrajectoryTree()
+    for i in range(4):
+        _turn(tree, i)
+    tree.rollback(3)
+    for i in range(10, 13):
+        _turn(tree, i)
+    tree.rollback(4)  # a line over two shared segments and its own buffer
+    for i in range(20, 22):
+        _turn(tree, i)
+    for branch in tree.branches():
+        line = branch.trajectory
+        n = len(line)
+        assert len(line.segments()) >= 1
+        for start in range(-1, n + 2):
+            for end in range(-1, n + 3):
+                got = line.ids_range(start, end)
+                want = line.ids_until(max(0, end))[max(0, start):max(0, end)]
+                assert got.tolist() == want.tolist(), (branch.id, start, end)
+                assert not got.flags.writeable
+    line = tree.active.trajectory
+    assert len(line.segments()) == 3
+    own_start = line.shared_len
+    inside = line.ids_range(own_start + 1, len(line))  # inside its own buffer: a view, nothing copied
+    assert np.shares_memory(inside, line.buffer.ids) and inside.tolist() == line.ids.tolist()[own_start + 1:]
