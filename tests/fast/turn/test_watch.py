@@ -196,3 +196,12 @@ async def test_n_viewers_of_a_turn_cost_one_decode_per_token(qwen3_dir: Path) ->
         finally:
             del tokenizer.decode
         assert cost[0] == cost[1], cost  # four viewers decode what one does
+
+
+async def test_the_live_route_of_no_such_session_is_a_404_at_once(qwen3_dir: Path) -> None:
+    """What the fuzz suite leaves out (the stream is endless): a session that does not
+    exist, or whose id is malformed, answers at once with the usual error body."""
+    async with live_stack(qwen3_dir, "vllm") as st:
+        for sid in ("0" * 16 + "." + "f" * 32, "not-a-session"):
+            r = await asyncio.wait_for(st.http.get(f"/sessions/{sid}/live"), 10)
+            assert r.status_code == 404 and "error" in r.json(), r.text
