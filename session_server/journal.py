@@ -369,7 +369,10 @@ class Journal:
                     break
             stopping = ops is None
             if batch:
-                self._commit(conn, batch)
+                try:
+                    self._commit(conn, batch)
+                except Exception as exc:  # not SQLite's (a bug, memory): this batch fails, the writer lives on
+                    self._hand_back(batch, exc)
         conn.close()
 
     def _commit(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
@@ -408,6 +411,11 @@ class Journal:
         except sqlite3.Error as exc:
             error = exc
         self.writer_cpu_s += time.thread_time() - cpu0  # only this thread writes it
+        self._hand_back(batch, error)
+
+    def _hand_back(self, batch: list[tuple], error: BaseException | None) -> None:
+        """The batch's outcome to the loop: every waiting change is answered, done or failed
+        (a writer that stopped answering would leave turns waiting forever)."""
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(self._settle, [op[-1] for op in batch], error, len(batch))

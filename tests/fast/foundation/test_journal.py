@@ -100,6 +100,32 @@ async def test_a_full_disk_fails_the_write_and_then_refuses_new_work(tmp_path: P
     await j.close()
 
 
+async def test_an_unexpected_writer_error_fails_its_changes_and_the_writer_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error that is not SQLite's (a bug, memory) inside a write answers the changes
+    waiting on it with the journal's error (a 503 at the API) instead of killing the
+    writer thread, which would leave them and every later turn waiting forever."""
+    commit, calls = Journal._commit, []
+
+    def failing_once(self: Journal, conn: sqlite3.Connection, batch: list[tuple]) -> None:
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        commit(self, conn, batch)
+
+    monkeypatch.setattr(Journal, "_commit", failing_once)
+    j = await _open(journal_path(tmp_path, "w0"))
+    for body in (b"lost", b"kept"):  # a `Written` cannot be cancelled: wait without wait_for
+        done, _ = await asyncio.wait({j.append("s", "turn", body)}, timeout=10)
+        assert done, f"the change {body!r} was never answered"
+        if body == b"lost":
+            with pytest.raises(JournalUnavailable, match="boom"):
+                done.pop().result()
+    await j.close()
+    assert [r.body for r in Journal(journal_path(tmp_path, "w0")).read()] == [b"kept"]
+    assert len(calls) == 2
+
+
 async def test_tombstones_answer_gone_and_survive_a_restart(tmp_path: Path) -> None:
     path = journal_path(tmp_path, "w0")
     j = await _open(path)
