@@ -5,13 +5,15 @@
 // texts are fetched and its tokens built only when it scrolls near view, and a chunk far
 // from view is emptied again (its height kept), so a 100K-token line holds a few
 // thousand token elements (MAX_TOKENS beyond those near view) however far it is scrolled.
+// The line is GET /sessions/{sid}/line: a fork's whole line (parent prefix included) at
+// absolute positions, with the server's tool-output spans (the codec's render, not text).
 "use strict";
 
 V.CHUNK = 1000;
 V.MAX_TOKENS = 6000;  // token elements kept beyond those near view
 
 V.tokenKinds = function (line) {
-  // kind of each position from the arrays alone (tool output is found later, by text)
+  // kind of each position: the arrays, the turns and the server's tool-output spans (GET .../line)
   const n = line.token_ids.length;
   const kind = new Array(n).fill("template");
   for (let i = 0; i < n; i++) if (line.loss_mask[i]) kind[i] = "sampled";
@@ -19,6 +21,7 @@ V.tokenKinds = function (line) {
     for (let i = t.output_start; i < t.output_end; i++) if (!line.loss_mask[i]) kind[i] = "sampled nomask";
     for (let i = t.output_end; i < t.end; i++) kind[i] = "repair";
   }
+  for (const [a, b] of line.tool_spans || []) for (let i = a; i < b && i < n; i++) if (kind[i] === "template") kind[i] = "tool";
   return kind;
 };
 
@@ -89,33 +92,6 @@ V.lineChunks = function (line) {
   return out;
 };
 
-function toolTexts(turn) {
-  const out = [];
-  for (const m of (turn && turn.request_messages) || []) {
-    if (m.role !== "tool") continue;
-    if (typeof m.content === "string") out.push(m.content);
-    else if (Array.isArray(m.content)) for (const p of m.content) if (p && typeof p.text === "string") out.push(p.text);
-  }
-  return out.filter((s) => s.length > 0);
-}
-
-function markToolOutput(chunk, texts, kinds) {
-  // a prompt chunk: the tokens whose text overlaps a tool message's content
-  let joined = "";
-  const starts = [];
-  for (const t of texts) { starts.push(joined.length); joined += t; }
-  let from = 0;
-  for (const tool of toolTexts(chunk.turn)) {
-    const at = joined.indexOf(tool, from);
-    if (at < 0) continue;
-    from = at + tool.length;
-    for (let k = 0; k < texts.length; k++) {
-      const a = starts[k], b = a + texts[k].length;
-      if (b > at && a < from && kinds[chunk.start + k] === "template") kinds[chunk.start + k] = "tool";
-    }
-  }
-}
-
 V.tokenSpan = function (i, text, kind, line, versionOf, part) {
   const lp = line.logprobs[i];
   const span = V.el("span", { class: "tok " + kind + (part === undefined ? "" : " part"), data: { i: i } });
@@ -133,7 +109,22 @@ V.tokenSpan = function (i, text, kind, line, versionOf, part) {
   return span;
 };
 
-V.renderLine = function (holder, sid, line) {
+V.renderLine = function (holder, sid, branch) {
+  // the branch's whole line (its ancestors' prefix and its own part, absolute positions):
+  // /trajectory holds each branch's own part only
+  const box = V.el("div", { class: "line", id: "line-tokens" });
+  let view = null;
+  const ready = V.api(`/sessions/${encodeURIComponent(sid)}/line?branch=${branch.id}`).then((line) => {
+    view = V.fillLine(holder, box, sid, line);
+  }, (e) => V.error(holder, e));
+  return {
+    box: box,
+    ready: ready,
+    reveal: (i) => { if (view) view.reveal(i); else ready.then(() => view && view.reveal(i)); },
+  };
+};
+
+V.fillLine = function (holder, box, sid, line) {
   const kinds = V.tokenKinds(line);
   const marks = V.lineMarks(line);
   const spanStarts = [];
@@ -143,11 +134,10 @@ V.renderLine = function (holder, sid, line) {
   holder.appendChild(V.el("p", { class: "legend", id: "token-summary" },
     V.el("span", { text: `${line.token_ids.length} tokens` }),
     V.el("span", { class: "tok sampled", text: `sampled (trained) ${count("sampled")}` }),
-    V.el("span", { class: "tok template", text: `template / tool output ${count("template")}` }),
+    V.el("span", { class: "tok template", text: `template ${count("template")}` }),
     V.el("span", { class: "tok repair", text: `repair ${count("repair")}` }),
-    V.el("span", { class: "tok tool", text: "tool output" }),
+    V.el("span", { class: "tok tool", text: `tool output ${count("tool")}` }),
     V.el("span", { class: "muted", text: "darker = less likely; hover a token for its id, logprob and version" })));
-  const box = V.el("div", { class: "line", id: "line-tokens" });
   holder.appendChild(box);
   // a click on a token shows its facts below the line (the hover title, kept after the pointer moves)
   const detail = V.el("p", { class: "kv", id: "token-detail", text: "click a token for its id, logprob and version" });
@@ -165,7 +155,6 @@ V.renderLine = function (holder, sid, line) {
     try {
       data = await V.api(`/sessions/${encodeURIComponent(sid)}/tokens?branch=${line.id}&start=${chunk.start}&end=${chunk.end}`);
     } catch (e) { div.textContent = "(could not load: " + e.message + ")"; return; }
-    if (chunk.part === "prompt") markToolOutput(chunk, data.texts, kinds);
     const part = new Map((data.parts || []).map(([k, j]) => [k, j]));
     const frag = document.createDocumentFragment();
     for (let k = 0; k < data.texts.length; k++) {
@@ -216,7 +205,6 @@ V.renderLine = function (holder, sid, line) {
     observer.observe(div);
   });
   return {
-    box: box,
     // scroll to token i (its chunk is loaded by the observer once it is in view)
     reveal: (i) => {
       const k = chunks.findIndex((c) => i >= c.start && i < c.end);

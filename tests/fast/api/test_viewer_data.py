@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from transformers import AutoTokenizer
@@ -133,3 +134,53 @@ async def test_only_the_admin_token_lifts_the_page_limit_of_a_relayed_list(qwen3
         assert r.status_code == 400, r.text  # a peer's part is bounded too
         r = await st.http.get("/ui/api/sessions", params={"offset": 10**9}, headers=admin)
         assert r.status_code == 400, r.text
+
+
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "search the repo",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+TOOL_SCRIPT = [{"content": "Searching.", "tool_calls": [{"name": "search", "arguments": {"q": "config"}},
+                                                        {"name": "search", "arguments": {"q": "tests"}}]},
+               {"content": "Found it."}]
+TOOL_OUTPUTS = ("42 files found in /src/config", "no match: the tests dir is empty")
+
+
+async def tool_session(st: Any) -> str:
+    """Two turns: the model calls `search` twice, the agent answers both calls (two tool
+    messages in turn 1's prompt), the model answers."""
+    sid = await st.session()
+    first = [{"role": "user", "content": "Where is the config?"}]
+    r = await st.chat(sid, {"messages": first, "tools": TOOLS, "max_tokens": 200})
+    assert r.status_code == 200, r.text
+    a = r.json()["choices"][0]["message"]
+    assert len(a["tool_calls"]) == 2, a  # the scene is what the test claims
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": out}
+               for c, out in zip(a["tool_calls"], TOOL_OUTPUTS, strict=True)]
+    r = await st.chat(sid, {"messages": [*first, a, *results], "tools": TOOLS, "max_tokens": 50})
+    assert r.status_code == 200, r.text
+    return sid
+
+
+def _exact_ranges(tok: Any, ids: list[int], lo: int, hi: int, text: str) -> list[tuple[int, int]]:
+    """Every [a, b) within [lo, hi) whose tokens decode to exactly `text`."""
+    return [(a, b) for a in range(lo, hi) for b in range(a + 1, hi + 1)
+            if tok.decode(ids[a:b], skip_special_tokens=False) == text]
+
+
+async def test_the_line_marks_exactly_each_tool_messages_content_tokens_as_tool_output(qwen3_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    async with live_stack(qwen3_dir, script=TOOL_SCRIPT) as st:
+        sid = await tool_session(st)
+        r = await st.http.get(f"/sessions/{sid}/line", params={"branch": 0})
+        assert r.status_code == 200, r.text
+        line = r.json()
+        ids, turn = line["token_ids"], line["turns"][1]
+        want = []
+        for out in TOOL_OUTPUTS:  # the one token range of turn 1's prompt that is the content, alone
+            found = _exact_ranges(tok, ids, turn["prompt_start"], turn["output_start"], out)
+            assert len(found) == 1, (out, found)
+            want.append(list(found[0]))
+        assert line["tool_spans"] == want
+        assert line["tool_spans_unknown"] == []
+        assert not any(ids[a:b] and line["loss_mask"][a] for a, b in want)  # prompt tokens, never sampled
+        # the first turn's prompt has no tool message: nothing there is tool output
+        assert all(a >= turn["prompt_start"] for a, _ in line["tool_spans"])
