@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -109,7 +110,10 @@ class SGLangAdapter:
         retries: int = 2,
         control_timeout_s: float = 30.0,
         offload: Offload = run_inline,
+        incremental_stream: bool = False,
     ) -> None:
+        if incremental_stream:  # started with --incremental-streaming-output: a viewer may watch its turns
+            self.capabilities = replace(SGLangAdapter.capabilities, incremental_stream=True)
         self.http = EngineHTTP(
             base_url, protocol=self.protocol, max_concurrency=max_concurrency, limits=limits,
             retries=retries, control_timeout_s=control_timeout_s,
@@ -134,7 +138,8 @@ class SGLangAdapter:
         it, then the final `GenerateResult`, equal to what `generate` returns."""
         payload = build_sglang_payload(request)
         payload["stream"] = True
-        acc = SGLangStream(request_id=request.request_id, engine=self.base_url)
+        acc = SGLangStream(request_id=request.request_id, engine=self.base_url,
+                           incremental=self.capabilities.incremental_stream)
         async for item in fold_stream(self.http.stream("/generate", encode_json(payload), timeout_s=request.timeout_s,
                                                     headers=request_headers(request), slot_held=request.slot_held),
                                       acc, self._offload):

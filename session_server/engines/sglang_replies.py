@@ -188,13 +188,15 @@ class SGLangStream:
     cover all `completion_tokens` is cumulative. The final result is the last frame
     (cumulative) or the frames joined (incremental), parsed as a non-streamed body is."""
 
-    def __init__(self, *, request_id: str, engine: str = "") -> None:
+    def __init__(self, *, request_id: str, engine: str = "", incremental: bool = False) -> None:
         self.request_id, self.engine = request_id, engine
         self.last: _Generate | None = None
         self.triples: list[Any] = []
         self.tops: list[Any] = []
         self.ids: list[Any] = []
-        self.incremental = False
+        # known deltas (the server runs with --incremental-streaming-output): every frame,
+        # the first included, is read as new tokens; else told from the frames themselves
+        self.incremental = incremental
         self.done = False
 
     def add(self, payload: bytes) -> TokenDelta | None:

@@ -12,6 +12,7 @@ import pytest
 from session_server.engines import GenerateRequest, SamplingParams, SGLangAdapter, VLLMAdapter
 from session_server.engines.base import GenerateResult, TokenDelta
 from session_server.engines.sglang import parse_sglang_generate, parse_sglang_stream
+from session_server.engines.sglang_replies import SGLangStream
 from session_server.errors import UpstreamInvalid
 from session_server.sim import running_sim
 from session_server.sim.toy import toy_prompt
@@ -32,10 +33,14 @@ async def _both(adapter: Any, salt: str) -> tuple[GenerateResult, list[TokenDelt
     return plain, deltas, final
 
 
-@pytest.mark.parametrize(("protocol", "endpoint"), [("sglang", None), ("vllm", "generate"), ("vllm", "completions")])
+@pytest.mark.parametrize(("protocol", "endpoint"), [("sglang", None), ("sglang", "incremental"), ("vllm", "generate"),
+                                                   ("vllm", "completions")])
 async def test_streamed_result_equals_non_streamed(protocol: str, endpoint: str | None) -> None:
-    async with running_sim(protocol, "toy", seed=3, latency_ms=1) as url:
-        a = SGLangAdapter(url) if protocol == "sglang" else VLLMAdapter(url, endpoint=endpoint or "auto")
+    deltas_only = endpoint == "incremental"  # SGLang started with --incremental-streaming-output, and told so
+    sim = {"incremental_streaming_output": True} if deltas_only else {}
+    async with running_sim(protocol, "toy", seed=3, latency_ms=1, **sim) as url:
+        a = (SGLangAdapter(url, incremental_stream=deltas_only) if protocol == "sglang"
+             else VLLMAdapter(url, endpoint=endpoint or "auto"))
         try:
             plain, deltas, final = await _both(a, protocol)
         finally:
@@ -64,3 +69,21 @@ def test_sglang_incremental_frames_join_to_the_cumulative_result() -> None:
     assert got == whole
     with pytest.raises(UpstreamInvalid):
         parse_sglang_stream(f"data: {frames[0]}\n\n", request_id="r")  # cut before [DONE]
+
+
+def test_sglang_frames_declared_incremental_are_deltas_from_the_first() -> None:
+    """Frames of one token each without `completion_tokens`: nothing in them says whether
+    they are deltas (a cumulative stream's second frame would hold two tokens). Declared
+    incremental (the engine's setting), each is its own tokens; undeclared, they read as
+    cumulative frames that repeat the first token."""
+    frames = [b'{"output_ids":[%d],"meta_info":{"id":"r","prompt_tokens":3,"finish_reason":%s,'
+              b'"output_token_logprobs":[[-0.5,%d,null]]}}' % (t, fin, t)
+              for t, fin in ((5, b"null"), (6, b"null"), (2, b'{"type":"stop","matched":2}'))]
+    told, guessed = SGLangStream(request_id="r", incremental=True), SGLangStream(request_id="r")
+    seen: dict[str, list[int]] = {"told": [], "guessed": []}
+    for f in (*frames, b"[DONE]"):
+        for name, acc in (("told", told), ("guessed", guessed)):
+            d = acc.add(f)
+            seen[name] += d.ids if d is not None else []
+    assert seen["told"] == [5, 6, 2] and list(told.result().output_ids) == [5, 6, 2]
+    assert seen["guessed"] != [5, 6, 2]  # why the setting exists: the frames alone cannot say
