@@ -5,6 +5,8 @@
 // texts are fetched and its tokens built only when it scrolls near view, and a chunk far
 // from view is emptied again (its height kept), so a 100K-token line holds a few
 // thousand token elements (MAX_TOKENS beyond those near view) however far it is scrolled.
+// When the line grows (a turn ends) the view is updated, not built again: a chunk whose
+// key (V.chunkKey) did not change keeps its elements, a changed one is drawn again in place.
 "use strict";
 
 V.CHUNK = 1000;
