@@ -176,13 +176,17 @@ async def _all_loaded(page: Any) -> None:
 
 async def test_a_forked_branch_shows_its_whole_line_with_its_parents_prefix(qwen3_dir: Path) -> None:
     """A branch's token view is its whole line, the parent's tokens up to the fork point
-    and then its own, each position with the line's own mask, logprob and turn marks
-    (the export holds a branch's own part only; `branch_line` stitches the line here)."""
+    and then its own, each position with the line's own mask, logprob and turn marks,
+    and its conversation is the whole line's turns, the parent's before the fork point
+    among them (the export holds a branch's own part only; `branch_line` stitches the
+    line here)."""
     async with live_stack(qwen3_dir, latency_ms=3, script=SCRIPT) as st:
         sid = await _scene(st)
         traj = await st.trajectory(sid)
         forks = [b for b in traj["branches"] if b["parent_id"] is not None]
         assert any(b["fork_index"] > 0 for b in forks)  # one shares a prefix with its parent (the retry)
+        # and so has turns of its parent's in its line, which its own part does not hold
+        assert any(len(branch_line(traj, b["id"])["turns"]) > len(b["turns"]) for b in forks)
         async with _browser_or_skip()() as pw:
             browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             try:
@@ -207,6 +211,12 @@ async def test_a_forked_branch_shows_its_whole_line_with_its_parents_prefix(qwen
                         assert f"id {full['token_ids'][i]} " in title, title
                         assert f"logprob {full['logprobs'][i]:.4f}" in title, title
                         assert f"weights v{t['weight_spans'][0][2]}" in title, title
+                    # the conversation tab: every turn of the line, each answer linked to its tokens
+                    await page.click("button[data-tab='conversation']")
+                    links = [int(x) for x in await page.locator("#conversation .to-tokens").evaluate_all(
+                        "els => els.map(e => e.dataset.at)")]
+                    assert links == [t["output_start"] for t in turns if t["assistant_message"]], b["reason"]
+                    assert U1[0]["content"] in await page.locator("#conversation .msg.user").first.inner_text()
             finally:
                 await browser.close()
 
