@@ -5,6 +5,7 @@ non-streamed request gives."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -87,3 +88,34 @@ def test_sglang_frames_declared_incremental_are_deltas_from_the_first() -> None:
             seen[name] += d.ids if d is not None else []
     assert seen["told"] == [5, 6, 2] and list(told.result().output_ids) == [5, 6, 2]
     assert seen["guessed"] != [5, 6, 2]  # why the setting exists: the frames alone cannot say
+
+
+def test_sglang_cumulative_frames_wrongly_declared_incremental_fail_at_the_first_repeat() -> None:
+    """A server declared incremental that streams cumulative frames: each frame's
+    `completion_tokens` is checked against the ids held so far, so the stream fails at
+    the first frame that repeats a token (a watched turn is then sent again unstreamed)
+    instead of yielding whole prefixes as deltas and failing only at the end."""
+    frames = [b'{"output_ids":%s,"meta_info":{"id":"r","prompt_tokens":3,"completion_tokens":%d,'
+              b'"finish_reason":null,"output_token_logprobs":%s}}'
+              % (json.dumps(ids).encode(), len(ids), json.dumps([[-0.5, t, None] for t in ids]).encode())
+              for ids in ([10], [10, 11], [10, 11, 12])]
+    acc = SGLangStream(request_id="r", incremental=True)
+    first = acc.add(frames[0])
+    assert first is not None and first.ids == [10]
+    with pytest.raises(UpstreamInvalid, match="completion_tokens"):
+        acc.add(frames[1])
+
+
+@pytest.mark.parametrize("server_incremental", [False, True], ids=["cumulative-server", "incremental-server"])
+async def test_sglang_declared_incremental_is_confirmed_against_the_server(server_incremental: bool) -> None:
+    """The declaration is checked where the engine is verified: a server whose
+    `/get_server_info` says `incremental_streaming_output: false` is read as cumulative
+    (with a warning); one that says true keeps the declaration."""
+    sim = {"incremental_streaming_output": True} if server_incremental else {}
+    async with running_sim("sglang", "toy", seed=3, **sim) as url:
+        a = SGLangAdapter(url, incremental_stream=True)
+        try:
+            await a.prove_protocol()
+        finally:
+            await a.aclose()
+    assert a.capabilities.incremental_stream is server_incremental

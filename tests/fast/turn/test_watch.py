@@ -101,6 +101,28 @@ async def test_a_failed_watched_stream_falls_back_and_the_turn_answers_as_unwatc
         assert kinds[-2:] != ["tokens", "end"], kinds  # nothing shown after it: the resend is unstreamed
 
 
+async def test_a_cumulative_sglang_wrongly_declared_incremental_still_answers_its_watched_turns(
+        qwen3_dir: Path) -> None:
+    """`sglang_incremental_streams=["*"]` over a server that streams cumulative frames:
+    the declaration is checked against the server (`/get_server_info`), so a watched
+    non-streamed turn answers as an unwatched one (never a 502) and the watcher sees no
+    token twice."""
+    async with live_stack(qwen3_dir, "sglang", latency_ms=2, script=[{"content": "step " * 40}] * 2,
+                          settings=Settings(sglang_incremental_streams=["*"])) as st:
+        ref_sid = await st.session()
+        ref = await st.chat(ref_sid, BODY)
+        sid = await st.session()
+        answer, events = await _watched_turn(st, sid)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"] == ref.json()["choices"]
+        line, ref_line = (await st.trajectory(sid))["branches"][0], (await st.trajectory(ref_sid))["branches"][0]
+        assert line["token_ids"] == ref_line["token_ids"] and line["logprobs"] == ref_line["logprobs"]
+        (turn,) = line["turns"]
+        shown = [i for e in events if e["event"] == "tokens" for i in e["ids"]]
+        assert len(shown) <= turn["output_end"] - turn["output_start"], shown  # no prefix sent again
+        assert events[-1] == {"event": "end", "committed": True}
+
+
 @pytest.mark.parametrize("sim", [{}, {"incremental_streaming_output": True}], ids=["cumulative", "not-declared"])
 async def test_cumulative_streams_are_not_watched_live(qwen3_dir: Path, sim: dict[str, Any]) -> None:
     """SGLang's default frames repeat every earlier token: watching that way would move
