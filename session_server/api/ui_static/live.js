@@ -1,9 +1,13 @@
 // The turn in flight, live: server-sent events from GET /sessions/{sid}/live shown in `box`
 // as the engine samples them. At a turn's end the page is told (`changed`), and it reads
-// what changed in place (session.js); the stream stays open for the next turn.
+// what changed in place (session.js); the stream stays open for the next turn. The server
+// ends a stream after a while and EventSource opens it again: a turn that ended between
+// the two sent its `end` to nobody, so each `hello` (the first too: the page read the
+// session before the stream opened) carries the session's committed turns, and the page
+// reads again when they are not the count it last drew (`drawn`).
 "use strict";
 
-V.followLive = function (box, base, changed) {
+V.followLive = function (box, base, changed, drawn) {
   let src = null, turnBox = null, count = 0;
   const counter = (text) => { document.getElementById("live-count").textContent = text; };
   const open = (branch, streams, note) => {  // the live box of a turn in flight
@@ -27,6 +31,7 @@ V.followLive = function (box, base, changed) {
   const onmessage = (msg) => {
     const ev = JSON.parse(msg.data);
     if (ev.event === "hello") {
+      if (ev.turns_total !== drawn()) changed();
       if (!ev.busy) { close(); V.status("live: idle"); return; }
       // opened mid-turn: the turn so far, when the server saw it
       const t = ev.turn;

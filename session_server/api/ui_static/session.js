@@ -57,10 +57,11 @@ V.sessionPage = async function (app, sid) {
     V.el("button", { text: "Conversation", data: { tab: "conversation" }, onclick: () => show("conversation") }));
   right.append(lineTitle, tabs, tokensPane, convPane);
   show("tokens");
-  let tokenView = null, conv = null;
+  let tokenView = null, conv = null, drawnTurns = null;
 
   const render = (d) => {
     const { view, traj, line } = d;
+    drawnTurns = view.turns_total;  // the live stream's hello says when it is stale
     const selected = line.id;
     facts.textContent =
       `state ${view.state} · home ${view.home || "-"} · ${view.turns} turns on the active line · ${view.stored_tokens} stored tokens · ` +
@@ -98,7 +99,7 @@ V.sessionPage = async function (app, sid) {
     reading = false;
     document.body.dataset.reads = String(++reads);  // how many times it was read again (for tests)
   };
-  V.followLive(live, base, changed);
+  V.followLive(live, base, changed, () => drawnTurns);
 };
 
 function branchTree(traj, view, kept, selected, choose) {

@@ -2,7 +2,8 @@
 runs: a turn's end updates the page in place (the open tab, the token box's scroll
 position, the clicked token and every unchanged chunk's elements stay), and the
 samples' exactly-once line is the page's own count, the same as one made here from
-`GET /sessions/{sid}/samples`, problems listed when the samples break it."""
+`GET /sessions/{sid}/samples`, problems listed when the samples break it; a turn that
+ended while the live stream reconnected still shows."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from session_server.api import ui_data
 
 from ..stack import Stack, live_stack
 from .test_viewer_pages import CHROMIUM, U1, _browser_or_skip, _page, _scene
@@ -102,6 +107,36 @@ async def test_a_turns_end_updates_the_page_in_place_keeping_tab_scroll_clicked_
                 assert "word word" in await page.locator("#conversation .msg.assistant").last.inner_text()
                 assert await page.evaluate("window.__same_page === 1")
                 assert errors == []
+            finally:
+                await browser.close()
+
+
+async def test_a_turn_that_ends_while_the_live_stream_reconnects_is_shown(
+        qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server ends a live stream after MAX_LIVE_S and EventSource reconnects: a turn
+    committed while no stream is open sends its `end` to nobody, so the page compares the
+    session's committed turns in the new stream's `hello` with what it last drew, and
+    reads the session again when they differ."""
+    monkeypatch.setattr(ui_data, "MAX_LIVE_S", 0.5)
+    monkeypatch.setattr(ui_data, "KEEPALIVE_S", 0.1)
+    async with live_stack(qwen3_dir, latency_ms=1, script=[WORDS]) as st:
+        sid = await st.session()
+        msgs = list(U1)
+        await _agent_turn(st, sid, msgs)
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await _page(browser, f"{st.url}/ui/sessions/{sid}")
+                await page.wait_for_function("document.getElementById('status').textContent.startsWith('live')")
+                # no stream can open: the one open ends (MAX_LIVE_S) and a reconnect fails
+                await page.route("**/live", lambda route: route.abort())
+                async with page.expect_event("requestfailed", lambda r: r.url.endswith("/live"), timeout=30_000):
+                    pass
+                await _agent_turn(st, sid, msgs)  # its `end` reaches no viewer
+                assert await page.evaluate("Number(document.body.dataset.reads || 0)") == 0
+                await page.unroute("**/live")
+                line = (await st.trajectory(sid))["branches"][0]
+                await _read_again(page, 1, len(line["token_ids"]))
             finally:
                 await browser.close()
 
