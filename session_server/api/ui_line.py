@@ -86,8 +86,10 @@ async def line(sid: str, request: Request, branch: Annotated[int, Query(ge=0)]) 
     tool output is not marked."""
     ctx = ctx_of(request)
     s = ctx.store.get(sid)
-    if branch not in {b.id for b in s.tree.branches()}:
-        raise BadRequest(f"session {sid} has no branch {branch}")
     async with s.lock:  # a commit must not change the branch while the thread copies it
+        # checked here, not before the lock: a fork commit that failed may have discarded
+        # the branch meanwhile (`tree.discard`)
+        if branch not in {b.id for b in s.tree.branches()}:
+            raise BadRequest(f"session {sid} has no branch {branch}")
         snap = await ctx.offload.run(_snapshot, s, branch)
     return Response(content=await ctx.offload.run(_body, sid, ctx.codec, snap), media_type=JSON)

@@ -184,3 +184,26 @@ async def test_the_line_marks_exactly_each_tool_messages_content_tokens_as_tool_
         assert not any(ids[a:b] and line["loss_mask"][a] for a, b in want)  # prompt tokens, never sampled
         # the first turn's prompt has no tool message: nothing there is tool output
         assert all(a >= turn["prompt_start"] for a, _ in line["tool_spans"])
+
+
+async def test_a_branch_discarded_while_the_line_waits_for_the_session_lock_is_a_400_not_a_500(
+        qwen3_dir: Path) -> None:
+    """A fork commit whose journal append fails discards its new branch (`tree.discard`)
+    under the session lock: a `/line` of that branch that was waiting for the lock finds
+    it gone there and answers the typed 400, never a raw 500."""
+    from session_server.ops.harness import live_apps
+
+    async with live_stack(qwen3_dir, script=[{"content": "ok"}]) as st:
+        sid = await st.session()
+        r = await st.chat(sid, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20})
+        assert r.status_code == 200, r.text
+        s = live_apps[st.url].state.ctx.store.get(sid)
+        async with s.lock:  # a fork commit in progress
+            fork = s.tree.branch_from(0, 0, "rewrite")
+            got = asyncio.create_task(st.http.get(f"/sessions/{sid}/line", params={"branch": fork.id}))
+            while not s.lock._waiters:  # the request passed any check made before the lock, and waits
+                await asyncio.sleep(0.01)
+            s.tree.discard(fork.id, 0)  # its journal append failed: the branch is undone
+        r = await got
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request", r.text
