@@ -8,7 +8,10 @@ the tree's own logic (`trajectory.linear`'s shared segments) in JavaScript; the 
 has the line already, so it sends it whole: the parent chain's prefix up to each fork
 point followed by the branch's own tokens and turns (every turn of the line, absolute
 positions). The arrays are copied under the session lock in an offload thread (a
-commit must not change them mid-copy; a 100K-token line is one C-level gather).
+commit must not change them mid-copy; a 100K-token line is one C-level gather, and a
+one-segment line, whose gather is a view of the live buffer, one more C-level copy:
+the body is serialised after the lock is released, when an undone commit and the next
+may have rewritten those positions).
 
 It also says which tokens are tool output (`tool_spans`, `trajectory.tool_spans`: the
 codec's render, not text matching), computed after the lock is released, off the loop,
@@ -20,6 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Annotated, Any
 
+import numpy as np
 import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -43,11 +47,14 @@ _spans_lock = threading.Lock()  # offload threads of several viewers write it
 
 
 def _snapshot(s: Session, branch: int) -> dict[str, Any]:
-    """What the line is now: arrays (copies), turns, messages and counts (immutable
-    records): read under the session lock, in an offload thread."""
+    """What the line is now: arrays (copied here, never views of the live buffer),
+    turns, messages and counts (immutable records): read under the session lock, in an
+    offload thread."""
     b = s.tree.get(branch)
     traj = b.trajectory
-    ids, lps, mask = traj.arrays()
+    # copies: a one-segment line's gather is a view of the live buffer, which an undone
+    # commit and the next rewrite in place once the lock is released, while `_body` runs
+    ids, lps, mask = (np.array(x, copy=True) for x in traj.arrays())
     return {"branch": b, "ids": ids, "logprobs": lps, "mask": mask, "turns": traj.turns,
             "messages": traj.messages(), "counts": traj.checkpoint_message_counts,
             "tools": s.tools_by_branch.get(branch), "kwargs": dict(s.config.chat_template_kwargs)}

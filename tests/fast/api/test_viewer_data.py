@@ -207,3 +207,24 @@ async def test_a_branch_discarded_while_the_line_waits_for_the_session_lock_is_a
         r = await got
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request", r.text
+
+
+async def test_the_lines_arrays_are_copies_not_views_of_the_live_buffer(qwen3_dir: Path) -> None:
+    """The line is serialised after the session lock is released, and an undone commit
+    followed by another rewrites the buffer's positions in place: what `/line` sends is
+    copied under the lock, even for a one-segment line (whose gather is a view)."""
+    import numpy as np
+
+    from session_server.api.ui_line import _snapshot
+    from session_server.ops.harness import live_apps
+
+    async with live_stack(qwen3_dir, script=[{"content": "ok"}]) as st:
+        sid = await st.session()
+        r = await st.chat(sid, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20})
+        assert r.status_code == 200, r.text
+        s = live_apps[st.url].state.ctx.store.get(sid)
+        snap = _snapshot(s, 0)
+        live = s.tree.get(0).trajectory.arrays()
+        assert len(snap["ids"]) == len(live[0]) > 0
+        for key, arr in zip(("ids", "logprobs", "mask"), live, strict=True):
+            assert not np.shares_memory(snap[key], arr), key
