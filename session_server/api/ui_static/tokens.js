@@ -180,8 +180,10 @@ V.renderLine = function (holder, sid, first) {
     let data;
     try {
       data = await V.api(`/sessions/${encodeURIComponent(sid)}/tokens?branch=${line.id}&start=${chunk.start}&end=${chunk.end}`);
-    } catch (e) { if (div._fill === mine) div.textContent = "(could not load: " + e.message + ")"; return; }
-    if (div._fill !== mine) return;
+    } catch (e) { if (div._fill === mine && div.isConnected) div.textContent = "(could not load: " + e.message + ")"; return; }
+    // overtaken, or its chunk removed by an update meanwhile (then its index is not counted
+    // as loaded: `trim` would empty a chunk that is not there)
+    if (div._fill !== mine || !div.isConnected) return;
     const part = new Map((data.parts || []).map(([k, j]) => [k, j]));
     const frag = document.createDocumentFragment();
     for (let k = 0; k < data.texts.length; k++) {
@@ -270,7 +272,7 @@ V.renderLine = function (holder, sid, first) {
       });
       while (box.children.length > chunks.length) {
         const div = box.lastElementChild, k = parseInt(div.dataset.chunk, 10);
-        observer.unobserve(div); div.remove(); loaded.delete(k); near.delete(k);
+        observer.unobserve(div); div.remove(); div._fill = null; loaded.delete(k); near.delete(k);
       }
     },
   };
