@@ -48,8 +48,8 @@ OPEN_PATHS = frozenset({"/health", "/v1/models", "/openapi.json", "/docs", "/doc
 
 # The trajectory viewer's credential (api/ui.py): a browser cannot send a bearer header
 # on a page load, so `/ui/login` sets this cookie, derived from the admin token (the
-# token itself never sits in the browser). It is accepted for GET and HEAD of the
-# viewer's own routes only (`VIEWER_ROUTES`; every route that changes anything is a POST
+# token itself never sits in the browser). It is accepted for reads (GET; HEAD, which only
+# `/sessions/{sid}` routes, the others answering 405) of the viewer's own routes only (`VIEWER_ROUTES`; every route that changes anything is a POST
 # or DELETE), HttpOnly and SameSite=Strict: the viewer reads, and another site can
 # neither read nor make it act.
 UI_COOKIE = b"tito_ui"

@@ -28,7 +28,7 @@ import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from trajectory.export import _turn_to_dict
+from trajectory.export import turn_to_dict
 from trajectory.tool_spans import line_tool_spans
 from trajectory.turn_record import TurnRecord
 
@@ -77,7 +77,7 @@ def _body(sid: str, codec: Any, snap: dict[str, Any]) -> bytes:
         "id": b.id, "parent_id": b.parent_id, "fork_checkpoint": b.fork_checkpoint, "fork_index": b.fork_index,
         "reason": b.reason,
         "token_ids": snap["ids"], "loss_mask": snap["mask"], "logprobs": snap["logprobs"],
-        "turns": [_turn_to_dict(t) for t in turns],
+        "turns": [turn_to_dict(t) for t in turns],
         "tool_spans": [list(span) for t in turns for span in (found[t.seq] or [])],
         "tool_spans_unknown": [i for i, t in enumerate(turns) if found[t.seq] is None],
     }, option=orjson.OPT_SERIALIZE_NUMPY)
