@@ -68,6 +68,7 @@ class _Renders:
                  tools: Any, template_kwargs: Mapping[str, Any] | None, bridged: bool) -> None:
         self.codec, self.history, self.tail, self.new = codec, history, tail, new
         self.tools, self.kwargs, self.bridged = tools, template_kwargs, bridged
+        self.raised = False  # a render raised: a None from this way proves no mismatch
 
     def render(self, new: list[Message]) -> list[int] | None:
         try:
@@ -77,7 +78,8 @@ class _Renders:
                 return list(r.prompt_ids) if isinstance(r, BridgeResult) else None
             return list(self.codec.render_first([*self.history, *new], tools=self.tools,
                                                 template_kwargs=self.kwargs))
-        except Exception:  # a render that fails proves nothing: the turn is unknown
+        except Exception:  # a render that fails proves nothing: the turn is unknown (this time)
+            self.raised = True
             return None
 
 
@@ -95,12 +97,20 @@ def turn_tool_spans(codec: ChatCodec, turn: TurnRecord, prompt: Sequence[int], h
     order ([] when it has none); None when no render of the turn matches its committed
     `prompt` (`line[turn.prompt_start:turn.output_start]`). `history`: the line's messages
     before the turn; `tail`: the committed ids just before its prompt."""
+    return _turn_spans(codec, turn, prompt, history, tail, tools, template_kwargs)[0]
+
+
+def _turn_spans(codec: ChatCodec, turn: TurnRecord, prompt: Sequence[int], history: list[Message],
+                tail: list[int], tools: Any, template_kwargs: Mapping[str, Any] | None,
+                ) -> tuple[list[tuple[int, int]] | None, bool]:
+    """`turn_tool_spans`, and whether a None is only a render that raised (not proven)."""
     new: list[Message] = [dict(m) for m in turn.request_messages]
     tool_at = [k for k, m in enumerate(new) if _is_tool(m)]
     if not tool_at:
-        return []
+        return [], False
     prompt = [int(x) for x in prompt]
-    for way in _ways(codec, history, tail, new, tools, template_kwargs):
+    ways = list(_ways(codec, history, tail, new, tools, template_kwargs))
+    for way in ways:
         real = way.render(new)
         if real is None:
             continue
@@ -116,8 +126,8 @@ def turn_tool_spans(codec: ChatCodec, turn: TurnRecord, prompt: Sequence[int], h
             start = turn.output_start - back
             spans.append((start, start + (b - a)))
         else:
-            return [s for s in spans if s[1] > s[0]]
-    return None
+            return [s for s in spans if s[1] > s[0]], False
+    return None, any(w.raised for w in ways)
 
 
 def line_tool_spans(codec: ChatCodec, ids: Sequence[int], turns: Sequence[TurnRecord],
@@ -126,7 +136,9 @@ def line_tool_spans(codec: ChatCodec, ids: Sequence[int], turns: Sequence[TurnRe
                     known: Mapping[int, list[tuple[int, int]] | None] | None = None,
                     ) -> dict[int, list[tuple[int, int]] | None]:
     """`turn_tool_spans` of every turn of a line, by the turn's `seq`; `known`: results
-    already computed (by seq), not rendered again."""
+    already computed (by seq), not rendered again. A turn no render matched because a
+    render raised is left out: unknown now, not proven so (a caller caching the results
+    renders it again next time)."""
     out: dict[int, list[tuple[int, int]] | None] = {}
     for i, t in enumerate(turns):
         if known is not None and t.seq in known:
@@ -134,6 +146,8 @@ def line_tool_spans(codec: ChatCodec, ids: Sequence[int], turns: Sequence[TurnRe
             continue
         history = list(messages[:message_counts[i]])
         tail = [int(x) for x in ids[max(0, t.prompt_start - TAIL_TOKENS):t.prompt_start]]
-        out[t.seq] = turn_tool_spans(codec, t, ids[t.prompt_start:t.output_start], history, tail,
-                                     tools=tools, template_kwargs=template_kwargs)
+        spans, raised = _turn_spans(codec, t, ids[t.prompt_start:t.output_start], history, tail,
+                                    tools, template_kwargs)
+        if spans is not None or not raised:
+            out[t.seq] = spans
     return out

@@ -15,7 +15,9 @@ may have rewritten those positions).
 
 It also says which tokens are tool output (`tool_spans`, `trajectory.tool_spans`: the
 codec's render, not text matching), computed after the lock is released, off the loop,
-and kept per committed turn (a turn never changes): a 100-turn line is rendered once.
+and kept per committed turn (a turn never changes): a 100-turn line is rendered once. A
+turn no render reproduces is kept as unknown; one whose render raised is not kept (a
+transient failure is tried again by the next read).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ __all__ = ["router"]
 
 router = APIRouter()
 
-SPANS_KEPT = 16_384  # turns whose tool spans are kept (by session and turn seq); cleared when full
+# turns whose tool spans are kept (by session and turn seq); cleared when full. A deleted
+# session's entries stay until then (bounded; the store has no delete hook for the api)
+SPANS_KEPT = 16_384
 _spans: dict[tuple[str, int], list[tuple[int, int]] | None] = {}
 _spans_lock = threading.Lock()  # offload threads of several viewers write it
 
@@ -78,8 +82,8 @@ def _body(sid: str, codec: Any, snap: dict[str, Any]) -> bytes:
         "reason": b.reason,
         "token_ids": snap["ids"], "loss_mask": snap["mask"], "logprobs": snap["logprobs"],
         "turns": [turn_to_dict(t) for t in turns],
-        "tool_spans": [list(span) for t in turns for span in (found[t.seq] or [])],
-        "tool_spans_unknown": [i for i, t in enumerate(turns) if found[t.seq] is None],
+        "tool_spans": [list(span) for t in turns for span in (found.get(t.seq) or [])],
+        "tool_spans_unknown": [i for i, t in enumerate(turns) if found.get(t.seq) is None],
     }, option=orjson.OPT_SERIALIZE_NUMPY)
 
 

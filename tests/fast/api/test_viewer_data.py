@@ -10,11 +10,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import orjson
 from aiohttp import web
 from transformers import AutoTokenizer
 
+from session_server.api.ui_line import _body, _snapshot
 from session_server.auth import ui_cookie_value
 from session_server.context import Settings
+from session_server.ops.harness import live_apps
 
 from ..stack import live_stack
 
@@ -182,8 +186,47 @@ async def test_the_line_marks_exactly_each_tool_messages_content_tokens_as_tool_
         assert line["tool_spans"] == want
         assert line["tool_spans_unknown"] == []
         assert not any(ids[a:b] and line["loss_mask"][a] for a, b in want)  # prompt tokens, never sampled
-        # the first turn's prompt has no tool message: nothing there is tool output
-        assert all(a >= turn["prompt_start"] for a, _ in line["tool_spans"])
+        # a turn whose committed prompt no render reproduces (here its closing token
+        # differs) is unknown, and none of its tokens is marked: a span is never a guess
+        s = live_apps[st.url].state.ctx.store.get(sid)
+        snap = _snapshot(s, 0)
+        snap["ids"][turn["output_start"] - 1] += 1
+        other = orjson.loads(_body(sid + "-other", live_apps[st.url].state.ctx.codec, snap))
+        assert other["tool_spans_unknown"] == [1] and other["tool_spans"] == [], other["tool_spans"]
+
+
+class _FlakyCodec:
+    """The server's codec, but its renders raise while `failing`: a transient failure."""
+
+    def __init__(self, codec: Any) -> None:
+        self.codec, self.failing = codec, True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.codec, name)
+
+    def bridge(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failing:
+            raise RuntimeError("render failed this time")
+        return self.codec.bridge(*args, **kwargs)
+
+    def render_first(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failing:
+            raise RuntimeError("render failed this time")
+        return self.codec.render_first(*args, **kwargs)
+
+
+async def test_a_tool_span_render_that_raised_is_not_kept_as_unknown(qwen3_dir: Path) -> None:
+    """The line's tool spans are kept per turn; a turn unknown because its render raised
+    is not kept so: the next read renders it again and marks its tool output."""
+    async with live_stack(qwen3_dir, script=TOOL_SCRIPT) as st:
+        sid = await tool_session(st)
+        s = live_apps[st.url].state.ctx.store.get(sid)
+        codec = _FlakyCodec(live_apps[st.url].state.ctx.codec)
+        first = orjson.loads(_body(sid, codec, _snapshot(s, 0)))
+        assert first["tool_spans_unknown"] == [1] and first["tool_spans"] == []
+        codec.failing = False
+        again = orjson.loads(_body(sid, codec, _snapshot(s, 0)))
+        assert again["tool_spans_unknown"] == [] and len(again["tool_spans"]) == len(TOOL_OUTPUTS), again
 
 
 async def test_a_branch_discarded_while_the_line_waits_for_the_session_lock_is_a_400_not_a_500(
@@ -191,8 +234,6 @@ async def test_a_branch_discarded_while_the_line_waits_for_the_session_lock_is_a
     """A fork commit whose journal append fails discards its new branch (`tree.discard`)
     under the session lock: a `/line` of that branch that was waiting for the lock finds
     it gone there and answers the typed 400, never a raw 500."""
-    from session_server.ops.harness import live_apps
-
     async with live_stack(qwen3_dir, script=[{"content": "ok"}]) as st:
         sid = await st.session()
         r = await st.chat(sid, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20})
@@ -213,11 +254,6 @@ async def test_the_lines_arrays_are_copies_not_views_of_the_live_buffer(qwen3_di
     """The line is serialised after the session lock is released, and an undone commit
     followed by another rewrites the buffer's positions in place: what `/line` sends is
     copied under the lock, even for a one-segment line (whose gather is a view)."""
-    import numpy as np
-
-    from session_server.api.ui_line import _snapshot
-    from session_server.ops.harness import live_apps
-
     async with live_stack(qwen3_dir, script=[{"content": "ok"}]) as st:
         sid = await st.session()
         r = await st.chat(sid, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20})
