@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, FastAPI
 
-from .api import ui, ui_data
+from .api import ui, ui_data, ui_line
 from .api.dialects import OPENAI_RESPONSES
 from .api.dialects import anthropic_messages as anthropic
 from .api.direct import DirectTurns
@@ -89,7 +89,7 @@ def create_app(config: AppConfig) -> FastAPI:
     app.state.model_name = models.served_model_name(config.tokenizer)
     install_auth(app, settings.admin_token)
     _add_routes(app, health.router, sessions.router, turns.router, samples.router, control.router, engines.router,
-                models.router, ui_data.router, ui.router)
+                models.router, ui_data.router, ui_line.router, ui.router)
     return app
 
 

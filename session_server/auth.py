@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import re
 import secrets
 import time
 import urllib.parse
@@ -47,11 +48,31 @@ OPEN_PATHS = frozenset({"/health", "/v1/models", "/openapi.json", "/docs", "/doc
 
 # The trajectory viewer's credential (api/ui.py): a browser cannot send a bearer header
 # on a page load, so `/ui/login` sets this cookie, derived from the admin token (the
-# token itself never sits in the browser). It is accepted for GET and HEAD only (every
-# route that changes anything is a POST or DELETE), HttpOnly and SameSite=Strict: the
-# viewer reads, and another site can neither read nor make it act.
+# token itself never sits in the browser). It is accepted for reads (GET; HEAD, which only
+# `/sessions/{sid}` routes, the others answering 405) of the viewer's own routes only (`VIEWER_ROUTES`; every route that changes anything is a POST
+# or DELETE), HttpOnly and SameSite=Strict: the viewer reads, and another site can
+# neither read nor make it act.
 UI_COOKIE = b"tito_ui"
 READ_METHODS = frozenset({"GET", "HEAD"})
+
+# Every path the viewer's pages load or read (`api/ui_static/*.js`), the one place that
+# says so: the cookie opens these and nothing else, so a stolen cookie reads what the
+# viewer shows, never `/metrics` or a route added later. `{x}` is one path segment. A
+# page that reads a new route adds it here (the login browser test fails on any read
+# the cookie is refused; the cookie test on any admin GET route left undecided).
+VIEWER_ROUTES = (
+    "/ui", "/ui/", "/ui/control", "/ui/sessions/{sid}", "/ui/static/{name}",
+    "/ui/api/sessions", "/ui/api/meta",
+    "/sessions/{sid}", "/sessions/{sid}/trajectory", "/sessions/{sid}/samples", "/sessions/{sid}/line",
+    "/sessions/{sid}/tokens", "/sessions/{sid}/live",
+    "/control/state", "/engines",
+)
+_VIEWER_PATH = re.compile("|".join(re.sub(r"\\{\w+\\}", "[^/]+", re.escape(r)) for r in VIEWER_ROUTES))
+
+
+def is_viewer_route(path: str) -> bool:
+    """A path of `VIEWER_ROUTES` (matched whole): one the viewer cookie may read."""
+    return _VIEWER_PATH.fullmatch(path) is not None
 
 
 class Access(enum.Enum):
@@ -163,7 +184,7 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         if access is Access.ADMIN and scope["method"] in READ_METHODS:
-            cookie = _cookie(scope["headers"], UI_COOKIE)
+            cookie = _cookie(scope["headers"], UI_COOKIE) if is_viewer_route(scope["path"]) else None
             if cookie is not None and ui_cookie_ok(self.admin, cookie, time.time()):
                 scope.setdefault("state", {})["viewer"] = True  # its reads are not use (`is_viewer`)
                 await self.app(scope, receive, send)

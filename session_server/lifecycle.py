@@ -73,7 +73,7 @@ async def build_context(config: AppConfig) -> ServerContext:
     decoder = ReplyDecoder(offload, processes=settings.decode_processes)
     await decoder.start()
     engines = EnginePool(make_policy(settings.routing_policy))
-    registry = EngineRegistry(engines, offload=decoder.run)
+    registry = EngineRegistry(engines, offload=decoder.run, sglang_incremental=settings.sglang_incremental_streams)
     for spec in config.engines:
         await registry.add(spec)
     metrics = Metrics()

@@ -116,6 +116,10 @@ class Settings(BaseSettings):
         description="this process's name in a cluster: the prefix of its session ids ({instance}.{32 hex}) "
         "that a proxy routes by, and what /health reports; lowercase letters, digits and inner dashes, "
         "at most 32 (unset: random per start)")
+    sglang_incremental_streams: list[str] = Field(
+        [], description="base URLs of the SGLang engines started with --incremental-streaming-output, or '*' "
+        "for every SGLang engine: their stream frames are deltas, so the viewer watches their turns that the "
+        "client does not stream (SGLang's default cumulative frames would cost O(L^2); docs/engines.md)")
     peers: list[str] = Field(
         [], description="base URLs of the other instances of this cluster (`session-server cluster` sets "
         "them): a control-plane request received here is relayed to each; repeat the flag, "
@@ -169,6 +173,14 @@ class Settings(BaseSettings):
         if v not in SAMPLING_POLICIES:
             raise ValueError(f"unknown sampling policy {v!r}; choose from {', '.join(SAMPLING_POLICIES)}")
         return v
+
+    @field_validator("sglang_incremental_streams")
+    @classmethod
+    def _incremental_urls(cls, v: list[str]) -> list[str]:
+        bad = [u for u in v if u != "*" and not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"sglang_incremental_streams: http(s) base URLs or '*', not {', '.join(map(repr, bad))}")
+        return [u.rstrip("/") for u in v]
 
     @field_validator("peers")
     @classmethod

@@ -65,7 +65,8 @@ _READABLE_VERSIONS = (1, 2)
 _ARRAYS = (("token_ids", np.int32), ("loss_mask", np.uint8), ("logprobs", np.float32))
 
 
-def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
+def turn_to_dict(t: TurnRecord) -> dict[str, Any]:
+    """A turn as export writes it (also the viewer's `/line` turns: one shape)."""
     out: dict[str, Any] = {
         "index": t.index,
         "prompt_start": t.prompt_start,
@@ -87,8 +88,7 @@ def _turn_to_dict(t: TurnRecord) -> dict[str, Any]:
     if t.routed_experts is not None:
         out["routed_experts"] = {"start": t.routed_experts.start, "rows": int(t.routed_experts.rows.shape[0])}
     if t.sampling_support is not None:  # one row per sampled id (`trajectory.support`), only where asked
-        out["sampling_support"] = {"ids": t.sampling_support.ids.tolist(),
-                                   "offsets": t.sampling_support.offsets.tolist()}
+        out["sampling_support"] = {"ids": t.sampling_support.ids.tolist(), "offsets": t.sampling_support.offsets.tolist()}
     return out
 
 
@@ -139,7 +139,7 @@ def _branch_meta(b: Branch) -> dict[str, Any]:
         "fork_checkpoint": b.fork_checkpoint,
         "fork_index": b.fork_index,
         "reason": b.reason,
-        "turns": [_turn_to_dict(t) for t in _own_turns(b)],
+        "turns": [turn_to_dict(t) for t in _own_turns(b)],
         "messages": [dict(m) for m in _own_messages(b)],
     }
 
@@ -299,7 +299,7 @@ def _typed(values: Any, dtype: type, name: str) -> np.ndarray:
 
 
 def _no_seq(t: TurnRecord) -> dict[str, Any]:
-    d = _turn_to_dict(t)
+    d = turn_to_dict(t)
     del d["seq"]
     return d
 
@@ -411,7 +411,7 @@ def branch_line(d: Mapping[str, Any], branch_id: int) -> dict[str, Any]:
         "token_ids": ids.tolist(),
         "loss_mask": mask.tolist(),
         "logprobs": lps.tolist(),
-        "turns": [_turn_to_dict(t) for t in traj.turns],
+        "turns": [turn_to_dict(t) for t in traj.turns],
     }
 
 

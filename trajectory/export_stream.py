@@ -25,7 +25,7 @@ from trajectory.export import (
     _own_messages,
     _own_routed,
     _own_turns,
-    _turn_to_dict,
+    turn_to_dict,
 )
 from trajectory.tree import Branch, TrajectoryTree
 
@@ -80,7 +80,7 @@ def _iter_branch(b: Branch, chunk: int) -> Iterator[bytes]:
     head = {"id": b.id, "parent_id": b.parent_id, "fork_checkpoint": b.fork_checkpoint,
             "fork_index": b.fork_index, "reason": b.reason}
     yield _dumps(head)[:-1] + b',"turns":'
-    yield from _iter_list(_own_turns(b), JSON_CHUNK_RECORDS, _turn_to_dict)
+    yield from _iter_list(_own_turns(b), JSON_CHUNK_RECORDS, turn_to_dict)
     yield b',"messages":'
     yield from _iter_list(_own_messages(b), JSON_CHUNK_RECORDS, dict)
     ids, mask, lps = _own_arrays(b)

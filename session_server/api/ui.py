@@ -37,7 +37,8 @@ router = APIRouter()
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
           ".css": "text/css; charset=utf-8", ".txt": "text/plain; charset=utf-8"}
 # the files a page may load, by name: nothing else under the package is ever served
-STATIC = ("viewer.css", "common.js", "list.js", "session.js", "tokens.js", "control.js", "main.js")
+STATIC = ("viewer.css", "common.js", "list.js", "session.js", "tokens.js", "coverage.js", "live.js", "control.js",
+          "main.js")
 
 PAGE_HEADERS = {
     "content-security-policy": ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "

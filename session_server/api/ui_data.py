@@ -46,6 +46,7 @@ from ..turn.watch import LiveTurn
 from ..turn.watch import token_texts as live_texts
 from .edge import route_doc
 from .routes.common import ctx_of, json_response, relay_of
+from .routes.sessions import turns_total
 
 __all__ = ["router"]
 
@@ -335,10 +336,13 @@ def _viewer_count(app: Any) -> list[int]:
 
 
 def _hello(s: Session) -> dict[str, Any]:
-    """What a viewer opening now needs: whether a turn is in flight, and when known its
+    """What a viewer opening now needs: the turns committed so far (`turns_total`, as in
+    the session view: a page that reconnected reads again when it drew fewer or more),
+    whether a turn is in flight, and when known its
     branch, output start and tokens so far (copied here, on the loop: C-level list
     copies; their texts are decoded in an offload thread)."""
-    out: dict[str, Any] = {"event": "hello", "busy": s.inflight is not None, "active_branch": s.tree.active_id}
+    out: dict[str, Any] = {"event": "hello", "busy": s.inflight is not None, "active_branch": s.tree.active_id,
+                           "turns_total": turns_total(s)}
     if isinstance(s.live_turn, LiveTurn):
         out["turn"] = s.live_turn.view()
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from session_server.engines.admission_check import detect_protocol, parse_engine_spec
@@ -46,11 +47,15 @@ __all__ = [
 ]
 
 
-async def make_adapter(spec: str, **kwargs: Any) -> SGLangAdapter | VLLMAdapter:
-    """An adapter for `sglang=URL`, `vllm=URL` (forced) or a bare URL (protocol detected)."""
+async def make_adapter(spec: str, *, sglang_incremental: Collection[str] = (),
+                       **kwargs: Any) -> SGLangAdapter | VLLMAdapter:
+    """An adapter for `sglang=URL`, `vllm=URL` (forced) or a bare URL (protocol detected).
+    `sglang_incremental`: the base URLs of SGLang servers started with
+    `--incremental-streaming-output` (`*`: every one), whose stream frames are deltas."""
     protocol, url = parse_engine_spec(spec)
     if protocol is None:
         protocol = await detect_protocol(url)
     if protocol == "sglang":
-        return SGLangAdapter(url, **kwargs)
+        deltas = "*" in sglang_incremental or url in {u.rstrip("/") for u in sglang_incremental}
+        return SGLangAdapter(url, incremental_stream=deltas, **kwargs)
     return VLLMAdapter(url, **kwargs)

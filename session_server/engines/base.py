@@ -207,7 +207,9 @@ class EngineCapabilities:
     streams: bool = False  # `Streaming.generate_stream`: the engine's own token stream
     # its stream frames are deltas (each token sent once): a viewer may watch a turn the
     # client does not stream at O(L). SGLang's default frames are cumulative (every frame
-    # repeats the tokens so far: O(L^2) for an L-token answer); vLLM's are deltas.
+    # repeats the tokens so far: O(L^2) for an L-token answer) unless the server runs with
+    # --incremental-streaming-output and the settings say so (`sglang_incremental_streams`);
+    # vLLM's are deltas.
     incremental_stream: bool = False
     reports_load: bool = False  # `LoadReporting.load_by_rank`: the engine's own queue per DP rank
     reports_dp_size: bool = False  # `DPSizeReporting.dp_size`: how many DP ranks it serves

@@ -7,8 +7,10 @@ replies).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -39,6 +41,8 @@ from session_server.engines.sglang_replies import (
 )
 from session_server.errors import UpstreamHTTPError
 from trajectory.validate import is_int
+
+log = logging.getLogger("session_server")
 
 # the reply parsers are importable from here too (ops/verify_engine.py)
 __all__ = ["SGLangAdapter", "SGLangStream", "build_sglang_payload", "parse_sglang_generate", "parse_sglang_stream"]
@@ -109,7 +113,10 @@ class SGLangAdapter:
         retries: int = 2,
         control_timeout_s: float = 30.0,
         offload: Offload = run_inline,
+        incremental_stream: bool = False,
     ) -> None:
+        if incremental_stream:  # started with --incremental-streaming-output: a viewer may watch its turns
+            self.capabilities = replace(SGLangAdapter.capabilities, incremental_stream=True)
         self.http = EngineHTTP(
             base_url, protocol=self.protocol, max_concurrency=max_concurrency, limits=limits,
             retries=retries, control_timeout_s=control_timeout_s,
@@ -134,7 +141,8 @@ class SGLangAdapter:
         it, then the final `GenerateResult`, equal to what `generate` returns."""
         payload = build_sglang_payload(request)
         payload["stream"] = True
-        acc = SGLangStream(request_id=request.request_id, engine=self.base_url)
+        acc = SGLangStream(request_id=request.request_id, engine=self.base_url,
+                           incremental=self.capabilities.incremental_stream)
         async for item in fold_stream(self.http.stream("/generate", encode_json(payload), timeout_s=request.timeout_s,
                                                     headers=request_headers(request), slot_held=request.slot_held),
                                       acc, self._offload):
@@ -155,6 +163,25 @@ class SGLangAdapter:
                 f"{self.base_url}: /get_model_info is not SGLang's (no model_path): {str(info)[:200]}")
         if info.get("is_generation") is False:
             raise EngineRefused(f"{self.base_url}: the served model is not a generation model")
+        if self.capabilities.incremental_stream:
+            await self._confirm_incremental()
+
+    async def _confirm_incremental(self) -> None:
+        """A server declared incremental (`sglang_incremental_streams`) that reports
+        `incremental_streaming_output: false` in `/get_server_info` streams cumulative
+        frames: it is read as cumulative (its watched turns go unstreamed), with a warning,
+        not refused, since `*` may cover a mixed fleet. A server that does not report the
+        flag keeps the declaration; `SGLangStream` still checks every frame."""
+        try:
+            info = await self.server_info()
+        except UpstreamHTTPError as exc:
+            log.warning("%s: declared incremental, not confirmed (/get_server_info: %s)", self.base_url, exc)
+            return
+        if isinstance(info, dict) and info.get("incremental_streaming_output") is False:
+            log.warning("%s: declared incremental (sglang_incremental_streams) but its /get_server_info says "
+                        "incremental_streaming_output is false: its stream frames are read as cumulative",
+                        self.base_url)
+            self.capabilities = SGLangAdapter.capabilities
 
     async def model_info(self) -> dict[str, Any]:
         return await self.http.call_json("GET", "/get_model_info")

@@ -186,15 +186,20 @@ class SGLangStream:
     Frames are cumulative by default (each repeats every earlier token) and deltas with
     the server's incremental streaming option: a frame whose `output_token_logprobs`
     cover all `completion_tokens` is cumulative. The final result is the last frame
-    (cumulative) or the frames joined (incremental), parsed as a non-streamed body is."""
+    (cumulative) or the frames joined (incremental), parsed as a non-streamed body is.
+    Read as deltas, every frame's `completion_tokens` must equal the tokens held so far:
+    a cumulative stream wrongly declared incremental fails at its first repeat, not at
+    the end (`UpstreamInvalid`)."""
 
-    def __init__(self, *, request_id: str, engine: str = "") -> None:
+    def __init__(self, *, request_id: str, engine: str = "", incremental: bool = False) -> None:
         self.request_id, self.engine = request_id, engine
         self.last: _Generate | None = None
         self.triples: list[Any] = []
         self.tops: list[Any] = []
         self.ids: list[Any] = []
-        self.incremental = False
+        # known deltas (the server runs with --incremental-streaming-output): every frame,
+        # the first included, is read as new tokens; else told from the frames themselves
+        self.incremental = incremental
         self.done = False
 
     def add(self, payload: bytes) -> TokenDelta | None:
@@ -226,6 +231,12 @@ class SGLangStream:
             self.tops = self.tops + tops
             if isinstance(frame.output_ids, list):
                 self.ids.extend(frame.output_ids)
+            if is_int(ct) and len(self.triples) != ct:
+                # cumulative frames read as deltas (a server wrongly declared incremental):
+                # fail at this frame, so a watched turn is sent again unstreamed
+                raise UpstreamInvalid(
+                    f"sglang {self.request_id}: {len(self.triples)} tokens streamed but completion_tokens "
+                    f"is {ct} (frames declared incremental are cumulative?)", engine=self.engine)
         ok = [t for t in new if isinstance(t, list) and len(t) >= 2]
         if not ok:
             return None

@@ -193,6 +193,7 @@ def _sim_engine(args: argparse.Namespace) -> int:
         padding=args.padding,
         routed=_sim_routed(args),
         return_routed_experts=args.enable_return_routed_experts,
+        incremental_streaming_output=args.incremental_streaming_output,
     )
     return 0
 
@@ -347,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--latency-ms", type=float, default=0.0, help="latency per sampled token")
     e.add_argument("--request-latency-ms", type=float, default=0.0, help="fixed latency per request")
     e.add_argument("--noncanonical", action="store_true", help="emit non-canonical segmentations")
+    e.add_argument("--incremental-streaming-output", action="store_true",
+                   help="SGLang: stream frames hold only the new tokens and text (SGLang's server flag)")
     e.add_argument("--padding", choices=("base64", "floats"), default=None,
                    help="add a routed-experts-like payload to every reply (default: none)")
     e.add_argument("--routed-layers", type=int, default=None,

@@ -44,13 +44,15 @@ class SimEngine(EngineCore):
     deterministic routed experts answer routing replay ("model": the served model's
     config.json, as SGLang reads it, `sim.routed.model_spec`): SGLang when a request asks,
     vLLM on every answer when `return_routed_experts` (its server flag
-    `--enable-return-routed-experts`). The other keywords configure the core (`EngineCore`).
+    `--enable-return-routed-experts`). `incremental_streaming_output`: SGLang's server flag
+    of that name (stream frames are deltas). The other keywords configure the core (`EngineCore`).
     """
 
     def __init__(self, protocol: str, model: SimModel, *, padding: str | None = None,
                  routed: RoutedSpec | str | None = "model", return_routed_experts: bool = False,
-                 **core: Any) -> None:
+                 incremental_streaming_output: bool = False, **core: Any) -> None:
         super().__init__(protocol, model, **core)
+        self.incremental_streaming_output = incremental_streaming_output
         self.padding = padding_payload(padding) if padding else None
         if isinstance(routed, str):
             if routed != "model":
@@ -64,7 +66,7 @@ class SimEngine(EngineCore):
         r = app.router
         r.add_get("/health", self.health)
         if self.protocol == "sglang":
-            SGLangWire(self, self.padding, self.routed).add_routes(r)
+            SGLangWire(self, self.padding, self.routed, self.incremental_streaming_output).add_routes(r)
         else:
             VLLMWire(self, self.padding, self.routed if self.return_routed_experts else None).add_routes(r)
         r.add_post("/sim/faults", self.sim_faults)
@@ -213,12 +215,14 @@ def run_sim_engine(
     padding: str | None = None,
     routed: RoutedSpec | str | None = "model",
     return_routed_experts: bool = False,
+    incremental_streaming_output: bool = False,
 ) -> None:
     """Blocking entry for `session-server sim-engine`."""
     engine = SimEngine(
         protocol, load_sim_model(tokenizer), seed=seed, dp=dp, latency_ms=latency_ms,
         request_latency_ms=request_latency_ms, noncanonical=noncanonical, padding=padding,
         routed=routed, return_routed_experts=return_routed_experts,
+        incremental_streaming_output=incremental_streaming_output,
     )
     web.run_app(engine.make_app(), host=host, port=port, handler_cancellation=True,
                 shutdown_timeout=1.0, access_log=None)

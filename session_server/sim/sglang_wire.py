@@ -51,10 +51,12 @@ class SGLangWire:
     """SGLang's HTTP endpoints over one `EngineCore`."""
 
     def __init__(self, engine: EngineCore, padding: msgspec.Raw | None = None,
-                 routed: RoutedSpec | None = DEFAULT_ROUTED) -> None:
+                 routed: RoutedSpec | None = DEFAULT_ROUTED, incremental: bool = False) -> None:
         self.engine = engine
         self.padding = padding
         self.routed = routed  # routed experts answered when a request asks (routing replay)
+        # SGLang's `--incremental-streaming-output`: each stream frame holds only what is new
+        self.incremental = incremental
 
     def add_routes(self, r: web.UrlDispatcher) -> None:
         r.add_post("/generate", self.generate)
@@ -169,17 +171,35 @@ class SGLangWire:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
 
+        sent = [0, ""]  # incremental: ids and text already sent
+
         async def frame(partial: Outcome) -> None:
             if partial.finish == "length" and len(partial.ids) < job.max_tokens:
                 data = self.body(job, stream_view(self.engine.model, job, partial), final=False)
-                await resp.write(b"data: " + ENCODER.encode(data) + b"\n\n")
+                await resp.write(b"data: " + ENCODER.encode(self._delta(data, sent)) + b"\n\n")
 
         out = await self.engine.generate(job, on_token=frame)
         finish_job(self.engine, job, out)
-        await resp.write(b"data: " + ENCODER.encode(self.body(job, out, True)) + b"\n\n")
+        await resp.write(b"data: " + ENCODER.encode(self._delta(self.body(job, out, True), sent)) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _delta(self, data: dict[str, Any], sent: list[Any]) -> dict[str, Any]:
+        """A stream frame as SGLang sends it: cumulative by default; incremental, only the
+        ids, their logprob entries and the text past what earlier frames sent, while
+        `completion_tokens` still counts every token so far (its tokenizer manager slices
+        the output fields from the request's last offset)."""
+        if not self.incremental:
+            return data
+        ids, meta, text = data["output_ids"], data["meta_info"], data["text"]
+        at = sent[0]
+        meta["output_token_logprobs"] = meta["output_token_logprobs"][at:]
+        if "output_top_logprobs" in meta:
+            meta["output_top_logprobs"] = meta["output_top_logprobs"][at:]
+        new_text = text[len(sent[1]):] if text.startswith(sent[1]) else ""  # a final text cut at its stop string
+        sent[0], sent[1] = len(ids), text
+        return {**data, "output_ids": ids[at:], "text": new_text}
 
     async def pause(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -236,6 +256,7 @@ class SGLangWire:
                 "max_total_num_tokens": e.caches[0].capacity_tokens,
                 "internal_states": [{"dp_rank": r} for r in range(e.dp)],
                 "version": "simulated",
+                "incremental_streaming_output": self.incremental,
                 "simulated": True,
             }
         )

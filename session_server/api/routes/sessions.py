@@ -31,6 +31,13 @@ __all__ = ["router", "session_view", "trajectory_response"]
 router = APIRouter()
 
 
+def turns_total(s: Session) -> int:
+    """Every turn the session committed, on any branch, each once (a branch's inherited
+    turns are its parent's): the live stream's `hello` carries it too, so a page tells a
+    commit it missed while reconnecting."""
+    return sum(b.trajectory.num_turns - b.fork_checkpoint for b in s.tree.branches())
+
+
 def session_view(s: Session) -> dict[str, Any]:
     """Summary of a session: O(branches + turns) (small: no tokens, no messages)."""
     active = s.tree.active
@@ -50,7 +57,7 @@ def session_view(s: Session) -> dict[str, Any]:
         # turn the session committed, on any branch, each once (a branch's inherited turns
         # are its parent's)
         "turns": len(traj.turns),
-        "turns_total": sum(b.trajectory.num_turns - b.fork_checkpoint for b in s.tree.branches()),
+        "turns_total": turns_total(s),
         "tokens": len(traj),
         "sampled_tokens": sum(t.output_end - t.output_start for t in traj.turns),
         # every branch's tokens, each stored once (branches share their prefixes)

@@ -1,53 +1,51 @@
 // One session: its branch tree (fork reasons and points, the lines the picker keeps),
-// one line's tokens and conversation, the samples a trainer would get, and the turn in
-// flight, live (server-sent events from GET /sessions/{sid}/live).
+// one line's tokens and conversation (its whole line, GET .../line: a fork's parent prefix
+// and its turns included), the samples a trainer would get with their exactly-once count
+// (coverage.js), and the turn in flight, live (live.js).
+// At a turn's end the page reads the session and the shown line again and updates in
+// place: the open tab, the scroll position, the clicked token and every token chunk that
+// did not change stay (tokens.js redraws only changed or new chunks; their texts are the
+// costly part, and only those are fetched again).
 "use strict";
 
 V.sessionPage = async function (app, sid) {
   const base = "/sessions/" + encodeURIComponent(sid);
   const q = new URLSearchParams(location.search);
-  let view, traj, meta;
-  try {
-    [view, traj, meta] = await Promise.all([V.api(base), V.api(base + "/trajectory"), V.api("/ui/api/meta")]);
-  } catch (e) { V.error(app, e); return; }
+  const pinned = q.has("branch");  // else the page follows the active branch
+  const read = async () => {
+    // the trajectory before the samples: a sample's line is then always in it (but a
+    // branch made in between; coverage.js says so, and the next turn's end reads again)
+    const [view, traj] = await Promise.all([V.api(base), V.api(base + "/trajectory")]);
+    // the branch shown: the pinned one while it exists, else the active one; its whole
+    // line from /line (the trajectory holds a fork's own part only)
+    let selected = pinned ? parseInt(q.get("branch"), 10) : traj.active_branch;
+    if (!traj.branches.some((b) => b.id === selected)) selected = traj.active_branch;
+    const [line, got] = await Promise.all([V.readLine(sid, selected),
+      V.api(base + "/samples?" + sp).then((r) => ({ samples: r.samples, sampleErr: null }),
+        (e) => ({ samples: null, sampleErr: e }))]);
+    return { view: view, traj: traj, line: line, samples: got.samples, sampleErr: got.sampleErr };
+  };
+  let meta;
+  try { meta = await V.api("/ui/api/meta"); } catch (e) { V.error(app, e); return; }
   const picker = q.get("picker") || meta.default_picker;
   const maxLen = q.get("max_seq_len") || "";
-  const lines = new Map(traj.branches.map((b) => [b.id, b]));
-  let selected = parseInt(q.get("branch") || String(traj.active_branch), 10);
-  if (!lines.has(selected)) selected = traj.active_branch;
-
-  app.appendChild(V.el("h2", { id: "session-title", text: "Session " + sid }));
-  app.appendChild(V.el("p", { class: "kv", id: "session-facts", text:
-    `state ${view.state} · home ${view.home || "-"} · ${view.turns} turns on the active line · ${view.stored_tokens} stored tokens · ` +
-    `reward ${view.reward === null ? "-" : view.reward} · aborts ${view.control.aborts} · resubmits ${view.control.resubmits} · ` +
-    `metadata ${V.short(view.metadata, 200)}` }));
-  const live = V.el("div", { id: "live" });
-  app.appendChild(live);
-  const grid = V.el("div", { class: "grid" });
-  app.appendChild(grid);
-  const left = V.el("section", {}), right = V.el("section", {});
-  grid.appendChild(left); grid.appendChild(right);
-
-  // the samples first: the tree marks the lines the picker keeps
-  let samples = null, sampleErr = null;
   const sp = new URLSearchParams({ picker: picker });
   if (maxLen) sp.set("max_seq_len", maxLen);
-  try { samples = (await V.api(base + "/samples?" + sp)).samples; } catch (e) { sampleErr = e; }
-  const kept = new Set(samples ? samples.map((s) => s.path[s.path.length - 1]) : []);
+  let data;
+  try { data = await read(); } catch (e) { V.error(app, e); return; }
 
-  left.appendChild(V.el("h2", { text: "Branches" }));
-  left.appendChild(branchTree(traj, view, kept, selected, (id) => {
-    const p = new URLSearchParams(q); p.set("branch", id); location.search = p.toString();
-  }));
-  left.appendChild(V.el("h2", { text: "Samples" }));
-  left.appendChild(samplesPanel(samples, sampleErr, meta, picker, maxLen, q));
-  left.appendChild(V.el("h2", { text: `Diagnostics (${view.diagnostics.length + view.diagnostics_dropped})` }));
-  const diag = V.el("ul", { id: "diagnostics", class: "kv" });
-  for (const d of view.diagnostics) diag.appendChild(V.el("li", { text: V.short(d, 300) }));
-  left.appendChild(diag);
+  const facts = V.el("p", { class: "kv", id: "session-facts" });
+  const live = V.el("div", { id: "live" });
+  const grid = V.el("div", { class: "grid" });
+  app.append(V.el("h2", { id: "session-title", text: "Session " + sid }), facts, live, grid);
+  const left = V.el("section", {}), right = V.el("section", {});
+  grid.append(left, right);
+  const tree = V.el("div", {}), samples = V.el("div", { id: "samples" }), sampleList = V.el("div", { id: "samples-list" });
+  const diagTitle = V.el("h2", {}), diag = V.el("ul", { id: "diagnostics", class: "kv" });
+  samples.append(samplesForm(meta, picker, maxLen, q), sampleList);
+  left.append(V.el("h2", { text: "Branches" }), tree, V.el("h2", { text: "Samples" }), samples, diagTitle, diag);
 
-  const line = lines.get(selected);
-  right.appendChild(V.el("h2", { id: "line-title", text: `Line: branch ${line.id} (${line.reason})` }));
+  const lineTitle = V.el("h2", { id: "line-title" });
   const tabs = V.el("div", { class: "tabs" });
   const tokensPane = V.el("div", { id: "tokens-pane" });
   const convPane = V.el("div", { id: "conversation-pane", hidden: true });
@@ -55,13 +53,53 @@ V.sessionPage = async function (app, sid) {
     tokensPane.hidden = which !== "tokens"; convPane.hidden = which !== "conversation";
     for (const b of tabs.children) b.classList.toggle("on", b.dataset.tab === which);
   };
-  tabs.appendChild(V.el("button", { text: "Tokens", data: { tab: "tokens" }, onclick: () => show("tokens") }));
-  tabs.appendChild(V.el("button", { text: "Conversation", data: { tab: "conversation" }, onclick: () => show("conversation") }));
-  right.appendChild(tabs); right.appendChild(tokensPane); right.appendChild(convPane);
+  tabs.append(V.el("button", { text: "Tokens", data: { tab: "tokens" }, onclick: () => show("tokens") }),
+    V.el("button", { text: "Conversation", data: { tab: "conversation" }, onclick: () => show("conversation") }));
+  right.append(lineTitle, tabs, tokensPane, convPane);
   show("tokens");
-  const tokenView = V.renderLine(tokensPane, sid, line);
-  convPane.appendChild(conversation(line, (i) => { show("tokens"); tokenView.reveal(i); }));
-  followLive(live, base, sid);
+  let tokenView = null, conv = null, drawnTurns = null;
+
+  const render = (d) => {
+    const { view, traj, line } = d;
+    drawnTurns = view.turns_total;  // the live stream's hello says when it is stale
+    const selected = line.id;
+    facts.textContent =
+      `state ${view.state} · home ${view.home || "-"} · ${view.turns} turns on the active line · ${view.stored_tokens} stored tokens · ` +
+      `reward ${view.reward === null ? "-" : view.reward} · aborts ${view.control.aborts} · resubmits ${view.control.resubmits} · ` +
+      `metadata ${V.short(view.metadata, 200)}`;
+    const kept = new Set(d.samples ? d.samples.map((s) => s.path[s.path.length - 1]) : []);
+    V.clear(tree).appendChild(branchTree(traj, view, kept, selected, (id) => {
+      const p = new URLSearchParams(q); p.set("branch", id); location.search = p.toString();
+    }));
+    V.clear(sampleList);
+    if (d.sampleErr) V.error(sampleList, d.sampleErr);
+    else sampleList.append(...sampleRows(d.samples), V.coverageView(traj, d.samples));
+    diagTitle.textContent = `Diagnostics (${view.diagnostics.length + view.diagnostics_dropped})`;
+    V.clear(diag).append(...view.diagnostics.map((x) => V.el("li", { text: V.short(x, 300) })));
+    lineTitle.textContent = `Line: branch ${line.id} (${line.reason})`;
+    if (!tokenView) {
+      tokenView = V.renderLine(tokensPane, sid, line);
+      conv = conversation(convPane, (i) => { show("tokens"); tokenView.reveal(i); });
+    } else {
+      tokenView.update(line);
+    }
+    conv.update(line);
+  };
+  render(data);
+
+  // turn ends come while a read may still run: one read at a time, and one more after it
+  let reading = false, again = false, reads = 0;
+  const changed = async () => {
+    if (reading) { again = true; return; }
+    reading = true;
+    do {
+      again = false;
+      try { render(await read()); } catch (e) { V.status("could not read the session again: " + e.message); }
+    } while (again);
+    reading = false;
+    document.body.dataset.reads = String(++reads);  // how many times it was read again (for tests)
+  };
+  V.followLive(live, base, changed, () => drawnTurns);
 };
 
 function branchTree(traj, view, kept, selected, choose) {
@@ -92,24 +130,25 @@ function branchTree(traj, view, kept, selected, choose) {
   return V.el("div", { class: "tree", id: "branch-tree" }, ul);
 }
 
-function samplesPanel(samples, err, meta, picker, maxLen, q) {
-  const box = V.el("div", { id: "samples" });
+function samplesForm(meta, picker, maxLen, q) {
   const sel = V.el("select", { name: "picker" });
   for (const p of meta.pickers) { const o = V.el("option", { value: p, text: p }); if (p === picker) o.selected = true; sel.appendChild(o); }
   const len = V.el("input", { name: "max_seq_len", type: "number", min: 1, value: maxLen, placeholder: "none" });
-  const form = V.el("form", { class: "filters", onsubmit: (ev) => {
+  return V.el("form", { class: "filters", onsubmit: (ev) => {
     ev.preventDefault();
     const p = new URLSearchParams(q); p.set("picker", sel.value);
     if (len.value) p.set("max_seq_len", len.value); else p.delete("max_seq_len");
     location.search = p.toString();
   } }, V.el("label", {}, "picker ", sel), V.el("label", {}, "max_seq_len ", len), V.el("button", { type: "submit", text: "Show" }));
-  box.appendChild(form);
-  if (err) { V.error(box, err); return box; }
+}
+
+function sampleRows(samples) {
+  const rows = [];
   let trained = 0;
   for (const s of samples) {
     const n = s.loss_mask.length, on = s.loss_mask.reduce((a, b) => a + b, 0);
     trained += on;
-    const bar = V.el("div", { class: "maskbar", title: "trained tokens of this sample (green): each token is trained in exactly one sample" });
+    const bar = V.el("div", { class: "maskbar", title: "trained tokens of this sample (green)" });
     let k = 0;
     while (k < n) {
       let j = k; while (j < n && s.loss_mask[j] === s.loss_mask[k]) j++;
@@ -117,25 +156,33 @@ function samplesPanel(samples, err, meta, picker, maxLen, q) {
       seg.style.width = (100 * (j - k) / n) + "%";
       bar.appendChild(seg); k = j;
     }
-    box.appendChild(V.el("div", { class: "sample", data: { leaf: s.path[s.path.length - 1] } },
+    rows.push(V.el("div", { class: "sample", data: { leaf: s.path[s.path.length - 1] } },
       V.el("div", { class: "kv", text: `line ${s.path.join(" → ")} · ${n} tokens · ${on} trained · ${s.turn_boundaries.length} turns · ` +
         `status ${s.status}${s.reason ? " (" + s.reason + ")" : ""} · reward ${s.reward === null ? "-" : s.reward}` }), bar));
   }
-  box.appendChild(V.el("p", { class: "muted", id: "samples-summary", text: `${samples.length} samples, ${trained} trained tokens in all` }));
-  return box;
+  rows.push(V.el("p", { class: "muted", id: "samples-summary", text: `${samples.length} samples, ${trained} trained tokens in all` }));
+  return rows;
 }
 
-function conversation(line, reveal) {
+// the line's messages, turn by turn; when the same line grows only its new turns are added
+function conversation(pane, reveal) {
   const box = V.el("div", { id: "conversation" });
-  for (const t of line.turns) {
-    for (const m of t.request_messages || []) box.appendChild(message(m, null));
-    if (t.assistant_message) {
-      box.appendChild(message(t.assistant_message, V.el("a", { href: "#", class: "to-tokens", data: { at: t.output_start },
-        text: `→ its ${t.output_end - t.output_start} tokens (${t.output_start}-${t.output_end})`,
-        onclick: (ev) => { ev.preventDefault(); reveal(t.output_start); } })));
-    }
-  }
-  return box;
+  pane.appendChild(box);
+  let shown = null, turns = 0;
+  return {
+    update: (line) => {
+      if (shown !== line.id) { V.clear(box); shown = line.id; turns = 0; }
+      for (const t of line.turns.slice(turns)) {
+        for (const m of t.request_messages || []) box.appendChild(message(m, null));
+        if (t.assistant_message) {
+          box.appendChild(message(t.assistant_message, V.el("a", { href: "#", class: "to-tokens", data: { at: t.output_start },
+            text: `→ its ${t.output_end - t.output_start} tokens (${t.output_start}-${t.output_end})`,
+            onclick: (ev) => { ev.preventDefault(); reveal(t.output_start); } })));
+        }
+      }
+      turns = line.turns.length;
+    },
+  };
 }
 
 function message(m, link) {
@@ -146,50 +193,4 @@ function message(m, link) {
   for (const c of m.tool_calls || []) div.appendChild(V.el("pre", { class: "kv", text: `call ${c.id}: ${c.function ? c.function.name + " " + c.function.arguments : text(c)}` }));
   if (m.tool_call_id) div.appendChild(V.el("div", { class: "kv", text: "answers call " + m.tool_call_id }));
   return div;
-}
-
-function followLive(box, base, sid) {
-  const src = new EventSource(base + "/live");
-  let turnBox = null, count = 0;
-  const open = (branch, streams, note) => {  // the live box of a turn in flight
-    count = 0;
-    V.clear(box);
-    turnBox = V.el("div", { class: "line livebox", id: "live-turn" });
-    box.appendChild(V.el("h2", { text: `Turn in flight on branch ${branch ?? "?"}` + (streams ? ""
-      : " (not streamed to its client: shown here as the engine samples; a constrained turn's at commit)") }));
-    box.appendChild(V.el("p", { class: "muted", id: "live-count", text: note || "0 tokens so far" }));
-    box.appendChild(turnBox);
-    V.status("live: turn in flight");
-  };
-  const add = (ids, logprobs, texts) => {
-    for (let k = 0; k < ids.length; k++) {
-      turnBox.appendChild(V.el("span", { class: "tok live", title: `id ${ids[k]} · logprob ${Number(logprobs[k]).toFixed(4)}`, text: V.shown(texts[k]) }));
-    }
-    count += ids.length;
-    document.getElementById("live-count").textContent = `${count} tokens so far`;
-  };
-  src.onmessage = (msg) => {
-    const ev = JSON.parse(msg.data);
-    if (ev.event === "hello") {
-      if (!ev.busy) { V.status("live: idle"); return; }
-      // opened mid-turn: the turn so far, when the server saw it
-      const t = ev.turn;
-      open(t ? t.branch : null, t ? t.streams : false, t && !t.known ? "opened mid-turn: the tokens so far show at commit" : null);
-      if (t && t.known) add(t.ids, t.logprobs, t.texts);
-    } else if (ev.event === "begin") {
-      open(ev.branch, ev.streams, null);
-    } else if (ev.event === "tokens" && turnBox) {
-      add(ev.ids, ev.logprobs, ev.texts);
-    } else if (ev.event === "unshown" && turnBox) {
-      document.getElementById("live-count").textContent = `${count} tokens so far; the rest at commit (${ev.reason})`;
-    } else if (ev.event === "restart" && turnBox) {
-      // the engine died and the turn was re-homed: it is generated afresh
-      V.clear(turnBox); count = 0;
-      document.getElementById("live-count").textContent = "re-homed: 0 tokens so far";
-    } else if (ev.event === "end" || ev.event === "resync") {
-      V.status(ev.committed ? "live: turn committed, reloading" : "live: turn ended");
-      src.close();
-      setTimeout(() => location.reload(), 300);
-    } else if (ev.event === "gone") { V.status("session gone"); src.close(); }
-  };
 }

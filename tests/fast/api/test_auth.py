@@ -72,6 +72,7 @@ EXPECTED: dict[tuple[str, str], Access] = {
     ("GET", "/ui/api/sessions"): Access.ADMIN,
     ("GET", "/ui/api/meta"): Access.ADMIN,
     ("GET", "/sessions/{sid}/tokens"): Access.ADMIN,
+    ("GET", "/sessions/{sid}/line"): Access.ADMIN,
     ("GET", "/sessions/{sid}/live"): Access.ADMIN,
     ("GET", "/ui/login"): Access.OPEN,
     ("POST", "/ui/login"): Access.OPEN,

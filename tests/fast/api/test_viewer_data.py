@@ -8,12 +8,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import orjson
 from aiohttp import web
 from transformers import AutoTokenizer
 
+from session_server.api.ui_line import _body, _snapshot
 from session_server.auth import ui_cookie_value
 from session_server.context import Settings
+from session_server.ops.harness import live_apps
 
 from ..stack import live_stack
 
@@ -133,3 +138,129 @@ async def test_only_the_admin_token_lifts_the_page_limit_of_a_relayed_list(qwen3
         assert r.status_code == 400, r.text  # a peer's part is bounded too
         r = await st.http.get("/ui/api/sessions", params={"offset": 10**9}, headers=admin)
         assert r.status_code == 400, r.text
+
+
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "search the repo",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+TOOL_SCRIPT = [{"content": "Searching.", "tool_calls": [{"name": "search", "arguments": {"q": "config"}},
+                                                        {"name": "search", "arguments": {"q": "tests"}}]},
+               {"content": "Found it."}]
+TOOL_OUTPUTS = ("42 files found in /src/config", "no match: the tests dir is empty")
+
+
+async def tool_session(st: Any) -> str:
+    """Two turns: the model calls `search` twice, the agent answers both calls (two tool
+    messages in turn 1's prompt), the model answers."""
+    sid = await st.session()
+    first = [{"role": "user", "content": "Where is the config?"}]
+    r = await st.chat(sid, {"messages": first, "tools": TOOLS, "max_tokens": 200})
+    assert r.status_code == 200, r.text
+    a = r.json()["choices"][0]["message"]
+    assert len(a["tool_calls"]) == 2, a  # the scene is what the test claims
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": out}
+               for c, out in zip(a["tool_calls"], TOOL_OUTPUTS, strict=True)]
+    r = await st.chat(sid, {"messages": [*first, a, *results], "tools": TOOLS, "max_tokens": 50})
+    assert r.status_code == 200, r.text
+    return sid
+
+
+def _exact_ranges(tok: Any, ids: list[int], lo: int, hi: int, text: str) -> list[tuple[int, int]]:
+    """Every [a, b) within [lo, hi) whose tokens decode to exactly `text`."""
+    return [(a, b) for a in range(lo, hi) for b in range(a + 1, hi + 1)
+            if tok.decode(ids[a:b], skip_special_tokens=False) == text]
+
+
+async def test_the_line_marks_exactly_each_tool_messages_content_tokens_as_tool_output(qwen3_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    async with live_stack(qwen3_dir, script=TOOL_SCRIPT) as st:
+        sid = await tool_session(st)
+        r = await st.http.get(f"/sessions/{sid}/line", params={"branch": 0})
+        assert r.status_code == 200, r.text
+        line = r.json()
+        ids, turn = line["token_ids"], line["turns"][1]
+        want = []
+        for out in TOOL_OUTPUTS:  # the one token range of turn 1's prompt that is the content, alone
+            found = _exact_ranges(tok, ids, turn["prompt_start"], turn["output_start"], out)
+            assert len(found) == 1, (out, found)
+            want.append(list(found[0]))
+        assert line["tool_spans"] == want
+        assert line["tool_spans_unknown"] == []
+        assert not any(ids[a:b] and line["loss_mask"][a] for a, b in want)  # prompt tokens, never sampled
+        # a turn whose committed prompt no render reproduces (here its closing token
+        # differs) is unknown, and none of its tokens is marked: a span is never a guess
+        s = live_apps[st.url].state.ctx.store.get(sid)
+        snap = _snapshot(s, 0)
+        snap["ids"][turn["output_start"] - 1] += 1
+        other = orjson.loads(_body(sid + "-other", live_apps[st.url].state.ctx.codec, snap))
+        assert other["tool_spans_unknown"] == [1] and other["tool_spans"] == [], other["tool_spans"]
+
+
+class _FlakyCodec:
+    """The server's codec, but its renders raise while `failing`: a transient failure."""
+
+    def __init__(self, codec: Any) -> None:
+        self.codec, self.failing = codec, True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.codec, name)
+
+    def bridge(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failing:
+            raise RuntimeError("render failed this time")
+        return self.codec.bridge(*args, **kwargs)
+
+    def render_first(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failing:
+            raise RuntimeError("render failed this time")
+        return self.codec.render_first(*args, **kwargs)
+
+
+async def test_a_tool_span_render_that_raised_is_not_kept_as_unknown(qwen3_dir: Path) -> None:
+    """The line's tool spans are kept per turn; a turn unknown because its render raised
+    is not kept so: the next read renders it again and marks its tool output."""
+    async with live_stack(qwen3_dir, script=TOOL_SCRIPT) as st:
+        sid = await tool_session(st)
+        s = live_apps[st.url].state.ctx.store.get(sid)
+        codec = _FlakyCodec(live_apps[st.url].state.ctx.codec)
+        first = orjson.loads(_body(sid, codec, _snapshot(s, 0)))
+        assert first["tool_spans_unknown"] == [1] and first["tool_spans"] == []
+        codec.failing = False
+        again = orjson.loads(_body(sid, codec, _snapshot(s, 0)))
+        assert again["tool_spans_unknown"] == [] and len(again["tool_spans"]) == len(TOOL_OUTPUTS), again
+
+
+async def test_a_branch_discarded_while_the_line_waits_for_the_session_lock_is_a_400_not_a_500(
+        qwen3_dir: Path) -> None:
+    """A fork commit whose journal append fails discards its new branch (`tree.discard`)
+    under the session lock: a `/line` of that branch that was waiting for the lock finds
+    it gone there and answers the typed 400, never a raw 500."""
+    async with live_stack(qwen3_dir, script=[{"content": "ok"}]) as st:
+        sid = await st.session()
+        r = await st.chat(sid, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20})
+        assert r.status_code == 200, r.text
+        s = live_apps[st.url].state.ctx.store.get(sid)
+        async with s.lock:  # a fork commit in progress
+            fork = s.tree.branch_from(0, 0, "rewrite")
+            got = asyncio.create_task(st.http.get(f"/sessions/{sid}/line", params={"branch": fork.id}))
+            while not s.lock._waiters:  # the request passed any check made before the lock, and waits
+                await asyncio.sleep(0.01)
+            s.tree.discard(fork.id, 0)  # its journal append failed: the branch is undone
+        r = await got
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request", r.text
+
+
+async def test_the_lines_arrays_are_copies_not_views_of_the_live_buffer(qwen3_dir: Path) -> None:
+    """The line is serialised after the session lock is released, and an undone commit
+    followed by another rewrites the buffer's positions in place: what `/line` sends is
+    copied under the lock, even for a one-segment line (whose gather is a view)."""
+    async with live_stack(qwen3_dir, script=[{"content": "ok"}]) as st:
+        sid = await st.session()
+        r = await st.chat(sid, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20})
+        assert r.status_code == 200, r.text
+        s = live_apps[st.url].state.ctx.store.get(sid)
+        snap = _snapshot(s, 0)
+        live = s.tree.get(0).trajectory.arrays()
+        assert len(snap["ids"]) == len(live[0]) > 0
+        for key, arr in zip(("ids", "logprobs", "mask"), live, strict=True):
+            assert not np.shares_memory(snap[key], arr), key

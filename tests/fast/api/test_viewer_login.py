@@ -13,7 +13,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from session_server.app import AppConfig, create_app
-from session_server.auth import UI_COOKIE_TTL_S, ui_cookie_value
+from session_server.auth import (
+    UI_COOKIE_TTL_S,
+    VIEWER_ROUTES,
+    Access,
+    classify,
+    is_viewer_route,
+    ui_cookie_value,
+)
 from session_server.context import Settings
 
 ADMIN = "admin-secret-token"
@@ -89,3 +96,31 @@ def test_a_viewers_reads_do_not_keep_a_session_alive(client: TestClient) -> None
         assert session.last_used == before, path  # the viewer read it: not use
         assert client.get(path, headers=admin).status_code == 200
         assert session.last_used > before, path  # the trainer read it: use, its TTL restarts
+
+
+# the admin GET routes the viewer's pages never read: its cookie must not open them
+ADMIN_ONLY_READS = {"/metrics"}
+
+
+def test_the_viewer_cookie_reads_the_viewers_routes_and_nothing_else(client: TestClient) -> None:
+    client.cookies.clear()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    sid = client.post("/sessions", json={}, headers=admin).json()["session_id"]
+    cookie = {"tito_ui": ui_cookie_value(ADMIN)}
+    reads = sorted({r.path for r in client.app.routes  # type: ignore[attr-defined]
+                    if "GET" in getattr(r, "methods", ()) and classify(r.path)[0] is Access.ADMIN})
+    # every admin read is decided: the viewer's (its list) or admin-only (this test's)
+    assert {p for p in reads if not is_viewer_route(p)} == ADMIN_ONLY_READS
+    fill = {"{sid}": sid, "{name}": "session.js"}
+    for path in VIEWER_ROUTES:
+        for k, v in fill.items():
+            path = path.replace(k, v)
+        if path.endswith("/live"):
+            continue  # an endless stream: its auth is the same check, tested with the pages
+        params = {"branch": 0} if path.endswith(("/tokens", "/line")) else {}
+        r = client.get(path, params=params, cookies=cookie, follow_redirects=False)
+        assert r.status_code == 200, (path, r.status_code, r.text[:200])
+    for path in (*ADMIN_ONLY_READS, "/no/such/route", f"/sessions/{sid}/nothing"):
+        assert client.get(path, cookies=cookie).status_code == 401, path
+        assert client.get(path, headers=admin).status_code != 401, path  # the admin token still reads it
+    assert client.post("/samples", json={"session_ids": [sid]}, cookies=cookie).status_code == 401

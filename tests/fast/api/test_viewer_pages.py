@@ -22,8 +22,10 @@ import httpx
 import pytest
 
 from session_server.context import Settings
+from trajectory.export import branch_line
 
 from ..stack import Stack, live_stack, until_in_flight
+from .test_viewer_data import TOOL_SCRIPT, tool_session
 
 CHROMIUM = os.environ.get("TITO_CHROMIUM", "/usr/bin/chromium")
 SHOTS = (Path(os.environ["TITO_SCREENSHOTS"]).resolve() if os.environ.get("TITO_SCREENSHOTS")
@@ -166,6 +168,78 @@ async def _check_session_pages(st: Stack, sid: str) -> None:
             await browser.close()
 
 
+async def _all_loaded(page: Any) -> None:
+    await page.wait_for_function(
+        "document.querySelectorAll('#line-tokens .chunk').length > 0 && "
+        "[...document.querySelectorAll('#line-tokens .chunk')].every(c => c.dataset.loaded)")
+
+
+async def test_a_forked_branch_shows_its_whole_line_with_its_parents_prefix(qwen3_dir: Path) -> None:
+    """A branch's token view is its whole line, the parent's tokens up to the fork point
+    and then its own, each position with the line's own mask, logprob and turn marks,
+    and its conversation is the whole line's turns, the parent's before the fork point
+    among them (the export holds a branch's own part only; `branch_line` stitches the
+    line here)."""
+    async with live_stack(qwen3_dir, latency_ms=3, script=SCRIPT) as st:
+        sid = await _scene(st)
+        traj = await st.trajectory(sid)
+        forks = [b for b in traj["branches"] if b["parent_id"] is not None]
+        assert any(b["fork_index"] > 0 for b in forks)  # one shares a prefix with its parent (the retry)
+        # and so has turns of its parent's in its line, which its own part does not hold
+        assert any(len(branch_line(traj, b["id"])["turns"]) > len(b["turns"]) for b in forks)
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                for b in forks:
+                    full = branch_line(traj, b["id"])
+                    page = await _page(browser, f"{st.url}/ui/sessions/{sid}?branch={b['id']}")
+                    await _all_loaded(page)
+                    toks = page.locator("#line-tokens .tok")
+                    assert await toks.count() == len(full["token_ids"]), b["reason"]
+                    sampled = [int(i) for i in await page.locator("#line-tokens .tok.sampled").evaluate_all(
+                        "els => els.map(e => e.dataset.i)")]
+                    assert sampled == [i for i, m in enumerate(full["loss_mask"]) if m], b["reason"]
+                    turns = full["turns"]
+                    at = [int(x) for x in await page.locator("#line-tokens .mark.turn").evaluate_all(
+                        "els => els.map(e => e.dataset.at)")]
+                    assert at == [t["prompt_start"] for t in turns], b["reason"]
+                    versions = sum(len(t["weight_spans"]) - 1 for t in turns)
+                    assert await page.locator("#line-tokens .mark.version").count() == versions
+                    for t in turns:  # each turn's first sampled token: the line's logprob and version
+                        i = t["output_start"]
+                        title = await page.locator(f"#line-tokens .tok[data-i='{i}']").get_attribute("title")
+                        assert f"id {full['token_ids'][i]} " in title, title
+                        assert f"logprob {full['logprobs'][i]:.4f}" in title, title
+                        assert f"weights v{t['weight_spans'][0][2]}" in title, title
+                    # the conversation tab: every turn of the line, each answer linked to its tokens
+                    await page.click("button[data-tab='conversation']")
+                    links = [int(x) for x in await page.locator("#conversation .to-tokens").evaluate_all(
+                        "els => els.map(e => e.dataset.at)")]
+                    assert links == [t["output_start"] for t in turns if t["assistant_message"]], b["reason"]
+                    assert U1[0]["content"] in await page.locator("#conversation .msg.user").first.inner_text()
+            finally:
+                await browser.close()
+
+
+async def test_tool_results_tokens_show_as_tool_output(qwen3_dir: Path) -> None:
+    async with live_stack(qwen3_dir, script=TOOL_SCRIPT) as st:
+        sid = await tool_session(st)
+        line = (await st.http.get(f"/sessions/{sid}/line", params={"branch": 0})).json()
+        n_tool = sum(b - a for a, b in line["tool_spans"])
+        assert n_tool > 0
+        async with _browser_or_skip()() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = await _page(browser, f"{st.url}/ui/sessions/{sid}")
+                await _all_loaded(page)
+                got = [int(i) for i in await page.locator("#line-tokens .tok.tool").evaluate_all(
+                    "els => els.map(e => e.dataset.i)")]
+                assert got == [i for a, b in line["tool_spans"] for i in range(a, b)]
+                assert f"tool output {n_tool}" in await page.locator("#token-summary").inner_text()
+            finally:
+                await browser.close()
+
+
 async def test_live_turn_grows_in_the_page_as_it_is_sampled(qwen3_dir: Path) -> None:
     async with live_stack(qwen3_dir, latency_ms=15, script=[{"content": "slow " * 80}]) as st:
         sid = await st.session()
@@ -294,13 +368,21 @@ async def test_pages_and_data_need_the_admin_token_and_login_sets_a_read_only_co
             browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             try:
                 page = await browser.new_page()
+                refused: list[str] = []  # every read the cookie is refused: a route missing from VIEWER_ROUTES
+                page.on("response", lambda r: refused.append(r.url) if r.status == 401 else None)
                 await page.goto(f"{st.url}/ui/sessions/{sid}")
                 assert "/ui/login" in page.url
+                refused.clear()  # the page load before the login
                 await page.fill("#token", "T0ken")
                 await page.click("button[type='submit']")
                 await page.wait_for_selector("body[data-ready='1']")
                 assert page.url.endswith(f"/ui/sessions/{sid}")
                 assert await page.locator("#branch-tree .node").count() == 1
+                await page.wait_for_selector("#token-summary")  # the line's own read is done
+                for path in ("/ui", "/ui/control"):
+                    await page.goto(f"{st.url}{path}")
+                    await page.wait_for_selector("body[data-ready='1']")
+                assert refused == []
             finally:
                 await browser.close()
 

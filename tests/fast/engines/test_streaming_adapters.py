@@ -5,6 +5,7 @@ non-streamed request gives."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from session_server.engines import GenerateRequest, SamplingParams, SGLangAdapter, VLLMAdapter
 from session_server.engines.base import GenerateResult, TokenDelta
 from session_server.engines.sglang import parse_sglang_generate, parse_sglang_stream
+from session_server.engines.sglang_replies import SGLangStream
 from session_server.errors import UpstreamInvalid
 from session_server.sim import running_sim
 from session_server.sim.toy import toy_prompt
@@ -32,10 +34,14 @@ async def _both(adapter: Any, salt: str) -> tuple[GenerateResult, list[TokenDelt
     return plain, deltas, final
 
 
-@pytest.mark.parametrize(("protocol", "endpoint"), [("sglang", None), ("vllm", "generate"), ("vllm", "completions")])
+@pytest.mark.parametrize(("protocol", "endpoint"), [("sglang", None), ("sglang", "incremental"), ("vllm", "generate"),
+                                                   ("vllm", "completions")])
 async def test_streamed_result_equals_non_streamed(protocol: str, endpoint: str | None) -> None:
-    async with running_sim(protocol, "toy", seed=3, latency_ms=1) as url:
-        a = SGLangAdapter(url) if protocol == "sglang" else VLLMAdapter(url, endpoint=endpoint or "auto")
+    deltas_only = endpoint == "incremental"  # SGLang started with --incremental-streaming-output, and told so
+    sim = {"incremental_streaming_output": True} if deltas_only else {}
+    async with running_sim(protocol, "toy", seed=3, latency_ms=1, **sim) as url:
+        a = (SGLangAdapter(url, incremental_stream=deltas_only) if protocol == "sglang"
+             else VLLMAdapter(url, endpoint=endpoint or "auto"))
         try:
             plain, deltas, final = await _both(a, protocol)
         finally:
@@ -64,3 +70,52 @@ def test_sglang_incremental_frames_join_to_the_cumulative_result() -> None:
     assert got == whole
     with pytest.raises(UpstreamInvalid):
         parse_sglang_stream(f"data: {frames[0]}\n\n", request_id="r")  # cut before [DONE]
+
+
+def test_sglang_frames_declared_incremental_are_deltas_from_the_first() -> None:
+    """Frames of one token each without `completion_tokens`: nothing in them says whether
+    they are deltas (a cumulative stream's second frame would hold two tokens). Declared
+    incremental (the engine's setting), each is its own tokens; undeclared, they read as
+    cumulative frames that repeat the first token."""
+    frames = [b'{"output_ids":[%d],"meta_info":{"id":"r","prompt_tokens":3,"finish_reason":%s,'
+              b'"output_token_logprobs":[[-0.5,%d,null]]}}' % (t, fin, t)
+              for t, fin in ((5, b"null"), (6, b"null"), (2, b'{"type":"stop","matched":2}'))]
+    told, guessed = SGLangStream(request_id="r", incremental=True), SGLangStream(request_id="r")
+    seen: dict[str, list[int]] = {"told": [], "guessed": []}
+    for f in (*frames, b"[DONE]"):
+        for name, acc in (("told", told), ("guessed", guessed)):
+            d = acc.add(f)
+            seen[name] += d.ids if d is not None else []
+    assert seen["told"] == [5, 6, 2] and list(told.result().output_ids) == [5, 6, 2]
+    assert seen["guessed"] != [5, 6, 2]  # why the setting exists: the frames alone cannot say
+
+
+def test_sglang_cumulative_frames_wrongly_declared_incremental_fail_at_the_first_repeat() -> None:
+    """A server declared incremental that streams cumulative frames: each frame's
+    `completion_tokens` is checked against the ids held so far, so the stream fails at
+    the first frame that repeats a token (a watched turn is then sent again unstreamed)
+    instead of yielding whole prefixes as deltas and failing only at the end."""
+    frames = [b'{"output_ids":%s,"meta_info":{"id":"r","prompt_tokens":3,"completion_tokens":%d,'
+              b'"finish_reason":null,"output_token_logprobs":%s}}'
+              % (json.dumps(ids).encode(), len(ids), json.dumps([[-0.5, t, None] for t in ids]).encode())
+              for ids in ([10], [10, 11], [10, 11, 12])]
+    acc = SGLangStream(request_id="r", incremental=True)
+    first = acc.add(frames[0])
+    assert first is not None and first.ids == [10]
+    with pytest.raises(UpstreamInvalid, match="completion_tokens"):
+        acc.add(frames[1])
+
+
+@pytest.mark.parametrize("server_incremental", [False, True], ids=["cumulative-server", "incremental-server"])
+async def test_sglang_declared_incremental_is_confirmed_against_the_server(server_incremental: bool) -> None:
+    """The declaration is checked where the engine is verified: a server whose
+    `/get_server_info` says `incremental_streaming_output: false` is read as cumulative
+    (with a warning); one that says true keeps the declaration."""
+    sim = {"incremental_streaming_output": True} if server_incremental else {}
+    async with running_sim("sglang", "toy", seed=3, **sim) as url:
+        a = SGLangAdapter(url, incremental_stream=True)
+        try:
+            await a.prove_protocol()
+        finally:
+            await a.aclose()
+    assert a.capabilities.incremental_stream is server_incremental

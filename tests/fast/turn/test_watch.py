@@ -3,7 +3,8 @@ on an engine whose stream frames are deltas (vLLM) the watcher gets the engine's
 as they are sampled, while the client's answer and the committed trajectory are an
 unwatched turn's; a stream that fails (a lie in a chunk, a malformed frame) is sent again
 unstreamed, so watching never fails a turn. SGLang's default cumulative frames are not
-watched live (O(L^2)). A viewer opened mid-turn gets the turn so far; viewers are capped
+watched live (O(L^2)); an SGLang server declared incremental (`sglang_incremental_streams`)
+is watched as vLLM is. A viewer opened mid-turn gets the turn so far; viewers are capped
 and a delta is decoded once for all of them."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from session_server.context import Settings
 
 from ..stack import Stack, live_stack, until_in_flight
 
@@ -43,8 +46,20 @@ async def _watched_turn(st: Stack, sid: str) -> tuple[Any, list[dict[str, Any]]]
     return answer, events
 
 
-async def test_a_watched_non_streamed_turn_shows_its_tokens_and_commits_as_an_unwatched_one(qwen3_dir: Path) -> None:
-    async with live_stack(qwen3_dir, "vllm", latency_ms=5, script=[{"content": "step " * 40}] * 2) as st:
+# engines whose stream frames are deltas: vLLM's always; SGLang's when started with
+# --incremental-streaming-output and named in the setting that says so
+DELTA_ENGINES = [
+    pytest.param("vllm", {}, Settings(), id="vllm"),
+    pytest.param("sglang", {"incremental_streaming_output": True}, Settings(sglang_incremental_streams=["*"]),
+                 id="sglang-incremental"),
+]
+
+
+@pytest.mark.parametrize(("protocol", "sim", "settings"), DELTA_ENGINES)
+async def test_a_watched_non_streamed_turn_shows_its_tokens_and_commits_as_an_unwatched_one(
+        qwen3_dir: Path, protocol: str, sim: dict[str, Any], settings: Settings) -> None:
+    async with live_stack(qwen3_dir, protocol, latency_ms=5, script=[{"content": "step " * 40}] * 2,
+                          settings=settings, **sim) as st:
         ref_sid = await st.session()
         ref = await st.chat(ref_sid, BODY)
         sid = await st.session()
@@ -62,10 +77,13 @@ async def test_a_watched_non_streamed_turn_shows_its_tokens_and_commits_as_an_un
         assert shown == line["token_ids"][turn["output_start"]:turn["output_end"]]
 
 
+@pytest.mark.parametrize(("protocol", "sim", "settings"), DELTA_ENGINES)
 @pytest.mark.parametrize("fault", ["stream_oov_id", "stream_negative_id", "stream_nan_logprob",
                                    "stream_positive_logprob"])
-async def test_a_failed_watched_stream_falls_back_and_the_turn_answers_as_unwatched(qwen3_dir: Path, fault: str) -> None:
-    async with live_stack(qwen3_dir, "vllm", latency_ms=2, script=[{"content": "step " * 40}] * 2) as st:
+async def test_a_failed_watched_stream_falls_back_and_the_turn_answers_as_unwatched(
+        qwen3_dir: Path, fault: str, protocol: str, sim: dict[str, Any], settings: Settings) -> None:
+    async with live_stack(qwen3_dir, protocol, latency_ms=2, script=[{"content": "step " * 40}] * 2,
+                          settings=settings, **sim) as st:
         ref_sid = await st.session()
         ref = await st.chat(ref_sid, BODY)
         assert ref.status_code == 200, ref.text
@@ -83,10 +101,34 @@ async def test_a_failed_watched_stream_falls_back_and_the_turn_answers_as_unwatc
         assert kinds[-2:] != ["tokens", "end"], kinds  # nothing shown after it: the resend is unstreamed
 
 
-async def test_cumulative_streams_are_not_watched_live(qwen3_dir: Path) -> None:
+async def test_a_cumulative_sglang_wrongly_declared_incremental_still_answers_its_watched_turns(
+        qwen3_dir: Path) -> None:
+    """`sglang_incremental_streams=["*"]` over a server that streams cumulative frames:
+    the declaration is checked against the server (`/get_server_info`), so a watched
+    non-streamed turn answers as an unwatched one (never a 502) and the watcher sees no
+    token twice."""
+    async with live_stack(qwen3_dir, "sglang", latency_ms=2, script=[{"content": "step " * 40}] * 2,
+                          settings=Settings(sglang_incremental_streams=["*"])) as st:
+        ref_sid = await st.session()
+        ref = await st.chat(ref_sid, BODY)
+        sid = await st.session()
+        answer, events = await _watched_turn(st, sid)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"] == ref.json()["choices"]
+        line, ref_line = (await st.trajectory(sid))["branches"][0], (await st.trajectory(ref_sid))["branches"][0]
+        assert line["token_ids"] == ref_line["token_ids"] and line["logprobs"] == ref_line["logprobs"]
+        (turn,) = line["turns"]
+        shown = [i for e in events if e["event"] == "tokens" for i in e["ids"]]
+        assert len(shown) <= turn["output_end"] - turn["output_start"], shown  # no prefix sent again
+        assert events[-1] == {"event": "end", "committed": True}
+
+
+@pytest.mark.parametrize("sim", [{}, {"incremental_streaming_output": True}], ids=["cumulative", "not-declared"])
+async def test_cumulative_streams_are_not_watched_live(qwen3_dir: Path, sim: dict[str, Any]) -> None:
     """SGLang's default frames repeat every earlier token: watching that way would move
-    O(L^2), so a watched non-streamed turn goes to SGLang unstreamed and shows at `end`."""
-    async with live_stack(qwen3_dir, latency_ms=10, script=[{"content": "step " * 40}]) as st:
+    O(L^2), so a watched non-streamed turn goes to SGLang unstreamed and shows at `end`;
+    so does one of a server whose deltas the settings do not declare (opt-in)."""
+    async with live_stack(qwen3_dir, latency_ms=10, script=[{"content": "step " * 40}], **sim) as st:
         sid = await st.session()
         late: list[dict[str, Any]] = []
         chat = asyncio.create_task(_watched_turn(st, sid))
