@@ -32,7 +32,7 @@ async def test_engine_death_fails_the_turn_and_a_restart_serves_the_session(
             first = await http.post(f"/sessions/{sid}/v1/chat/completions", json=CHAT)
             assert first.status_code == 200, first.text
             before = await trajectory(http, sid)
-            follow = {**CHAT, "max_tokens": 3000, "messages": [
+            follow = {**CHAT, "max_tokens": 8000, "messages": [
                 *CHAT["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "Go on."}]}
             sent = len(rec.generations())
             turn = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json=follow))
