@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -275,86 +274,69 @@ async def test_an_engine_reporting_its_unset_version_never_overrides_the_trainer
 
 
 async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:
-    """A streaming client hangs up at its first tokens of an 8,000-token turn the engine
-    is still sampling: vLLM stops it short of the 8,000 (its own token counter, settled:
-    a request it did not stop runs on to its end), the engine's reply was cut or ended by
-    the abort, and nothing is committed. (vLLM 0.32 does not count a request it aborts in
-    its finished-requests metric, so the counter is the engine's own witness.)
-
-    What a try can judge: on a loaded machine vLLM's engine core runs far ahead of its
-    HTTP front end and of the server (one CI run: 3,000 sampled while 238 were sent; here
-    up to 8,000 before the client's first token at a load of 9), so by the time a client
-    reads its first tokens the engine may be far into its turn, or done, which no abort
-    can take back. (vLLM counts a streamed request's tokens step by step, a non-streamed
-    one's only when it ends: this turn is streamed to the engine.) A try the engine had a quarter done at the hang-up, or ended by itself
-    (random weights can sample an end of turn), is not the case under test and is tried
-    again; what each try saw is in the failure message."""
-    max_tokens, tries = 8000, []
+    """A streaming client hangs up mid-turn: vLLM's running count drops to 0, it sampled
+    few tokens after the hang-up and fewer than the request's 3,000 in all (its own
+    token counter; it starts only once nothing runs or waits), the engine's reply was
+    cut or ended by the abort, and nothing is committed. Random weights can sample an
+    end of turn early: a request the engine ended by itself before the hang-up is not the
+    case under test and is tried again."""
     async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
         for _ in range(6):
             await wait_until(lambda: _drained(stack), 60, "an engine with nothing running or waiting")
-            generated = await _settled_generated(stack)
+            generated = await engine_generated(stack.engine.url)
             sid = await new_session(http)
             body = {"model": "m", "messages": [{"role": "user", "content": f"Stream forever ({sid})."}],
-                    "max_tokens": max_tokens, "stream": True, "chat_template_kwargs": {"enable_thinking": False}}
+                    "max_tokens": 3000, "stream": True, "chat_template_kwargs": {"enable_thinking": False}}
             sent = len(stack.rec.generations())
             async with http.stream("POST", f"/sessions/{sid}/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
-                chunk = b""
-                async for chunk in r.aiter_bytes():  # the client's first tokens: the turn is sampling
-                    if _TOKENS.search(chunk) or b'finish_reason":"' in chunk:
-                        break
-                at_hang_up = await engine_generated(stack.engine.url) - generated
-                assert len(stack.rec.generations()) > sent, f"the turn never reached the engine: {chunk!r}"
+                chunks = r.aiter_bytes()
+                await anext(chunks)
+                await wait_until(lambda n=sent: _dispatched(stack, n), 60, "the streamed turn to reach the engine")
                 ex = stack.rec.generations()[sent]
-            ended_first = ex.finished() and _finish_reason(ex) != "abort"
-            if ended_first or at_hang_up > max_tokens // 4:
-                tries.append(f"{at_hang_up:.0f} sampled at the hang-up, reply ended: {_finish_reason(ex)}")
-                await wait_until(lambda: _idle(stack), 60, "vLLM to end the request")
-                continue
-            await wait_until(lambda: _idle(stack), 30, "vLLM's running count to drop")
-            sampled = await _settled_generated(stack) - generated
+                # tokens are flowing and vLLM counts the request running (its gauge lags)
+                await wait_until(lambda e=ex: _busy_or_ended(stack, e), 60, "vLLM to count the request running")
+                if ex.finished():
+                    continue  # the engine ended the turn by itself before the hang-up
+                at_hang_up = await engine_generated(stack.engine.url)
+            await wait_until(lambda: _idle(stack), 15, "vLLM's running count to drop")
+            end = await engine_generated(stack.engine.url)
+            sampled, after_hang_up = end - generated, end - at_hang_up
 
             async def discarded(s: str = sid) -> bool:  # the server counts it as its cancellation unwinds
                 return bool((await http.get(f"/sessions/{s}")).json()["turns_discarded"] == 1)
 
             await wait_until(discarded, 15, "the server to discard the turn")
             view = (await http.get(f"/sessions/{sid}")).json()
+            if ex.finished() and _finish_reason(ex) != "abort":
+                continue  # the engine ended the turn by itself as the client hung up
             break
         else:
-            raise AssertionError(f"no try caught the engine early in its turn at the hang-up: {tries}")
+            raise AssertionError("every try ended at the engine before the client hung up")
     # The server both closes the engine stream and sends `/abort_requests`: whichever
     # reaches vLLM first ends the request, so its reply is either cut or ended by the abort.
     assert not ex.done or _finish_reason(ex) == "abort", "the engine's stream was neither cut nor aborted"
-    assert sampled < max_tokens, f"vLLM sampled {sampled:.0f} tokens ({at_hang_up:.0f} at the hang-up)"
+    # the running gauge lags, so how much ran before the hang-up varies with the machine's
+    # load; what the abort decides is what runs after it
+    # vLLM's counter itself lags under load (1,202 "after" the hang-up in one CI run):
+    # the bound leaves room for that, not for the request running on to its 3,000
+    assert after_hang_up < 2000, f"vLLM sampled {after_hang_up} tokens after the hang-up"
+    assert sampled < 3000, f"vLLM sampled {sampled} tokens: the request ran to its end"
     assert view["turns"] == 0 and view["turns_discarded"] == 1
     assert len(stack.rec.generations()[sent:]) == 1
-    print(f"hang-up at {at_hang_up:.0f} sampled, {sampled:.0f} in all; tries before: {tries}")
-
-
-async def _settled_generated(stack: Stack, quiet_s: float = 1.0, timeout_s: float = 120) -> float:
-    """vLLM's token counter once it has stopped moving for `quiet_s` with nothing running:
-    its stats lag, so one read right after the running count drops can miss the last steps."""
-    loop = asyncio.get_running_loop()
-    deadline, last, since = loop.time() + timeout_s, await engine_generated(stack.engine.url), loop.time()
-    while loop.time() < deadline:
-        await asyncio.sleep(0.25)
-        now = await engine_generated(stack.engine.url)
-        if now != last or not await _idle(stack):
-            last, since = now, loop.time()
-        elif loop.time() - since >= quiet_s:
-            return now
-    raise AssertionError(f"vLLM's token counter did not settle within {timeout_s} s")
-
-
-# a stream chunk with text in it: content, or reasoning (random weights sample `<think>`,
-# after which the server streams the text as `reasoning_content` until `</think>`)
-_TOKENS = re.compile(rb'content":"[^"]')
 
 
 def _finish_reason(ex: Exchange) -> str | None:
     reason = ex.reply()["choices"][0].get("finish_reason") if ex.finished() else None
     return str(reason) if reason is not None else None
+
+
+async def _busy_or_ended(stack: Stack, ex: Exchange) -> bool:
+    return ex.finished() or (ex.received > 2000 and await _busy(stack))
+
+
+async def _busy(stack: Stack) -> bool:
+    return await engine_running(stack.engine.url) > 0
 
 
 async def _idle(stack: Stack) -> bool:
