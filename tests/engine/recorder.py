@@ -2,7 +2,11 @@
 of what the engine saw and sampled, to compare the committed trajectory with.
 
 Every request is forwarded as is (streams chunk by chunk, so the session server sees the
-engine's own timing); generation requests and their replies are kept in order. A client
+engine's own timing); generation requests and their replies are kept in order. A test that
+must land an event while the engine samples sets `pace_ms`: the proxy then adds it to each
+generation request's vLLM `extra_args` on the way (the record keeps what the session server
+sent), and the engine's pacing plugin (`plugins/tito_pacer.py`) makes every step last at
+least that long. A client
 that hangs up cancels the handler, which closes the upstream connection: the engine sees
 the disconnect exactly as it would from the session server itself.
 """
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +24,11 @@ from aiohttp import web
 
 from session_server.ops.harness import free_port
 
-__all__ = ["Exchange", "Recorder", "recording_proxy"]
+__all__ = ["PACE_MS", "Exchange", "Recorder", "recording_proxy"]
+
+# The engine step floor the suite paces with: about 3x a step of the tiny Qwen3 here (4 ms),
+# so a 400-token request runs 4 s or more on any machine and 6 s here.
+PACE_MS = 10.0
 
 GENERATE_PATHS = ("/inference/v1/generate", "/v1/completions", "/generate")
 _HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "host"}
@@ -89,6 +97,29 @@ class Recorder:
     upstream: str
     exchanges: list[Exchange] = field(default_factory=list)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (method, path) of every request
+    pace_ms: float | None = None  # the floor of each engine step for generation requests sent from now
+
+    @contextlib.contextmanager
+    def paced(self, ms: float) -> Iterator[None]:
+        """Generation requests sent inside the block run at most one token per `ms` at the
+        engine: a floor on how long they take on any machine, however fast."""
+        self.pace_ms = ms
+        try:
+            yield
+        finally:
+            self.pace_ms = None
+
+    def forwarded(self, path: str, raw: bytes) -> bytes:
+        """The body to send upstream: `raw`, with the pace added to a generation request."""
+        if self.pace_ms is None or path not in GENERATE_PATHS or not raw:
+            return raw
+        body = json.loads(raw)
+        if path == "/inference/v1/generate":
+            params = body.setdefault("sampling_params", {})
+            params["extra_args"] = {**(params.get("extra_args") or {}), "pace_ms": self.pace_ms}
+        elif path == "/v1/completions":
+            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "pace_ms": self.pace_ms}
+        return json.dumps(body).encode()
 
     def generations(self) -> list[Exchange]:
         return [e for e in self.exchanges if e.path in GENERATE_PATHS]
@@ -112,7 +143,8 @@ async def recording_proxy(upstream: str) -> AsyncIterator[Recorder]:
             ex = Exchange(path=request.path, request=json.loads(raw) if raw else {})
             rec.exchanges.append(ex)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        async with session.request(request.method, upstream + request.path_qs, data=raw, headers=headers) as up:
+        body = rec.forwarded(request.path, raw) if request.method == "POST" else raw
+        async with session.request(request.method, upstream + request.path_qs, data=body, headers=headers) as up:
             resp = web.StreamResponse(status=up.status, headers={
                 k: v for k, v in up.headers.items() if k.lower() not in _HOP})
             if ex is not None:

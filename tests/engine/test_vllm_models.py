@@ -15,7 +15,7 @@ import pytest
 
 from .conftest import serve_process
 from .helpers import new_session, own_turns, trajectory, turn_exchanges, wait_until
-from .recorder import Recorder, recording_proxy
+from .recorder import PACE_MS, Recorder, recording_proxy
 from .vllm_engine import ENGINE_FLAGS, build_tiny_lora, build_tiny_qwen3_moe, vllm_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
@@ -102,15 +102,16 @@ async def test_a_lora_pause_resubmits_only_that_adapter_exactly(lora_stack: tupl
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         sid = await new_session(http, lora="tiny-lora")
         sent = len(rec.generations())
-        chat = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json={
-            "model": "m", "messages": [{"role": "user", "content": "Long answer."}], "max_tokens": 400}))
 
         async def dispatched() -> bool:  # at the engine, not answered yet
             return any(not e.done for e in rec.generations()[sent:])
 
-        await wait_until(dispatched, 60, "the LoRA turn to run")
-        await asyncio.sleep(0.8)
-        paused = await http.post("/control/pause", json={"mode": "abort", "lora": "tiny-lora"})
+        with rec.paced(PACE_MS):  # 4 s or more at the engine: the pause lands mid-turn on any machine
+            chat = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "Long answer."}], "max_tokens": 400}))
+            await wait_until(dispatched, 60, "the LoRA turn to run")
+            await asyncio.sleep(0.8)
+            paused = await http.post("/control/pause", json={"mode": "abort", "lora": "tiny-lora"})
         assert paused.status_code == 200 and paused.json()["ok"], paused.text
         await asyncio.sleep(0.3)
         assert (await http.post("/control/resume", json={"lora": "tiny-lora"})).status_code == 200

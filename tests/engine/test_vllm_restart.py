@@ -13,7 +13,7 @@ from session_server.ops.harness import free_port
 
 from .conftest import serve_process
 from .helpers import new_session, own_turns, trajectory, wait_until
-from .recorder import recording_proxy
+from .recorder import PACE_MS, recording_proxy
 from .vllm_engine import ENGINE_FLAGS, kill, vllm_server
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(900)]
@@ -32,17 +32,18 @@ async def test_engine_death_fails_the_turn_and_a_restart_serves_the_session(
             first = await http.post(f"/sessions/{sid}/v1/chat/completions", json=CHAT)
             assert first.status_code == 200, first.text
             before = await trajectory(http, sid)
-            follow = {**CHAT, "max_tokens": 8000, "messages": [
+            follow = {**CHAT, "max_tokens": 2000, "messages": [
                 *CHAT["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "Go on."}]}
             sent = len(rec.generations())
-            turn = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json=follow))
 
             async def running() -> bool:  # at the engine, not answered yet
                 return any(not e.done for e in rec.generations()[sent:])
 
-            await wait_until(running, 60, "the long turn to run")
-            await asyncio.sleep(0.5)
-            kill(engine)
+            with rec.paced(PACE_MS):  # 20 s or more at the engine: the kill lands mid-turn on any machine
+                turn = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json=follow))
+                await wait_until(running, 60, "the long turn to run")
+                await asyncio.sleep(0.5)
+                kill(engine)
             r = await turn
             assert r.status_code in (502, 503), r.text
             assert r.json()["error"]["type"].startswith(("upstream", "no_healthy")), r.text

@@ -33,7 +33,7 @@ from .helpers import (
     turn_exchanges,
     wait_until,
 )
-from .recorder import Exchange
+from .recorder import PACE_MS, Exchange
 from .vllm_engine import QWEN3_TOKENIZER_IDS
 
 # the module fixtures (proxy, serve) live on the session loop: the tests must run on it too
@@ -136,31 +136,36 @@ async def test_streamed_deltas_equal_the_committed_message(stack: Stack) -> None
     assert all(e.stream for e in turn_exchanges(stack.rec, line, turn))
 
 
-async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 1200, stream: bool = False,
+async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 400, stream: bool = False,
                             **session: Any) -> tuple[dict[str, Any], np.ndarray, np.ndarray, int, int, dict[str, Any]]:
     """One turn paused in `mode` mid-way, the weight version moved v -> v+1 while paused,
     then resumed: (turn, line, logprobs, v, v+1, the pause report). The pause must land
-    while the engine is sampling the turn; a turn that is not (yet or any more) at the
-    engine when the pause would go out is a failed precondition, tried again (5 times)."""
+    while the engine is sampling the turn: the engine is paced (at least 10 ms a token, so
+    the turn's first request runs 4 s or more on any machine) until the pause went out.
+    Random weights can still end a turn at once: such a try is tried again (5 in all)."""
+    misses: list[str] = []
     async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
         for _ in range(5):
             old = await next_version(http)
             assert (await http.post("/control/weight_version", json={"version": old})).status_code == 200
             sid = await new_session(http, **session)
             sent = len(stack.rec.generations())
-            chat = asyncio.create_task(_chat(http, sid, {"messages": [{"role": "user", "content": f"Go ({sid})."}],
-                                                         "max_tokens": max_tokens, "temperature": 1.0,
-                                                         "stream": stream}))
-            # at the engine, or already answered (random weights can end a turn at once)
-            await wait_until(lambda n=sent, c=chat: _dispatched_or_done(stack, n, c), 60, "the turn to run at the engine")
-            if stream and not chat.done():  # tokens are flowing: the request is decoding, past its prefill
-                await wait_until(lambda n=sent, c=chat: _streamed_bytes(stack, n, 4000, c), 60,
-                                 "the engine's stream to flow")
-            await asyncio.sleep(0.8)  # tens of tokens sampled under the old version
-            if not await _dispatched(stack, sent) or chat.done():
-                await chat  # it ran to its end before the pause: not the case under test
-                continue
-            pause = (await http.post("/control/pause", json={"mode": mode})).json()
+            with stack.rec.paced(PACE_MS):
+                chat = asyncio.create_task(_chat(http, sid, {
+                    "messages": [{"role": "user", "content": f"Go ({sid})."}], "max_tokens": max_tokens,
+                    "temperature": 1.0, "stream": stream}))
+                # at the engine, or already answered (random weights can end a turn at once)
+                await wait_until(lambda n=sent, c=chat: _dispatched_or_done(stack, n, c), 60,
+                                 "the turn to run at the engine")
+                if stream and not chat.done():  # tokens are flowing: the request is decoding, past its prefill
+                    await wait_until(lambda n=sent, c=chat: _streamed_bytes(stack, n, 4000, c), 60,
+                                     "the engine's stream to flow")
+                await asyncio.sleep(0.8)  # tens of tokens sampled under the old version
+                if not await _dispatched(stack, sent) or chat.done():
+                    r = await chat  # it ran to its end before the pause: not the case under test
+                    misses.append(f"answered before the pause: {r.status_code} {r.text[:200]}")
+                    continue
+                pause = (await http.post("/control/pause", json={"mode": mode})).json()
             new = old + 1
             set_v = await http.post("/control/weight_version", json={"version": new})
             assert set_v.status_code == 200, set_v.text
@@ -169,23 +174,30 @@ async def _turn_under_pause(stack: Stack, mode: str, *, max_tokens: int = 1200, 
             r = await chat
             assert r.status_code == 200, r.text
             line, _, lps, turns = own_turns(await trajectory(http, sid))
-            if _missed(mode, turn_exchanges(stack.rec, line, turns[-1])[0], old):
-                continue  # the engine finished it while the pause was on its way: tried again
+            missed = _missed(mode, turn_exchanges(stack.rec, line, turns[-1])[0], old)
+            if missed:
+                misses.append(missed)
+                continue
             return turns[-1], line, lps, old, new, pause
-    raise AssertionError("the turn never was at the engine when the pause went out")
+    raise AssertionError(f"the turn never was at the engine when the pause went out: {misses}")
 
 
-def _missed(mode: str, first: Exchange, old: int) -> bool:
-    """Whether the pause reached the engine only after the turn's first request ended by
-    itself (the engine can be faster than the test's look at it): an `abort` pause that
-    aborted nothing, a `keep` pause whose update the request never saw."""
+def _missed(mode: str, first: Exchange, old: int) -> str | None:
+    """Why the pause did not land while the turn's first request sampled under the old
+    version, or None: it ended by itself first (an `abort` pause that aborted nothing, a
+    `keep` pause whose update it never saw), or the pause came before its first token."""
     reply = first.reply()["choices"][0]
-    if mode == "abort":
-        return reply.get("finish_reason") != "abort"
-    if mode == "keep":
-        seen = {str(s["version"]) for s in reply.get("weight_versions") or []}
-        return reply.get("finish_reason") in ("stop", "length") and seen <= {str(old)}
-    return False
+    n, reason = len(reply.get("token_ids") or []), reply.get("finish_reason")
+    seen = {str(s["version"]) for s in reply.get("weight_versions") or []}
+    if mode == "abort" and reason != "abort":
+        return f"the first request ended by itself ({reason}, {n} tokens)"
+    if mode == "abort" and n == 0:
+        return "aborted before its first token"
+    if mode == "keep" and reason in ("stop", "length") and seen <= {str(old)}:
+        return f"the first request ended by itself ({reason}, {n} tokens, versions {sorted(seen)})"
+    if mode == "keep" and str(old) not in seen:
+        return f"frozen before its first token (versions {sorted(seen)})"
+    return None
 
 
 async def _streamed_bytes(stack: Stack, before: int, n: int, chat: asyncio.Task[httpx.Response]) -> bool:
@@ -274,12 +286,14 @@ async def test_an_engine_reporting_its_unset_version_never_overrides_the_trainer
 
 
 async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:
-    """A streaming client hangs up mid-turn: vLLM's running count drops to 0, it sampled
+    """A streaming client hangs up mid-turn (the engine paced: its 3,000 tokens would take
+    30 s or more): vLLM's running count drops to 0, it sampled
     few tokens after the hang-up and fewer than the request's 3,000 in all (its own
     token counter; it starts only once nothing runs or waits), the engine's reply was
     cut or ended by the abort, and nothing is committed. Random weights can sample an
     end of turn early: a request the engine ended by itself before the hang-up is not the
     case under test and is tried again."""
+    misses: list[str] = []
     async with httpx.AsyncClient(base_url=stack.url, timeout=600) as http:
         for _ in range(6):
             await wait_until(lambda: _drained(stack), 60, "an engine with nothing running or waiting")
@@ -288,17 +302,20 @@ async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> No
             body = {"model": "m", "messages": [{"role": "user", "content": f"Stream forever ({sid})."}],
                     "max_tokens": 3000, "stream": True, "chat_template_kwargs": {"enable_thinking": False}}
             sent = len(stack.rec.generations())
-            async with http.stream("POST", f"/sessions/{sid}/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                chunks = r.aiter_bytes()
-                await anext(chunks)
-                await wait_until(lambda n=sent: _dispatched(stack, n), 60, "the streamed turn to reach the engine")
-                ex = stack.rec.generations()[sent]
-                # tokens are flowing and vLLM counts the request running (its gauge lags)
-                await wait_until(lambda e=ex: _busy_or_ended(stack, e), 60, "vLLM to count the request running")
-                if ex.finished():
-                    continue  # the engine ended the turn by itself before the hang-up
-                at_hang_up = await engine_generated(stack.engine.url)
+            # paced: the 3,000 tokens take 30 s or more at the engine, on any machine
+            with stack.rec.paced(PACE_MS):
+                async with http.stream("POST", f"/sessions/{sid}/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    chunks = r.aiter_bytes()
+                    await anext(chunks)
+                    await wait_until(lambda n=sent: _dispatched(stack, n), 60, "the streamed turn to reach the engine")
+                    ex = stack.rec.generations()[sent]
+                    # tokens are flowing and vLLM counts the request running (its gauge lags)
+                    await wait_until(lambda e=ex: _busy_or_ended(stack, e), 60, "vLLM to count the request running")
+                    if ex.finished():
+                        misses.append(f"ended before the hang-up: {_finish_reason(ex)}, {len(ex.sampled()[0])} tokens")
+                        continue  # the engine ended the turn by itself before the hang-up
+                    at_hang_up = await engine_generated(stack.engine.url)
             await wait_until(lambda: _idle(stack), 15, "vLLM's running count to drop")
             end = await engine_generated(stack.engine.url)
             sampled, after_hang_up = end - generated, end - at_hang_up
@@ -309,10 +326,11 @@ async def test_a_client_disconnect_aborts_the_engine_request(stack: Stack) -> No
             await wait_until(discarded, 15, "the server to discard the turn")
             view = (await http.get(f"/sessions/{sid}")).json()
             if ex.finished() and _finish_reason(ex) != "abort":
+                misses.append(f"ended as the client hung up: {_finish_reason(ex)}, {len(ex.sampled()[0])} tokens")
                 continue  # the engine ended the turn by itself as the client hung up
             break
         else:
-            raise AssertionError("every try ended at the engine before the client hung up")
+            raise AssertionError(f"every try ended at the engine before the client hung up: {misses}")
     # The server both closes the engine stream and sends `/abort_requests`: whichever
     # reaches vLLM first ends the request, so its reply is either cut or ended by the abort.
     assert not ex.done or _finish_reason(ex) == "abort", "the engine's stream was neither cut nor aborted"
@@ -479,12 +497,14 @@ async def test_a_killed_server_comes_back_from_its_journal_and_the_session_goes_
             long = {**chat, "max_tokens": 2000, "messages": [
                 *chat["messages"], first.json()["choices"][0]["message"], {"role": "user", "content": "Go on."}]}
             sent = len(stack.rec.generations())
-            lost = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json=long, headers=retry))
 
             async def sampling() -> bool:
                 return any(not e.done for e in stack.rec.generations()[sent:])
 
-            await wait_until(sampling, 60, "the long turn to sample")
+            with stack.rec.paced(PACE_MS):  # 20 s or more at the engine: the kill lands mid-turn
+                lost = asyncio.create_task(http.post(f"/sessions/{sid}/v1/chat/completions", json=long,
+                                                     headers=retry))
+                await wait_until(sampling, 60, "the long turn to sample")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             with pytest.raises(httpx.TransportError):

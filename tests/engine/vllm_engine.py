@@ -48,12 +48,15 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+PLUGINS = Path(__file__).resolve().parent / "plugins"  # vLLM plugins for tests, loaded by the engine
 QWEN3_VOCAB_ROWS = 151_936  # the released Qwen3 models' embedding rows (config.json vocab_size)
 QWEN3_TOKENIZER_IDS = 151_669  # ids the Qwen3 tokenizer can decode: the rows past it are padding
 START_TIMEOUT_S = 300.0
-# cached-token counts in `usage`; a grammar without free whitespace (random weights would fill
-# an object with whitespace until `max_tokens`: vLLM reads this switch per server only)
-ENGINE_FLAGS = ("--enable-prompt-tokens-details",
+# cached-token counts in `usage`; the pacing plugin (`plugins/tito_pacer.py`, on the engine's
+# PYTHONPATH: idle unless a request asks for it through the recording proxy); a grammar
+# without free whitespace (random weights would fill an object with whitespace until
+# `max_tokens`: vLLM reads this switch per server only)
+ENGINE_FLAGS = ("--enable-prompt-tokens-details", "--logits-processors", "tito_pacer:Pacer",
                 "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
@@ -231,7 +234,8 @@ def vllm_server(model_dir: Path, log_dir: Path, *, extra: tuple[str, ...] = (), 
     log = log_dir / f"vllm-{port}-{time.monotonic_ns()}.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+           "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--enable-scale-out", "--dtype", "bfloat16",
            "--max-model-len", str(max_model_len), "--seed", "0", *extra]
