@@ -40,8 +40,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # A developer iterating on the suite may point it at an engine already running
-# (`TITO_VLLM_URL`, serving `TITO_VLLM_MODEL_DIR`, started with the flags below) instead
-# of paying a start per module. CI never sets them.
+# (`TITO_VLLM_URL`, serving `TITO_VLLM_MODEL_DIR`, started with `ENGINE_FLAGS` and with
+# `tests/engine/plugins` on its PYTHONPATH) instead of paying a start per module. CI never
+# sets them.
 RUNNING_URL = os.environ.get("TITO_VLLM_URL")
 RUNNING_MODEL = os.environ.get("TITO_VLLM_MODEL_DIR")
 
