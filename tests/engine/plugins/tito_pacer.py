@@ -16,12 +16,20 @@ from __future__ import annotations
 import time
 
 import torch
+from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 
 class Pacer(LogitsProcessor):
     """Sleep the longest `pace_ms` among the batch's requests at every step."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """A bad pace is the request's 400, never an exception inside the engine core."""
+        ms = (sampling_params.extra_args or {}).get("pace_ms")
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or not 0 <= ms <= 1000):
+            raise ValueError(f"extra_args.pace_ms must be a number of ms in [0, 1000], got {ms!r}")
 
     def __init__(self, vllm_config: object, device: torch.device, is_pin_memory: bool) -> None:
         self.paces: dict[int, float] = {}

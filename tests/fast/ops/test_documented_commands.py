@@ -38,6 +38,7 @@ SUBCOMMANDS = ("serve", "cluster", "sim-engine", "verify-template", "demo")
 # flags the docs name that belong to other programs (the engines, mostly), with whose they are
 FOREIGN_FLAGS = {
     "--enable-prompt-tokens-details": "vLLM", "--enable-scale-out": "vLLM", "--logprobs-mode": "vLLM",
+    "--logits-processors": "vLLM",
     "--max-logprobs": "vLLM", "--otlp-traces-endpoint": "vLLM", "--return-sampling-mask": "vLLM",
     "--structured-outputs-config": "vLLM", "--enable-trace": "SGLang",
     "--allowedTools": "Claude Code", "--skip-git-repo-check": "Codex CLI",  # run in test_harnesses.py
