@@ -3,12 +3,12 @@ of what the engine saw and sampled, to compare the committed trajectory with.
 
 Every request is forwarded as is (streams chunk by chunk, so the session server sees the
 engine's own timing); generation requests and their replies are kept in order. A test that
-must land an event while the engine samples sets `pace_ms`: the proxy then adds it to each
-generation request's vLLM `extra_args` on the way (the record keeps what the session server
-sent), and the engine's pacing plugin (`plugins/tito_pacer.py`) makes every step last at
-least that long. A client
-that hangs up cancels the handler, which closes the upstream connection: the engine sees
-the disconnect exactly as it would from the session server itself.
+must land an event while the engine samples paces it (`Recorder.paced`), and one that needs
+the same text across a pause scripts it (`Recorder.scripted`): the proxy adds the knob to
+each generation request's vLLM `extra_args` on the way (the record keeps what the session
+server sent), and the engine's plugins (`plugins/`) act on it. A client that hangs up
+cancels the handler, which closes the upstream connection: the engine sees the
+disconnect exactly as it would from the session server itself.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ class Exchange:
         ids: list[int] = []
         content: list[Any] = []
         choice: dict[str, Any] = {}
-        for line in self.body.decode().splitlines():
+        # a stream the session server cut (a hang-up, a stop it matched itself) can end
+        # inside a frame: only the lines the engine finished are read
+        for line in self.body.decode(errors="replace").split("\n")[:-1]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             frame = json.loads(line[6:])
@@ -97,28 +99,40 @@ class Recorder:
     upstream: str
     exchanges: list[Exchange] = field(default_factory=list)
     calls: list[tuple[str, str]] = field(default_factory=list)  # (method, path) of every request
-    pace_ms: float | None = None  # the floor of each engine step for generation requests sent from now
+    # vLLM `extra_args` added to each generation request sent from now (the plugins' knobs)
+    extra_args: dict[str, Any] = field(default_factory=dict)
 
     @contextlib.contextmanager
-    def paced(self, ms: float) -> Iterator[None]:
-        """Generation requests sent inside the block run at most one token per `ms` at the
-        engine: a floor on how long they take on any machine, however fast."""
-        self.pace_ms = ms
+    def _with(self, **args: Any) -> Iterator[None]:
+        self.extra_args.update(args)
         try:
             yield
         finally:
-            self.pace_ms = None
+            for k in args:
+                self.extra_args.pop(k, None)
+
+    def paced(self, ms: float) -> contextlib.AbstractContextManager[None]:
+        """Generation requests sent inside the block run at most one token per `ms` at the
+        engine: a floor on how long they take on any machine, however fast."""
+        return self._with(pace_ms=ms)
+
+    def scripted(self, ids: list[int]) -> contextlib.AbstractContextManager[None]:
+        """Generation requests sent inside the block sample `ids` from the end of the first
+        one's prompt: a resubmission (`prompt + partial`) goes on where its partial ended."""
+        return self._with(script=list(ids), script_start=None)
 
     def forwarded(self, path: str, raw: bytes) -> bytes:
-        """The body to send upstream: `raw`, with the pace added to a generation request."""
-        if self.pace_ms is None or path not in GENERATE_PATHS or not raw:
+        """The body to send upstream: `raw`, with the plugins' knobs added to a generation request."""
+        if not self.extra_args or path not in GENERATE_PATHS or not raw:
             return raw
         body = json.loads(raw)
+        if self.extra_args.get("script_start", 0) is None:  # the script starts after this prompt
+            self.extra_args["script_start"] = len(body.get("token_ids") or body.get("prompt") or [])
         if path == "/inference/v1/generate":
             params = body.setdefault("sampling_params", {})
-            params["extra_args"] = {**(params.get("extra_args") or {}), "pace_ms": self.pace_ms}
+            params["extra_args"] = {**(params.get("extra_args") or {}), **self.extra_args}
         elif path == "/v1/completions":
-            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "pace_ms": self.pace_ms}
+            body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), **self.extra_args}
         return json.dumps(body).encode()
 
     def generations(self) -> list[Exchange]:

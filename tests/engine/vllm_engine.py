@@ -52,11 +52,11 @@ PLUGINS = Path(__file__).resolve().parent / "plugins"  # vLLM plugins for tests,
 QWEN3_VOCAB_ROWS = 151_936  # the released Qwen3 models' embedding rows (config.json vocab_size)
 QWEN3_TOKENIZER_IDS = 151_669  # ids the Qwen3 tokenizer can decode: the rows past it are padding
 START_TIMEOUT_S = 300.0
-# cached-token counts in `usage`; the pacing plugin (`plugins/tito_pacer.py`, on the engine's
-# PYTHONPATH: idle unless a request asks for it through the recording proxy); a grammar
+# cached-token counts in `usage`; the pacing and script plugins (`plugins/`, on the engine's
+# PYTHONPATH: idle unless a request asks for them through the recording proxy); a grammar
 # without free whitespace (random weights would fill an object with whitespace until
 # `max_tokens`: vLLM reads this switch per server only)
-ENGINE_FLAGS = ("--enable-prompt-tokens-details", "--logits-processors", "tito_pacer:Pacer",
+ENGINE_FLAGS = ("--enable-prompt-tokens-details", "--logits-processors", "tito_pacer:Pacer", "tito_script:Script",
                 "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
