@@ -7,8 +7,8 @@ A random-weight model's text is noise, and greedy it repeats one token, so the e
 scripted (`plugins/tito_script.py`): every request of the turn samples a fixed sentence
 from where its prompt ends, as a deterministic model would, and vLLM's own stop-string
 matching, abort, streaming and detokenizer do the rest. The engine is paced (100 ms a
-token) so the pause, sent as the stream reaches the stop string's middle, lands inside
-it; a try where it did not is tried again.
+token) so the pause, sent as the stream holds the stop string's first token, lands
+inside it; a try where it did not is tried again.
 """
 
 from __future__ import annotations
@@ -82,10 +82,12 @@ async def test_a_stop_string_split_by_a_pause_ends_the_turn_where_the_uninterrup
                 with stack.rec.paced(PACE_MS):
                     chat = asyncio.create_task(_stream(http, sid, body, shown))
 
-                    async def midway(n: int = sent, c: asyncio.Task[int] = chat) -> bool:
-                        return c.done() or any(_sampled(e) >= (a + b) // 2 for e in stack.rec.generations()[n:])
+                    # sent once the string is begun: the engine, a step or two further on
+                    # when the abort reaches it, is still short of the string's last token
+                    async def begun(n: int = sent, c: asyncio.Task[int] = chat) -> bool:
+                        return c.done() or any(_sampled(e) > a for e in stack.rec.generations()[n:])
 
-                    await wait_until(midway, 60, "the stream to reach the stop string", every_s=0.01)
+                    await wait_until(begun, 60, "the stream to reach the stop string", every_s=0.01)
                     paused = await http.post("/control/pause", json={"mode": "abort"})
                 assert paused.status_code == 200, paused.text
                 await asyncio.sleep(0.3)

@@ -45,8 +45,8 @@ class Script(LogitsProcessor):
         if "script" not in args:
             return
         script, start = args.get("script"), args.get("script_start")
-        if (not isinstance(script, list) or not all(isinstance(i, int) and i >= 0 for i in script)
-                or not isinstance(start, int) or start < 0):
+        if (not isinstance(script, list) or not all(type(i) is int and i >= 0 for i in script)
+                or type(start) is not int or start < 0):
             raise ValueError("extra_args.script must be a list of token ids and script_start an int >= 0")
 
     def __init__(self, vllm_config: object, device: torch.device, is_pin_memory: bool) -> None:
