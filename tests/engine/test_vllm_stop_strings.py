@@ -6,7 +6,7 @@ begun in the kept partial) ends the turn exactly where the uninterrupted turn en
 A random-weight model's text is noise, and greedy it repeats one token, so the engine is
 scripted (`plugins/tito_script.py`): every request of the turn samples a fixed sentence
 from where its prompt ends, as a deterministic model would, and vLLM's own stop-string
-matching, abort, streaming and detokenizer do the rest. The engine is paced (100 ms a
+matching, abort, streaming and detokenizer do the rest. The engine is paced (250 ms a
 token) so the pause, sent as the stream holds the stop string's first token, lands
 inside it; a try where it did not is tried again.
 """
@@ -27,7 +27,7 @@ from .recorder import Exchange
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
-PACE_MS = 100.0
+PACE_MS = 250.0  # the pause has 2-3 steps (0.5 s or more) to reach the engine inside the string
 SENTENCE = ("The committee met on Tuesday to review the harbour plans, and after a long debate about "
             "the budget they agreed to build the new pier before the winter storms arrive next year, "
             "weather permitting.")
