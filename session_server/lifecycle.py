@@ -70,7 +70,7 @@ async def build_context(config: AppConfig) -> ServerContext:
     if vocab_size != len(tok):
         log.info("model vocabulary: %d rows for %d tokenizer ids", vocab_size, len(tok))
     model_routed = await offload.run(model_routed_shape, str(getattr(tok, "name_or_path", "") or ""))
-    decoder = ReplyDecoder(offload, processes=settings.decode_processes)
+    decoder = ReplyDecoder(offload, processes=settings.decode_processes, malloc_retain_mb=settings.malloc_retain_mb)
     await decoder.start()
     engines = EnginePool(make_policy(settings.routing_policy))
     registry = EngineRegistry(engines, offload=decoder.run, sglang_incremental=settings.sglang_incremental_streams)

@@ -12,7 +12,7 @@ prctl; elsewhere a thread that watches the parent pid):
 * the forkserver: this module is the first of its preload modules, and arms itself
   there when its parent is the pid `ENV` names (`serve` sets it to its own pid);
 * each pool worker (a child of the forkserver, where fork clears the setting):
-  `arm_pool_worker`, the pool's initializer;
+  `arm_pool_worker`, run by the pool's initializer;
 * the resource tracker then sees the end of its pipe once they are gone and exits
   by itself (its documented way out: every holder of the pipe has exited);
 * `cluster`'s workers and HAProxy: started through `die_with_parent_argv`, a tiny

@@ -81,6 +81,10 @@ class Settings(BaseSettings):
         "drain_timeout: no engine paused, the gate stays closed)")
     decode_processes: int = Field(
         1, ge=0, le=64, description="processes decoding large engine replies (0: threads only)")
+    malloc_retain_mb: int = Field(
+        256, ge=0, le=2047, description="glibc only: serve and its decoder processes take blocks up to 32 MiB "
+        "from the heap and keep up to this many MiB of freed heap for reuse, so ~1 MB engine replies are not "
+        "mapped and unmapped one by one (0: glibc's defaults)")
     admin_token: str | None = Field(
         None, validation_alias=AliasChoices(f"{ENV_PREFIX}ADMIN_TOKEN", ADMIN_TOKEN_ENV),
         description=f"turn on bearer auth with this admin token (env {ENV_PREFIX}ADMIN_TOKEN or "

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+from ..malloc_tuning import retain_large_blocks
 from ..offload import CpuOffload
 from ..parent_death import ENV as DIE_WITH_ENV
 from ..parent_death import arm_pool_worker
@@ -41,6 +42,13 @@ def _warm() -> bool:
     import session_server.engines  # noqa: F401  (import the parsers once per worker)
 
     return True
+
+
+def _init_worker(owner_pid: int, malloc_retain_mb: int) -> None:
+    """A worker dies with its owner and, like `serve`, keeps large blocks in its heap:
+    it unpickles and parses every large reply (malloc_tuning.py)."""
+    arm_pool_worker(owner_pid)
+    retain_large_blocks(malloc_retain_mb)
 
 
 def _parse(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -58,9 +66,11 @@ def _predecoded(result: Any) -> Any:
 class ReplyDecoder:
     """An `Offload` for engine adapters: `await decoder.run(parse_fn, body, **kw)`."""
 
-    def __init__(self, threads: CpuOffload, *, processes: int = 1, large_reply_bytes: int = LARGE_REPLY_BYTES) -> None:
+    def __init__(self, threads: CpuOffload, *, processes: int = 1, large_reply_bytes: int = LARGE_REPLY_BYTES,
+                 malloc_retain_mb: int = 0) -> None:
         """Replies of at least `large_reply_bytes` go to `processes` worker processes;
-        the rest to the offload threads (inline when small)."""
+        the rest to the offload threads (inline when small). `malloc_retain_mb`: the
+        workers' `retain_large_blocks` (0: glibc's defaults)."""
         self._threads = threads
         self.large_reply_bytes = large_reply_bytes
         self._procs: ProcessPoolExecutor | None = None
@@ -72,7 +82,7 @@ class ReplyDecoder:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(["session_server.parent_death", "session_server.engines"])
             self._procs = ProcessPoolExecutor(max_workers=processes, mp_context=ctx,
-                                              initializer=arm_pool_worker, initargs=(os.getpid(),))
+                                              initializer=_init_worker, initargs=(os.getpid(), malloc_retain_mb))
 
     async def start(self) -> None:
         """Start the workers now, not on the first large reply."""

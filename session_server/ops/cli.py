@@ -106,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ..app import AppConfig, create_app
     from ..engines.http import raise_nofile_limit
+    from ..malloc_tuning import retain_large_blocks
     from .serving import uvicorn_options
 
     settings = settings_or_report(args, "serve")
@@ -132,6 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Fewer, later cyclic-GC passes: the server allocates many short-lived objects per
     # request, and a young-generation pass every 700 allocations adds tail latency.
     gc.set_threshold(args.gc_gen0_threshold, 20, 20)
+    retain_large_blocks(settings.malloc_retain_mb)  # the decoder processes do the same (reply_decoder.py)
     app = create_app(AppConfig(tokenizer=tokenizer, engines=args.engine, settings=settings))
     options = uvicorn_options(
         host=args.host, port=args.port, log_level=args.log_level,

@@ -28,6 +28,9 @@ def no_uvicorn(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(uvicorn, "run", fake_run)
     monkeypatch.setattr(cli.sys, "setswitchinterval", lambda _s: None)
     monkeypatch.setattr(cli.gc, "set_threshold", lambda *_a: None)
+    import session_server.malloc_tuning as malloc_tuning
+
+    monkeypatch.setattr(malloc_tuning, "retain_large_blocks", lambda mb: seen.setdefault("malloc_retain_mb", mb) > 0)
     return seen
 
 
@@ -47,6 +50,16 @@ def offline_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     for var in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
+
+
+def test_serve_keeps_large_blocks_in_its_heap_as_the_setting_says(
+    no_uvicorn: dict[str, Any], monkeypatch: pytest.MonkeyPatch, builtin_cache: Path
+) -> None:
+    monkeypatch.setenv("TITO_CACHE_DIR", str(builtin_cache))
+    base = ["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "qwen3"]
+    assert cli.main(base) == 0 and no_uvicorn["malloc_retain_mb"] == 256
+    no_uvicorn.clear()
+    assert cli.main([*base, "--malloc-retain-mb", "0"]) == 0 and no_uvicorn["malloc_retain_mb"] == 0
 
 
 def test_serve_accepts_the_simulators_builtin_tokenizer_names(

@@ -40,6 +40,9 @@ def test_serve_runs_uvicorn_with_the_shared_options(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
     monkeypatch.setattr(cli.sys, "setswitchinterval", lambda _s: None)
     monkeypatch.setattr(cli.gc, "set_threshold", lambda *_a: None)
+    import session_server.malloc_tuning as malloc_tuning
+
+    monkeypatch.setattr(malloc_tuning, "retain_large_blocks", lambda _mb: True)  # not this test process's allocator
     rc = cli.main(["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", str(qwen3_dir), "--port", "8123"])
     assert rc == 0
     assert seen["timeout_keep_alive"] == KEEP_ALIVE_S and seen["backlog"] == LISTEN_BACKLOG
