@@ -82,9 +82,11 @@ class Settings(BaseSettings):
     decode_processes: int = Field(
         1, ge=0, le=64, description="processes decoding large engine replies (0: threads only)")
     malloc_retain_mb: int = Field(
-        256, ge=0, le=2047, description="glibc only: serve and its decoder processes take blocks up to 32 MiB "
-        "from the heap and keep up to this many MiB of freed heap for reuse, so ~1 MB engine replies are not "
-        "mapped and unmapped one by one (0: glibc's defaults)")
+        32, ge=0, le=2047, description="glibc only, in serve and its decoder processes: blocks up to 32 MiB come "
+        "from the heap and each heap's top keeps up to this many MiB free before it is trimmed, so ~1 MB engine "
+        "replies reuse memory instead of growing and trimming the heap; memory held after a burst grows with "
+        "it (bench/README.md). 0: the allocator as the environment set it (GLIBC_TUNABLES, MALLOC_*_), which "
+        "any other value overrides")
     admin_token: str | None = Field(
         None, validation_alias=AliasChoices(f"{ENV_PREFIX}ADMIN_TOKEN", ADMIN_TOKEN_ENV),
         description=f"turn on bearer auth with this admin token (env {ENV_PREFIX}ADMIN_TOKEN or "

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from ..malloc_tuning import retain_large_blocks
+from ..malloc_tuning import MAX_RETAIN_MB, retain_large_blocks
 from ..offload import CpuOffload
 from ..parent_death import ENV as DIE_WITH_ENV
 from ..parent_death import arm_pool_worker
@@ -70,7 +70,10 @@ class ReplyDecoder:
                  malloc_retain_mb: int = 0) -> None:
         """Replies of at least `large_reply_bytes` go to `processes` worker processes;
         the rest to the offload threads (inline when small). `malloc_retain_mb`: the
-        workers' `retain_large_blocks` (0: glibc's defaults)."""
+        workers' `retain_large_blocks` (0: the allocator left as it is), checked here:
+        a worker whose initializer raised would break the pool."""
+        if not 0 <= malloc_retain_mb <= MAX_RETAIN_MB:
+            raise ValueError(f"malloc_retain_mb must be within 0..{MAX_RETAIN_MB}, not {malloc_retain_mb}")
         self._threads = threads
         self.large_reply_bytes = large_reply_bytes
         self._procs: ProcessPoolExecutor | None = None

@@ -57,7 +57,7 @@ def test_serve_keeps_large_blocks_in_its_heap_as_the_setting_says(
 ) -> None:
     monkeypatch.setenv("TITO_CACHE_DIR", str(builtin_cache))
     base = ["serve", "--engine", "sglang=http://127.0.0.1:9", "--tokenizer", "qwen3"]
-    assert cli.main(base) == 0 and no_uvicorn["malloc_retain_mb"] == 256
+    assert cli.main(base) == 0 and no_uvicorn["malloc_retain_mb"] == 32
     no_uvicorn.clear()
     assert cli.main([*base, "--malloc-retain-mb", "0"]) == 0 and no_uvicorn["malloc_retain_mb"] == 0
 
