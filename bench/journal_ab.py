@@ -14,6 +14,12 @@ and a 90% bootstrap interval.
 
     python bench/journal_ab.py --base /tmp/main-tree --rounds 12 --json bench/results/journal_ab.json
 
+Two settings of one checkout: `--base .` and `--new-arg` (repeatable) for the flags the
+`new` server adds, e.g. the journal's sync mode:
+
+    python bench/journal_ab.py --base . --new-arg=--journal-sync=normal --rounds 12 \
+        --json bench/results/journal_ab_sync_normal.json
+
 Run it from this checkout's root (each `serve` imports the code of its working directory).
 """
 
@@ -62,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 str(args.base.resolve())]
     legs: list[dict[str, Any]] = []
     lat: dict[str, list[float]] = {m: [] for m in MODES}
-    result: dict[str, Any] = {"base": str(args.base), "filesystem": filesystem(root), "cpus": os.cpu_count(),
+    result: dict[str, Any] = {"base": str(args.base), "new_args": args.new_arg, "filesystem": filesystem(root), "cpus": os.cpu_count(),
                               "agents": args.agents, "turns_per_agent_per_leg": args.turns, "rounds": args.rounds,
                               "loadavg_start": os.getloadavg()}
     try:
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode in MODES:
                 engine = stack.enter_context(sim_engine("sglang", tokenizer))
                 extra = [] if mode == "off" else ["--journal-dir", str(dirs[mode]), "--instance-id", INSTANCE]
+                extra += args.new_arg if mode == "new" else []
                 cli = {"cli": base_cli} if mode == "base" else {}
                 urls[mode] = stack.enter_context(server([engine], tokenizer, extra=extra, **cli))
             for mode in MODES:
@@ -111,6 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", type=Path, required=True, help="a checkout whose server is the `base` journal")
+    ap.add_argument("--new-arg", action="append", default=[], metavar="ARG",
+                    help="a serve flag for the `new` server only (repeatable; --new-arg=--flag=value)")
     ap.add_argument("--family", default="qwen3")
     ap.add_argument("--agents", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=3)

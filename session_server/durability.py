@@ -63,7 +63,7 @@ def open_journal(settings: Settings) -> Journal | None:
     if settings.journal_dir is None:
         return None
     return Journal(journal_path(settings.journal_dir, settings.instance_id), max_bytes=settings.journal_max_bytes,
-                   tombstone_ttl_s=settings.tombstone_ttl_s)
+                   tombstone_ttl_s=settings.tombstone_ttl_s, sync=settings.journal_sync)
 
 
 async def recover(ctx: ServerContext, replays: ReplayLog) -> None:

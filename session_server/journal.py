@@ -103,10 +103,15 @@ def journal_path(directory: str | Path, instance_id: str | None) -> Path:
     return d / f"{instance_id or 'default'}.sqlite3"
 
 
-def _connect(path: Path, max_bytes: int | None) -> sqlite3.Connection:
+SYNC_MODES = ("full", "normal")
+"""SQLite's `synchronous` in WAL mode (sqlite.org/pragma.html#pragma_synchronous): `full` syncs at every
+commit (a change survives the machine's crash); `normal` at checkpoints (the process's death, not the machine's)."""
+
+
+def _connect(path: Path, max_bytes: int | None, sync: str = "full") -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute(f"PRAGMA synchronous={sync.upper()}")
     if max_bytes is not None:  # a quota: past it, writes fail as on a full disk (SQLITE_FULL)
         page = conn.execute("PRAGMA page_size").fetchone()[0]
         conn.execute(f"PRAGMA max_page_count={max(1, max_bytes // page)}")
@@ -174,9 +179,12 @@ class Journal:
     `gone` through the writer thread (`start` ... `close`)."""
 
     def __init__(self, path: Path, *, max_bytes: int | None = None, tombstone_ttl_s: float = 3600.0,
-                 max_tombstones: int = 500_000) -> None:
+                 max_tombstones: int = 500_000, sync: str = "full") -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"journal sync must be one of {SYNC_MODES}, not {sync!r}")
         self.path = path
         self._max_bytes = max_bytes
+        self.sync = sync
         self.tombstone_ttl_s = tombstone_ttl_s
         self.max_tombstones = max_tombstones
         self._tombstones: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
@@ -244,7 +252,7 @@ class Journal:
         """Open the file for writing and start the writer thread."""
         self._loop = loop
         try:
-            self._conn = _connect(self.path, self._max_bytes)
+            self._conn = _connect(self.path, self._max_bytes, self.sync)
         except sqlite3.DatabaseError as exc:
             raise JournalCorrupt(f"journal {self.path} cannot be opened as SQLite: {exc}") from exc
         self._thread = threading.Thread(target=self._writer, name="tito-journal", daemon=True)

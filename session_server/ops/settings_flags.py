@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..journal import SYNC_MODES
 from ..routing.factory import POLICY_NAMES
 from ..sessions import SAMPLING_POLICIES
 from ..settings import ENV_PREFIX, Settings
@@ -60,6 +61,9 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
                 del kw["metavar"]
             elif name == "sampling_policy":
                 kw["choices"] = SAMPLING_POLICIES
+                del kw["metavar"]
+            elif name == "journal_sync":
+                kw["choices"] = SYNC_MODES
                 del kw["metavar"]
         g.add_argument(_flag(name), *_FLAG_ALIASES.get(name, ()), **kw)
     g.add_argument("--max-body-mb", type=int, default=None, dest="max_body_mb",

@@ -6,7 +6,7 @@ loaded back through the real path, `AutoTokenizer.from_pretrained(str(path))`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +60,16 @@ def load_renderer_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Callabl
 @pytest.fixture
 def qwen3_dir(tokenizer_dirs: dict[str, Path]) -> Path:
     return tokenizer_dirs["qwen3"]
+
+
+@pytest.fixture(autouse=True)
+def _journal_failures_never_end_the_test_process() -> Iterator[None]:
+    """`serve` run in-process (its CLI, with uvicorn faked) arms "a journal that does not
+    replay ends the process with status 65"; a later test that breaks a journal on
+    purpose would then end pytest itself. Each test starts with it off."""
+    from session_server import durability
+
+    armed = durability.EXIT_ON_FATAL[0]
+    durability.EXIT_ON_FATAL[0] = False
+    yield
+    durability.EXIT_ON_FATAL[0] = armed

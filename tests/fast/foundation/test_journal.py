@@ -202,3 +202,59 @@ async def test_a_cancel_waits_for_the_outcome_of_the_write() -> None:
         t.cancel()
         w.set_result(None)
         await t
+
+
+@pytest.mark.parametrize("sync, pragma", [("full", 2), ("normal", 1)])
+async def test_the_journal_runs_with_the_sync_mode_it_was_given(tmp_path: Path, sync: str, pragma: int) -> None:
+    j = await _open(journal_path(tmp_path, "w0"), sync=sync)
+    await j.append("s", "turn", b"x")
+    assert j._conn is not None and j._conn.execute("PRAGMA synchronous").fetchone()[0] == pragma
+    await j.close()
+
+
+def test_a_sync_mode_sqlite_would_not_keep_a_promise_for_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="full"):
+        Journal(journal_path(tmp_path, "w0"), sync="off")
+
+
+def test_the_setting_reaches_the_journal(tmp_path: Path) -> None:
+    from session_server.durability import open_journal
+    from session_server.settings import Settings
+
+    j = open_journal(Settings(journal_dir=str(tmp_path), journal_sync="normal"))
+    assert j is not None and j.sync == "normal"
+    j.release()
+    j = open_journal(Settings(journal_dir=str(tmp_path)))
+    assert j is not None and j.sync == "full"
+    j.release()
+
+
+KILLED_WRITER = """
+import asyncio, os, signal, sys
+from pathlib import Path
+from session_server.journal import Journal, durable
+
+async def main() -> None:
+    j = Journal(Path(sys.argv[1]), sync=sys.argv[2])
+    list(j.read())
+    j.start(asyncio.get_running_loop())
+    for i in range(40):
+        await durable(j.append(f"s{i % 4}", "turn", f"turn {i}".encode() * 40))
+    print("acknowledged 40", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close, no checkpoint: the process dies
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("sync", ["full", "normal"])
+def test_every_acknowledged_change_survives_a_killed_process_in_either_sync_mode(tmp_path: Path, sync: str) -> None:
+    import subprocess
+    import sys
+
+    path = journal_path(tmp_path, "w0")
+    out = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(path), sync], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == -9 and "acknowledged 40" in out.stdout, out.stderr
+    rows = list(Journal(path).read())
+    assert [r.body for r in rows] == [f"turn {i}".encode() * 40 for i in range(40)]
