@@ -117,7 +117,7 @@ class _JournalCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         j = self.journal
         yield CounterMetricFamily("tito_journal_records", "Records the journal stored", value=j.records_written)
-        yield CounterMetricFamily("tito_journal_syncs", "Journal transactions committed (each one sync)",
+        yield CounterMetricFamily("tito_journal_syncs", "Journal transactions committed (each one sync under journal sync full)",
                                   value=j.syncs)
         yield CounterMetricFamily("tito_journal_failures", "Journal transactions that failed (nothing stored)",
                                   value=j.failures)

@@ -12,9 +12,11 @@ wake-up), and the writer commits everything handed over while its previous trans
 was syncing as one transaction (group commit: one sync for the turns committed in the
 same tick, or more under load). Per commit, not per record, is where the cost is
 (~200 us of CPU for SQLite, the WAL's page writes, the fsync and two thread wake-ups;
-~25 us per record at 64 a commit: bench/README.md). `synchronous=FULL`: the WAL is
-fsync'd at every commit, so an acknowledged record survives a power loss, not only a
-process crash. A record is `(seq, sid, kind, at, body, crc)`: `body` is the record's
+~25 us per record at 64 a commit: bench/README.md). By default (`sync="full"`,
+`synchronous=FULL`) the WAL is fsync'd at every commit, so an acknowledged record
+survives a power loss, not only a process crash; `sync="normal"` syncs at checkpoints
+only: a killed process still loses nothing acknowledged, a crashed machine may lose the
+last commits (journal_file.py). A record is `(seq, sid, kind, at, body, crc)`: `body` is the record's
 msgpack (`journal_records.py`), `crc` its CRC-32, checked at recovery.
 
 **Compaction.** When a session leaves the store (delete, expiry, samples close) its
@@ -26,10 +28,11 @@ history.
 error) fails every record of its transaction: the caller undoes the change and answers
 503 (`JournalUnavailable`), and for `FAILURE_HOLD_S` new turns are refused before they
 reach an engine. At start-up (`read`): a WAL that ends inside a frame was torn by a
-crash mid-write; SQLite drops that unfinished transaction (it was never acknowledged)
-and a warning says so. A record whose CRC does not match, or a file SQLite cannot
-read, stops the start (`JournalCorrupt`, naming the record): nothing is served from
-a journal that lost data silently.
+crash mid-write; SQLite drops that unfinished transaction (never acknowledged under
+`full`; under `normal` a machine's crash can also drop acknowledged ones, and the
+warning says that too). A record whose CRC does not match, or a file SQLite cannot
+read, stops the start (`JournalCorrupt`, naming the record): under `full`, nothing is
+served from a journal that lost data silently.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import JournalUnavailable, SessionGone, shown
+from .journal_file import SYNC_MODES, connect, journal_path, torn_tail
 
 __all__ = ["FAILURE_HOLD_S", "JOURNAL_EXIT_STATUS", "Journal", "JournalCorrupt", "Row", "Written", "durable",
            "journal_path", "settled"]
@@ -68,15 +72,6 @@ commit next to share its transaction: a commit costs ~200 us of CPU whatever it 
 so at hundreds of turns a second a 2 ms wait halves the commits or better. An idle
 journal hands a record over at the end of its loop tick."""
 
-_WAL_HEADER, _FRAME_HEADER = 32, 24  # sqlite.org/fileformat.html, "The WAL file format"
-
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY, sid TEXT NOT NULL, kind TEXT NOT NULL, "
-    "at REAL NOT NULL, body BLOB NOT NULL, crc INTEGER NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS records_sid ON records (sid)",
-    "CREATE TABLE IF NOT EXISTS tombstones (sid TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS tombstones_at ON tombstones (at)",
-)
 _PRUNE_EVERY = 256
 _INSERT = "INSERT INTO records (sid, kind, at, body, crc) VALUES (?, ?, ?, ?, ?)"  # tombstones written between two deletes of the expired ones
 
@@ -94,48 +89,6 @@ class Row:
     kind: str
     at: float  # wall-clock time it was written (time.time())
     body: bytes
-
-
-def journal_path(directory: str | Path, instance_id: str | None) -> Path:
-    """The journal of this instance in `directory` (created when missing)."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    return d / f"{instance_id or 'default'}.sqlite3"
-
-
-SYNC_MODES = ("full", "normal")
-"""SQLite's `synchronous` in WAL mode (sqlite.org/pragma.html#pragma_synchronous): `full` syncs at every
-commit (a change survives the machine's crash); `normal` at checkpoints (the process's death, not the machine's)."""
-
-
-def _connect(path: Path, max_bytes: int | None, sync: str = "full") -> sqlite3.Connection:
-    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA synchronous={sync.upper()}")
-    if max_bytes is not None:  # a quota: past it, writes fail as on a full disk (SQLITE_FULL)
-        page = conn.execute("PRAGMA page_size").fetchone()[0]
-        conn.execute(f"PRAGMA max_page_count={max(1, max_bytes // page)}")
-    for stmt in _SCHEMA:
-        conn.execute(stmt)
-    return conn
-
-
-def _torn_tail(path: Path) -> int:
-    """Bytes of an unfinished frame at the end of the WAL (0: none, or no WAL)."""
-    wal = path.with_name(path.name + "-wal")
-    try:
-        size = wal.stat().st_size
-        with wal.open("rb") as f:
-            header = f.read(_WAL_HEADER)
-    except FileNotFoundError:
-        return 0
-    if size <= _WAL_HEADER or len(header) < _WAL_HEADER:
-        return max(0, size) if 0 < size < _WAL_HEADER else 0
-    page = int.from_bytes(header[8:12], "big")
-    page = 65536 if page == 1 else page
-    if page < 512:
-        return 0
-    return (size - _WAL_HEADER) % (page + _FRAME_HEADER)
 
 
 class Written(asyncio.Future[None]):
@@ -181,7 +134,7 @@ class Journal:
     def __init__(self, path: Path, *, max_bytes: int | None = None, tombstone_ttl_s: float = 3600.0,
                  max_tombstones: int = 500_000, sync: str = "full") -> None:
         if sync not in SYNC_MODES:
-            raise ValueError(f"journal sync must be one of {SYNC_MODES}, not {sync!r}")
+            raise ValueError(f"unknown journal sync {sync!r}; choose from {', '.join(SYNC_MODES)}")
         self.path = path
         self._max_bytes = max_bytes
         self.sync = sync
@@ -219,12 +172,14 @@ class Journal:
     def read(self) -> Iterator[Row]:
         """Every record in write order, each checked (blocking: run it off the loop
         before `start`). Raises `JournalCorrupt` naming the first bad record."""
-        torn = _torn_tail(self.path)
+        torn = torn_tail(self.path)
         if torn:
             _log.warning("journal %s: the last write was torn by a crash (%d bytes of an unfinished WAL frame); "
-                         "SQLite drops it: it was never acknowledged", self.path, torn)
+                         "SQLite drops it: %s", self.path, torn,
+                         "it was never acknowledged" if self.sync == "full" else
+                         "with journal sync normal, it may hold changes that were acknowledged")
         try:
-            conn = _connect(self.path, None)
+            conn = connect(self.path, None)
         except sqlite3.DatabaseError as exc:
             raise JournalCorrupt(f"journal {self.path} cannot be opened as SQLite: {exc}") from exc
         try:
@@ -252,7 +207,7 @@ class Journal:
         """Open the file for writing and start the writer thread."""
         self._loop = loop
         try:
-            self._conn = _connect(self.path, self._max_bytes, self.sync)
+            self._conn = connect(self.path, self._max_bytes, self.sync)
         except sqlite3.DatabaseError as exc:
             raise JournalCorrupt(f"journal {self.path} cannot be opened as SQLite: {exc}") from exc
         self._thread = threading.Thread(target=self._writer, name="tito-journal", daemon=True)

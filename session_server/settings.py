@@ -13,7 +13,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from trajectory.codec.families import GENERIC, ours_names
 
-from .journal import SYNC_MODES
+from .journal_file import SYNC_MODES
+from .malloc_tuning import MAX_RETAIN_MB
 from .routing.factory import POLICY_NAMES
 from .sessions import INSTANCE_ID, SAMPLING_POLICIES
 
@@ -25,12 +26,14 @@ ADMIN_TOKEN_ENV = "SESSION_SERVER_ADMIN_TOKEN"  # the older name, still read
 _OUR_FAMILIES = ", ".join(n for n in ours_names() if n != GENERIC)
 
 
-_CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
+CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
     "routing_policy": ("routing policy", tuple(POLICY_NAMES)),
     "sampling_policy": ("sampling policy", tuple(SAMPLING_POLICIES)),
     "journal_sync": ("journal sync", tuple(SYNC_MODES)),
 }
-"""The settings that take one of a few words: what each is called in its error, and the words."""
+"""The settings that take one of a few words: what each is called in its error, and the
+words (the flags offer them as choices: ops/settings_flags.py)."""
+
 
 class Settings(BaseSettings):
     """Server-wide settings (docs/api.md; `session-server serve --help`)."""
@@ -90,7 +93,7 @@ class Settings(BaseSettings):
     decode_processes: int = Field(
         1, ge=0, le=64, description="processes decoding large engine replies (0: threads only)")
     malloc_retain_mb: int = Field(
-        32, ge=0, le=2047, description="glibc only, in serve and its decoder processes: blocks up to 32 MiB come "
+        32, ge=0, le=MAX_RETAIN_MB, description="glibc only, in serve and its decoder processes: blocks up to 32 MiB come "
         "from the heap and each heap's top keeps up to this many MiB free before it is trimmed, so ~1 MB engine "
         "replies reuse memory instead of growing and trimming the heap; memory held after a burst grows with "
         "it (bench/README.md). 0: the allocator as the environment set it (GLIBC_TUNABLES, MALLOC_*_), which "
@@ -124,9 +127,9 @@ class Settings(BaseSettings):
         "journal_unavailable, as on a full disk (unset: the volume's space)")
     journal_sync: str = Field(
         "full", description="with a journal: full syncs it at every commit, so an acknowledged change survives a "
-        "crash of the machine; normal syncs only at checkpoints: it survives the process's death (kill -9, OOM), "
-        "not the machine's; it spares each commit's fsync (here -0.026 ms of CPU a turn, p50 x0.975; more where a sync "
-        "is slow, as on network volumes: bench/README.md)")
+        "crash of the machine; normal syncs it only at checkpoints: a killed process (kill -9, OOM) still loses "
+        "nothing acknowledged, a crashed machine may take back the last changes; what skipping the syncs saves "
+        "depends on the volume (bench/README.md)")
     tombstone_ttl_s: float = Field(
         3600.0, ge=0, description="with a journal: how long a closed, expired or collected session answers 410 "
         "session_gone instead of 404")
@@ -179,10 +182,10 @@ class Settings(BaseSettings):
             raise ValueError(f"the OTLP endpoint must be an http(s) URL, not {v!r}")
         return v.strip() if v is not None else v
 
-    @field_validator("routing_policy", "sampling_policy", "journal_sync")
+    @field_validator(*CHOICES)
     @classmethod
     def _one_of_its_choices(cls, v: str, info: ValidationInfo) -> str:
-        what, names = _CHOICES[str(info.field_name)]
+        what, names = CHOICES[str(info.field_name)]
         if v not in names:
             raise ValueError(f"unknown {what} {v!r}; choose from {', '.join(names)}")
         return v

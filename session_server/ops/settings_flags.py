@@ -14,10 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..journal import SYNC_MODES
-from ..routing.factory import POLICY_NAMES
-from ..sessions import SAMPLING_POLICIES
-from ..settings import ENV_PREFIX, Settings
+from ..settings import CHOICES, ENV_PREFIX, Settings
 
 __all__ = ["add_settings_flags", "settings_from_args", "settings_or_report"]
 
@@ -56,14 +53,8 @@ def add_settings_flags(p: argparse.ArgumentParser) -> None:
         else:
             kw["type"] = base
             kw["metavar"] = name.upper()
-            if name == "routing_policy":
-                kw["choices"] = POLICY_NAMES
-                del kw["metavar"]
-            elif name == "sampling_policy":
-                kw["choices"] = SAMPLING_POLICIES
-                del kw["metavar"]
-            elif name == "journal_sync":
-                kw["choices"] = SYNC_MODES
+            if name in CHOICES:
+                kw["choices"] = CHOICES[name][1]
                 del kw["metavar"]
         g.add_argument(_flag(name), *_FLAG_ALIASES.get(name, ()), **kw)
     g.add_argument("--max-body-mb", type=int, default=None, dest="max_body_mb",

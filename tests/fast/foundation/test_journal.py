@@ -212,8 +212,8 @@ async def test_the_journal_runs_with_the_sync_mode_it_was_given(tmp_path: Path, 
     await j.close()
 
 
-def test_a_sync_mode_sqlite_would_not_keep_a_promise_for_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="full"):
+def test_a_sync_mode_whose_machine_crash_could_corrupt_the_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown journal sync 'off'"):
         Journal(journal_path(tmp_path, "w0"), sync="off")
 
 
@@ -227,6 +227,8 @@ def test_the_setting_reaches_the_journal(tmp_path: Path) -> None:
     j = open_journal(Settings(journal_dir=str(tmp_path)))
     assert j is not None and j.sync == "full"
     j.release()
+    with pytest.raises(ValueError, match="unknown journal sync 'off'; choose from full, normal"):
+        Settings(journal_sync="off")
 
 
 KILLED_WRITER = """
