@@ -19,6 +19,7 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS tombstones_at ON tombstones (at)",
 )
 
+
 def journal_path(directory: str | Path, instance_id: str | None) -> Path:
     """The journal of this instance in `directory` (created when missing)."""
     d = Path(directory)
@@ -37,6 +38,8 @@ inconsistent. `off` is refused: an OS crash could corrupt the file."""
 
 
 def connect(path: Path, max_bytes: int | None, sync: str = "full") -> sqlite3.Connection:
+    """The journal opened in WAL mode with `sync` (one of `SYNC_MODES`), its tables made
+    when missing; `max_bytes` a quota past which writes fail as on a full disk."""
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={sync.upper()}")
