@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .api.dialects.openai_responses_output import StoredResponse
@@ -116,6 +116,7 @@ class _JournalCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         j = self.journal
+        yield InfoMetricFamily("tito_journal", "How the journal syncs (--journal-sync)", value={"sync": j.sync})
         yield CounterMetricFamily("tito_journal_records", "Records the journal stored", value=j.records_written)
         yield CounterMetricFamily("tito_journal_syncs", "Journal transactions committed (each one sync under journal sync full)",
                                   value=j.syncs)

@@ -72,3 +72,4 @@ async def test_a_full_journal_commits_nothing_and_answers_503(
         assert values["tito_journal_records_total"] >= 2 and values["tito_journal_syncs_total"] >= 1
         assert values["tito_journal_failures_total"] >= 1
         assert values["tito_journal_writer_cpu_seconds_total"] > 0
+        assert values['tito_journal_info{sync="full"}'] == 1  # the mode it runs, the default

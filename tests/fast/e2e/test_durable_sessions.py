@@ -292,7 +292,7 @@ async def test_stored_responses_and_previous_response_id_survive_a_restart(
             assert [len(b["turns"]) for b in traj["branches"]] == [2]  # appended to the first turn, no fork
 
 
-async def test_a_damaged_journal_stops_serve_with_status_3_naming_the_record(
+async def test_a_damaged_journal_stops_serve_with_status_65_naming_the_record(
     tokenizer_dirs: dict[str, Path], tmp_path: Path,
 ) -> None:
     from session_server.journal import JOURNAL_EXIT_STATUS, Journal, journal_path
