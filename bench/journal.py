@@ -17,7 +17,7 @@
    each round drives short legs (`--warm-turns` turns per agent, a second or two) in
    the order off, on, on, off, so both modes of a round see the same machine. The
    per-round difference of CPU per turn (and ratio of p99) is summarised by its median
-   with a 90% bootstrap interval; the journaling server's writer-thread CPU per turn
+   with a 90% bootstrap interval; the journaling server's writer-process CPU per turn
    (`tito_journal_writer_cpu_seconds_total`) is read around each leg.
 3. **Bytes on disk per stored token.** After each "on" leg: the journal's files (the
    database, its WAL) while the server runs, and the database alone once it stopped
@@ -25,7 +25,7 @@
    `stored_tokens` (GET /sessions/{sid}).
 4. **Recovery.** A journal of `--sessions` sessions x `--session-turns` turns of
    ~`--turn-tokens` tokens (new prompt ids and sampled ids with logprobs, a few hundred
-   characters of messages each) written through `Journal` itself (the writer thread,
+   characters of messages each) written through `Journal` itself (the writer process,
    group commit, ~1,000 records per transaction), no HTTP. Timed: (a) `replay_rows(
    Journal(path).read(), time.monotonic)` in this process; (b) a `serve` process started
    on that directory, from spawn to `/health` 200, minus the same start on an empty
@@ -206,7 +206,7 @@ def warm_pairs(tokenizer: str, root: Path, args: argparse.Namespace) -> dict[str
     open). A leg lasts a second or two, so the two modes of a round run under the same
     machine state; the per-round difference (mean of its on legs minus mean of its off
     legs) is the paired sample, summarised by its median and a bootstrap interval. The
-    journaling server's writer-thread CPU (its own metric) is read around each leg too."""
+    journaling server's writer-process CPU (its own metric) is read around each leg too."""
     jdir = Path(tempfile.mkdtemp(prefix="tito-journal-", dir=root))
     legs: list[dict[str, Any]] = []
     lat: dict[bool, list[float]] = {False: [], True: []}
@@ -274,7 +274,7 @@ async def _micro(path: Path, records: int, concurrency: int) -> dict[str, Any]:
     """The journal's own work for small turns, without the server: encoding a turn record
     (on the loop, as commit does), and appending `records` of them, `concurrency` at a time
     (the 64 agents' turns arrive together, so they share a sync), each awaited: CPU of this
-    process (every thread: the loop's append and settle, the writer's SQLite work) per record."""
+    process (the loop's append and settle) and of the writer process (its SQLite work) per record."""
     rng, nprng = random.Random(3), np.random.default_rng(3)
     bodies = [_turn(rng, nprng, 1 + k % 8, 24, 8) for k in range(records)]
     t0 = time.process_time()
@@ -283,11 +283,13 @@ async def _micro(path: Path, records: int, concurrency: int) -> dict[str, Any]:
     encode_us = 1e6 * (time.process_time() - t0) / records
     journal = Journal(path)
     journal.start(asyncio.get_running_loop())
-    c0, w0 = time.process_time(), time.monotonic()
+    await journal.barrier()  # the writer process is up
+    c0, w0, x0 = time.process_time(), time.monotonic(), journal.writer_cpu_s
     for i in range(0, records, concurrency):
         await asyncio.gather(*(journal.append(f"{INSTANCE}.{j % concurrency:032x}", TURN, b)
                                for j, b in enumerate(bodies[i:i + concurrency], i)))
-    cpu, wall = time.process_time() - c0, time.monotonic() - w0
+    cpu = time.process_time() - c0 + journal.writer_cpu_s - x0
+    wall = time.monotonic() - w0
     syncs = journal.syncs
     await journal.close()
     return {"records": records, "concurrency": concurrency, "body_bytes": len(bodies[0]),
@@ -338,7 +340,7 @@ def _turn(rng: random.Random, nprng: np.random.Generator, k: int, prompt_n: int,
 
 
 async def _write_journal(path: Path, sessions: int, turns: int, turn_tokens: int, batch: int) -> dict[str, Any]:
-    """`sessions` sessions' create and turn records through the real writer thread."""
+    """`sessions` sessions' create and turn records through the real writer process."""
     rng, nprng = random.Random(7), np.random.default_rng(7)
     journal = Journal(path)
     journal.start(asyncio.get_running_loop())

@@ -32,12 +32,17 @@ from .sessions import Session
 from .settings import Settings
 from .turn.replay import ReplayLog
 
-__all__ = ["EXIT_ON_FATAL", "FATAL", "JOURNAL_EXIT_STATUS", "open_journal", "recover", "stable_instance_id"]
+__all__ = ["EXIT_ON_FATAL", "FATAL", "JOURNAL_EXIT_STATUS", "WRITER_DIED_STATUS", "open_journal", "recover",
+           "stable_instance_id"]
 
 _log = logging.getLogger("session_server")
 
 FATAL: list[str] = []  # why the journal did not replay (the store stays closed: 503 recovering)
-EXIT_ON_FATAL = [False]  # `serve` sets it: then the process exits with JOURNAL_EXIT_STATUS
+EXIT_ON_FATAL = [False]  # `serve` sets it: then the process exits (JOURNAL_EXIT_STATUS, WRITER_DIED_STATUS)
+
+WRITER_DIED_STATUS = 70
+"""A `serve` whose journal writer process died exits with this (sysexits' EX_SOFTWARE);
+unlike `JOURNAL_EXIT_STATUS`, `cluster` restarts it: its journal replays."""
 
 _INSTANCE_FILE = "serve.instance"
 _TOUCH_EVERY_S = 1.0
@@ -99,6 +104,7 @@ async def recover(ctx: ServerContext, replays: ReplayLog) -> None:
     if recovered.weight_version is not None:
         ctx.control.restore_weight_version(recovered.weight_version)
     ctx.control.on_weight_version.append(lambda v: _keep_version(journal, v))
+    journal.on_dead = _writer_died
     ctx.metrics.registry.register(_JournalCollector(journal))
     store.check_gone = journal.check_gone
     store.on_touch = lambda s: _touched(journal, s)
@@ -123,7 +129,7 @@ class _JournalCollector(Collector):
         yield CounterMetricFamily("tito_journal_failures", "Journal transactions that failed (nothing stored)",
                                   value=j.failures)
         yield CounterMetricFamily("tito_journal_writer_cpu_seconds",
-                                  "CPU the journal's writer thread spent in its transactions (SQLite, the sync)",
+                                  "CPU the journal's writer process has used (SQLite, the sync, reading the records)",
                                   value=j.writer_cpu_s)
 
 
@@ -145,6 +151,22 @@ def _keep_version(journal: Journal, version: int) -> None:
 def _gone(journal: Journal, s: Session) -> None:
     """The session left the store: its records go, its tombstone stays (410)."""
     journal.gone(s.id, s.gone_reason or "closed")
+
+
+def _writer_died(why: str) -> None:
+    """The journal's writer process died: this instance's sessions may now lack a change
+    the file holds (sent, stored, never acknowledged), so it must not commit again
+    before a replay. Under `serve`, end the process with `WRITER_DIED_STATUS` (its
+    supervisor restarts it and the restart replays the journal, as after a crash);
+    embedded, every change is refused and `/health` answers 503 `journal_down`."""
+    _log.critical("the session journal's writer process died (%s): %s", why,
+                  "exiting so that a restart replays the journal" if EXIT_ON_FATAL[0] else
+                  "every change is refused until this instance restarts")
+    if EXIT_ON_FATAL[0]:
+        logging.shutdown()
+        print(f"session-server serve: error: the session journal's writer process died ({why})", file=sys.stderr,
+              flush=True)
+        os._exit(WRITER_DIED_STATUS)
 
 
 def _stop(reason: str) -> None:

@@ -7,17 +7,18 @@ and indexed deletes for compaction, with no server to run. One file per instance
 (`{journal_dir}/{instance}.sqlite3`): an instance is the only writer of its journal.
 
 **Writes.** `append` (on the event loop) returns a future that is done when the record
-is durable. The records of one loop tick are handed to the writer thread together (one
-wake-up), and the writer commits everything handed over while its previous transaction
-was syncing as one transaction (group commit: one sync for the turns committed in the
-same tick, or more under load). Per commit, not per record, is where the cost is
-(~200 us of CPU for SQLite, the WAL's page writes, the fsync and two thread wake-ups;
-~25 us per record at 64 a commit: bench/README.md). By default (`sync="full"`,
-`synchronous=FULL`) the WAL is fsync'd at every commit, so an acknowledged record
-survives a power loss, not only a process crash; `sync="normal"` syncs at checkpoints
-only: a killed process still loses nothing acknowledged, a crashed machine may lose the
-last commits (journal_file.py). A record is `(seq, sid, kind, at, body, crc)`: `body` is the record's
-msgpack (`journal_records.py`), `crc` its CRC-32, checked at recovery.
+is durable. The records of one loop tick are sent to the writer process together (one
+frame on a socket, `journal_writer.py`), and the writer commits everything that arrived
+while its previous transaction was syncing as one transaction (group commit: one sync
+for the turns committed in the same tick, or more under load), then acknowledges it.
+The writer is a process, not a thread, so its SQLite calls never take this process's
+GIL (measured against a writer thread: about half the journal's CPU a turn;
+bench/README.md, "Durable sessions"). By default (`sync="full"`, `synchronous=FULL`)
+the WAL is fsync'd at every commit, so an acknowledged record survives a power loss,
+not only a process crash; `sync="normal"` syncs at checkpoints only: a killed process
+still loses nothing acknowledged, a crashed machine may lose the last commits
+(journal_file.py). A record is `(seq, sid, kind, at, body, crc)`: `body` is the
+record's msgpack (`journal_records.py`), `crc` its CRC-32, checked at recovery.
 
 **Compaction.** When a session leaves the store (delete, expiry, samples close) its
 records are deleted in the same transaction that writes its tombstone, so the journal
@@ -27,12 +28,15 @@ history.
 **Bad storage.** A write that fails (a full disk is SQLite's `SQLITE_FULL`, an I/O
 error) fails every record of its transaction: the caller undoes the change and answers
 503 (`JournalUnavailable`), and for `FAILURE_HOLD_S` new turns are refused before they
-reach an engine. At start-up (`read`): a WAL that ends inside a frame was torn by a
-crash mid-write; SQLite drops that unfinished transaction (never acknowledged under
-`full`; under `normal` a machine's crash can also drop acknowledged ones, and the
-warning says that too). A record whose CRC does not match, or a file SQLite cannot
-read, stops the start (`JournalCorrupt`, naming the record): under `full`, nothing is
-served from a journal that lost data silently.
+reach an engine. A writer process that dies (killed, or an error that is not SQLite's)
+fails every change waiting for it the same way, and every later one: this process never
+writes again (a change it sent may be stored unacknowledged, so its sessions here may
+lack what the file holds); a restart replays the file. At start-up (`read`): a WAL that
+ends inside a frame was torn by a crash mid-write; SQLite drops that unfinished
+transaction (never acknowledged under `full`; under `normal` a machine's crash can also
+drop acknowledged ones, and the warning says that too). A record whose CRC does not
+match, or a file SQLite cannot read, stops the start (`JournalCorrupt`, naming the
+record): under `full`, nothing is served from a journal that lost data silently.
 """
 
 from __future__ import annotations
@@ -41,18 +45,17 @@ import asyncio
 import collections
 import fcntl
 import logging
-import queue
 import sqlite3
-import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import JournalUnavailable, SessionGone, shown
 from .journal_file import SYNC_MODES, connect, journal_path, torn_tail
+from .journal_writer import GONE, PUT, REC, SYNC, Op, WriterProcess
 
 __all__ = ["FAILURE_HOLD_S", "JOURNAL_EXIT_STATUS", "Journal", "JournalCorrupt", "Row", "Written", "durable",
            "journal_path", "settled"]
@@ -72,8 +75,8 @@ commit next to share its transaction: a commit costs ~200 us of CPU whatever it 
 so at hundreds of turns a second a 2 ms wait halves the commits or better. An idle
 journal hands a record over at the end of its loop tick."""
 
-_PRUNE_EVERY = 256
-_INSERT = "INSERT INTO records (sid, kind, at, body, crc) VALUES (?, ?, ?, ?, ?)"  # tombstones written between two deletes of the expired ones
+LOCK_WAIT_S = 5.0
+"""How long a starting instance waits for the journal's lock (see `Journal._take_lock`)."""
 
 
 class JournalCorrupt(RuntimeError):
@@ -89,6 +92,13 @@ class Row:
     kind: str
     at: float  # wall-clock time it was written (time.time())
     body: bytes
+
+
+def _connect(path: Path, max_bytes: int | None, sync: str = "full") -> sqlite3.Connection:
+    try:
+        return connect(path, max_bytes, sync)
+    except sqlite3.DatabaseError as exc:
+        raise JournalCorrupt(f"journal {path} cannot be opened as SQLite: {exc}") from exc
 
 
 class Written(asyncio.Future[None]):
@@ -129,7 +139,7 @@ def _seen(fut: asyncio.Future[None]) -> None:
 
 class Journal:
     """One instance's journal: read once at start (`read`), then written by `append` and
-    `gone` through the writer thread (`start` ... `close`)."""
+    `gone` through the writer process (`start` ... `close`)."""
 
     def __init__(self, path: Path, *, max_bytes: int | None = None, tombstone_ttl_s: float = 3600.0,
                  max_tombstones: int = 500_000, sync: str = "full") -> None:
@@ -141,31 +151,41 @@ class Journal:
         self.tombstone_ttl_s = tombstone_ttl_s
         self.max_tombstones = max_tombstones
         self._tombstones: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
-        self._queue: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
-        self._tick: list[tuple] = []  # this loop tick's records, handed over together (`_hand_over`)
+        self._tick: list[Op] = []  # this loop tick's ops, sent together (`_hand_over`)
+        self._tick_futures: list[Written] = []
+        self._waiting: collections.deque[Written] = collections.deque()  # sent, not yet acknowledged, in order
         self._handed_at = -1e18  # loop time of the last hand-over
-        self._thread: threading.Thread | None = None
+        self._writer: WriterProcess | None = None
+        self._closing = False  # `close` began: nothing more is sent
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._conn: sqlite3.Connection | None = None
+        self._ended: asyncio.Future[None] | None = None  # done when the writer's socket closed
         self._failed_at = -1e18  # monotonic time of the last failed write
+        self.dead: str | None = None  # why the writer process is gone (then nothing is written again)
+        self.on_dead: Callable[[str], None] | None = None  # told once, when the writer dies (not at `close`)
         self.last_error: str | None = None
         self.records_written = 0
         self.syncs = 0
         self.failures = 0
-        self.writer_cpu_s = 0.0  # CPU the writer thread spent in transactions (SQLite, the sync)
-        self._gone_since_prune = 0  # writer thread only
+        self.writer_cpu_s = 0.0  # CPU the writer process used (SQLite, the sync, reading the ops)
         self._lock_file = self._take_lock()
 
     def _take_lock(self) -> object:
-        """One process per journal: a second writer would interleave with the first."""
+        """One process per journal: a second writer would interleave with the first. The
+        writer process of an instance that just died holds the lock until the kernel has
+        ended it too (milliseconds), so a restart waits `LOCK_WAIT_S` for it first."""
         f = self.path.with_name(self.path.name + ".lock").open("a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            f.close()
-            raise JournalCorrupt(f"journal {self.path} is in use by another process (give each instance its own "
-                                 "--instance-id or --journal-dir)") from None
-        return f
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return f
+            except OSError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                f.close()
+                raise JournalCorrupt(f"journal {self.path} is in use by another process (give each instance its "
+                                     "own --instance-id or --journal-dir)") from None
 
     # -- start-up ------------------------------------------------------------------
 
@@ -178,10 +198,7 @@ class Journal:
                          "SQLite drops it: %s", self.path, torn,
                          "it was never acknowledged" if self.sync == "full" else
                          "with journal sync normal, it may hold changes that were acknowledged")
-        try:
-            conn = connect(self.path, None)
-        except sqlite3.DatabaseError as exc:
-            raise JournalCorrupt(f"journal {self.path} cannot be opened as SQLite: {exc}") from exc
+        conn = _connect(self.path, None)
         try:
             self._load_tombstones(conn)
             cur = conn.execute("SELECT seq, sid, kind, at, body, crc FROM records ORDER BY seq")
@@ -204,24 +221,33 @@ class Journal:
             self._tombstones[sid] = (reason, at)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Open the file for writing and start the writer thread."""
+        """Check the file opens for writing and start the writer process (from the loop's
+        thread: the writer dies with it)."""
         self._loop = loop
-        try:
-            self._conn = connect(self.path, self._max_bytes, self.sync)
-        except sqlite3.DatabaseError as exc:
-            raise JournalCorrupt(f"journal {self.path} cannot be opened as SQLite: {exc}") from exc
-        self._thread = threading.Thread(target=self._writer, name="tito-journal", daemon=True)
-        self._thread.start()
+        _connect(self.path, self._max_bytes, self.sync).close()
+        self._ended = loop.create_future()
+        self._writer = WriterProcess(loop, self.path, max_bytes=self._max_bytes, sync=self.sync,
+                                     tombstone_ttl_s=self.tombstone_ttl_s,
+                                     lock_fd=self._lock_file.fileno(),  # type: ignore[attr-defined]
+                                     on_ack=self._settle, on_end=self._writer_ended)
+
+    @property
+    def writer_pid(self) -> int | None:
+        return None if self._writer is None else self._writer.proc.pid
 
     async def close(self) -> None:
         """Write what is queued, then stop the writer and close the file."""
-        if self._thread is None:
+        writer = self._writer
+        if writer is None or self._closing:
             return
         if self._tick:  # this tick's records go first
             self._hand_over()
-        self._queue.put(None)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._thread = None
+        self._closing = True
+        writer.finish()
+        assert self._ended is not None
+        await asyncio.shield(self._ended)
+        await writer.wait()
+        self._writer = None
         self.release()
 
     def release(self) -> None:
@@ -236,64 +262,73 @@ class Journal:
         """Queue one record; `Written` is done when it is durable (or failed). A record of
         a session already gone (its tombstone written: a Responses object of a turn that
         outlived its session's DELETE) is not written: its session is nowhere to replay."""
-        assert self._loop is not None, "Journal.start was not called"
-        fut = Written(loop=self._loop)
         if sid in self._tombstones:
-            fut.set_result(None)
-            return fut
-        self._add(("rec", sid, kind, time.time(), body, zlib.crc32(body), fut))
-        return fut
+            return self._done()
+        return self._add((REC, sid, kind, time.time(), body))
 
     def put(self, sid: str, kind: str, body: bytes) -> Written:
         """Queue a record that replaces the earlier ones of its (sid, kind): state kept as
         its latest value (the instance's weight version), not as a history."""
-        assert self._loop is not None, "Journal.start was not called"
-        fut = Written(loop=self._loop)
+        fut = self._done() if sid in self._tombstones else self._add((PUT, sid, kind, time.time(), body))  # as `append`
         fut.add_done_callback(_seen)
-        if sid in self._tombstones:  # as `append`
-            fut.set_result(None)
-            return fut
-        self._add(("put", sid, kind, time.time(), body, zlib.crc32(body), fut))
         return fut
 
     def gone(self, sid: str, reason: str) -> Written:
         """The session left the store: delete its records and keep a tombstone (410)."""
-        assert self._loop is not None, "Journal.start was not called"
         at = time.time()
         self._remember(sid, reason, at)
-        fut = Written(loop=self._loop)
+        fut = self._add((GONE, sid, reason, at, b""))
         fut.add_done_callback(_seen)  # nobody may wait for it: its error is logged by `_settle`
-        self._add(("gone", sid, reason, at, fut))
         return fut
 
     def barrier(self) -> Written:
         """Done when everything queued before it is durable (a DELETE's tombstone)."""
+        return self._add((SYNC, "", "", 0.0, b""))
+
+    def _done(self) -> Written:
         assert self._loop is not None, "Journal.start was not called"
         fut = Written(loop=self._loop)
-        self._add(("sync", fut))
+        fut.set_result(None)
         return fut
 
-    def _add(self, op: tuple) -> None:
-        """Queue `op` with the rest of this loop tick's: one hand-over (one wake-up of the
-        writer) per tick, however many turns committed in it."""
+    def _add(self, op: Op) -> Written:
+        """Queue `op` with the rest of this loop tick's: one frame to the writer per tick,
+        however many turns committed in it."""
+        loop = self._loop
+        assert loop is not None, "Journal.start was not called"
+        fut = Written(loop=loop)
+        if self.dead is not None:
+            fut.set_exception(self._unavailable(self.dead))
+            return fut
         if not self._tick:
-            loop = self._loop
-            assert loop is not None
             if loop.time() - self._handed_at < BUSY_S:  # busy: let the next turns share this commit
                 loop.call_later(HOLD_S, self._hand_over)
             else:
                 loop.call_soon(self._hand_over)
         self._tick.append(op)
+        self._tick_futures.append(fut)
+        return fut
 
     def _hand_over(self) -> None:
         ops, self._tick = self._tick, []
-        if ops:
-            self._queue.put(ops)
-            assert self._loop is not None
-            self._handed_at = self._loop.time()
+        futures, self._tick_futures = self._tick_futures, []
+        writer = self._writer
+        if not ops:
+            return
+        if writer is None or self._closing or self.dead is not None:
+            self._fail(futures, self.dead or "the journal is closed")
+            return
+        self._waiting += futures
+        assert self._loop is not None
+        self._handed_at = self._loop.time()
+        writer.send(ops)
 
     def check_writable(self) -> None:
-        """Refuse new work while the last write failed recently (a full disk)."""
+        """Refuse new work while the last write failed recently (a full disk), and for good
+        once the writer process is gone."""
+        if self.dead is not None:
+            raise JournalUnavailable(f"the session journal cannot be written ({self.dead}); nothing is committed "
+                                     "on this instance until it restarts")
         if time.monotonic() - self._failed_at < FAILURE_HOLD_S:
             raise JournalUnavailable(f"the session journal cannot be written ({self.last_error}); nothing is "
                                      "committed until it can be: free space on its volume")
@@ -315,90 +350,52 @@ class Journal:
         while len(self._tombstones) > self.max_tombstones:
             self._tombstones.popitem(last=False)
 
-    # -- the writer thread ---------------------------------------------------------
+    # -- the writer's answers ------------------------------------------------------
 
-    def _writer(self) -> None:
-        conn = self._conn
-        assert conn is not None
-        stopping = False
-        while not stopping:
-            ops = self._queue.get()
-            batch: list[tuple] = []
-            while ops is not None:  # every tick handed over while the last commit synced
-                batch += ops
-                try:
-                    ops = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            stopping = ops is None
-            if batch:
-                try:
-                    self._commit(conn, batch)
-                except Exception as exc:  # not SQLite's (a bug, memory): this batch fails, the writer lives on
-                    self._hand_back(batch, exc)
-        conn.close()
-
-    def _commit(self, conn: sqlite3.Connection, batch: list[tuple]) -> None:
-        error: BaseException | None = None
-        cpu0 = time.thread_time()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                rows: list[tuple] = []  # consecutive records: one executemany (one GIL hand-back, not one each)
-                for op in batch:
-                    if op[0] == "rec":
-                        rows.append(op[1:6])
-                        continue
-                    if rows:
-                        conn.executemany(_INSERT, rows)
-                        rows = []
-                    if op[0] == "put":
-                        conn.execute("DELETE FROM records WHERE sid = ? AND kind = ?", op[1:3])
-                        conn.execute(_INSERT, op[1:6])
-                    elif op[0] == "gone":
-                        _, sid, reason, at, _fut = op
-                        conn.execute("DELETE FROM records WHERE sid = ?", (sid,))
-                        conn.execute("INSERT OR REPLACE INTO tombstones (sid, reason, at) VALUES (?, ?, ?)",
-                                     (sid, reason, at))
-                        self._gone_since_prune += 1
-                if rows:
-                    conn.executemany(_INSERT, rows)
-                if self._gone_since_prune >= _PRUNE_EVERY:
-                    self._gone_since_prune = 0
-                    conn.execute("DELETE FROM tombstones WHERE at < ?", (time.time() - self.tombstone_ttl_s,))
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:  # SQLite rolls back itself on SQLITE_FULL
-                    conn.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            error = exc
-        self.writer_cpu_s += time.thread_time() - cpu0  # only this thread writes it
-        self._hand_back(batch, error)
-
-    def _hand_back(self, batch: list[tuple], error: BaseException | None) -> None:
-        """The batch's outcome to the loop: every waiting change is answered, done or failed
-        (a writer that stopped answering would leave turns waiting forever)."""
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(self._settle, [op[-1] for op in batch], error, len(batch))
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    def _settle(self, futures: list[Written], error: BaseException | None, n: int) -> None:
+    def _settle(self, n: int, cpu_s: float, error: str | None) -> None:
+        """The writer's ack: its next `n` ops are durable (`error` None) or failed."""
+        self.writer_cpu_s = cpu_s
+        futures = [self._waiting.popleft() for _ in range(min(n, len(self._waiting)))]
         if error is None:
             self.records_written += n
             self.syncs += 1
-        else:
-            self.failures += 1
-            self._failed_at = time.monotonic()
-            self.last_error = str(error)
-            _log.error("journal %s: a write of %d records failed: %s", self.path, n, error)
+            for fut in futures:
+                if not fut.done():
+                    fut.set_result(None)
+            return
+        self.failures += 1
+        self._failed_at = time.monotonic()
+        self.last_error = error
+        _log.error("journal %s: a write of %d records failed: %s", self.path, n, error)
         for fut in futures:
-            if fut.done():
-                continue
-            if error is None:
-                fut.set_result(None)
-            else:
+            if not fut.done():
                 fut.set_exception(JournalUnavailable(
                     f"the session journal could not store this change ({error}); nothing was committed"))
+
+    def _writer_ended(self, why: str) -> None:
+        """The writer's socket closed: after `close`, its clean exit; else it died, and
+        nothing is written again (what it was sent is failed, stored or not)."""
+        if not self._closing:  # it died
+            self.dead = why
+            if self._waiting or self._tick:
+                _log.error("journal %s: %s with %d changes not acknowledged; this instance refuses every new "
+                           "change until it restarts (the restart replays what the file holds)", self.path, why,
+                           len(self._waiting) + len(self._tick))
+            else:
+                _log.error("journal %s: %s; this instance refuses every new change until it restarts", self.path, why)
+        waiting, self._waiting = list(self._waiting), collections.deque()
+        self._fail(waiting, self.dead or why)
+        if self.dead is not None and self.on_dead is not None:
+            self.on_dead(self.dead)
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+
+    def _fail(self, futures: list[Written], why: str) -> None:
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(self._unavailable(why))
+
+    @staticmethod
+    def _unavailable(why: str) -> JournalUnavailable:
+        return JournalUnavailable(f"the session journal could not store this change ({why}); it is not "
+                                  "committed here (a restart replays whatever the file holds)")

@@ -216,7 +216,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "session_server.sessions", "session_server.model_config", "session_server.routed",
                     "session_server.structured", "session_server.grammar", "session_server.loopback",
                     "session_server.parent_death", "session_server.journal", "session_server.journal_file", "session_server.journal_records",
-                    "session_server.tracing", "session_server.malloc_tuning")),
+                    "session_server.journal_writer", "session_server.tracing", "session_server.malloc_tuning")),
     ("trajectory", ("trajectory",)),
 )
 MAX_MODULE_LINES = 450

@@ -2,7 +2,9 @@
 
 `/health` answers without touching any session; while a starting instance reads its
 peers' control state (control/peer_sync.py) it is a 503, so a proxy sends nothing here
-until the instance has joined the cluster.
+until the instance has joined the cluster; so it is while the journal replays
+(`recovering`), and once the journal's writer process has died (`journal_down`: nothing
+can be committed here until a restart replays the journal).
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ async def health(request: Request) -> Response:
     if ctx.store.recovering:  # the journal replays: the sessions are not back yet
         body = {"status": "recovering", "instance_id": instance_id,
                 "detail": "replaying the session journal"}
+        return Response(content=orjson.dumps(body), status_code=503, media_type=JSON)
+    if ctx.journal is not None and ctx.journal.dead is not None:  # nothing can be committed here until a restart
+        body = {"status": "journal_down", "instance_id": instance_id,
+                "detail": f"the session journal's writer died ({ctx.journal.dead}); restart this instance"}
         return Response(content=orjson.dumps(body), status_code=503, media_type=JSON)
     if not ctx.control.synced:  # a proxy sends nothing here until it has joined
         body = {"status": "syncing", "instance_id": instance_id,

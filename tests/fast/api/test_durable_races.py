@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from session_server import durability
 from session_server.app import AppConfig
 from session_server.context import Settings
 from session_server.journal import Journal
+from session_server.journal_writer import REC
 from session_server.ops.harness import live_apps, running_server
 from session_server.sessions import _deadline
 from session_server.sim import running_sim
@@ -64,17 +67,18 @@ async def test_a_client_that_leaves_during_the_journal_write_of_a_committed_turn
 ) -> None:
     """The turn's record is stored and the commit stands (a cancel does not interrupt the
     write); the session must not then count that committed turn as discarded too."""
-    real_commit = Journal._commit
+    real_hand_over = Journal._hand_over
     writing = asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def slow_commit(self: Journal, conn: Any, batch: list[tuple]) -> None:
-        if any(op[0] == "rec" and op[2] == "turn" for op in batch):
-            loop.call_soon_threadsafe(writing.set)
-            time.sleep(0.5)  # a slow fsync
-        real_commit(self, conn, batch)
+    def slow_hand_over(self: Journal) -> None:
+        if any(op[0] == REC and op[2] == "turn" for op in self._tick) and self.writer_pid is not None:
+            os.kill(self.writer_pid, signal.SIGSTOP)  # a slow fsync: the writer stands still for 0.5 s
+            loop.call_later(0.5, os.kill, self.writer_pid, signal.SIGCONT)
+            writing.set()
+        real_hand_over(self)
 
-    monkeypatch.setattr(Journal, "_commit", slow_commit)
+    monkeypatch.setattr(Journal, "_hand_over", slow_hand_over)
     qwen3 = tokenizer_dirs["qwen3"]
     async with running_sim("sglang", str(qwen3)) as engine:
         async with _server(qwen3, engine, tmp_path / "j") as (http, _):
