@@ -44,6 +44,9 @@ WRITER_DIED_STATUS = 70
 """A `serve` whose journal writer process died exits with this (sysexits' EX_SOFTWARE);
 unlike `JOURNAL_EXIT_STATUS`, `cluster` restarts it: its journal replays."""
 
+EXIT_DELAY_S = 0.5
+"""After the writer died, how long `serve` lets the changes it failed answer 503 before exiting."""
+
 _INSTANCE_FILE = "serve.instance"
 _TOUCH_EVERY_S = 1.0
 
@@ -101,6 +104,9 @@ async def recover(ctx: ServerContext, replays: ReplayLog) -> None:
     except JournalCorrupt as exc:
         _stop(str(exc))
         return
+    except OSError as exc:  # the writer process could not be started (out of processes, memory)
+        _stop(f"the session journal's writer process could not be started: {exc}", WRITER_DIED_STATUS)
+        return
     if recovered.weight_version is not None:
         ctx.control.restore_weight_version(recovered.weight_version)
     ctx.control.on_weight_version.append(lambda v: _keep_version(journal, v))
@@ -156,27 +162,30 @@ def _gone(journal: Journal, s: Session) -> None:
 def _writer_died(why: str) -> None:
     """The journal's writer process died: this instance's sessions may now lack a change
     the file holds (sent, stored, never acknowledged), so it must not commit again
-    before a replay. Under `serve`, end the process with `WRITER_DIED_STATUS` (its
-    supervisor restarts it and the restart replays the journal, as after a crash);
+    before a replay. Under `serve`, end the process with `WRITER_DIED_STATUS`
+    `EXIT_DELAY_S` later (its supervisor restarts it and the restart replays the
+    journal, as after a crash);
     embedded, every change is refused and `/health` answers 503 `journal_down`."""
     _log.critical("the session journal's writer process died (%s): %s", why,
                   "exiting so that a restart replays the journal" if EXIT_ON_FATAL[0] else
                   "every change is refused until this instance restarts")
-    if EXIT_ON_FATAL[0]:
-        logging.shutdown()
-        print(f"session-server serve: error: the session journal's writer process died ({why})", file=sys.stderr,
-              flush=True)
-        os._exit(WRITER_DIED_STATUS)
+    if EXIT_ON_FATAL[0]:  # after the changes that waited for it have had their 503 written
+        asyncio.get_running_loop().call_later(
+            EXIT_DELAY_S, _exit, f"the session journal's writer process died ({why})", WRITER_DIED_STATUS)
 
 
-def _stop(reason: str) -> None:
-    """Refuse to serve from a journal that does not replay: under `serve`, end the
-    process with `JOURNAL_EXIT_STATUS` at once (nothing was written: the journal's writer
-    starts after the replay; the reply decoder's processes die with their parent);
-    embedded (tests, the demo), keep the store closed and say why in `FATAL`."""
+def _stop(reason: str, status: int = JOURNAL_EXIT_STATUS) -> None:
+    """Refuse to serve from a journal that does not replay (or cannot be written): under
+    `serve`, end the process with `status` at once (nothing was written: the journal's
+    writer starts after the replay; the reply decoder's processes die with their
+    parent); embedded (tests, the demo), keep the store closed and say why in `FATAL`."""
     _log.critical("%s", reason)
     FATAL.append(reason)
     if EXIT_ON_FATAL[0]:
-        logging.shutdown()
-        print(f"session-server serve: error: {reason}", file=sys.stderr, flush=True)
-        os._exit(JOURNAL_EXIT_STATUS)
+        _exit(reason, status)
+
+
+def _exit(reason: str, status: int) -> None:
+    logging.shutdown()
+    print(f"session-server serve: error: {reason}", file=sys.stderr, flush=True)
+    os._exit(status)

@@ -75,6 +75,9 @@ commit next to share its transaction: a commit costs ~200 us of CPU whatever it 
 so at hundreds of turns a second a 2 ms wait halves the commits or better. An idle
 journal hands a record over at the end of its loop tick."""
 
+CLOSE_WAIT_S = 30.0
+"""How long `close` waits for the writer to commit what it has and exit, before killing it."""
+
 LOCK_WAIT_S = 5.0
 """How long a starting instance waits for the journal's lock (see `Journal._take_lock`)."""
 
@@ -245,7 +248,12 @@ class Journal:
         self._closing = True
         writer.finish()
         assert self._ended is not None
-        await asyncio.shield(self._ended)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ended), CLOSE_WAIT_S)
+        except TimeoutError:  # a writer that stopped answering (stopped, stuck in I/O): what waits fails
+            _log.error("journal %s: the writer did not finish within %.0f s; stopping it", self.path, CLOSE_WAIT_S)
+            writer.kill()
+            await asyncio.shield(self._ended)
         await writer.wait()
         self._writer = None
         self.release()
@@ -318,10 +326,15 @@ class Journal:
         if writer is None or self._closing or self.dead is not None:
             self._fail(futures, self.dead or "the journal is closed")
             return
-        self._waiting += futures
+        try:
+            frame = writer.frame(ops)
+        except Exception as exc:  # not encodable (a bug): these fail, nothing is sent, acks stay in step
+            self._fail(futures, f"its records could not be encoded: {exc}")
+            return
+        self._waiting += futures  # before the send: a send that fails finds them waiting
         assert self._loop is not None
         self._handed_at = self._loop.time()
-        writer.send(ops)
+        writer.send(frame)
 
     def check_writable(self) -> None:
         """Refuse new work while the last write failed recently (a full disk), and for good
@@ -385,10 +398,10 @@ class Journal:
                 _log.error("journal %s: %s; this instance refuses every new change until it restarts", self.path, why)
         waiting, self._waiting = list(self._waiting), collections.deque()
         self._fail(waiting, self.dead or why)
-        if self.dead is not None and self.on_dead is not None:
-            self.on_dead(self.dead)
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(None)
+        if self.dead is not None and self.on_dead is not None:
+            self.on_dead(self.dead)
 
     def _fail(self, futures: list[Written], why: str) -> None:
         for fut in futures:

@@ -9,7 +9,7 @@ thread committing while another runs Python spends ~3x the CPU on the same SQLit
 while a process burning the other core leaves it unchanged (bench/README.md, "Durable
 sessions"). Here the loop only writes one frame per tick to a socket and reads one
 acknowledgement per transaction, and this process does the rest on its own GIL: in
-the same runs, about half the journal's CPU a turn and 4-10% less p99 latency than a
+the same runs, about half the journal's CPU a turn and 7-13% less p99 latency than a
 thread.
 
 **Protocol** (a stream socket, `socket.socketpair`). `serve` -> writer: frames, each a
@@ -33,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import signal
 import socket
 import sqlite3
 import struct
 import subprocess
 import sys
+import sysconfig
 import time
 import zlib
 from collections.abc import Callable
@@ -157,14 +159,19 @@ class WriterProcess:
                  on_end: Callable[[str], None]) -> None:
         self._loop, self._on_ack, self._on_end = loop, on_ack, on_end
         mine, theirs = socket.socketpair()
-        here = str(Path(__file__).resolve().parent.parent)  # the writer runs this very code
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
-        with theirs:
-            # from the loop thread: the writer's death signal follows the thread that started it
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), str(path), str(max_bytes or 0), sync,
-                 repr(tombstone_ttl_s), str(os.getpid())],
-                pass_fds=(theirs.fileno(), lock_fd), stdin=subprocess.DEVNULL, env=env)
+        try:
+            with theirs:
+                # from the loop thread: the writer's death signal follows the thread that started it;
+                # its own session: a Ctrl-C or a supervisor's SIGTERM to `serve`'s process group
+                # must not end it before `serve` has drained (it ends on EOF, or with `serve`)
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-P", "-m", __name__, str(theirs.fileno()), str(path), str(max_bytes or 0),
+                     sync, repr(tombstone_ttl_s), str(os.getpid())],
+                    pass_fds=(theirs.fileno(), lock_fd), stdin=subprocess.DEVNULL, env=_child_env(),
+                    start_new_session=True)
+        except BaseException:
+            mine.close()
+            raise
         mine.setblocking(False)
         self._sock: socket.socket | None = mine
         self._out: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
@@ -172,10 +179,15 @@ class WriterProcess:
         self._acks = bytearray()
         loop.add_reader(mine.fileno(), self._readable)
 
-    def send(self, ops: list[Op]) -> None:
-        """One frame of `ops`, in order after every earlier one."""
+    @staticmethod
+    def frame(ops: list[Op]) -> bytes:
+        """`ops` as one frame (raises what msgpack cannot encode: nothing is sent then)."""
         payload = _encode(ops)
-        self._write(FRAME.pack(len(payload)) + payload)
+        return FRAME.pack(len(payload)) + payload
+
+    def send(self, frame: bytes) -> None:
+        """One frame (`frame`), in order after every earlier one."""
+        self._write(frame)
 
     def finish(self) -> None:
         """No more ops: the writer commits what it has, acknowledges it and exits."""
@@ -264,6 +276,11 @@ class WriterProcess:
         status = self.proc.poll()
         self._on_end(why if status is None else f"{why} (exit status {status})")
 
+    def kill(self) -> None:
+        """End the writer now (its socket then closes: `on_end`)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+
     async def wait(self, timeout_s: float = 30.0) -> None:
         """Until the process exited (killed after `timeout_s`)."""
         try:
@@ -273,12 +290,26 @@ class WriterProcess:
             await self._loop.run_in_executor(None, self.proc.wait)
 
 
+def _child_env() -> dict[str, str]:
+    """The writer runs this very code: the directory this package was imported from goes
+    first on its path, unless it is an installed site directory (already on it, and
+    first would put it before the standard library). `-P` keeps the current directory
+    off the path."""
+    here = str(Path(__file__).resolve().parent.parent)
+    paths = sysconfig.get_paths()
+    if here in {str(Path(paths["purelib"]).resolve()), str(Path(paths["platlib"]).resolve())}:
+        return dict(os.environ)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
+
+
 def main(argv: list[str]) -> int:
     """`python -m session_server.journal_writer FD PATH MAX_BYTES SYNC TTL_S PARENT_PID`
     (MAX_BYTES 0: no quota). Run by `Journal.start`, never by hand."""
     from .parent_death import die_with_parent
 
     fd, path, max_bytes, sync, ttl_s, parent = argv
+    for sig in (signal.SIGINT, signal.SIGTERM):  # ends on EOF (`Journal.close`) or with `serve` (below)
+        signal.signal(sig, signal.SIG_IGN)
     die_with_parent(int(parent))
     sock = socket.socket(fileno=int(fd))
     conn = connect(Path(path), int(max_bytes) or None, sync)

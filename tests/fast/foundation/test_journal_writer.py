@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from session_server import journal_writer
 from session_server.errors import JournalUnavailable
 from session_server.journal import Journal, journal_path
 
@@ -44,9 +45,71 @@ async def test_a_killed_writer_fails_the_change_waiting_for_it_and_every_later_o
         await j.append("s2", "create", b"after the death")
     with pytest.raises(JournalUnavailable, match="until it restarts"):
         j.check_writable()
-    assert j.dead is not None and not _alive(pid)
+    assert j.dead is not None
+    deadline = time.monotonic() + GONE_S  # (its socket closes a moment before it is a zombie)
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"writer {pid} still runs"
+        await asyncio.sleep(0.01)
     await j.close()  # reaps the writer, frees the file
     assert [r.body for r in Journal(path).read()] == [b"acknowledged"]
+
+
+async def test_acks_of_frames_the_writer_merged_settle_each_change_in_order(tmp_path: Path) -> None:
+    """Frames sent over several loop ticks while the writer stands still reach it as
+    one read: one transaction, one ack for all of them, and each change is settled."""
+    path = journal_path(tmp_path, "w0")
+    j = await _open(path)
+    await j.append("s", "create", b"first")
+    pid = j.writer_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        futs = []
+        for tick in range(5):  # five hand-overs: five frames queued in the socket
+            futs += [j.append(f"s{tick}", "turn", b"%d.%d" % (tick, i)) for i in range(3)]
+            futs.append(j.barrier())
+            await asyncio.sleep(0.005)
+        syncs = j.syncs
+        assert not any(f.done() for f in futs)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await asyncio.wait(set(futs), timeout=GONE_S)
+    assert all(f.done() and f.exception() is None for f in futs)
+    assert j.syncs - syncs <= 2  # merged: not one transaction per frame
+    await j.close()
+    assert [r.body for r in Journal(path).read()] == [b"first"] + [b"%d.%d" % (t, i) for t in range(5) for i in range(3)]
+
+
+async def test_a_signal_to_serves_process_group_does_not_end_the_writer(tmp_path: Path) -> None:
+    """A Ctrl-C or a supervisor's SIGTERM to `serve`'s group would end a writer in the
+    middle of `serve`'s drain: it runs in its own session and ignores both."""
+    path = journal_path(tmp_path, "w0")
+    j = await _open(path)
+    pid = j.writer_pid
+    assert pid is not None and os.getsid(pid) != os.getsid(0)
+    await j.append("s", "create", b"before")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(pid, sig)
+    await asyncio.sleep(0.2)
+    await j.append("s", "turn", b"after")
+    assert j.dead is None and _alive(pid)
+    await j.close()
+    assert [r.body for r in Journal(path).read()] == [b"before", b"after"]
+
+
+async def test_a_writer_that_cannot_be_started_leaks_nothing_and_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_process(*args: object, **kw: object) -> None:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(journal_writer.subprocess, "Popen", no_process)
+    j = Journal(journal_path(tmp_path, "w0"))
+    list(j.read())
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="temporarily unavailable"):
+        j.start(asyncio.get_running_loop())
+    assert len(os.listdir("/proc/self/fd")) == fds  # its socket pair closed
+    j.release()
 
 
 async def test_an_ended_input_commits_what_was_sent_before_the_writer_exits(tmp_path: Path) -> None:
@@ -95,6 +158,7 @@ def test_the_writer_dies_with_its_parent_and_frees_the_journal(tmp_path: Path) -
         assert parent.stdout is not None
         writer = int(parent.stdout.readline())
         assert _alive(writer)
+        os.kill(writer, signal.SIGSTOP)  # stopped, it cannot see its input end: only the kernel's signal ends it
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + GONE_S
@@ -105,6 +169,8 @@ def test_the_writer_dies_with_its_parent_and_frees_the_journal(tmp_path: Path) -
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+        if "writer" in locals() and _alive(writer):  # the kernel did not end it: do it here
+            os.kill(writer, signal.SIGKILL)
     again = Journal(path)  # the lock is free: no writer of the old instance is left
     assert [r.body for r in again.read()] == [b"acknowledged"]
     again.release()

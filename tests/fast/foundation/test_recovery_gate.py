@@ -57,3 +57,27 @@ async def test_health_and_sessions_answer_503_recovering_until_the_journal_repla
         async with running_server(config, port=port):
             await asyncio.wait_for(poller, 30)
     assert (503, "recovering") in seen and seen[-1] == (200, "ok"), seen
+
+
+async def test_a_journal_writer_that_cannot_start_keeps_the_gate_closed_and_says_why(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of processes at start: no session is served without a journal that can be
+    written (the store stays closed, the reason is kept; under `serve` the process
+    exits with the restartable status 70)."""
+    from session_server import journal_writer
+
+    def no_process(*args: object, **kw: object) -> None:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(journal_writer.subprocess, "Popen", no_process)
+    qwen3 = tokenizer_dirs["qwen3"]
+    async with running_sim("sglang", str(qwen3)) as engine:
+        config = AppConfig(tokenizer=str(qwen3), engines=[f"sglang={engine}"],
+                           settings=Settings(journal_dir=str(tmp_path / "j")))
+        try:
+            with pytest.raises(RuntimeError, match="writer process could not be started.*temporarily unavailable"):
+                async with running_server(config, port=free_ports(1)[0]):
+                    pass
+        finally:
+            durability.FATAL.clear()
