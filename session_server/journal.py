@@ -31,7 +31,8 @@ error) fails every record of its transaction: the caller undoes the change and a
 reach an engine. A writer process that dies (killed, or an error that is not SQLite's)
 fails every change waiting for it the same way, and every later one: this process never
 writes again (a change it sent may be stored unacknowledged, so its sessions here may
-lack what the file holds); a restart replays the file. At start-up (`read`): a WAL that
+lack what the file holds); `serve` then exits (status 70, `durability.py`) so that its
+restart replays the file. At start-up (`read`): a WAL that
 ends inside a frame was torn by a crash mid-write; SQLite drops that unfinished
 transaction (never acknowledged under `full`; under `normal` a machine's crash can also
 drop acknowledged ones, and the warning says that too). A record whose CRC does not

@@ -23,9 +23,11 @@ arrived while the previous transaction synced goes into the next one.
 `serve` (`parent_death.die_with_parent`: SIGKILL, so an unfinished transaction is rolled
 back by SQLite; it was never acknowledged) and holds the journal's lock file too (its
 descriptor is inherited), so no new instance opens the file while it might still write.
-On the end of its input (`Journal.close`) it commits the complete frames it has,
-acknowledges them and exits. Any error that is not SQLite's ends it: `serve` sees the
-socket close and refuses every new change from then on (`Journal`).
+It runs in its own session and ignores SIGINT and SIGTERM: a Ctrl-C or a supervisor's
+SIGTERM to `serve`'s process group must not end it while `serve` drains. On the end of
+its input (`Journal.close`) it commits the complete frames it has, acknowledges them and
+exits. Any error that is not SQLite's ends it: `serve` sees the socket close, refuses
+every new change and exits (`Journal`, `durability.py`).
 """
 
 from __future__ import annotations
