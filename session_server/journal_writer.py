@@ -178,6 +178,7 @@ class WriterProcess:
         self._sock: socket.socket | None = mine
         self._out: collections.deque[memoryview] = collections.deque()  # what the socket did not take yet
         self._finish = False
+        self._blocked = False  # the socket is full: `_flush` runs when it is writable again
         self._acks = bytearray()
         loop.add_reader(mine.fileno(), self._readable)
 
@@ -189,7 +190,11 @@ class WriterProcess:
 
     def send(self, frame: bytes) -> None:
         """One frame (`frame`), in order after every earlier one."""
-        self._write(frame)
+        if self._sock is None:
+            return  # ended: `on_end` failed what was waiting
+        self._out.append(memoryview(frame))
+        if len(self._out) == 1:  # nothing was queued before it: send now
+            self._flush()
 
     def finish(self) -> None:
         """No more ops: the writer commits what it has, acknowledges it and exits."""
@@ -197,41 +202,30 @@ class WriterProcess:
         if not self._out:
             self._shut()
 
-    def _write(self, data: bytes) -> None:
+    def _flush(self) -> None:
+        """Send what is queued; what the socket does not take waits for it to be writable."""
         sock = self._sock
         if sock is None:
-            return  # ended: `on_end` failed what was waiting
-        if self._out:
-            self._out.append(memoryview(data))
             return
-        try:
-            sent = sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            self._end(f"the writer process's socket failed: {exc}")
-            return
-        if sent < len(data):
-            self._out.append(memoryview(data)[sent:])
-            self._loop.add_writer(sock.fileno(), self._writable)
-
-    def _writable(self) -> None:
-        sock = self._sock
-        assert sock is not None
         while self._out:
             head = self._out[0]
             try:
                 sent = sock.send(head)
             except BlockingIOError:
-                return
+                sent = 0
             except OSError as exc:
-                self._end(f"the writer process's socket failed: {exc}")
+                self._failed(exc)
                 return
             if sent < len(head):
                 self._out[0] = head[sent:]
+                if not self._blocked:
+                    self._blocked = True
+                    self._loop.add_writer(sock.fileno(), self._flush)
                 return
             self._out.popleft()
-        self._loop.remove_writer(sock.fileno())
+        if self._blocked:
+            self._blocked = False
+            self._loop.remove_writer(sock.fileno())
         if self._finish:
             self._shut()
 
@@ -240,7 +234,10 @@ class WriterProcess:
             try:
                 self._sock.shutdown(socket.SHUT_WR)
             except OSError as exc:
-                self._end(f"the writer process's socket failed: {exc}")
+                self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        self._end(f"the writer process's socket failed: {exc}")
 
     def _readable(self) -> None:
         sock = self._sock
@@ -250,7 +247,7 @@ class WriterProcess:
         except BlockingIOError:
             return
         except OSError as exc:
-            self._end(f"the writer process's socket failed: {exc}")
+            self._failed(exc)
             return
         if not data:
             self._end("the writer process ended")
