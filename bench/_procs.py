@@ -94,9 +94,14 @@ def process_cpu_s(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    """The live child processes of `pid` (every thread's), from /proc."""
+    """The live descendants of `pid` (children of every thread, theirs, ...), from /proc:
+    a helper's own helpers (a forkserver's workers) count as the server's too."""
     out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
+    stack = [pid]
+    while stack:
+        for task in Path(f"/proc/{stack.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(c) for c in (task / "children").read_text().split()]
+                out += kids
+                stack += kids
     return out

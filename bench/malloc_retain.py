@@ -4,7 +4,7 @@ For each value (and then the values reversed, for `--rounds` 2 or more), a fresh
 simulated engine whose replies carry the 1.36 MB routed-experts payload and a fresh
 `serve` with that value; `responsiveness.py`'s workload (K=64 first-turn chats in
 waves, `/health` polled from its own process) for `--seconds`; then 3 s idle and the
-memory of `serve`, its forkserver and its decoder (RSS and PSS summed, from /proc) and
+memory of `serve` and its helper processes (RSS and PSS summed, from /proc) and
 their peak RSS. One row per run, in run order.
 
     python bench/malloc_retain.py --values 0,32,64,256 --rounds 2 \\
@@ -29,10 +29,7 @@ from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
 
 
 def _tree(pid: int) -> list[int]:
-    out = [pid]
-    for child in children(pid):
-        out += _tree(child)
-    return out
+    return [pid, *children(pid)]
 
 
 def _status_kb(pid: int, field: str) -> int:

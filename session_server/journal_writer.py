@@ -35,13 +35,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import signal
 import socket
 import sqlite3
 import struct
-import subprocess
 import sys
-import sysconfig
 import time
 import zlib
 from collections.abc import Callable
@@ -49,6 +46,7 @@ from pathlib import Path
 
 import msgspec
 
+from .child_process import ignore_interrupts, spawn
 from .journal_file import connect
 
 __all__ = ["GONE", "PUT", "REC", "SYNC", "Op", "WriterProcess", "main"]
@@ -166,11 +164,9 @@ class WriterProcess:
                 # from the loop thread: the writer's death signal follows the thread that started it;
                 # its own session: a Ctrl-C or a supervisor's SIGTERM to `serve`'s process group
                 # must not end it before `serve` has drained (it ends on EOF, or with `serve`)
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-P", "-m", __name__, str(theirs.fileno()), str(path), str(max_bytes or 0),
-                     sync, repr(tombstone_ttl_s), str(os.getpid())],
-                    pass_fds=(theirs.fileno(), lock_fd), stdin=subprocess.DEVNULL, env=_child_env(),
-                    start_new_session=True)
+                self.proc = spawn(__name__, [str(theirs.fileno()), str(path), str(max_bytes or 0), sync,
+                                             repr(tombstone_ttl_s), str(os.getpid())],
+                                  pass_fds=(theirs.fileno(), lock_fd))
         except BaseException:
             mine.close()
             raise
@@ -289,26 +285,13 @@ class WriterProcess:
             await self._loop.run_in_executor(None, self.proc.wait)
 
 
-def _child_env() -> dict[str, str]:
-    """The writer runs this very code: the directory this package was imported from goes
-    first on its path, unless it is an installed site directory (already on it, and
-    first would put it before the standard library). `-P` keeps the current directory
-    off the path."""
-    here = str(Path(__file__).resolve().parent.parent)
-    paths = sysconfig.get_paths()
-    if here in {str(Path(paths["purelib"]).resolve()), str(Path(paths["platlib"]).resolve())}:
-        return dict(os.environ)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
-
-
 def main(argv: list[str]) -> int:
     """`python -m session_server.journal_writer FD PATH MAX_BYTES SYNC TTL_S PARENT_PID`
     (MAX_BYTES 0: no quota). Run by `Journal.start`, never by hand."""
     from .parent_death import die_with_parent
 
     fd, path, max_bytes, sync, ttl_s, parent = argv
-    for sig in (signal.SIGINT, signal.SIGTERM):  # ends on EOF (`Journal.close`) or with `serve` (below)
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_interrupts()  # ends on EOF (`Journal.close`) or with `serve` (below)
     die_with_parent(int(parent))
     sock = socket.socket(fileno=int(fd))
     conn = connect(Path(path), int(max_bytes) or None, sync)

@@ -73,7 +73,8 @@ async def build_context(config: AppConfig) -> ServerContext:
     decoder = ReplyDecoder(offload, processes=settings.decode_processes, malloc_retain_mb=settings.malloc_retain_mb)
     await decoder.start()
     engines = EnginePool(make_policy(settings.routing_policy))
-    registry = EngineRegistry(engines, offload=decoder.run, sglang_incremental=settings.sglang_incremental_streams)
+    registry = EngineRegistry(engines, offload=decoder.run, remote=decoder if decoder.processes else None,
+                              sglang_incremental=settings.sglang_incremental_streams)
     for spec in config.engines:
         await registry.add(spec)
     metrics = Metrics()
@@ -244,5 +245,5 @@ async def shutdown(ctx: ServerContext, background: Background) -> None:
     await ctx.registry.aclose()
     if ctx.tracing is not None:  # the batched spans go out (the SDK bounds the wait)
         await asyncio.to_thread(ctx.tracing.shutdown)
-    ctx.decoder.shutdown()
+    await ctx.decoder.aclose()
     ctx.offload.shutdown()

@@ -25,12 +25,13 @@ import resource
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import aiohttp
 import msgspec
 import orjson
 
+from session_server.engines.streams import STREAM_FRAME_MAX, Offload, sse_lines
 from session_server.errors import (
     UpstreamHTTPError,
     UpstreamInvalid,
@@ -82,6 +83,27 @@ class HTTPReply:
     status: int
     body: bytes
     content_type: str
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A generation request's outcome, wherever it was made: the status, the reply's
+    size in bytes, and the parsed result (the `HTTPReply` itself when not 200)."""
+
+    status: int
+    size: int
+    value: Any
+
+
+class RemoteFetch(Protocol):
+    """Makes a generation request in another process and returns it parsed
+    (`reply_decoder.ReplyDecoder.fetch`); None when it cannot now (made here instead)."""
+
+    large_reply_bytes: int
+
+    async def fetch(self, base_url: str, path: str, body: bytes, *, headers: Mapping[str, str] | None,
+                    timeout_s: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
+                    parse_kw: dict[str, Any]) -> Fetched | None: ...
 
 
 async def request_bytes(
@@ -174,74 +196,6 @@ def encode_json(payload: Any) -> bytes:
     return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-# the largest SSE line read from an engine. aiohttp's own line reader stops at twice
-# its read buffer (8 MiB here), below a streamed R3 turn's last frame (4K positions x
-# 60 layers x top-8 as base64 int32 is ~10 MiB), so lines are split here instead
-STREAM_FRAME_MAX = 256 * 1024 * 1024
-
-
-async def sse_lines(chunks: AsyncIterator[bytes], max_line: int) -> AsyncIterator[bytes]:
-    """The lines (without their newline) of a byte stream arriving in `chunks`, each
-    byte scanned once; a line longer than `max_line` is `ValueError`."""
-    buf = bytearray()
-    async for chunk in chunks:
-        scan = len(buf)
-        buf += chunk
-        start = 0
-        while (nl := buf.find(b"\n", scan)) >= 0:
-            yield bytes(buf[start:nl])
-            start = scan = nl + 1
-        del buf[:start]
-        if len(buf) > max_line:
-            raise ValueError(f"a line of more than {max_line} bytes")
-    if buf:
-        yield bytes(buf)
-
-
-class StreamFold(Protocol):
-    """An adapter's fold of one streamed generation (SGLangStream, VLLMStream)."""
-
-    done: bool
-
-    def add(self, payload: bytes) -> Any: ...
-
-    def result(self) -> Any: ...
-
-
-Offload = Callable[..., Awaitable[Any]]
-"""Runs `fn(*args, **kwargs)` somewhere and awaits it (the server passes its CPU offload)."""
-
-
-async def run_inline(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """Default `Offload`: call on the event loop (fine for small replies and tests)."""
-    return fn(*args, **kwargs)
-
-
-# a stream frame at least this large is decoded on the offload pool: a streamed turn's
-# final frame carries its routed experts (R3), megabytes of base64 at 60 layers x top-8
-OFFLOAD_FRAME_BYTES = 256 * 1024
-
-
-async def fold_stream(payloads: AsyncIterator[bytes], fold: StreamFold, offload: Offload = run_inline,
-                      big: int = OFFLOAD_FRAME_BYTES) -> AsyncIterator[Any]:
-    """The deltas `fold` makes of each SSE payload as it arrives, then its final result.
-    A payload of `big` bytes or more, and the final result after one, are made on
-    `offload` (the fold is only ever touched by one call at a time; its bound methods
-    must run in this process: the server's `ReplyDecoder` sends them to threads)."""
-    large = False
-    async for data in payloads:
-        if len(data) >= big:
-            large = True
-            delta = await offload(fold.add, data)
-        else:
-            delta = fold.add(data)
-        if delta is not None:
-            yield delta
-        if fold.done:
-            break
-    yield await offload(fold.result) if large else fold.result()
-
-
 def raw_or_none(raw: msgspec.Raw) -> bytes | None:
     """A raw JSON value's bytes, None when absent or `null`: payloads such as routed
     experts are stored as the engine sent them, never decoded here."""
@@ -290,6 +244,9 @@ class EngineHTTP:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # the size of the last reply to each kind of generation (`generate`'s path and parse):
+        # a kind whose replies are large is fetched by the reply worker
+        self._reply_bytes: dict[tuple[str, Callable[..., Any]], int] = {}
 
     @property
     def closed(self) -> bool:
@@ -312,22 +269,42 @@ class EngineHTTP:
             yield
 
     async def generate(
-        self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None,
-        slot_held: bool = False,
-    ) -> HTTPReply:
-        """POST a generation under the concurrency cap (unless the caller holds a slot);
-        the deadline starts once a slot is held."""
+        self, path: str, body: bytes, parse: Callable[..., T], *, what: str, timeout_s: float,
+        headers: Mapping[str, str] | None = None, slot_held: bool = False, offload: Offload,
+        remote: RemoteFetch | None = None, parse_kw: dict[str, Any] | None = None,
+    ) -> T:
+        """POST a generation under the concurrency cap (unless the caller holds a slot; the
+        deadline starts once a slot is held) and parse a 200 reply with `parse(body,
+        **parse_kw)`; another status is its typed error (`http_error`, named `what`).
+
+        Where: when the last reply to a request of this kind (`path` and `parse`) was at
+        least `remote.large_reply_bytes`, `remote` makes the request and parses the reply in
+        its own process, so the large body never enters this one (reply_worker.py says
+        why); otherwise it is made here and parsed by `offload` (which sends a large reply
+        to the worker as bytes). A new kind starts here: its first size is learnt."""
+        kw = parse_kw or {}
+        kind = (path, parse)
+        fetched: Fetched | None = None
         self._in_flight += 1
         self._idle.clear()
         try:
-            if slot_held:
-                return await self._send(path, body, timeout_s=timeout_s, headers=headers)
-            async with self._sem:
-                return await self._send(path, body, timeout_s=timeout_s, headers=headers)
+            async with contextlib.nullcontext() if slot_held else self._sem:
+                if remote is not None and self._reply_bytes.get(kind, 0) >= remote.large_reply_bytes:
+                    fetched = await remote.fetch(self.base_url, path, body, headers=headers, timeout_s=timeout_s,
+                                                 retries=self.retries, limits=self._limits, parse=parse, parse_kw=kw)
+                if fetched is None:
+                    reply = await self._send(path, body, timeout_s=timeout_s, headers=headers)
+                    fetched = Fetched(reply.status, len(reply.body), reply)
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+        if fetched.status != 200:
+            raise http_error(fetched.value, what=what, engine=self.base_url)
+        self._reply_bytes[kind] = fetched.size  # an error's body says nothing of the kind's size
+        if isinstance(fetched.value, HTTPReply):
+            return cast(T, await offload(parse, fetched.value.body, **kw))
+        return cast(T, fetched.value)
 
     async def stream(
         self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None,

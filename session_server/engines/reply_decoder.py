@@ -1,119 +1,252 @@
-"""Where engine replies are decoded: threads for small ones, a process for large ones.
+"""Where engine replies are decoded: threads for small ones, a worker process for large
+ones, and the worker fetches the replies it expects to be large itself.
 
 A ~1.4 MB reply (routed experts as nested float lists) takes msgspec 2.5-6 ms to
-decode on this machine, one C call that holds the GIL throughout. In a thread
-that still stalls the event loop thread, which can only run in the gaps between
-such calls. A worker process has its own GIL: the loop only pays for handing
-the bytes over a pipe. Small replies stay on the offload threads (inline when tiny),
-where the hand-off costs more than the decode. Measured here (bench/README.md):
-even a cheap-to-decode 1.4 MB base64 reply gives a lower /health p99 through
-the process than through a thread, at somewhat lower throughput.
+decode on this machine, one C call that holds the GIL throughout. In a thread that
+still stalls the event loop thread, which can only run in the gaps between such calls.
+A worker process has its own GIL. Better still, it makes the request itself once a kind
+of generation is known to answer large (`EngineHTTP.generate`, `fetch` here): then the
+reply never enters `serve` at all, only its parsed result does (reply_worker.py has the
+numbers). Small replies stay on the offload threads (inline when tiny), where the
+hand-off costs more than the decode.
 
-Routing replay (R3): a large reply's base64 routed experts are decoded in the
-worker too (`session_server.routed.predecode`), so only the narrowed ids cross
-back (2 MB instead of 10.5 MB at 4K positions x 60 layers x top-8) and the
-main process never runs the GIL-holding base64 decode. A streamed turn's result
-is folded on the threads (its fold lives here); its payload, when large, makes
-one more trip to the worker for the same decode.
+Routing replay (R3): a large reply's base64 routed experts are decoded in the worker
+(`session_server.routed.predecode`), so only the narrowed ids cross back (2 MB instead
+of 10.5 MB at 4K positions x 60 layers x top-8) and the main process never runs the
+GIL-holding base64 decode. A streamed turn's result is folded on the threads (its fold
+lives here); its payload, when large, makes one more trip to the worker for the same
+decode.
+
+A worker that dies fails what it had in flight (`UpstreamTransportError`, a 502: nothing
+is committed) and is started again a second later; meanwhile its work runs here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import functools
-import multiprocessing
+import itertools
+import logging
 import os
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+import pickle
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..malloc_tuning import MAX_RETAIN_MB, retain_large_blocks
+from ..child_process import spawn
+from ..errors import UpstreamTransportError
+from ..malloc_tuning import MAX_RETAIN_MB
 from ..offload import CpuOffload
-from ..parent_death import ENV as DIE_WITH_ENV
-from ..parent_death import arm_pool_worker
 from ..routed import predecode
 from .base import GenerateResult
+from .http import ConnectionLimits, Fetched
+from .reply_worker import CALL, CANCEL, FETCH, FRAME, READ_LIMIT, READY, frame
+
+__all__ = ["LARGE_REPLY_BYTES", "ReplyDecoder"]
 
 LARGE_REPLY_BYTES = 256 * 1024
+START_TIMEOUT_S = 60.0
+RESTART_AFTER_S = 1.0
+
+log = logging.getLogger("session_server")
 
 
-def _warm() -> bool:
-    import session_server.engines  # noqa: F401  (import the parsers once per worker)
+class _Worker:
+    """One worker process and `serve`'s end of its socket: requests by id, answers read
+    by a task on the loop."""
 
-    return True
+    def __init__(self, malloc_retain_mb: int) -> None:
+        self.malloc_retain_mb = malloc_retain_mb
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.alive = False
+        self.started = False  # once started, a dead worker is started again (`ReplyDecoder._worker`)
+        self.restarting = False
+        self.ended_at = 0.0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._ids = itertools.count(1)
+        self._out: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task[None] | None = None
 
+    async def start(self) -> None:
+        self.started = True
+        mine, theirs = socket.socketpair()
+        try:
+            with theirs:
+                self.proc = spawn(__name__.rpartition(".")[0] + ".reply_worker",
+                                  [str(theirs.fileno()), str(os.getpid()), str(self.malloc_retain_mb)],
+                                  pass_fds=(theirs.fileno(),))
+        except BaseException:
+            mine.close()
+            raise
+        reader, self._out = await asyncio.open_connection(sock=mine, limit=READ_LIMIT)
+        ready = asyncio.get_running_loop().create_future()
+        self.pending[READY] = ready
+        self.alive = True
+        self._reading = asyncio.create_task(self._read(reader), name="tito-reply-worker")
+        try:
+            await asyncio.wait_for(ready, START_TIMEOUT_S)
+        except BaseException:
+            self.kill()
+            raise
 
-def _init_worker(owner_pid: int, malloc_retain_mb: int) -> None:
-    """A worker dies with its owner and, like `serve`, keeps large blocks in its heap:
-    it unpickles and parses every large reply (malloc_tuning.py)."""
-    arm_pool_worker(owner_pid)
-    retain_large_blocks(malloc_retain_mb)
+    async def ask(self, op: int, payload: Any) -> Any:
+        """Send one request; its answer (or its exception, raised)."""
+        rid = next(self._ids)
+        data = frame((op, rid, payload))  # an unpicklable payload raises here: nothing sent
+        if not self.alive or self._out is None:
+            raise UpstreamTransportError("the reply worker process is not running", transient=True)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
+        self._out.write(data)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self.pending.pop(rid, None) is not None and self.alive and op == FETCH:
+                self._out.write(frame((CANCEL, rid, None)))  # the worker drops the request
+            raise
 
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why = "the reply worker process ended"
+        try:
+            while True:
+                (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+                rid, ok, value = pickle.loads(await reader.readexactly(n))
+                fut = self.pending.pop(rid, None)
+                if fut is None or fut.done():
+                    continue  # given up (cancelled) meanwhile
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            why = f"{why} ({type(exc).__name__})"
+        except Exception as exc:  # noqa: BLE001 - an answer that does not unpickle: the stream is lost
+            why = f"the reply worker's answer could not be read: {type(exc).__name__}: {exc}"
+        finally:
+            self._ended(why)
 
-def _parse(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-    """In the worker: the reply parsed, its routed experts (if any) decoded."""
-    return _predecoded(fn(*args, **kwargs))
+    def _ended(self, why: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.ended_at = time.monotonic()
+        status = None if self.proc is None else self.proc.poll()
+        text = why if status is None else f"{why}, exit status {status}"
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(UpstreamTransportError(f"{text}: its request is lost", transient=False))
+        if self._out is not None:
+            self._out.close()
+        self.kill()
+        if pending or status not in (None, 0):
+            log.error("%s; %d requests failed; it is started again", text, len(pending))
 
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
 
-def _predecoded(result: Any) -> Any:
-    """A `GenerateResult` with its base64 routed experts as narrowed ids (`predecode`)."""
-    if isinstance(result, GenerateResult) and isinstance(result.routed_experts, bytes):
-        return dataclasses.replace(result, routed_experts=predecode(result.routed_experts))
-    return result
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """End the worker: it sees its input end and exits (killed after `timeout_s`)."""
+        if self._out is not None:
+            self._out.close()
+        if self._reading is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._reading), timeout_s)
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
+            except TimeoutError:
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.wait)
 
 
 class ReplyDecoder:
-    """An `Offload` for engine adapters: `await decoder.run(parse_fn, body, **kw)`."""
+    """An `Offload` for engine adapters (`await decoder.run(parse_fn, body, **kw)`) and
+    their `RemoteFetch` (`decoder.fetch`)."""
 
     def __init__(self, threads: CpuOffload, *, processes: int = 1, large_reply_bytes: int = LARGE_REPLY_BYTES,
                  malloc_retain_mb: int = 0) -> None:
         """Replies of at least `large_reply_bytes` go to `processes` worker processes;
         the rest to the offload threads (inline when small). `malloc_retain_mb`: the
-        workers' `retain_large_blocks` (0: the allocator left as it is), checked here:
-        a worker whose initializer raised would break the pool."""
+        workers' `retain_large_blocks` (0: the allocator left as it is)."""
         if not 0 <= malloc_retain_mb <= MAX_RETAIN_MB:
             raise ValueError(f"malloc_retain_mb must be within 0..{MAX_RETAIN_MB}, not {malloc_retain_mb}")
         self._threads = threads
         self.large_reply_bytes = large_reply_bytes
-        self._procs: ProcessPoolExecutor | None = None
-        if processes > 0:
-            # the forkserver and its workers die with this process, even by `kill -9`
-            # (parent_death.py): the forkserver arms itself on importing the module, the
-            # workers in the pool's initializer
-            os.environ[DIE_WITH_ENV] = str(os.getpid())
-            ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["session_server.parent_death", "session_server.engines"])
-            self._procs = ProcessPoolExecutor(max_workers=processes, mp_context=ctx,
-                                              initializer=_init_worker, initargs=(os.getpid(), malloc_retain_mb))
+        self.processes = processes
+        self._workers = [_Worker(malloc_retain_mb) for _ in range(processes)]
+        self._restarts: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.fetched = 0  # requests handed to the workers to make
 
     async def start(self) -> None:
-        """Start the workers now, not on the first large reply."""
-        if self._procs is not None:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._procs, _warm)
+        """Start the workers now (from the event-loop thread), not on the first large reply."""
+        await asyncio.gather(*(w.start() for w in self._workers))
+
+    def _worker(self) -> _Worker | None:
+        """The live worker with the least in flight; a worker dead for a second is started again."""
+        best: _Worker | None = None
+        for w in self._workers:
+            if w.alive:
+                if best is None or len(w.pending) < len(best.pending):
+                    best = w
+            elif (w.started and not w.restarting and not self._closed
+                  and time.monotonic() - w.ended_at >= RESTART_AFTER_S):
+                w.restarting = True
+                task = asyncio.create_task(self._restart(w))
+                self._restarts.add(task)
+                task.add_done_callback(self._restarts.discard)
+        return best
+
+    async def _restart(self, w: _Worker) -> None:
+        try:
+            await w.start()
+        except Exception as exc:  # noqa: BLE001 - tried again a second later; the threads serve meanwhile
+            log.error("the reply worker could not be started again: %s", exc)
+            w.ended_at = time.monotonic()
+        finally:
+            w.restarting = False
 
     async def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         if getattr(fn, "__self__", None) is not None:
-            # a bound method (a stream fold's `add` / `result`, engines/http.py `fold_stream`)
+            # a bound method (a stream fold's `add` / `result`, engines/streams.py `fold_stream`)
             # keeps its state in this process: a worker process would change only a copy
             return await self._routed_decoded(await self._threads.run(fn, *args, **kwargs))
         body = args[0] if args else None
         size = len(body) if isinstance(body, bytes) else 0
-        if self._procs is not None and size >= self.large_reply_bytes:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._procs, functools.partial(_parse, fn, *args, **kwargs))
+        if size >= self.large_reply_bytes and (w := self._worker()) is not None:
+            return await w.ask(CALL, (fn, args, kwargs))
         return await self._threads.run_sized(size, fn, *args, **kwargs)
+
+    async def fetch(self, base_url: str, path: str, body: bytes, *, headers: Mapping[str, str] | None,
+                    timeout_s: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
+                    parse_kw: dict[str, Any]) -> Fetched | None:
+        """The request made and its reply parsed in a worker (`RemoteFetch`); None when
+        no worker is up (the caller makes it itself)."""
+        w = self._worker()
+        if w is None:
+            return None
+        self.fetched += 1
+        got: Fetched = await w.ask(FETCH, (base_url, path, body, None if headers is None else dict(headers),
+                                           timeout_s, retries, limits, parse, parse_kw))
+        return got
 
     async def _routed_decoded(self, result: Any) -> Any:
         """A streamed result's large routed-experts payload decoded in the worker."""
         raw = result.routed_experts if isinstance(result, GenerateResult) else None
-        if self._procs is None or not isinstance(raw, bytes) or len(raw) < self.large_reply_bytes:
+        if not isinstance(raw, bytes) or len(raw) < self.large_reply_bytes or (w := self._worker()) is None:
             return result
-        loop = asyncio.get_running_loop()
-        routed = await loop.run_in_executor(self._procs, predecode, raw)
+        routed = await w.ask(CALL, (predecode, (raw,), {}))
         return dataclasses.replace(result, routed_experts=routed)
 
-    def shutdown(self) -> None:
-        if self._procs is not None:
-            self._procs.shutdown(wait=True, cancel_futures=True)
+    async def aclose(self) -> None:
+        """End the workers (after the turns that needed them have drained)."""
+        self._closed = True
+        for task in list(self._restarts):
+            task.cancel()
+        await asyncio.gather(*(w.close() for w in self._workers if w.started))
+

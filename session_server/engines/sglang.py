@@ -24,21 +24,14 @@ from session_server.engines.base import (
     parsed_without_routed,
     request_headers,
 )
-from session_server.engines.http import (
-    ConnectionLimits,
-    EngineHTTP,
-    Offload,
-    encode_json,
-    fold_stream,
-    http_error,
-    run_inline,
-)
+from session_server.engines.http import ConnectionLimits, EngineHTTP, RemoteFetch, encode_json
 from session_server.engines.load import sglang_load
 from session_server.engines.sglang_replies import (
     SGLangStream,
     parse_sglang_generate,
     parse_sglang_stream,
 )
+from session_server.engines.streams import Offload, fold_stream, run_inline
 from session_server.errors import UpstreamHTTPError
 from trajectory.validate import is_int
 
@@ -92,6 +85,10 @@ def build_sglang_payload(request: GenerateRequest) -> dict[str, Any]:
 # `in_place` too.
 _PAUSE_MODES: dict[str, str] = {"abort": "abort", "keep": "in_place", "wait": "in_place"}
 
+# one object per kind of reply: `EngineHTTP.generate` learns each kind's reply size
+_PARSE_ROUTED = parse_sglang_generate
+_PARSE_PLAIN = partial(parsed_without_routed, parse_sglang_generate)
+
 
 class SGLangAdapter:
     """One SGLang server (all its DP ranks) behind `EngineAdapter`."""
@@ -113,6 +110,7 @@ class SGLangAdapter:
         retries: int = 2,
         control_timeout_s: float = 30.0,
         offload: Offload = run_inline,
+        remote: RemoteFetch | None = None,
         incremental_stream: bool = False,
     ) -> None:
         if incremental_stream:  # started with --incremental-streaming-output: a viewer may watch its turns
@@ -123,18 +121,18 @@ class SGLangAdapter:
         )
         self.base_url = self.http.base_url
         self._offload = offload
+        self._remote = remote
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """POST /generate; deadline `request.timeout_s` from dispatch (after the concurrency cap)."""
         body = encode_json(build_sglang_payload(request))
-        reply = await self.http.generate("/generate", body, timeout_s=request.timeout_s,
-                                         headers=request_headers(request), slot_held=request.slot_held)
-        if reply.status != 200:
-            raise http_error(reply, what=f"sglang {request.request_id}", engine=self.base_url)
-        # a reply can carry a ~1.4 MB routed-experts payload: decode it off the event loop
-        parse = parse_sglang_generate if request.return_routed_experts else partial(
-            parsed_without_routed, parse_sglang_generate)
-        return await self._offload(parse, reply.body, request_id=request.request_id, engine=self.base_url)
+        # a reply can carry a ~1.4 MB routed-experts payload: decoded off the event loop,
+        # or fetched whole by the reply worker once this kind of reply is known to be large
+        return await self.http.generate(
+            "/generate", body, _PARSE_ROUTED if request.return_routed_experts else _PARSE_PLAIN,
+            what=f"sglang {request.request_id}", timeout_s=request.timeout_s, headers=request_headers(request),
+            slot_held=request.slot_held, offload=self._offload, remote=self._remote,
+            parse_kw={"request_id": request.request_id, "engine": self.base_url})
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         """POST /generate with `stream: true`: a `TokenDelta` per frame as the engine sends

@@ -28,13 +28,12 @@ from session_server.engines.base import (
 from session_server.engines.http import (
     ConnectionLimits,
     EngineHTTP,
-    Offload,
+    RemoteFetch,
     encode_json,
-    fold_stream,
     http_error,
-    run_inline,
 )
 from session_server.engines.load import vllm_load
+from session_server.engines.streams import Offload, fold_stream, run_inline
 from session_server.engines.vllm_replies import (
     ID_PREFIXES,
     VLLMStream,
@@ -70,6 +69,14 @@ def _sampling(request: GenerateRequest) -> dict[str, Any]:
 # `sampling_params`. `/v1/completions` uses what `/version` says; unknown: the newer one.
 _SO_KEYS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
 _GUIDED_KEYS = {"json_schema": "guided_json", "regex": "guided_regex", "ebnf": "guided_grammar"}
+
+# the parser per (`/inference/v1/generate`?, routed experts asked for?), one object per kind
+# of reply: `EngineHTTP.generate` learns each kind's reply size
+_PARSE: dict[tuple[bool, bool], Callable[..., GenerateResult]] = {
+    (True, True): parse_vllm_generate, (False, True): parse_vllm_completions,
+    (True, False): partial(parsed_without_routed, parse_vllm_generate),
+    (False, False): partial(parsed_without_routed, parse_vllm_completions),
+}
 STRUCTURED_SINCE = (0, 10, 2)
 
 
@@ -147,6 +154,7 @@ class VLLMAdapter:
         retries: int = 2,
         control_timeout_s: float = 30.0,
         offload: Offload = run_inline,
+        remote: RemoteFetch | None = None,
     ) -> None:
         if endpoint not in ("auto", "generate", "completions"):
             raise ValueError(f"endpoint must be auto, generate or completions, not {endpoint!r}")
@@ -158,6 +166,7 @@ class VLLMAdapter:
         self.model = model
         self.endpoint: str | None = None if endpoint == "auto" else endpoint
         self._offload = offload
+        self._remote = remote
         self._discover_lock = asyncio.Lock()
         self.version: tuple[int, ...] | None = None  # from GET /version; None = unknown
 
@@ -235,16 +244,13 @@ class VLLMAdapter:
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         path, body, headers = await self._request(request, stream=False)
-        reply = await self.http.generate(path, body, timeout_s=request.timeout_s, headers=headers,
-                                         slot_held=request.slot_held)
-        if reply.status != 200:
-            raise http_error(reply, what=f"vllm {request.request_id}", engine=self.base_url)
-        parse: Callable[..., GenerateResult] = (
-            parse_vllm_generate if self.endpoint == "generate" else parse_vllm_completions)
-        if not request.return_routed_experts:
-            parse = partial(parsed_without_routed, parse)
-        # a reply can carry a large routed-experts payload: decode it off the event loop
-        return await self._offload(parse, reply.body, request_id=request.request_id, engine=self.base_url)
+        parse = _PARSE[(self.endpoint == "generate", request.return_routed_experts)]
+        # a reply can carry a large routed-experts payload: decoded off the event loop, or
+        # fetched whole by the reply worker once this kind of reply is known to be large
+        return await self.http.generate(
+            path, body, parse, what=f"vllm {request.request_id}", timeout_s=request.timeout_s, headers=headers,
+            slot_held=request.slot_held, offload=self._offload, remote=self._remote,
+            parse_kw={"request_id": request.request_id, "engine": self.base_url})
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[StreamItem]:
         """The same request with `stream: true`: a `TokenDelta` per chunk as the engine

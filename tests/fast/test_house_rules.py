@@ -215,7 +215,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("session_server.errors", "session_server.metrics", "session_server.offload",
                     "session_server.sessions", "session_server.model_config", "session_server.routed",
                     "session_server.structured", "session_server.grammar", "session_server.loopback",
-                    "session_server.parent_death", "session_server.journal", "session_server.journal_file", "session_server.journal_records",
+                    "session_server.parent_death", "session_server.child_process", "session_server.journal", "session_server.journal_file", "session_server.journal_records",
                     "session_server.journal_writer", "session_server.tracing", "session_server.malloc_tuning")),
     ("trajectory", ("trajectory",)),
 )

@@ -286,7 +286,8 @@ async def test_routed_experts_nobody_asked_for_are_dropped_where_the_reply_is_pa
     """An engine that sends routed experts with every reply (vLLM started with them on;
     the simulator's padding): a request that did not ask gets none, parsed in the worker
     process (a large reply) or on the threads, less its size; one that asked gets them
-    as sent."""
+    as sent. Once a kind of request is known to answer large, the worker makes the
+    request itself, and the result is the same."""
     from session_server.engines.reply_decoder import ReplyDecoder
     from session_server.offload import CpuOffload
     from session_server.routed import Unrequested, wire_size
@@ -296,16 +297,25 @@ async def test_routed_experts_nobody_asked_for_are_dropped_where_the_reply_is_pa
     await decoder.start()
     try:
         async with running_sim(protocol, "toy", padding="floats") as url:
-            a = _adapter(protocol, url, offload=decoder.run)
+            a = _adapter(protocol, url, offload=decoder.run, remote=decoder if processes else None)
             try:
-                plain = await a.generate(GenerateRequest(_rid(1), PROMPT, 4))
-                asked = await a.generate(GenerateRequest(_rid(2), PROMPT, 4, return_routed_experts=True))
+                plain = [await a.generate(GenerateRequest(_rid(k), PROMPT, 4, sampling=SamplingParams(seed=1)))
+                         for k in (1, 2)]
+                asked = [await a.generate(GenerateRequest(_rid(k), PROMPT, 4, return_routed_experts=True,
+                                                          sampling=SamplingParams(seed=1))) for k in (3, 4)]
             finally:
                 await a.aclose()
     finally:
-        decoder.shutdown()
+        await decoder.aclose()
         threads.shutdown()
-    assert isinstance(asked.routed_experts, bytes) and asked.routed_experts.startswith(b"[[0.0,")
+    assert decoder.fetched == (2 if processes else 0), "the second of each kind was fetched by the worker"
+    for got in asked:
+        assert isinstance(got.routed_experts, bytes) and got.routed_experts.startswith(b"[[0.0,")
     # only its size is left (the turn's `routed_experts_bytes`, as before)
-    assert plain.routed_experts == Unrequested(len(asked.routed_experts)) and len(plain.output_ids) == 4
-    assert wire_size(plain.routed_experts) == wire_size(asked.routed_experts)
+    for got in plain:
+        assert got.routed_experts == Unrequested(len(asked[0].routed_experts)) and len(got.output_ids) == 4
+    same = ("output_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens")
+    assert [getattr(plain[0], f) for f in same] == [getattr(plain[1], f) for f in same]
+    assert [getattr(asked[0], f) for f in same] == [getattr(asked[1], f) for f in same]
+    assert asked[0].routed_experts == asked[1].routed_experts
+    assert wire_size(plain[1].routed_experts) == wire_size(asked[1].routed_experts)

@@ -34,8 +34,10 @@ async def test_large_reply_decoded_in_a_process_equals_inline_decode() -> None:
         padding = b"[" + b",".join([b"[0.1,0.2,0.3]"] * 8000) + b"]"
         big = _body(padding)
         calls: list[str] = []
-        real = decoder._procs.submit  # type: ignore[union-attr]
-        decoder._procs.submit = lambda *a, **k: (calls.append("process"), real(*a, **k))[1]  # type: ignore[union-attr]
+        worker = decoder._worker()
+        assert worker is not None
+        real = worker.ask
+        worker.ask = lambda *a, **k: (calls.append("process"), real(*a, **k))[1]  # type: ignore[method-assign]
         got = await decoder.run(parse_sglang_generate, big, request_id="r1", engine="e")
         assert got == parse_sglang_generate(big, request_id="r1", engine="e")
         assert got.routed_experts == padding
@@ -47,5 +49,5 @@ async def test_large_reply_decoded_in_a_process_equals_inline_decode() -> None:
         assert (await decoder.run(parse_sglang_generate, small, request_id="r1")).routed_experts is None
         assert calls == ["process", "process"], "the small reply stayed out of the process"
     finally:
-        decoder.shutdown()
+        await decoder.aclose()
         threads.shutdown()

@@ -43,8 +43,10 @@ async def test_a_large_reply_comes_back_with_its_routed_experts_decoded_and_narr
         raw = parse_sglang_generate(body, request_id="r1").routed_experts
         assert isinstance(raw, bytes) and len(raw) > 1024
         calls: list[str] = []
-        real = decoder._procs.submit  # type: ignore[union-attr]
-        decoder._procs.submit = lambda *a, **k: (calls.append("process"), real(*a, **k))[1]  # type: ignore[union-attr]
+        worker = decoder._worker()
+        assert worker is not None
+        real = worker.ask
+        worker.ask = lambda *a, **k: (calls.append("process"), real(*a, **k))[1]  # type: ignore[method-assign]
         got = await decoder.run(parse_sglang_generate, body, request_id="r1", engine="e")
         assert calls == ["process"]
         routed = got.routed_experts
@@ -55,7 +57,7 @@ async def test_a_large_reply_comes_back_with_its_routed_experts_decoded_and_narr
         rows = join([Piece(routed, len(PROMPT), len(OUTPUT), 0)], start=0, end=len(LINE) - 1, shape=SHAPE)
         np.testing.assert_array_equal(rows, line_rows(LINE, SPEC))
     finally:
-        decoder.shutdown()
+        await decoder.aclose()
         threads.shutdown()
 
 
@@ -82,7 +84,7 @@ async def test_a_streamed_results_large_payload_is_decoded_in_the_worker_too() -
         small = b'"' + sglang_payload(LINE[:3], SPEC, 0).encode() + b'"'
         assert (await decoder.run(_Fold(small).result)).routed_experts == small  # small: join decodes it
     finally:
-        decoder.shutdown()
+        await decoder.aclose()
         threads.shutdown()
 
 

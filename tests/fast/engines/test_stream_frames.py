@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from session_server.engines.http import OFFLOAD_FRAME_BYTES, EngineHTTP, fold_stream, sse_lines
+from session_server.engines.http import EngineHTTP
+from session_server.engines.streams import OFFLOAD_FRAME_BYTES, fold_stream, sse_lines
 from session_server.loopback import serving_aiohttp
 
 

@@ -18,8 +18,9 @@ import pytest
 
 from session_server.engines import parse_vllm_completions, parse_vllm_generate
 from session_server.engines.base import GenerateResult, TokenDelta
-from session_server.engines.http import HTTPReply, fold_stream, http_error, sse_lines
+from session_server.engines.http import HTTPReply, http_error
 from session_server.engines.load import vllm_load
+from session_server.engines.streams import fold_stream, sse_lines
 from session_server.engines.vllm import VLLMStream
 
 CAPTURED = Path(__file__).resolve().parents[2] / "fixtures/engines/vllm/real-0.32.0-cpu"

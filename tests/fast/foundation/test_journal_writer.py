@@ -102,7 +102,7 @@ async def test_a_writer_that_cannot_be_started_leaks_nothing_and_says_why(
     def no_process(*args: object, **kw: object) -> None:
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
-    monkeypatch.setattr(journal_writer.subprocess, "Popen", no_process)
+    monkeypatch.setattr(journal_writer, "spawn", no_process)
     j = Journal(journal_path(tmp_path, "w0"))
     list(j.read())
     fds = len(os.listdir("/proc/self/fd"))

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from session_server.engines.reply_decoder import ReplyDecoder
+from session_server.engines.reply_worker import CALL
 from session_server.malloc_tuning import _glibc, heap_serves, retain_large_blocks
 from session_server.offload import CpuOffload
 
@@ -63,10 +64,11 @@ def test_the_decoder_processes_follow_the_setting(retain_mb: int, from_heap: boo
         decoder = ReplyDecoder(threads, processes=1, malloc_retain_mb=retain_mb)
         try:
             await decoder.start()
-            assert decoder._procs is not None
-            return await asyncio.get_running_loop().run_in_executor(decoder._procs, heap_serves, 16 << 20)
+            worker = decoder._worker()
+            assert worker is not None
+            return bool(await worker.ask(CALL, (heap_serves, (16 << 20,), {})))
         finally:
-            decoder.shutdown()
+            await decoder.aclose()
             threads.shutdown()
 
     assert asyncio.run(ask()) is from_heap

@@ -70,7 +70,7 @@ async def test_a_journal_writer_that_cannot_start_keeps_the_gate_closed_and_says
     def no_process(*args: object, **kw: object) -> None:
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
-    monkeypatch.setattr(journal_writer.subprocess, "Popen", no_process)
+    monkeypatch.setattr(journal_writer, "spawn", no_process)
     qwen3 = tokenizer_dirs["qwen3"]
     async with running_sim("sglang", str(qwen3)) as engine:
         config = AppConfig(tokenizer=str(qwen3), engines=[f"sglang={engine}"],

@@ -1,7 +1,6 @@
-"""A `kill -9` of `serve` or of `cluster` leaves no process behind: the reply decoder's
-forkserver, its worker and the resource tracker die with `serve`; HAProxy and every
-worker (and theirs) die with `cluster` (session_server/parent_death.py). Linux only:
-the processes are read from /proc."""
+"""A `kill -9` of `serve` or of `cluster` leaves no process behind: the reply worker
+dies with `serve`; HAProxy and every worker (and theirs) die with `cluster`
+(session_server/parent_death.py). Linux only: the processes are read from /proc."""
 
 from __future__ import annotations
 
@@ -91,10 +90,9 @@ def serve_argv(port: int, *extra: str) -> list[str]:
             "--log-level", "warning", *extra]
 
 
-def _has_pool(procs: dict[int, str]) -> bool:
-    """The decoder pool is up: the forkserver, a worker it forked, the resource tracker."""
-    forkservers = [c for c in procs.values() if "multiprocessing.forkserver" in c]
-    return len(forkservers) >= 2 and any("multiprocessing.resource_tracker" in c for c in procs.values())
+def _has_reply_worker(procs: dict[int, str]) -> bool:
+    """The reply worker is up (engines/reply_worker.py)."""
+    return any("session_server.engines.reply_worker" in c for c in procs.values())
 
 
 def _assert_all_die(proc: subprocess.Popen[bytes], seen: dict[int, str], log: Path) -> None:
@@ -105,15 +103,15 @@ def _assert_all_die(proc: subprocess.Popen[bytes], seen: dict[int, str], log: Pa
                      f"{log.read_text(errors='replace')[-2000:]}")
 
 
-def test_kill_9_of_serve_takes_its_forkserver_worker_and_resource_tracker_with_it(tmp_path: Path) -> None:
+def test_kill_9_of_serve_takes_its_reply_worker_with_it(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with started(serve_argv(free_ports(1)[0], "--decode-processes", "1"), log) as (proc, seen):
         def pool_up() -> bool:
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             seen.update(descendants(proc.pid))
-            return _has_pool(seen)
+            return _has_reply_worker(seen)
 
-        wait_for(pool_up, START_S, lambda: f"no decoder pool: {seen}\n{log.read_text(errors='replace')[-2000:]}")
+        wait_for(pool_up, START_S, lambda: f"no reply worker: {seen}\n{log.read_text(errors='replace')[-2000:]}")
         _assert_all_die(proc, seen, log)
 
 
@@ -132,7 +130,7 @@ def test_kill_9_of_cluster_takes_haproxy_every_worker_and_their_children_with_it
             seen.update(descendants(proc.pid))
             workers = [p for p, c in seen.items() if "session_server.ops.cli serve" in c]
             return (any("haproxy" in c for c in seen.values()) and len(workers) == 2
-                    and all(_has_pool(descendants(w)) for w in workers))
+                    and all(_has_reply_worker(descendants(w)) for w in workers))
 
         wait_for(ready, START_S, lambda: f"cluster not up: {seen}\n{log.read_text(errors='replace')[-2000:]}")
         seen.update(descendants(proc.pid))

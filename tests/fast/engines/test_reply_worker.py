@@ -1,0 +1,186 @@
+"""The reply worker makes a generation request itself once its kind is known to answer
+large: the result is what `serve` would have parsed, errors keep their types, a turn
+that gives up closes the engine connection, and a worker that dies fails only what it
+had in flight and is started again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import orjson
+import pytest
+from aiohttp import web
+
+from session_server.engines.base import parsed_without_routed
+from session_server.engines.http import EngineHTTP
+from session_server.engines.reply_decoder import RESTART_AFTER_S, ReplyDecoder
+from session_server.engines.sglang import parse_sglang_generate
+from session_server.engines.streams import run_inline
+from session_server.errors import UpstreamHTTPError, UpstreamTimeout, UpstreamTransportError
+from session_server.offload import CpuOffload
+
+PADDING = b"[" + b",".join([b"[0.1,0.2,0.3]"] * 4000) + b"]"  # ~56 KB of routed experts
+PARSE = partial(parsed_without_routed, parse_sglang_generate)
+
+
+def _reply(rid: str) -> bytes:
+    return (b'{"text":"x","output_ids":[5,6],"meta_info":{"id":"' + rid.encode() + b'","finish_reason":{"type":"stop",'
+            b'"matched":6},"prompt_tokens":3,"completion_tokens":2,"cached_tokens":1,'
+            b'"output_token_logprobs":[[-0.5,5,null],[-0.25,6,null]],"routed_experts":' + PADDING + b"}}")
+
+
+class _Engine:
+    """An aiohttp engine whose `/generate` answers a large reply, after `delay_s`, or
+    `status`; it counts the requests it saw and those whose client went away."""
+
+    def __init__(self) -> None:
+        self.delay_s = 0.0
+        self.status = 200
+        self.seen = 0
+        self.gone = 0
+        self.started = asyncio.Event()
+
+    async def generate(self, request: web.Request) -> web.Response:
+        self.seen += 1
+        self.started.set()
+        rid = orjson.loads(await request.read())["rid"]
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.gone += 1
+            raise
+        if self.status != 200:
+            return web.Response(status=self.status, text="engine says no")
+        return web.Response(body=_reply(rid), content_type="application/json")
+
+
+@asynccontextmanager
+async def _serving(engine: _Engine) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/generate", engine.generate)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def _decoder() -> AsyncIterator[ReplyDecoder]:
+    threads = CpuOffload(1)
+    decoder = ReplyDecoder(threads, processes=1, large_reply_bytes=16 * 1024)
+    await decoder.start()
+    try:
+        yield decoder
+    finally:
+        await decoder.aclose()
+        threads.shutdown()
+
+
+@asynccontextmanager
+async def _stack(retries: int = 2) -> AsyncIterator[tuple[_Engine, EngineHTTP, ReplyDecoder]]:
+    """An engine, its `EngineHTTP` and a reply decoder with one worker."""
+    engine = _Engine()
+    async with _serving(engine) as url, _decoder() as decoder:
+        http = EngineHTTP(url, protocol="sglang", retries=retries)
+        try:
+            yield engine, http, decoder
+        finally:
+            await http.aclose()
+
+
+async def _generate(http: EngineHTTP, decoder: ReplyDecoder, rid: str, timeout_s: float = 10.0) -> object:
+    body = orjson.dumps({"rid": rid})
+    return await http.generate("/generate", body, PARSE, what=f"sglang {rid}", timeout_s=timeout_s,
+                               offload=decoder.run, remote=decoder, parse_kw={"request_id": rid, "engine": "e"})
+
+
+async def _a_slow_fetch(http: EngineHTTP, decoder: ReplyDecoder, engine: _Engine) -> asyncio.Task[object]:
+    """A request the worker makes (its kind learnt first) that the engine holds for 30 s."""
+    await _generate(http, decoder, "r1")
+    engine.delay_s, engine.started = 30.0, asyncio.Event()
+    turn = asyncio.create_task(_generate(http, decoder, "r2"))
+    await asyncio.wait_for(engine.started.wait(), 10)
+    return turn
+
+
+async def test_a_kind_known_to_answer_large_is_fetched_by_the_worker_and_parsed_the_same() -> None:
+    async with _stack() as (engine, http, decoder):
+        first = await _generate(http, decoder, "r1")
+        assert decoder.fetched == 0, "the first of a kind is made here: its size is not known yet"
+        second = await _generate(http, decoder, "r1")
+        assert decoder.fetched == 1
+    assert first == second == PARSE(_reply("r1"), request_id="r1", engine="e")
+    assert engine.seen == 2
+
+
+async def test_errors_from_the_worker_keep_their_types() -> None:
+    async with _stack(retries=0) as (engine, http, decoder):
+        await _generate(http, decoder, "r1")  # learnt: large
+        engine.status = 503
+        with pytest.raises(UpstreamHTTPError) as info:
+            await _generate(http, decoder, "r2")
+        assert info.value.http_status == 503 and "engine says no" in str(info.value)
+        engine.status, engine.delay_s = 200, 5.0
+        with pytest.raises(UpstreamTimeout):
+            await _generate(http, decoder, "r3", timeout_s=0.2)
+        assert decoder.fetched == 2
+
+
+async def test_a_turn_that_gives_up_closes_the_engine_connection_from_the_worker() -> None:
+    async with _stack() as (engine, http, decoder):
+        turn = await _a_slow_fetch(http, decoder, engine)
+        turn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        deadline = time.monotonic() + 10
+        while engine.gone == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert engine.gone == 1, "the engine never learnt that nobody waits for its reply"
+        assert http._in_flight == 0
+
+
+async def test_a_worker_that_dies_fails_its_requests_and_is_started_again() -> None:
+    async with _stack() as (engine, http, decoder):
+        turn = await _a_slow_fetch(http, decoder, engine)
+        worker = decoder._workers[0]
+        assert worker.proc is not None
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        with pytest.raises(UpstreamTransportError, match="reply worker process ended") as info:
+            await turn
+        assert info.value.transient is False  # it may have produced tokens: never retried blindly
+        engine.delay_s = 0.0
+        # meanwhile the request is made here, then the worker is back
+        assert await _generate(http, decoder, "r3") == PARSE(_reply("r3"), request_id="r3", engine="e")
+        assert decoder.fetched == 1
+        await asyncio.sleep(RESTART_AFTER_S)
+        decoder._worker()
+        deadline = time.monotonic() + 30
+        while not worker.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert worker.alive
+        assert await _generate(http, decoder, "r4") == PARSE(_reply("r4"), request_id="r4", engine="e")
+        assert decoder.fetched == 2
+
+
+async def test_without_a_worker_every_request_is_made_here() -> None:
+    engine = _Engine()
+    async with _serving(engine) as url:
+        http = EngineHTTP(url, protocol="sglang")
+        try:
+            for rid in ("r1", "r2"):
+                got = await http.generate("/generate", orjson.dumps({"rid": rid}), PARSE, what=rid, timeout_s=5,
+                                          offload=run_inline, parse_kw={"request_id": rid, "engine": "e"})
+                assert got == PARSE(_reply(rid), request_id=rid, engine="e")
+        finally:
+            await http.aclose()
