@@ -94,14 +94,21 @@ def process_cpu_s(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    """The live descendants of `pid` (children of every thread, theirs, ...), from /proc:
-    a helper's own helpers (a forkserver's workers) count as the server's too."""
+    """The live child processes of `pid` (every thread's), from /proc."""
     out: list[int] = []
-    stack = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, theirs, ...): a helper's own helpers
+    count as the server's too."""
+    out: list[int] = []
+    stack = children(pid)
     while stack:
-        for task in Path(f"/proc/{stack.pop()}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                kids = [int(c) for c in (task / "children").read_text().split()]
-                out += kids
-                stack += kids
+        p = stack.pop()
+        out.append(p)
+        stack += children(p)
     return out

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._procs import PIDS, children, server, sim_engine  # noqa: E402
+from bench._procs import PIDS, descendants, server, sim_engine  # noqa: E402
 from bench.responsiveness import _measure  # noqa: E402
 from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
 
 
 def _tree(pid: int) -> list[int]:
-    return [pid, *children(pid)]
+    return [pid, *descendants(pid)]
 
 
 def _status_kb(pid: int, field: str) -> int:

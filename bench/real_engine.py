@@ -41,7 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._procs import children, process_cpu_s, server  # noqa: E402
+from bench._procs import descendants, process_cpu_s, server  # noqa: E402
 from tests.engine.vllm_engine import ENGINE_FLAGS, build_tiny_qwen3, vllm_server  # noqa: E402
 
 _E2E = re.compile(r"^vllm:e2e_request_latency_seconds_(sum|count)\{[^}]*\}\s+([0-9.e+-]+)", re.M)
@@ -58,7 +58,7 @@ def _engine_e2e(url: str) -> tuple[float, float]:
 
 def _cpu_s(pid: int) -> float:
     """utime + stime of a process and its children still alive (seconds)."""
-    return sum(process_cpu_s(p) for p in [pid, *children(pid)])
+    return sum(process_cpu_s(p) for p in [pid, *descendants(pid)])
 
 
 async def _agent(url: str, turns: int, max_tokens: int, lat: list[float], errors: list[str]) -> None:

@@ -48,14 +48,14 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._procs import PIDS, children, process_cpu_s, server, sim_engine  # noqa: E402
+from bench._procs import PIDS, descendants, process_cpu_s, server, sim_engine  # noqa: E402
 from session_server.sim.tokenizers import cached_tokenizer_dir  # noqa: E402
 from session_server.sim.wire import padding_payload  # noqa: E402
 
 
 def server_cpu_s(pid: int) -> float:
     """CPU seconds of the server process and its live children."""
-    return process_cpu_s(pid) + sum(process_cpu_s(c) for c in children(pid))
+    return process_cpu_s(pid) + sum(process_cpu_s(c) for c in descendants(pid))
 
 
 async def _agent(http: aiohttp.ClientSession, url: str, turns: int, max_tokens: int,

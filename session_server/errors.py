@@ -30,6 +30,7 @@
     │   └── EngineAborted                503 engine_aborted  Retry-After: 1 (abort with nothing to resume)
     ├── NoHealthyEngine                  503 no_healthy_engine  Retry-After: 5
     ├── InstanceUnavailable              503 instance_unavailable  Retry-After: 5 (a peer instance is down or failed)
+    ├── ReplyWorkerLost                  503 reply_worker_lost  Retry-After: 1 (the reply worker died with the turn's request: nothing committed)
     ├── PausedTooLong                    503 paused          Retry-After: 10 (deadline passed while paused)
     ├── JournalUnavailable               503 journal_unavailable  Retry-After: 10 (the journal cannot be written: nothing committed)
     ├── Recovering                       503 recovering      Retry-After: 1 (the journal is being replayed at start-up)
@@ -254,6 +255,15 @@ class EngineAborted(EngineError):
 class NoHealthyEngine(ServiceError):
     status, type = 503, "no_healthy_engine"
     retry_after_s = 5
+
+
+class ReplyWorkerLost(ServiceError):
+    """The reply worker process (engines/reply_worker.py) died while it made or parsed
+    this turn's engine request: nothing was committed, and it says nothing of the
+    engine (not an `EngineError`: routing health must not count it)."""
+
+    status, type = 503, "reply_worker_lost"
+    retry_after_s = 1
 
 
 class InstanceUnavailable(ServiceError):

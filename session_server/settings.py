@@ -91,9 +91,11 @@ class Settings(BaseSettings):
         60.0, gt=0, description="how long a wait pause lets in-flight turns finish before it gives up (504 "
         "drain_timeout: no engine paused, the gate stays closed)")
     decode_processes: int = Field(
-        1, ge=0, le=64, description="processes decoding large engine replies (0: threads only)")
+        1, ge=0, le=64, description="reply worker processes: they parse large engine replies and make the generation "
+        "requests known to answer large themselves, so those replies never enter serve (0: none; threads parse "
+        "everything, serve makes every request)")
     malloc_retain_mb: int = Field(
-        32, ge=0, le=MAX_RETAIN_MB, description="glibc only, in serve and its decoder processes: blocks up to 32 MiB come "
+        32, ge=0, le=MAX_RETAIN_MB, description="glibc only, in serve and its reply workers: blocks up to 32 MiB come "
         "from the heap and each heap's top keeps up to this many MiB free before it is trimmed, so ~1 MB engine "
         "replies reuse memory instead of growing and trimming the heap; memory held after a burst grows with "
         "it (bench/README.md). 0: the allocator as the environment set it (GLIBC_TUNABLES, MALLOC_*_), which "

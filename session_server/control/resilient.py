@@ -51,7 +51,7 @@ from session_server.engines.base import (
     segment_sampling,
 )
 from session_server.engines.base import streaming as streaming_of
-from session_server.errors import EngineAborted, UpstreamInvalid, UpstreamTimeout
+from session_server.errors import EngineAborted, ReplyWorkerLost, UpstreamInvalid, UpstreamTimeout
 from session_server.tracing import TurnTrace
 from trajectory.errors import ValidationError
 from trajectory.validate import Expectations
@@ -261,7 +261,7 @@ class _Turn:
                         resend, adapter, control, st.lag, seg, watch), partial(control.abort_engine_request, adapter, seg_rid))
                 else:
                     result = await adapter.generate(seg)
-            except (asyncio.CancelledError, UpstreamTimeout):
+            except (asyncio.CancelledError, UpstreamTimeout, ReplyWorkerLost):
                 control.abort_engine_request(adapter, seg_rid)  # nobody waits for it any more
                 raise
             except UpstreamInvalid:

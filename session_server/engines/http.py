@@ -247,6 +247,7 @@ class EngineHTTP:
         # the size of the last reply to each kind of generation (`generate`'s path and parse):
         # a kind whose replies are large is fetched by the reply worker
         self._reply_bytes: dict[tuple[str, Callable[..., Any]], int] = {}
+        self._fetches: set[asyncio.Future[Fetched | None]] = set()  # requests the reply worker makes now
 
     @property
     def closed(self) -> bool:
@@ -281,7 +282,10 @@ class EngineHTTP:
         least `remote.large_reply_bytes`, `remote` makes the request and parses the reply in
         its own process, so the large body never enters this one (reply_worker.py says
         why); otherwise it is made here and parsed by `offload` (which sends a large reply
-        to the worker as bytes). A new kind starts here: its first size is learnt."""
+        to the worker as bytes). A new kind starts here: its first size is learnt from each
+        200 reply. `parse` is the kind: pass one object per kind (a module constant), not a
+        new `partial` per call. One difference: in the worker the parse runs while the
+        slot is held (its answer is one message); here it runs after the slot is given back."""
         kw = parse_kw or {}
         kind = (path, parse)
         fetched: Fetched | None = None
@@ -290,8 +294,10 @@ class EngineHTTP:
         try:
             async with contextlib.nullcontext() if slot_held else self._sem:
                 if remote is not None and self._reply_bytes.get(kind, 0) >= remote.large_reply_bytes:
-                    fetched = await remote.fetch(self.base_url, path, body, headers=headers, timeout_s=timeout_s,
-                                                 retries=self.retries, limits=self._limits, parse=parse, parse_kw=kw)
+                    self.session()  # closed: refused, as here
+                    fetched = await self._remote(remote.fetch(
+                        self.base_url, path, body, headers=headers, timeout_s=timeout_s, retries=self.retries,
+                        limits=self._limits, parse=parse, parse_kw=kw))
                 if fetched is None:
                     reply = await self._send(path, body, timeout_s=timeout_s, headers=headers)
                     fetched = Fetched(reply.status, len(reply.body), reply)
@@ -305,6 +311,22 @@ class EngineHTTP:
         if isinstance(fetched.value, HTTPReply):
             return cast(T, await offload(parse, fetched.value.body, **kw))
         return cast(T, fetched.value)
+
+    async def _remote(self, fetch: Awaitable[Fetched | None]) -> Fetched | None:
+        """A request made by the reply worker, held to this client's state as one made
+        here is: ended by `aclose` (the worker then drops it)."""
+        task = asyncio.ensure_future(fetch)
+        self._fetches.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._closed and task.cancelled() and (current is None or not current.cancelling()):
+                raise UpstreamTransportError(f"{self.base_url}: engine client closed during the request",
+                                             engine=self.base_url, transient=False) from None
+            raise
+        finally:
+            self._fetches.discard(task)
 
     async def stream(
         self, path: str, body: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None,
@@ -413,6 +435,8 @@ class EngineHTTP:
         if drain_s > 0 and self._in_flight:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), drain_s)
+        for fetch in list(self._fetches):  # as closing the session ends the requests made here
+            fetch.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None

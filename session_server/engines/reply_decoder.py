@@ -17,8 +17,9 @@ GIL-holding base64 decode. A streamed turn's result is folded on the threads (it
 lives here); its payload, when large, makes one more trip to the worker for the same
 decode.
 
-A worker that dies fails what it had in flight (`UpstreamTransportError`, a 502: nothing
-is committed) and is started again a second later; meanwhile its work runs here.
+A worker that dies fails what it had in flight (`ReplyWorkerLost`, a 503: nothing is
+committed, and no engine is blamed for it) and is started again on the first large
+reply a second or more later; meanwhile its work runs here.
 """
 
 from __future__ import annotations
@@ -37,19 +38,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..child_process import spawn
-from ..errors import UpstreamTransportError
+from ..errors import ReplyWorkerLost, UpstreamInvalid, UpstreamTimeout
 from ..malloc_tuning import MAX_RETAIN_MB
 from ..offload import CpuOffload
 from ..routed import predecode
 from .base import GenerateResult
 from .http import ConnectionLimits, Fetched
-from .reply_worker import CALL, CANCEL, FETCH, FRAME, READ_LIMIT, READY, frame
+from .reply_worker import CALL, CANCEL, FETCH, OK, READ_LIMIT, READY, frame, read_frame
 
 __all__ = ["LARGE_REPLY_BYTES", "ReplyDecoder"]
 
 LARGE_REPLY_BYTES = 256 * 1024
 START_TIMEOUT_S = 60.0
 RESTART_AFTER_S = 1.0
+ANSWER_GRACE_S = 5.0  # past a fetch's deadline, how long its worker gets to send the timeout it found
 
 log = logging.getLogger("session_server")
 
@@ -64,6 +66,7 @@ class _Worker:
         self.alive = False
         self.started = False  # once started, a dead worker is started again (`ReplyDecoder._worker`)
         self.restarting = False
+        self.closing = False
         self.ended_at = 0.0
         self.proc: subprocess.Popen[bytes] | None = None
         self._ids = itertools.count(1)
@@ -72,16 +75,18 @@ class _Worker:
 
     async def start(self) -> None:
         self.started = True
+        self._reap()
         mine, theirs = socket.socketpair()
         try:
             with theirs:
                 self.proc = spawn(__name__.rpartition(".")[0] + ".reply_worker",
                                   [str(theirs.fileno()), str(os.getpid()), str(self.malloc_retain_mb)],
                                   pass_fds=(theirs.fileno(),))
+            reader, self._out = await asyncio.open_connection(sock=mine, limit=READ_LIMIT)
         except BaseException:
             mine.close()
+            self.kill()
             raise
-        reader, self._out = await asyncio.open_connection(sock=mine, limit=READ_LIMIT)
         ready = asyncio.get_running_loop().create_future()
         self.pending[READY] = ready
         self.alive = True
@@ -89,46 +94,51 @@ class _Worker:
         try:
             await asyncio.wait_for(ready, START_TIMEOUT_S)
         except BaseException:
-            self.kill()
+            self._ended("the reply worker did not start")
             raise
 
-    async def ask(self, op: int, payload: Any) -> Any:
+    async def ask(self, code: int, payload: Any) -> Any:
         """Send one request; its answer (or its exception, raised)."""
         rid = next(self._ids)
-        data = frame((op, rid, payload))  # an unpicklable payload raises here: nothing sent
+        pieces = frame(rid, code, payload)  # an unpicklable payload raises here: nothing sent
         if not self.alive or self._out is None:
-            raise UpstreamTransportError("the reply worker process is not running", transient=True)
+            raise ReplyWorkerLost("the reply worker process is not running")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
-        self._out.write(data)
+        self._out.writelines(pieces)
         try:
             return await fut
         except asyncio.CancelledError:
-            if self.pending.pop(rid, None) is not None and self.alive and op == FETCH:
-                self._out.write(frame((CANCEL, rid, None)))  # the worker drops the request
+            if self.pending.pop(rid, None) is not None and self.alive and code == FETCH:
+                self._out.writelines(frame(rid, CANCEL))  # the worker drops the request
             raise
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         why = "the reply worker process ended"
         try:
             while True:
-                (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-                rid, ok, value = pickle.loads(await reader.readexactly(n))
+                rid, code, data = await read_frame(reader)
                 fut = self.pending.pop(rid, None)
                 if fut is None or fut.done():
                     continue  # given up (cancelled) meanwhile
-                if ok:
+                try:
+                    value = pickle.loads(data)
+                except Exception as exc:  # noqa: BLE001 - only this answer is lost
+                    fut.set_exception(UpstreamInvalid(f"the reply worker's answer could not be read: "
+                                                      f"{type(exc).__name__}: {exc}"))
+                    continue
+                if code == OK:
                     fut.set_result(value)
                 else:
                     fut.set_exception(value)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             why = f"{why} ({type(exc).__name__})"
-        except Exception as exc:  # noqa: BLE001 - an answer that does not unpickle: the stream is lost
-            why = f"the reply worker's answer could not be read: {type(exc).__name__}: {exc}"
         finally:
             self._ended(why)
 
     def _ended(self, why: str) -> None:
+        """Whatever was in flight fails (`ReplyWorkerLost`: nothing committed, the engine
+        not blamed); the process is killed if it still runs (a broken socket)."""
         if not self.alive:
             return
         self.alive = False
@@ -138,30 +148,40 @@ class _Worker:
         pending, self.pending = self.pending, {}
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(UpstreamTransportError(f"{text}: its request is lost", transient=False))
+                fut.set_exception(ReplyWorkerLost(f"{text}: the turn's engine request is lost"))
         if self._out is not None:
             self._out.close()
+        if self.closing:
+            return  # `close` waits for it to exit
         self.kill()
-        if pending or status not in (None, 0):
-            log.error("%s; %d requests failed; it is started again", text, len(pending))
+        log.error("%s; %d requests failed; it is started again on the next large reply", text, len(pending))
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
 
+    def _reap(self) -> None:
+        """A killed worker's exit status collected (no zombie left behind)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
     async def close(self, timeout_s: float = 5.0) -> None:
         """End the worker: it sees its input end and exits (killed after `timeout_s`)."""
-        if self._out is not None:
-            self._out.close()
-        if self._reading is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._reading), timeout_s)
+        self.closing = True
+        if self._out is not None and self.alive:
+            with contextlib.suppress(OSError, RuntimeError):
+                self._out.write_eof()
         if self.proc is not None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
             except TimeoutError:
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.wait)
+        if self._reading is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._reading, timeout_s)
 
 
 class ReplyDecoder:
@@ -226,13 +246,20 @@ class ReplyDecoder:
                     timeout_s: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
                     parse_kw: dict[str, Any]) -> Fetched | None:
         """The request made and its reply parsed in a worker (`RemoteFetch`); None when
-        no worker is up (the caller makes it itself)."""
+        no worker is up (the caller makes it itself). The deadline runs from now, here: a
+        worker that is slow to read the request (busy parsing) or stuck cannot stretch it."""
         w = self._worker()
         if w is None:
             return None
         self.fetched += 1
-        got: Fetched = await w.ask(FETCH, (base_url, path, body, None if headers is None else dict(headers),
-                                           timeout_s, retries, limits, parse, parse_kw))
+        deadline = time.monotonic() + timeout_s
+        ask = w.ask(FETCH, (base_url, path, body, None if headers is None else dict(headers),
+                            deadline, retries, limits, parse, parse_kw))
+        try:
+            got: Fetched = await asyncio.wait_for(ask, timeout_s + ANSWER_GRACE_S)
+        except TimeoutError as exc:  # the worker never answered: it was told to drop the request
+            raise UpstreamTimeout(f"POST {base_url}{path}: no answer from the reply worker within {timeout_s} s",
+                                  engine=base_url) from exc
         return got
 
     async def _routed_decoded(self, result: Any) -> Any:
@@ -246,7 +273,9 @@ class ReplyDecoder:
     async def aclose(self) -> None:
         """End the workers (after the turns that needed them have drained)."""
         self._closed = True
-        for task in list(self._restarts):
+        restarts = list(self._restarts)
+        for task in restarts:
             task.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
         await asyncio.gather(*(w.close() for w in self._workers if w.started))
 

@@ -11,16 +11,19 @@ client, parses the reply (routed experts narrowed, `routed.predecode`) and sends
 only the parsed result, a few KB. Replies that turn out large in `serve` anyway (the
 first of their kind, a streamed turn's last frame) come here as bytes to be parsed.
 
-**Protocol** (a stream socket pair, one per worker). Each frame is a 4-byte
-little-endian length and a pickle. `serve` -> worker: `(op, rid, payload)`:
+**Protocol** (a stream socket pair, one per worker). Each frame is a header `<IIB`
+(the payload's length, the request id, a code) and a pickled payload; a payload that
+does not unpickle fails only its own request. `serve` -> worker, by code:
 `CALL (fn, args, kwargs)` runs `fn(*args, **kwargs)` here (the reply parsers);
-`FETCH (base_url, path, body, headers, timeout_s, retries, limits, parse, parse_kw)`
-posts `body` and parses a 200 reply with `parse(body, **parse_kw)`; `CANCEL None` gives
+`FETCH (base_url, path, body, headers, deadline, retries, limits, parse, parse_kw)`
+posts `body` and parses a 200 reply with `parse(body, **parse_kw)` (`deadline` is on
+`time.monotonic()`'s clock, which both processes share); `CANCEL` (no payload) gives
 up a fetch (its connection is closed, which is how the engine learns of it; nothing is
-answered). Worker -> `serve`: `(rid, ok, value)`: a result, or the exception to raise
-(engine errors keep their attributes across pickling, `errors.ServiceError.__reduce__`);
-rid 0 once, when the worker is ready. A fetch's value is `http.Fetched`: the status,
-the reply's size, and the parsed result (or the whole `HTTPReply` when not 200).
+answered). Worker -> `serve`: code `OK` and the result, or `FAILED` and the exception
+to raise (a `ServiceError` keeps its attributes across pickling, `__reduce__`; any
+other exception comes back as `UpstreamInvalid` naming it); request id 0 once, when
+the worker is ready. A fetch's result is `http.Fetched`: the status, the reply's size,
+and the parsed result (or the whole `HTTPReply` when not 200).
 
 Both ends are trusted code of the same package: pickle is fine here and only here.
 """
@@ -41,23 +44,32 @@ from typing import Any
 import aiohttp
 
 from ..child_process import ignore_interrupts
+from ..errors import ServiceError, UpstreamInvalid
 from ..malloc_tuning import retain_large_blocks
 from ..routed import predecode
 from .base import GenerateResult
 from .http import ConnectionLimits, Fetched, make_session, request_bytes, retry_transient
 
-__all__ = ["CALL", "CANCEL", "FETCH", "FRAME", "READY", "frame", "main", "predecoded"]
+__all__ = ["CALL", "CANCEL", "FAILED", "FETCH", "HEAD", "OK", "READY", "frame", "main", "predecoded", "read_frame"]
 
-CALL, FETCH, CANCEL = 0, 1, 2
-READY = 0  # the rid of the worker's first answer
-FRAME = struct.Struct("<I")
+CALL, FETCH, CANCEL = 0, 1, 2  # serve -> worker
+OK, FAILED = 0, 1  # worker -> serve
+READY = 0  # the request id of the worker's first answer
+HEAD = struct.Struct("<IIB")  # payload length, request id, code
 READ_LIMIT = 4 * 1024 * 1024  # a stream reader's buffer: a large frame arrives in few reads
 
 
-def frame(obj: object) -> bytes:
-    """`obj` as one frame (pickle protocol 5: large bytes copied once)."""
+def frame(rid: int, code: int, obj: object = None) -> list[bytes]:
+    """One frame as the header and the pickled payload (raises what does not pickle:
+    nothing is sent then); written as two pieces, so the payload is never copied again."""
     data = pickle.dumps(obj, protocol=5)
-    return FRAME.pack(len(data)) + data
+    return [HEAD.pack(len(data), rid, code), data]
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
+    """The next frame: its request id, its code and its payload, still pickled."""
+    n, rid, code = HEAD.unpack(await reader.readexactly(HEAD.size))
+    return rid, code, await reader.readexactly(n)
 
 
 def predecoded(result: Any) -> Any:
@@ -73,31 +85,36 @@ class _Worker:
         self.fetches: dict[int, asyncio.Task[None]] = {}
         self.sessions: dict[str, aiohttp.ClientSession] = {}
 
-    def handle(self, op: int, rid: int, payload: Any) -> None:
-        if op == CALL:
-            fn, args, kwargs = payload
-            try:
-                self.answer(rid, True, predecoded(fn(*args, **kwargs)))
-            except Exception as exc:  # the parser's verdict (UpstreamInvalid) goes back as it is
-                self.answer(rid, False, exc)
-        elif op == FETCH:
+    def handle(self, rid: int, op: int, data: bytes) -> None:
+        if op == CANCEL:
+            if (given_up := self.fetches.pop(rid, None)) is not None:
+                given_up.cancel()
+            return
+        try:
+            payload = pickle.loads(data)
+            if op == CALL:
+                fn, args, kwargs = payload
+                self.answer(rid, OK, predecoded(fn(*args, **kwargs)))
+        except Exception as exc:  # the parser's verdict (UpstreamInvalid) goes back as it is
+            self.answer(rid, FAILED, exc)
+            return
+        if op == FETCH:
             task = asyncio.create_task(self.fetch(rid, *payload))
             self.fetches[rid] = task
             task.add_done_callback(lambda _t: self._forget(rid))
-        elif op == CANCEL:
-            if (given_up := self.fetches.pop(rid, None)) is not None:
-                given_up.cancel()
 
     def _forget(self, rid: int) -> None:
         self.fetches.pop(rid, None)
 
-    def answer(self, rid: int, ok: bool, value: Any) -> None:
+    def answer(self, rid: int, code: int, value: Any) -> None:
+        if code == FAILED and not isinstance(value, ServiceError):
+            value = UpstreamInvalid(f"the reply worker failed on it: {type(value).__name__}: {value}")
         try:
-            data = frame((rid, ok, value))
-        except Exception as exc:  # noqa: BLE001 - e.g. an exception holding something unpicklable
-            data = frame((rid, False, RuntimeError(f"the reply worker could not send back {type(value).__name__}: "
-                                                   f"{exc}")))
-        self.out.write(data)
+            pieces = frame(rid, code, value)
+        except Exception as exc:  # noqa: BLE001 - a result holding something that does not pickle
+            pieces = frame(rid, FAILED, UpstreamInvalid(
+                f"the reply worker could not send back {type(value).__name__}: {type(exc).__name__}: {exc}"))
+        self.out.writelines(pieces)
 
     def session(self, base_url: str, limits: ConnectionLimits) -> aiohttp.ClientSession:
         if (s := self.sessions.get(base_url)) is None:
@@ -105,10 +122,9 @@ class _Worker:
         return s
 
     async def fetch(self, rid: int, base_url: str, path: str, body: bytes, headers: dict[str, str] | None,
-                    timeout_s: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
+                    deadline: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
                     parse_kw: dict[str, Any]) -> None:
         """`EngineHTTP._send`'s request and retries, then the parse, here."""
-        deadline = time.monotonic() + timeout_s
         session = self.session(base_url, limits)
 
         async def once() -> Any:
@@ -118,13 +134,13 @@ class _Worker:
         try:
             reply = await retry_transient(once, retries=retries)
             if reply.status != 200:
-                self.answer(rid, True, Fetched(reply.status, len(reply.body), reply))
+                self.answer(rid, OK, Fetched(reply.status, len(reply.body), reply))
                 return
-            self.answer(rid, True, Fetched(200, len(reply.body), predecoded(parse(reply.body, **parse_kw))))
+            self.answer(rid, OK, Fetched(200, len(reply.body), predecoded(parse(reply.body, **parse_kw))))
         except asyncio.CancelledError:
             raise  # `serve` gave up on it: nobody waits for an answer
         except Exception as exc:
-            self.answer(rid, False, exc)
+            self.answer(rid, FAILED, exc)
 
     async def close(self) -> None:
         for task in list(self.fetches.values()):
@@ -137,12 +153,10 @@ async def serve(sock: socket.socket) -> None:
     """Answer frames until `serve` closes its end."""
     reader, out = await asyncio.open_connection(sock=sock, limit=READ_LIMIT)
     worker = _Worker(out)
-    out.write(frame((READY, True, None)))
+    out.writelines(frame(READY, OK))
     try:
         while True:
-            (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-            op, rid, payload = pickle.loads(await reader.readexactly(n))
-            worker.handle(op, rid, payload)
+            worker.handle(*await read_frame(reader))
     except (asyncio.IncompleteReadError, ConnectionError):
         pass  # `serve` closed its end (or is gone): nothing more to answer
     finally:
@@ -161,12 +175,16 @@ def main(argv: list[str]) -> int:
     die_with_parent(int(parent))
     retain_large_blocks(int(retain_mb))  # it allocates every large reply, as `serve` did (malloc_tuning.py)
     sock = socket.socket(fileno=int(fd))
-    try:
+    try:  # serve's own loop is uvloop where installed; the worker's too
         import uvloop
-    except ImportError:  # serve's own loop is uvloop where installed; the worker's too
+    except ImportError:
         asyncio.run(serve(sock))
-    else:
+        return 0
+    if hasattr(uvloop, "run"):  # 0.18 and later
         uvloop.run(serve(sock))
+    else:
+        uvloop.install()
+        asyncio.run(serve(sock))
     return 0
 
 

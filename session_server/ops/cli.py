@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Fewer, later cyclic-GC passes: the server allocates many short-lived objects per
     # request, and a young-generation pass every 700 allocations adds tail latency.
     gc.set_threshold(args.gc_gen0_threshold, 20, 20)
-    retain_large_blocks(settings.malloc_retain_mb)  # the decoder processes do the same (reply_decoder.py)
+    retain_large_blocks(settings.malloc_retain_mb)  # the reply workers do the same (reply_worker.main)
     app = create_app(AppConfig(tokenizer=tokenizer, engines=args.engine, settings=settings))
     options = uvicorn_options(
         host=args.host, port=args.port, log_level=args.log_level,

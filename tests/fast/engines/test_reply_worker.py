@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,16 +18,26 @@ import orjson
 import pytest
 from aiohttp import web
 
+from session_server.engines import reply_decoder
 from session_server.engines.base import parsed_without_routed
 from session_server.engines.http import EngineHTTP
 from session_server.engines.reply_decoder import RESTART_AFTER_S, ReplyDecoder
+from session_server.engines.reply_worker import CALL
 from session_server.engines.sglang import parse_sglang_generate
 from session_server.engines.streams import run_inline
-from session_server.errors import UpstreamHTTPError, UpstreamTimeout, UpstreamTransportError
+from session_server.errors import (
+    EngineError,
+    ReplyWorkerLost,
+    UpstreamHTTPError,
+    UpstreamInvalid,
+    UpstreamTimeout,
+    UpstreamTransportError,
+)
 from session_server.offload import CpuOffload
 
 PADDING = b"[" + b",".join([b"[0.1,0.2,0.3]"] * 4000) + b"]"  # ~56 KB of routed experts
 PARSE = partial(parsed_without_routed, parse_sglang_generate)
+_HERE = partial(parsed_without_routed, parse_sglang_generate)  # another kind: not known large, made here
 
 
 def _reply(rid: str) -> bytes:
@@ -41,6 +52,7 @@ class _Engine:
 
     def __init__(self) -> None:
         self.delay_s = 0.0
+        self.held: dict[str, float] = {}  # request id -> its own delay
         self.status = 200
         self.seen = 0
         self.gone = 0
@@ -51,7 +63,7 @@ class _Engine:
         self.started.set()
         rid = orjson.loads(await request.read())["rid"]
         try:
-            await asyncio.sleep(self.delay_s)
+            await asyncio.sleep(self.held.get(rid, self.delay_s))
         except asyncio.CancelledError:
             self.gone += 1
             raise
@@ -108,7 +120,7 @@ async def _generate(http: EngineHTTP, decoder: ReplyDecoder, rid: str, timeout_s
 async def _a_slow_fetch(http: EngineHTTP, decoder: ReplyDecoder, engine: _Engine) -> asyncio.Task[object]:
     """A request the worker makes (its kind learnt first) that the engine holds for 30 s."""
     await _generate(http, decoder, "r1")
-    engine.delay_s, engine.started = 30.0, asyncio.Event()
+    engine.held["r2"], engine.started = 30.0, asyncio.Event()
     turn = asyncio.create_task(_generate(http, decoder, "r2"))
     await asyncio.wait_for(engine.started.wait(), 10)
     return turn
@@ -151,26 +163,78 @@ async def test_a_turn_that_gives_up_closes_the_engine_connection_from_the_worker
 
 
 async def test_a_worker_that_dies_fails_its_requests_and_is_started_again() -> None:
+    """Its requests fail as `ReplyWorkerLost` (not an engine error: routing health must
+    not blame the engine), a request made here meanwhile is untouched, the dead process
+    is reaped, and the next large reply a second later starts it again."""
     async with _stack() as (engine, http, decoder):
         turn = await _a_slow_fetch(http, decoder, engine)
         worker = decoder._workers[0]
         assert worker.proc is not None
-        os.kill(worker.proc.pid, signal.SIGKILL)
-        with pytest.raises(UpstreamTransportError, match="reply worker process ended") as info:
+        engine.held["h"] = 0.5  # made here, its reply arrives after the worker's death
+        here = asyncio.create_task(http.generate("/generate", orjson.dumps({"rid": "h"}), _HERE, what="h",
+                                                 timeout_s=10, offload=decoder.run, remote=decoder,
+                                                 parse_kw={"request_id": "h", "engine": "e"}))
+        dead = worker.proc
+        os.kill(dead.pid, signal.SIGKILL)
+        with pytest.raises(ReplyWorkerLost, match="reply worker process ended") as info:
             await turn
-        assert info.value.transient is False  # it may have produced tokens: never retried blindly
-        engine.delay_s = 0.0
+        assert not isinstance(info.value, EngineError) and info.value.status == 503
+        assert (await here).request_id == "h"  # made here: the worker's death is not its business
         # meanwhile the request is made here, then the worker is back
         assert await _generate(http, decoder, "r3") == PARSE(_reply("r3"), request_id="r3", engine="e")
         assert decoder.fetched == 1
         await asyncio.sleep(RESTART_AFTER_S)
-        decoder._worker()
         deadline = time.monotonic() + 30
         while not worker.alive and time.monotonic() < deadline:
+            decoder._worker()
             await asyncio.sleep(0.05)
-        assert worker.alive
+        assert worker.alive and worker.proc is not dead
+        assert dead.returncode == -signal.SIGKILL, "the dead worker was reaped"
         assert await _generate(http, decoder, "r4") == PARSE(_reply("r4"), request_id="r4", engine="e")
         assert decoder.fetched == 2
+
+
+async def test_a_closed_client_refuses_and_ends_what_the_worker_makes() -> None:
+    async with _stack() as (engine, http, decoder):
+        turn = await _a_slow_fetch(http, decoder, engine)
+        await http.aclose()
+        with pytest.raises(UpstreamTransportError, match="closed during the request") as info:
+            await turn
+        assert info.value.transient is False
+        with pytest.raises(UpstreamTransportError, match="closed"):
+            await _generate(http, decoder, "r3")
+        deadline = time.monotonic() + 10
+        while engine.gone == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert engine.gone == 1, "the worker kept the closed client's request open"
+
+
+async def test_a_stuck_worker_times_out_on_serves_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reply_decoder, "ANSWER_GRACE_S", 0.2)
+    async with _stack() as (_engine, http, decoder):
+        await _generate(http, decoder, "r1")
+        worker = decoder._workers[0]
+        assert worker.proc is not None
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(UpstreamTimeout, match="no answer from the reply worker"):
+                await _generate(http, decoder, "r2", timeout_s=0.3)
+            assert time.monotonic() - started < 5
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+
+
+async def test_an_answer_that_cannot_travel_fails_only_its_own_request() -> None:
+    async with _stack() as (engine, http, decoder):
+        turn = await _a_slow_fetch(http, decoder, engine)
+        worker = decoder._workers[0]
+        with pytest.raises(UpstreamInvalid, match="could not send back"):
+            await worker.ask(CALL, (threading.Lock, (), {}))  # a result that does not pickle
+        with pytest.raises(UpstreamInvalid, match="ValueError"):
+            await worker.ask(CALL, (int, ("not a number",), {}))  # not a ServiceError: named, as UpstreamInvalid
+        assert worker.alive and not turn.done()
+        turn.cancel()
 
 
 async def test_without_a_worker_every_request_is_made_here() -> None:

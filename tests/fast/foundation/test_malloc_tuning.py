@@ -1,4 +1,4 @@
-"""glibc reuses the memory of large freed blocks in `serve` and its decoder processes.
+"""glibc reuses the memory of large freed blocks in `serve` and its reply workers.
 
 Each check runs in a fresh process (with no allocator settings in its environment), so
 this test process's allocator is left alone.
