@@ -5,14 +5,13 @@ gate, sent as `prompt + partial` with the remaining budget, and registered with 
 plane while at the engine (`ControlPlane.track_flight`); it returns one
 `ResilientResult` (a `GenerateResult` plus weight spans and per-turn counters) that
 is indistinguishable from an uninterrupted generation (assemble.py builds it).
-It talks to the plane only through its public interface: `wait_open`, `blocked`,
-`epoch`, `weight_version`, `cache_salt`, `max_empty_aborts`, `metrics`,
-`record_version_mismatch`, `track_flight`, `record_abort`, `record_resubmit`,
-`abort_engine_request`.
+It talks to the plane only through its public interface: `wait_open`, `blocked`, `epoch`,
+`weight_version`, `cache_salt`, `max_empty_aborts`, `metrics`, `record_version_mismatch`,
+`track_flight`, `record_abort`, `record_resubmit`, `abort_engine_request`.
 
-The turn is a state machine (`Phase`): one method per phase reads and writes the named
-fields of `TurnState` (what changes across segments) and `Segment` (the one being
-settled), and returns the next phase:
+The turn is a state machine (`Phase`): one method per phase reads and writes the named fields
+of `TurnState` (what changes across segments) and `Segment` (the one being settled), and
+returns the next phase:
 
     WAIT_GATE -> ACQUIRE -> DISPATCH -> SETTLE -> ACCUMULATE -> RESUBMIT -> WAIT_GATE
     ACQUIRE -> WAIT_GATE   the gate closed again while the segment queued
@@ -20,8 +19,8 @@ settled), and returns the next phase:
     SETTLE -> DONE         the segment finished (stop, length): the turn is assembled
     ACCUMULATE -> DONE     the budget ran out across aborts
 
-Prefill admission and the engine slot are held from ACQUIRE until the engine answers
-(DISPATCH), never while waiting at the gate.
+Prefill admission and the engine slot are held from ACQUIRE until the engine answers (DISPATCH),
+never while waiting at the gate.
 
 Weight versions per token (versions.py): the trainer's version at each segment's
 dispatch, refined by what the engine reports where it is one the trainer went through
@@ -178,10 +177,6 @@ class _Turn:
         self.peek_stream = None if self.peek is None else peek_stream(adapter)  # incremental streams only
         self.stops = (StopStrings(request.sampling.stop, decode)
                       if decode and request.sampling.stop and not self.constrained else None)
-        self.steps: dict[Phase, Callable[[], Awaitable[Phase]]] = {
-            Phase.WAIT_GATE: self.wait_gate, Phase.SETTLE: self.settle,
-            Phase.ACCUMULATE: self.accumulate, Phase.RESUBMIT: self.resubmit,
-        }
 
     async def run(self) -> ResilientResult:
         """Step from WAIT_GATE to DONE; ACQUIRE and DISPATCH run under one exit stack."""
@@ -197,7 +192,7 @@ class _Turn:
                     if phase is Phase.DISPATCH:
                         phase = await self.dispatch()
             else:
-                phase = await self.steps[phase]()
+                phase = await _STEPS[phase](self)
         assert self.state.result is not None
         return self.state.result
 
@@ -353,6 +348,11 @@ class _Turn:
     def _segment(self) -> Segment:
         assert self.state.segment is not None  # set by DISPATCH
         return self.state.segment
+
+
+# on the class: bound methods kept on a turn made each one a cycle, left to the cyclic GC
+_STEPS: dict[Phase, Callable[[_Turn], Awaitable[Phase]]] = {Phase.WAIT_GATE: _Turn.wait_gate, Phase.SETTLE: _Turn.settle,
+                                                            Phase.ACCUMULATE: _Turn.accumulate, Phase.RESUBMIT: _Turn.resubmit}
 
 
 async def generate_resilient(

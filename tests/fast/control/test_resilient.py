@@ -389,3 +389,36 @@ async def test_bad_values_in_a_partial_are_rejected(
                 await task
         finally:
             await adapter.aclose()
+
+
+async def test_a_finished_turn_leaves_no_cycle_for_the_cyclic_gc(qwen3_model: SimModel,
+                                                                make_prompt: Callable[[str], list[int]]) -> None:
+    """Freed by reference counting alone: a turn's state kept in a cycle (bound methods
+    on the turn, say) waits for a GC pass, and under load those passes took milliseconds
+    of the event loop each (bench/README.md)."""
+    import gc
+
+    from session_server.control import resilient
+
+    async with running_sim("sglang", qwen3_model) as url:
+        adapter = make_adapter("sglang", url)
+        control = ControlPlane(lambda: [adapter], grace_s=0.005)
+        try:
+            await generate_resilient(adapter, GenerateRequest(f"{1:032x}", make_prompt("warm up"), 8), control)
+            gc.collect()
+            gc.disable()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                got = await generate_resilient(adapter, GenerateRequest(f"{2:032x}", make_prompt("a turn"), 8),
+                                               control)
+                assert len(got.output_ids) > 0
+                del got
+                gc.collect()
+                turns = [o for o in gc.garbage if isinstance(o, resilient._Turn)]
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+                gc.enable()
+            assert turns == []
+        finally:
+            await adapter.aclose()
