@@ -228,3 +228,31 @@ async def test_a_wait_pause_whose_drain_times_out_answers_504_and_pauses_no_engi
         assert r.status_code == 200 and r.json()["ok"] and r.json()["engines_paused"], r.text
         assert (await st.http.post("/control/resume", json={})).status_code == 200
         assert not (await st.http.get("/control/state")).json()["paused"]
+
+
+async def test_pauses_mid_turn_with_large_replies_fetched_by_the_reply_worker_commit_the_uninterrupted_tokens(
+        qwen3_dir: Path) -> None:
+    """Every reply carries 1.36 MB of routed experts nobody asked for: after the first,
+    the reply worker makes the requests itself (engines/reply_worker.py), and a pause's
+    abort and resubmission come out as they do for requests made here."""
+    async with live_stack(qwen3_dir, latency_ms=4, padding="floats") as st:
+        ref_sid = await st.session()
+        assert (await st.chat(ref_sid, {"messages": MSGS, "max_tokens": 120})).status_code == 200
+        ref = _branch(await st.trajectory(ref_sid))
+        for mode in ("abort", "keep"):
+            sid = await st.session()
+            chat = asyncio.create_task(st.chat(sid, {"messages": MSGS, "max_tokens": 120}))
+            await until_in_flight(st, sid)
+            await asyncio.sleep(0.05)
+            r = await st.http.post("/control/pause", json={"mode": mode})
+            assert r.status_code == 200 and r.json()["ok"], r.text
+            await asyncio.sleep(0.03)
+            assert (await st.http.post("/control/resume", json={})).status_code == 200
+            r = await chat
+            assert r.status_code == 200, f"{mode}: {r.text}"
+            got = _branch(await st.trajectory(sid))
+            for key in ("token_ids", "loss_mask", "logprobs"):
+                assert got[key] == ref[key], f"{mode}: {key} differs from the uninterrupted turn"
+            if mode == "abort":
+                view = (await st.http.get(f"/sessions/{sid}")).json()
+                assert view["control"]["aborts"] >= 1 and view["control"]["resubmits"] >= 1
