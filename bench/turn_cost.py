@@ -54,7 +54,7 @@ from session_server.sim.wire import padding_payload  # noqa: E402
 
 
 def server_cpu_s(pid: int) -> float:
-    """CPU seconds of the server process and its live children."""
+    """CPU seconds of the server process and every live process below it."""
     return process_cpu_s(pid) + sum(process_cpu_s(c) for c in descendants(pid))
 
 
