@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import resource
 import time
@@ -40,6 +41,7 @@ from session_server.errors import (
 )
 
 T = TypeVar("T")
+_CLIENT_IDS = itertools.count(1)
 
 # uvicorn (SGLang and vLLM both serve through it) closes idle keep-alive
 # connections after 5 s; closing ours earlier avoids the reuse-after-close race.
@@ -101,9 +103,11 @@ class RemoteFetch(Protocol):
 
     large_reply_bytes: int
 
-    async def fetch(self, base_url: str, path: str, body: bytes, *, headers: Mapping[str, str] | None,
+    async def fetch(self, client: str, base_url: str, path: str, body: bytes, *, headers: Mapping[str, str] | None,
                     timeout_s: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
                     parse_kw: dict[str, Any]) -> Fetched | None: ...
+
+    def forget(self, client: str) -> None: ...
 
 
 async def request_bytes(
@@ -244,10 +248,11 @@ class EngineHTTP:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        # the size of the last reply to each kind of generation (`generate`'s path and parse):
-        # a kind whose replies are large is fetched by the reply worker
+        # the last 200 reply's size per kind of generation (`generate`'s path and parse)
         self._reply_bytes: dict[tuple[str, Callable[..., Any]], int] = {}
         self._fetches: set[asyncio.Future[Fetched | None]] = set()  # requests the reply worker makes now
+        self._remote_used: RemoteFetch | None = None  # told to forget this client on `aclose`
+        self._client_id = f"{self.base_url}#{next(_CLIENT_IDS)}"  # its session in the reply worker
 
     @property
     def closed(self) -> bool:
@@ -295,8 +300,9 @@ class EngineHTTP:
             async with contextlib.nullcontext() if slot_held else self._sem:
                 if remote is not None and self._reply_bytes.get(kind, 0) >= remote.large_reply_bytes:
                     self.session()  # closed: refused, as here
+                    self._remote_used = remote
                     fetched = await self._remote(remote.fetch(
-                        self.base_url, path, body, headers=headers, timeout_s=timeout_s, retries=self.retries,
+                        self._client_id, self.base_url, path, body, headers=headers, timeout_s=timeout_s, retries=self.retries,
                         limits=self._limits, parse=parse, parse_kw=kw))
                 if fetched is None:
                     reply = await self._send(path, body, timeout_s=timeout_s, headers=headers)
@@ -437,6 +443,8 @@ class EngineHTTP:
                 await asyncio.wait_for(self._idle.wait(), drain_s)
         for fetch in list(self._fetches):  # as closing the session ends the requests made here
             fetch.cancel()
+        if self._remote_used is not None:
+            self._remote_used.forget(self._client_id)
         if self._session is not None:
             await self._session.close()
             self._session = None

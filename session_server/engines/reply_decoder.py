@@ -44,13 +44,14 @@ from ..offload import CpuOffload
 from ..routed import predecode
 from .base import GenerateResult
 from .http import ConnectionLimits, Fetched
-from .reply_worker import CALL, CANCEL, FETCH, OK, READ_LIMIT, READY, frame, read_frame
+from .reply_worker import CALL, CANCEL, FETCH, FORGET, OK, READ_LIMIT, READY, frame, read_frame
 
 __all__ = ["LARGE_REPLY_BYTES", "ReplyDecoder"]
 
 LARGE_REPLY_BYTES = 256 * 1024
 START_TIMEOUT_S = 60.0
 RESTART_AFTER_S = 1.0
+CALL_TIMEOUT_S = 60.0
 ANSWER_GRACE_S = 5.0  # past a fetch's deadline, how long its worker gets to send the timeout it found
 
 log = logging.getLogger("session_server")
@@ -112,6 +113,11 @@ class _Worker:
             if self.pending.pop(rid, None) is not None and self.alive and code == FETCH:
                 self._out.writelines(frame(rid, CANCEL))  # the worker drops the request
             raise
+
+    def tell(self, code: int, payload: Any) -> None:
+        """A request that is not answered."""
+        if self.alive and self._out is not None:
+            self._out.writelines(frame(next(self._ids), code, payload))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         why = "the reply worker process ended"
@@ -239,10 +245,27 @@ class ReplyDecoder:
         body = args[0] if args else None
         size = len(body) if isinstance(body, bytes) else 0
         if size >= self.large_reply_bytes and (w := self._worker()) is not None:
-            return await w.ask(CALL, (fn, args, kwargs))
+            return await self._call(w, fn, args, kwargs)
         return await self._threads.run_sized(size, fn, *args, **kwargs)
 
-    async def fetch(self, base_url: str, path: str, body: bytes, *, headers: Mapping[str, str] | None,
+    async def _call(self, w: _Worker, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`fn(*args, **kwargs)` in the worker. A parse takes milliseconds: a worker silent
+        for `CALL_TIMEOUT_S` is stuck, and is killed (started again later) rather than
+        left to hold every large reply's turn."""
+        try:
+            return await asyncio.wait_for(w.ask(CALL, (fn, args, kwargs)), CALL_TIMEOUT_S)
+        except TimeoutError:
+            w.kill()
+            raise ReplyWorkerLost(f"the reply worker did not answer a parse within {CALL_TIMEOUT_S:g} s; "
+                                  "it is started again") from None
+
+    def forget(self, client: str) -> None:
+        """An engine client closed for good: the workers close their session for it."""
+        for w in self._workers:
+            if w.alive:
+                w.tell(FORGET, client)
+
+    async def fetch(self, client: str, base_url: str, path: str, body: bytes, *, headers: Mapping[str, str] | None,
                     timeout_s: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
                     parse_kw: dict[str, Any]) -> Fetched | None:
         """The request made and its reply parsed in a worker (`RemoteFetch`); None when
@@ -253,7 +276,7 @@ class ReplyDecoder:
             return None
         self.fetched += 1
         deadline = time.monotonic() + timeout_s
-        ask = w.ask(FETCH, (base_url, path, body, None if headers is None else dict(headers),
+        ask = w.ask(FETCH, (client, base_url, path, body, None if headers is None else dict(headers),
                             deadline, retries, limits, parse, parse_kw))
         try:
             got: Fetched = await asyncio.wait_for(ask, timeout_s + ANSWER_GRACE_S)
@@ -267,7 +290,7 @@ class ReplyDecoder:
         raw = result.routed_experts if isinstance(result, GenerateResult) else None
         if not isinstance(raw, bytes) or len(raw) < self.large_reply_bytes or (w := self._worker()) is None:
             return result
-        routed = await w.ask(CALL, (predecode, (raw,), {}))
+        routed = await self._call(w, predecode, (raw,), {})
         return dataclasses.replace(result, routed_experts=routed)
 
     async def aclose(self) -> None:

@@ -15,11 +15,13 @@ first of their kind, a streamed turn's last frame) come here as bytes to be pars
 (the payload's length, the request id, a code) and a pickled payload; a payload that
 does not unpickle fails only its own request. `serve` -> worker, by code:
 `CALL (fn, args, kwargs)` runs `fn(*args, **kwargs)` here (the reply parsers);
-`FETCH (base_url, path, body, headers, deadline, retries, limits, parse, parse_kw)`
-posts `body` and parses a 200 reply with `parse(body, **parse_kw)` (`deadline` is on
-`time.monotonic()`'s clock, which both processes share); `CANCEL` (no payload) gives
+`FETCH (client, base_url, path, body, headers, deadline, retries, limits, parse,
+parse_kw)` posts `body` on `client`'s session (one per engine client of `serve`) and
+parses a 200 reply with `parse(body, **parse_kw)` (`deadline` is on `time.monotonic()`'s
+clock, which both processes share); `CANCEL` (no payload) gives
 up a fetch (its connection is closed, which is how the engine learns of it; nothing is
-answered). Worker -> `serve`: code `OK` and the result, or `FAILED` and the exception
+answered); `FORGET client` closes that session once its client closed for good
+(nothing answered). Worker -> `serve`: code `OK` and the result, or `FAILED` and the exception
 to raise (a `ServiceError` keeps its attributes across pickling, `__reduce__`; any
 other exception comes back as `UpstreamInvalid` naming it); request id 0 once, when
 the worker is ready. A fetch's result is `http.Fetched`: the status, the reply's size,
@@ -50,9 +52,9 @@ from ..routed import predecode
 from .base import GenerateResult
 from .http import ConnectionLimits, Fetched, make_session, request_bytes, retry_transient
 
-__all__ = ["CALL", "CANCEL", "FAILED", "FETCH", "HEAD", "OK", "READY", "frame", "main", "predecoded", "read_frame"]
+__all__ = ["CALL", "CANCEL", "FAILED", "FETCH", "FORGET", "HEAD", "OK", "READY", "frame", "main", "predecoded", "read_frame"]
 
-CALL, FETCH, CANCEL = 0, 1, 2  # serve -> worker
+CALL, FETCH, CANCEL, FORGET = 0, 1, 2, 3  # serve -> worker
 OK, FAILED = 0, 1  # worker -> serve
 READY = 0  # the request id of the worker's first answer
 HEAD = struct.Struct("<IIB")  # payload length, request id, code
@@ -84,6 +86,7 @@ class _Worker:
         self.out = out
         self.fetches: dict[int, asyncio.Task[None]] = {}
         self.sessions: dict[str, aiohttp.ClientSession] = {}
+        self.closing: set[asyncio.Task[None]] = set()
 
     def handle(self, rid: int, op: int, data: bytes) -> None:
         if op == CANCEL:
@@ -92,6 +95,12 @@ class _Worker:
             return
         try:
             payload = pickle.loads(data)
+            if op == FORGET:
+                if (gone := self.sessions.pop(payload, None)) is not None:
+                    task = asyncio.create_task(gone.close())
+                    self.closing.add(task)
+                    task.add_done_callback(self.closing.discard)
+                return
             if op == CALL:
                 fn, args, kwargs = payload
                 self.answer(rid, OK, predecoded(fn(*args, **kwargs)))
@@ -116,16 +125,16 @@ class _Worker:
                 f"the reply worker could not send back {type(value).__name__}: {type(exc).__name__}: {exc}"))
         self.out.writelines(pieces)
 
-    def session(self, base_url: str, limits: ConnectionLimits) -> aiohttp.ClientSession:
-        if (s := self.sessions.get(base_url)) is None:
-            s = self.sessions[base_url] = make_session(limits)
+    def session(self, client: str, limits: ConnectionLimits) -> aiohttp.ClientSession:
+        if (s := self.sessions.get(client)) is None:
+            s = self.sessions[client] = make_session(limits)
         return s
 
-    async def fetch(self, rid: int, base_url: str, path: str, body: bytes, headers: dict[str, str] | None,
+    async def fetch(self, rid: int, client: str, base_url: str, path: str, body: bytes, headers: dict[str, str] | None,
                     deadline: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
                     parse_kw: dict[str, Any]) -> None:
         """`EngineHTTP._send`'s request and retries, then the parse, here."""
-        session = self.session(base_url, limits)
+        session = self.session(client, limits)
 
         async def once() -> Any:
             return await request_bytes(session, "POST", base_url + path, engine=base_url, body=body,

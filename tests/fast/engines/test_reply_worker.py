@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 
 import orjson
 import pytest
@@ -248,3 +249,37 @@ async def test_without_a_worker_every_request_is_made_here() -> None:
                 assert got == PARSE(_reply(rid), request_id=rid, engine="e")
         finally:
             await http.aclose()
+
+
+def _sockets(pid: int) -> int:
+    return sum(1 for fd in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(fd).startswith("socket:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads a process's sockets from /proc (Linux)")
+async def test_a_closed_client_has_the_worker_close_its_engine_connections() -> None:
+    async with _stack() as (_engine, http, decoder):
+        await _generate(http, decoder, "r1")
+        await _generate(http, decoder, "r2")  # made by the worker: it keeps the connection alive
+        worker = decoder._workers[0]
+        assert worker.proc is not None
+        held = _sockets(worker.proc.pid)
+        await http.aclose()
+        deadline = time.monotonic() + 2  # well inside the keep-alive (4 s idle): closed by FORGET
+        while _sockets(worker.proc.pid) >= held and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert _sockets(worker.proc.pid) == held - 1, "the worker kept the closed client's connection"
+        assert worker.alive
+
+
+async def test_a_worker_stuck_in_a_parse_is_killed_and_its_turn_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reply_decoder, "CALL_TIMEOUT_S", 0.3)
+    async with _decoder() as decoder:
+        worker = decoder._workers[0]
+        assert worker.proc is not None
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        with pytest.raises(ReplyWorkerLost, match="did not answer a parse"):
+            await decoder.run(PARSE, _reply("r1"), request_id="r1", engine="e")
+        deadline = time.monotonic() + 10
+        while worker.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert not worker.alive, "the stuck worker was left running"
