@@ -71,7 +71,6 @@ async def build_context(config: AppConfig) -> ServerContext:
         log.info("model vocabulary: %d rows for %d tokenizer ids", vocab_size, len(tok))
     model_routed = await offload.run(model_routed_shape, str(getattr(tok, "name_or_path", "") or ""))
     decoder = ReplyDecoder(offload, processes=settings.decode_processes, malloc_retain_mb=settings.malloc_retain_mb)
-    await decoder.start()
     engines = EnginePool(make_policy(settings.routing_policy))
     registry = EngineRegistry(engines, offload=decoder.run, remote=decoder if decoder.processes else None,
                               sglang_incremental=settings.sglang_incremental_streams)
@@ -107,6 +106,7 @@ async def build_context(config: AppConfig) -> ServerContext:
     )
     ctx.store.recovering = ctx.journal is not None  # durability.recover opens the store
     ctx.store.on_remove.append(lambda s: engines.forget(s.id, s.home))  # DELETE and TTL alike
+    await decoder.start()  # last: a start that fails above leaves no worker behind
     return ctx
 
 

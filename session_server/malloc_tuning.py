@@ -2,7 +2,7 @@
 
 A routed-experts workload moves a ~1.4 MB engine reply per turn: through the reply
 worker, which reads and parses it, and through `serve` when it reads the reply itself
-(the first of its kind, a stream's last frame) and hands it over. glibc adapts to
+(the first of its kind, a stream's frames) and parses it or hands it over. glibc adapts to
 blocks that large: after the first one is freed, its mmap threshold rises to their
 size and its trim threshold to twice that (~2.8 MB), so later replies come from the
 heap, but every time more than ~2.8 MB is free at the top of a heap it is given back

@@ -35,8 +35,8 @@ ERROR_DESCRIPTIONS = {
          "only on an instance with peers (elsewhere an unknown id is a 404)",
     429: "a capacity limit was reached (session cap: over_capacity; branches per session: branch_limit; live viewers: too_many_viewers)",
     502: "the engine failed or answered invalid output; nothing was committed",
-    503: "no healthy engine, paused past the deadline, the engine aborted, or a peer instance is down "
-         "(instance_unavailable)",
+    503: "no healthy engine, paused past the deadline, the engine aborted, a peer instance is down "
+         "(instance_unavailable), or the reply worker died with the turn's request (reply_worker_lost)",
     504: "the engine did not finish within the turn's deadline, or a wait pause's turns outlived its drain "
          "timeout (drain_timeout: no engine paused, the gate stays closed)",
 }
@@ -44,7 +44,8 @@ ERROR_DESCRIPTIONS = {
 RETRY_AFTER_CODES = (409, 429, 503)
 RETRY_AFTER_HEADER: dict[str, Any] = {
     "description": "seconds to wait before retrying (session_busy 2, over_capacity 5, branch_limit 60, "
-    "no_healthy_engine 5, paused 10, engine_aborted 1, instance_unavailable 5; none on session_closed)",
+    "no_healthy_engine 5, paused 10, engine_aborted 1, instance_unavailable 5, reply_worker_lost 1; none on "
+    "session_closed)",
     "schema": {"type": "integer", "minimum": 0},
 }
 

@@ -26,6 +26,7 @@ import resource
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
 import aiohttp
@@ -98,8 +99,7 @@ class Fetched:
 
 
 class RemoteFetch(Protocol):
-    """Makes a generation request in another process and returns it parsed
-    (`reply_decoder.ReplyDecoder.fetch`); None when it cannot now (made here instead)."""
+    """Makes a generation request in another process, returns it parsed (None: made here instead)."""
 
     large_reply_bytes: int
 
@@ -249,7 +249,7 @@ class EngineHTTP:
         self._idle = asyncio.Event()
         self._idle.set()
         # the last 200 reply's size per kind of generation (`generate`'s path and parse)
-        self._reply_bytes: dict[tuple[str, Callable[..., Any]], int] = {}
+        self._reply_bytes: dict[tuple[Any, ...], int] = {}
         self._fetches: set[asyncio.Future[Fetched | None]] = set()  # requests the reply worker makes now
         self._remote_used: RemoteFetch | None = None  # told to forget this client on `aclose`
         self._client_id = f"{self.base_url}#{next(_CLIENT_IDS)}"  # its session in the reply worker
@@ -287,12 +287,11 @@ class EngineHTTP:
         least `remote.large_reply_bytes`, `remote` makes the request and parses the reply in
         its own process, so the large body never enters this one (reply_worker.py says
         why); otherwise it is made here and parsed by `offload` (which sends a large reply
-        to the worker as bytes). A new kind starts here: its first size is learnt from each
-        200 reply. `parse` is the kind: pass one object per kind (a module constant), not a
-        new `partial` per call. One difference: in the worker the parse runs while the
-        slot is held (its answer is one message); here it runs after the slot is given back."""
+        to the worker as bytes). A new kind starts here; each 200 reply's size is learnt
+        (a `partial` parser is its kind by function and arguments). In the worker the parse
+        runs while the slot is held (one answer); here, after the slot is given back."""
         kw = parse_kw or {}
-        kind = (path, parse)
+        kind = (path, parse.func, parse.args) if isinstance(parse, partial) else (path, parse)
         fetched: Fetched | None = None
         self._in_flight += 1
         self._idle.clear()
@@ -319,8 +318,7 @@ class EngineHTTP:
         return cast(T, fetched.value)
 
     async def _remote(self, fetch: Awaitable[Fetched | None]) -> Fetched | None:
-        """A request made by the reply worker, held to this client's state as one made
-        here is: ended by `aclose` (the worker then drops it)."""
+        """A request the reply worker makes, ended by `aclose` as one made here would be."""
         task = asyncio.ensure_future(fetch)
         self._fetches.add(task)
         try:
@@ -441,8 +439,10 @@ class EngineHTTP:
         if drain_s > 0 and self._in_flight:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), drain_s)
-        for fetch in list(self._fetches):  # as closing the session ends the requests made here
+        fetches = list(self._fetches)  # ended as closing the session ends those made here,
+        for fetch in fetches:  # their CANCELs sent before the FORGET
             fetch.cancel()
+        await asyncio.gather(*fetches, return_exceptions=True)
         if self._remote_used is not None:
             self._remote_used.forget(self._client_id)
         if self._session is not None:

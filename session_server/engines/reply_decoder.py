@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..child_process import spawn
-from ..errors import ReplyWorkerLost, UpstreamInvalid, UpstreamTimeout
+from ..errors import ReplyWorkerLost, UpstreamInvalid
 from ..malloc_tuning import MAX_RETAIN_MB
 from ..offload import CpuOffload
 from ..routed import predecode
@@ -64,19 +64,20 @@ class _Worker:
     def __init__(self, malloc_retain_mb: int) -> None:
         self.malloc_retain_mb = malloc_retain_mb
         self.pending: dict[int, asyncio.Future[Any]] = {}
-        self.alive = False
+        self.alive = False  # its socket is open (answers may still arrive)
+        self.ready = False  # alive and said so: requests go to it
         self.started = False  # once started, a dead worker is started again (`ReplyDecoder._worker`)
         self.restarting = False
         self.closing = False
         self.ended_at = 0.0
         self.proc: subprocess.Popen[bytes] | None = None
-        self._ids = itertools.count(1)
+        self._ids = itertools.cycle(range(1, 1 << 32))  # the header's uint32; 0 is READY
         self._out: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.started = True
-        self._reap()
+        await self._reap()
         mine, theirs = socket.socketpair()
         try:
             with theirs:
@@ -97,12 +98,13 @@ class _Worker:
         except BaseException:
             self._ended("the reply worker did not start")
             raise
+        self.ready = not self.closing
 
     async def ask(self, code: int, payload: Any) -> Any:
         """Send one request; its answer (or its exception, raised)."""
         rid = next(self._ids)
         pieces = frame(rid, code, payload)  # an unpicklable payload raises here: nothing sent
-        if not self.alive or self._out is None:
+        if not self.alive or self.closing or self._out is None:
             raise ReplyWorkerLost("the reply worker process is not running")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
@@ -110,13 +112,13 @@ class _Worker:
         try:
             return await fut
         except asyncio.CancelledError:
-            if self.pending.pop(rid, None) is not None and self.alive and code == FETCH:
+            if self.pending.pop(rid, None) is not None and self.alive and not self.closing and code == FETCH:
                 self._out.writelines(frame(rid, CANCEL))  # the worker drops the request
             raise
 
     def tell(self, code: int, payload: Any) -> None:
         """A request that is not answered."""
-        if self.alive and self._out is not None:
+        if self.alive and not self.closing and self._out is not None:
             self._out.writelines(frame(next(self._ids), code, payload))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -147,7 +149,7 @@ class _Worker:
         not blamed); the process is killed if it still runs (a broken socket)."""
         if not self.alive:
             return
-        self.alive = False
+        self.alive = self.ready = False
         self.ended_at = time.monotonic()
         status = None if self.proc is None else self.proc.poll()
         text = why if status is None else f"{why}, exit status {status}"
@@ -166,16 +168,16 @@ class _Worker:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
 
-    def _reap(self) -> None:
-        """A killed worker's exit status collected (no zombie left behind)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+    async def _reap(self) -> None:
+        """A dead worker's exit status collected (no zombie left), off the loop."""
         if self.proc is not None:
-            self.proc.wait()
+            self.kill()
+            await asyncio.to_thread(self.proc.wait)
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """End the worker: it sees its input end and exits (killed after `timeout_s`)."""
         self.closing = True
+        self.ready = False
         if self._out is not None and self.alive:
             with contextlib.suppress(OSError, RuntimeError):
                 self._out.write_eof()
@@ -216,11 +218,13 @@ class ReplyDecoder:
     def _worker(self) -> _Worker | None:
         """The live worker with the least in flight; a worker dead for a second is started again."""
         best: _Worker | None = None
+        if self._closed:
+            return None
         for w in self._workers:
-            if w.alive:
+            if w.ready:
                 if best is None or len(w.pending) < len(best.pending):
                     best = w
-            elif (w.started and not w.restarting and not self._closed
+            elif (w.started and not w.alive and not w.restarting
                   and time.monotonic() - w.ended_at >= RESTART_AFTER_S):
                 w.restarting = True
                 task = asyncio.create_task(self._restart(w))
@@ -245,7 +249,10 @@ class ReplyDecoder:
         body = args[0] if args else None
         size = len(body) if isinstance(body, bytes) else 0
         if size >= self.large_reply_bytes and (w := self._worker()) is not None:
-            return await self._call(w, fn, args, kwargs)
+            try:
+                return await self._call(w, fn, args, kwargs)
+            except ReplyWorkerLost as exc:  # the reply is in hand: parsed here instead
+                log.warning("%s; parsing this reply in serve", exc)
         return await self._threads.run_sized(size, fn, *args, **kwargs)
 
     async def _call(self, w: _Worker, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -280,9 +287,11 @@ class ReplyDecoder:
                             deadline, retries, limits, parse, parse_kw))
         try:
             got: Fetched = await asyncio.wait_for(ask, timeout_s + ANSWER_GRACE_S)
-        except TimeoutError as exc:  # the worker never answered: it was told to drop the request
-            raise UpstreamTimeout(f"POST {base_url}{path}: no answer from the reply worker within {timeout_s} s",
-                                  engine=base_url) from exc
+        except TimeoutError:
+            # its own deadline would have answered by now: the worker is stuck, not the engine
+            w.kill()
+            raise ReplyWorkerLost(f"the reply worker did not answer POST {base_url}{path} within "
+                                  f"{timeout_s + ANSWER_GRACE_S:g} s; it is started again") from None
         return got
 
     async def _routed_decoded(self, result: Any) -> Any:
@@ -290,7 +299,11 @@ class ReplyDecoder:
         raw = result.routed_experts if isinstance(result, GenerateResult) else None
         if not isinstance(raw, bytes) or len(raw) < self.large_reply_bytes or (w := self._worker()) is None:
             return result
-        routed = await self._call(w, predecode, (raw,), {})
+        try:
+            routed = await self._call(w, predecode, (raw,), {})
+        except ReplyWorkerLost as exc:  # the turn's tokens are in hand: `join` decodes the raw payload
+            log.warning("%s; its routed experts stay raw", exc)
+            return result
         return dataclasses.replace(result, routed_experts=routed)
 
     async def aclose(self) -> None:

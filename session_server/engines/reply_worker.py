@@ -9,7 +9,8 @@ with the loop for the GIL: under 64 concurrent chats of such replies `/health` p
 the reply never enters `serve`: this process posts the request with its own aiohttp
 client, parses the reply (routed experts narrowed, `routed.predecode`) and sends back
 only the parsed result, a few KB. Replies that turn out large in `serve` anyway (the
-first of their kind, a streamed turn's last frame) come here as bytes to be parsed.
+first of their kind) come here as bytes to be parsed, and a streamed turn's large
+routed-experts payload (its frames are parsed on `serve`'s threads) to be decoded.
 
 **Protocol** (a stream socket pair, one per worker). Each frame is a header `<IIB`
 (the payload's length, the request id, a code) and a pickled payload; a payload that
@@ -23,7 +24,8 @@ up a fetch (its connection is closed, which is how the engine learns of it; noth
 answered); `FORGET client` closes that session once its client closed for good
 (nothing answered). Worker -> `serve`: code `OK` and the result, or `FAILED` and the exception
 to raise (a `ServiceError` keeps its attributes across pickling, `__reduce__`; any
-other exception comes back as `UpstreamInvalid` naming it); request id 0 once, when
+other exception is a bug and comes back as `InternalInvariant` naming it, the 500 it
+would be in `serve`); request id 0 once, when
 the worker is ready. A fetch's result is `http.Fetched`: the status, the reply's size,
 and the parsed result (or the whole `HTTPReply` when not 200).
 
@@ -45,8 +47,10 @@ from typing import Any
 
 import aiohttp
 
+from trajectory.errors import ValidationError
+
 from ..child_process import ignore_interrupts
-from ..errors import ServiceError, UpstreamInvalid
+from ..errors import InternalInvariant, ServiceError, UpstreamInvalid, UpstreamTransportError
 from ..malloc_tuning import retain_large_blocks
 from ..routed import predecode
 from .base import GenerateResult
@@ -63,7 +67,8 @@ READ_LIMIT = 4 * 1024 * 1024  # a stream reader's buffer: a large frame arrives 
 
 def frame(rid: int, code: int, obj: object = None) -> list[bytes]:
     """One frame as the header and the pickled payload (raises what does not pickle:
-    nothing is sent then); written as two pieces, so the payload is never copied again."""
+    nothing is sent then), as two pieces for `writelines` (uvloop sends them without
+    joining)."""
     data = pickle.dumps(obj, protocol=5)
     return [HEAD.pack(len(data), rid, code), data]
 
@@ -87,6 +92,7 @@ class _Worker:
         self.fetches: dict[int, asyncio.Task[None]] = {}
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.closing: set[asyncio.Task[None]] = set()
+        self.forgotten: set[str] = set()  # clients closed for good (ids are never reused)
 
     def handle(self, rid: int, op: int, data: bytes) -> None:
         if op == CANCEL:
@@ -96,6 +102,7 @@ class _Worker:
         try:
             payload = pickle.loads(data)
             if op == FORGET:
+                self.forgotten.add(payload)
                 if (gone := self.sessions.pop(payload, None)) is not None:
                     task = asyncio.create_task(gone.close())
                     self.closing.add(task)
@@ -108,7 +115,14 @@ class _Worker:
             self.answer(rid, FAILED, exc)
             return
         if op == FETCH:
-            task = asyncio.create_task(self.fetch(rid, *payload))
+            # its session taken now, in frame order: a FORGET read with it in one piece
+            # must not leave a session made after it, which nothing would close
+            client, limits = payload[0], payload[7]
+            if client in self.forgotten:
+                self.answer(rid, FAILED, UpstreamTransportError(f"{payload[1]}: engine client is closed",
+                                                               engine=payload[1], transient=False))
+                return
+            task = asyncio.create_task(self.fetch(rid, self.session(client, limits), *payload[1:]))
             self.fetches[rid] = task
             task.add_done_callback(lambda _t: self._forget(rid))
 
@@ -116,12 +130,14 @@ class _Worker:
         self.fetches.pop(rid, None)
 
     def answer(self, rid: int, code: int, value: Any) -> None:
-        if code == FAILED and not isinstance(value, ServiceError):
-            value = UpstreamInvalid(f"the reply worker failed on it: {type(value).__name__}: {value}")
+        if isinstance(value, ValidationError):  # bad engine output, as the turn pipeline maps it
+            value = UpstreamInvalid(str(value))
+        elif code == FAILED and not isinstance(value, ServiceError):  # a bug, as it would be in serve: a 500
+            value = InternalInvariant(f"the reply worker failed on it: {type(value).__name__}: {value}")
         try:
             pieces = frame(rid, code, value)
         except Exception as exc:  # noqa: BLE001 - a result holding something that does not pickle
-            pieces = frame(rid, FAILED, UpstreamInvalid(
+            pieces = frame(rid, FAILED, InternalInvariant(
                 f"the reply worker could not send back {type(value).__name__}: {type(exc).__name__}: {exc}"))
         self.out.writelines(pieces)
 
@@ -130,11 +146,10 @@ class _Worker:
             s = self.sessions[client] = make_session(limits)
         return s
 
-    async def fetch(self, rid: int, client: str, base_url: str, path: str, body: bytes, headers: dict[str, str] | None,
-                    deadline: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
+    async def fetch(self, rid: int, session: aiohttp.ClientSession, base_url: str, path: str, body: bytes,
+                    headers: dict[str, str] | None, deadline: float, retries: int, limits: ConnectionLimits, parse: Callable[..., Any],
                     parse_kw: dict[str, Any]) -> None:
         """`EngineHTTP._send`'s request and retries, then the parse, here."""
-        session = self.session(client, limits)
 
         async def once() -> Any:
             return await request_bytes(session, "POST", base_url + path, engine=base_url, body=body,

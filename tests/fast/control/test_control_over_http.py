@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from session_server.ops.harness import live_apps
+
 from ..stack import live_stack, metric_value, until_in_flight
 
 MSGS = [{"role": "user", "content": "Refactor the config loader and run the tests."}]
@@ -236,6 +238,7 @@ async def test_pauses_mid_turn_with_large_replies_fetched_by_the_reply_worker_co
     the reply worker makes the requests itself (engines/reply_worker.py), and a pause's
     abort and resubmission come out as they do for requests made here."""
     async with live_stack(qwen3_dir, latency_ms=4, padding="floats") as st:
+        decoder = live_apps[st.url].state.ctx.decoder
         ref_sid = await st.session()
         assert (await st.chat(ref_sid, {"messages": MSGS, "max_tokens": 120})).status_code == 200
         ref = _branch(await st.trajectory(ref_sid))
@@ -246,13 +249,18 @@ async def test_pauses_mid_turn_with_large_replies_fetched_by_the_reply_worker_co
             await asyncio.sleep(0.05)
             r = await st.http.post("/control/pause", json={"mode": mode})
             assert r.status_code == 200 and r.json()["ok"], r.text
+            assert not chat.done(), f"{mode}: the pause landed after the turn"
             await asyncio.sleep(0.03)
             assert (await st.http.post("/control/resume", json={})).status_code == 200
+            fetched = decoder.fetched
             r = await chat
             assert r.status_code == 200, f"{mode}: {r.text}"
+            assert decoder.fetched >= fetched >= 1, "the reply worker made none of the requests"
             got = _branch(await st.trajectory(sid))
             for key in ("token_ids", "loss_mask", "logprobs"):
                 assert got[key] == ref[key], f"{mode}: {key} differs from the uninterrupted turn"
+            view = (await st.http.get(f"/sessions/{sid}")).json()
             if mode == "abort":
-                view = (await st.http.get(f"/sessions/{sid}")).json()
                 assert view["control"]["aborts"] >= 1 and view["control"]["resubmits"] >= 1
+            else:  # frozen in place at the engine: nothing aborted, nothing resubmitted
+                assert view["control"]["aborts"] == 0 and view["control"]["resubmits"] == 0
