@@ -144,6 +144,7 @@ def start_background(ctx: ServerContext) -> Background:
         tasks.append(asyncio.create_task(registry.poll_loads(settings.engine_load_poll_s), name="tito-load-polls"))
     gc.collect()
     gc.freeze()  # start-up objects (tokenizer, codec, templates) never need scanning again
+    ctx.metrics.gc_pauses.install()
     log.info("session server ready: family=%s engines=%d", getattr(ctx.codec, "family", "?"), len(engines.engines))
     return Background(tasks, stop_health_checks)
 
@@ -226,6 +227,7 @@ async def shutdown(ctx: ServerContext, background: Background) -> None:
     """1. stop background tasks; 2. wait for in-flight turns (bounded); 3. close the journal; 4. close
     engines; 5. stop the CPU offload threads."""
     background.stop_health_checks.set()
+    ctx.metrics.gc_pauses.uninstall()
     for task in background.tasks:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

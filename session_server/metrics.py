@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from prometheus_client.utils import floatToGoString
 
 PHASES = ("claim", "parse", "prepare", "render", "route", "generate", "validate", "commit", "respond", "total")
 _LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_GC_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -53,12 +55,58 @@ class PhaseSeconds(Collector):
         yield HistogramMetricFamily(self.name, "Turn latency by pipeline phase", labels=["phase"])
 
 
+class GcPauses(Collector):
+    """`tito_gc_pause_seconds`, a histogram by generation of the cyclic GC's passes in
+    this process: each pass stops every thread, the event loop's included, and a full
+    pass scans every tracked object of every live session (bench/gc_pauses.py). Timed
+    by a `gc.callbacks` hook with plain counts (no lock: a pass runs inside whatever
+    allocation triggered it, possibly inside a locked metric update); read at a scrape."""
+
+    name = "tito_gc_pause_seconds"
+    help = "Cyclic garbage collector passes by generation: how long each stopped the process"
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self._bounds = list(buckets)
+        self._les = [floatToGoString(b) for b in buckets] + ["+Inf"]
+        self._rows = [[0.0] + [0] * (len(buckets) + 1) for _ in range(3)]  # per generation: sum, buckets
+        self._started = 0.0
+
+    def install(self) -> None:
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def uninstall(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+            return
+        row = self._rows[min(info["generation"], 2)]
+        seconds = now - self._started
+        row[0] += seconds
+        row[1 + bisect_left(self._bounds, seconds)] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.help, labels=["generation"])
+        for generation, row in enumerate(self._rows):
+            family.add_metric([str(generation)], list(zip(self._les, accumulate(row[1:]), strict=True)), row[0])
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.help, labels=["generation"])
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.turn_phase_seconds = PhaseSeconds(_LATENCY_BUCKETS_S)
         r.register(self.turn_phase_seconds)
+        self.gc_pauses = GcPauses(_GC_BUCKETS_S)  # installed while the server runs (lifecycle)
+        r.register(self.gc_pauses)
         self.turns_in_flight = Gauge("tito_turns_in_flight", "Chat turns currently in flight", registry=r)
         self.turns_total = Counter("tito_turns_total", "Completed turns by outcome", ["outcome"], registry=r)
         self.errors_total = Counter("tito_errors_total", "Errors answered, by error type", ["type"], registry=r)

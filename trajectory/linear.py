@@ -52,7 +52,7 @@ from trajectory.lineage import Lineage
 from trajectory.routed import RoutedRows, coverage_end
 from trajectory.sent_forms import SentForms
 from trajectory.support import SupportCSR
-from trajectory.turn_record import Message, TurnRecord, WeightVersion
+from trajectory.turn_record import Message, TurnRecord, WeightVersion, shared_extra
 
 # public since `trajectory.linear` held it: `from trajectory.linear import WeightSpan` keeps working
 from trajectory.turn_record import WeightSpan as WeightSpan
@@ -320,7 +320,7 @@ class LinearTrajectory:
             repair_tokens=int(repair.shape[0]),
             request_messages=request,
             assistant_message=assistant_message,
-            extra=dict(extra) if extra else {},
+            extra=shared_extra(extra, self._turns[-1].extra if self._turns else None),
             seq=len(self._turns) if self._clock is None else self._clock(),
             routed_experts=routed,
             lineage=lineage,

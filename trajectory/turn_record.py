@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from trajectory.lineage import Lineage
 from trajectory.routed import RoutedRows
 from trajectory.support import SupportCSR
@@ -67,3 +69,28 @@ class TurnRecord:
     @property
     def num_sampled(self) -> int:
         return self.output_end - self.output_start
+
+
+def shared_extra(extra: Mapping[str, Any] | None, previous: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A new turn's `extra`, as its own dict, with each container value that is identical
+    to the previous turn's under the same key (same JSON: types and key order too) replaced
+    by that turn's object. An episode's turns mostly carry the same sampling record: one
+    dict shared by them is one object the cyclic GC scans instead of three per turn (a
+    dict and its two lists), on every full pass for the episode's life
+    (bench/gc_pauses.py). Records are read-only: a shared value is never changed."""
+    out = dict(extra) if extra else {}
+    if previous:
+        for key, value in out.items():
+            before = previous.get(key)
+            if type(value) in (dict, list) and type(before) is type(value) and before is not value \
+                    and before == value and (exact := _json(value)) is not None and exact == _json(before):
+                out[key] = before
+    return out
+
+
+def _json(value: Any) -> bytes | None:
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # not JSON (orjson.JSONEncodeError is a TypeError): never shared
+        return None
+

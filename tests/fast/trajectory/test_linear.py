@@ -227,3 +227,32 @@ def test_random_commits_and_rollbacks_keep_invariants(ops: list) -> None:
         assert traj.ids.tolist() == [i for ids, _ in model for i in ids]
         assert traj.mask.tolist() == [m for _, mask in model for m in mask]
         assert traj.num_turns == len(model)
+
+
+def _commit_with_extra(traj: LinearTrajectory, extra: dict[str, Any]) -> Any:
+    return traj.commit_turn([1, 2], [3], [-0.5], finish_reason="stop", extra=extra)
+
+
+def test_an_extra_value_identical_to_the_previous_turns_is_that_turns_object() -> None:
+    """One object per episode for the sampling record, not three per turn (a dict and
+    its lists), for the cyclic GC to scan; equal as JSON exactly, or not shared."""
+    traj = LinearTrajectory()
+    sampling = {"policy": "pinned", "engine": {"temperature": 1.0}, "overridden": [], "seeds": []}
+    first = _commit_with_extra(traj, {"request_id": "a", "sampling": sampling, "renames": {"x": "y"}})
+    again = _commit_with_extra(traj, {"request_id": "b", "sampling": {**sampling, "overridden": []},
+                                      "renames": {"x": "z"}})
+    assert again.extra["sampling"] is first.extra["sampling"]
+    assert again.extra["renames"] == {"x": "z"} and again.extra["request_id"] == "b"
+    assert again.extra is not first.extra
+    # equal in Python but not the same record: an int for a float, another key order, a bool
+    for differs in ({**sampling, "engine": {"temperature": 1}},
+                    {"seeds": [], "policy": "pinned", "engine": {"temperature": 1.0}, "overridden": []},
+                    {**sampling, "engine": {"temperature": True}}):
+        assert differs == sampling
+        later = _commit_with_extra(traj, {"sampling": differs})
+        assert later.extra["sampling"] is differs
+        assert later.extra["sampling"] is not first.extra["sampling"]
+    # a value JSON cannot hold is kept as given
+    odd = {"at": {1: 2}}
+    _commit_with_extra(traj, odd)
+    assert _commit_with_extra(traj, {"at": {1: 2}}).extra["at"] is not odd["at"]
