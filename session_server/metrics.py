@@ -69,7 +69,7 @@ class GcPauses(Collector):
         self._bounds = list(buckets)
         self._les = [floatToGoString(b) for b in buckets] + ["+Inf"]
         self._rows = [[0.0] + [0] * (len(buckets) + 1) for _ in range(3)]  # per generation: sum, buckets
-        self._started = 0.0
+        self._started: float | None = None  # perf_counter at the running pass's start
 
     def install(self) -> None:
         if self._on_gc not in gc.callbacks:
@@ -84,8 +84,11 @@ class GcPauses(Collector):
         if phase == "start":
             self._started = now
             return
+        started, self._started = self._started, None
+        if started is None:  # installed while a pass ran: its start was not seen
+            return
         row = self._rows[min(info["generation"], 2)]
-        seconds = now - self._started
+        seconds = now - started
         row[0] += seconds
         row[1 + bisect_left(self._bounds, seconds)] += 1
 

@@ -22,8 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from trajectory.lineage import Lineage
 from trajectory.routed import RoutedRows
 from trajectory.support import SupportCSR
@@ -72,25 +70,39 @@ class TurnRecord:
 
 
 def shared_extra(extra: Mapping[str, Any] | None, previous: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A new turn's `extra`, as its own dict, with each container value that is identical
-    to the previous turn's under the same key (same JSON: types and key order too) replaced
-    by that turn's object. An episode's turns mostly carry the same sampling record: one
-    dict shared by them is one object the cyclic GC scans instead of three per turn (a
-    dict and its two lists), on every full pass for the episode's life
-    (bench/gc_pauses.py). Records are read-only: a shared value is never changed."""
+    """A new turn's `extra`, as its own dict, with each container value that is exactly the
+    previous turn's under the same key (`_same`) replaced by that turn's object. An
+    episode's turns mostly carry the same sampling record: one dict shared by them is one
+    object the cyclic GC scans instead of three per turn (a dict and its two lists), on
+    every full pass for the episode's life (bench/gc_pauses.py). Records are read-only:
+    a shared value must never be changed in place (copy it to edit it)."""
     out = dict(extra) if extra else {}
     if previous:
         for key, value in out.items():
             before = previous.get(key)
-            if type(value) in (dict, list) and type(before) is type(value) and before is not value \
-                    and before == value and (exact := _json(value)) is not None and exact == _json(before):
-                out[key] = before
+            if type(value) in (dict, list) and before is not value:
+                try:
+                    if _same(value, before):
+                        out[key] = before
+                except RecursionError:  # a value that holds itself: kept as given
+                    pass
     return out
 
 
-def _json(value: Any) -> bytes | None:
-    try:
-        return orjson.dumps(value)
-    except TypeError:  # not JSON (orjson.JSONEncodeError is a TypeError): never shared
-        return None
+_ATOMS = (str, int, bool, type(None))
 
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal with the same type at every level (no 1 for 1.0 or True, no subclass for its
+    base), dicts in the same key order, floats to the sign of zero; anything but plain
+    JSON-like values (an array, an enum, an object) is never the same."""
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind is dict:
+        return len(a) == len(b) and all(type(x) is type(y) and x == y and _same(a[x], b[y]) for x, y in zip(a, b, strict=True))
+    if kind is list or kind is tuple:
+        return len(a) == len(b) and all(map(_same, a, b))
+    if kind is float:
+        return bool(a == b) and (a != 0.0 or str(a) == str(b))
+    return kind in _ATOMS and bool(a == b)

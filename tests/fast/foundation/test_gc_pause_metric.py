@@ -12,6 +12,7 @@ import httpx
 
 from session_server.app import AppConfig
 from session_server.context import Settings
+from session_server.metrics import Metrics
 from session_server.ops.harness import live_apps, running_server
 from session_server.sim import running_sim
 
@@ -43,3 +44,15 @@ async def test_a_full_pass_is_counted_and_timed_while_the_server_runs(qwen3_dir:
         assert 0 <= slow1 - slow0 <= count1 - count0
         assert hook in gc.callbacks
     assert hook not in gc.callbacks  # stopped: the process's other apps' GC is not timed into it
+
+
+def test_a_pass_whose_start_was_not_seen_is_not_counted() -> None:
+    """Installed while a pass ran (from another thread, or a finalizer), the hook sees its
+    end alone: that pass is skipped, not timed from zero."""
+    metrics = Metrics()
+    metrics.gc_pauses._on_gc("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+    metrics.gc_pauses._on_gc("start", {"generation": 0})
+    metrics.gc_pauses._on_gc("stop", {"generation": 0, "collected": 0, "uncollectable": 0})
+    text = metrics.render().decode()
+    assert _passes(text, 2)[:2] == (0, 0) and _passes(text, 0)[0] == 1
+    assert _passes(text, 0)[1] < 1.0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import enum
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -235,7 +238,7 @@ def _commit_with_extra(traj: LinearTrajectory, extra: dict[str, Any]) -> Any:
 
 def test_an_extra_value_identical_to_the_previous_turns_is_that_turns_object() -> None:
     """One object per episode for the sampling record, not three per turn (a dict and
-    its lists), for the cyclic GC to scan; equal as JSON exactly, or not shared."""
+    its lists), for the cyclic GC to scan."""
     traj = LinearTrajectory()
     sampling = {"policy": "pinned", "engine": {"temperature": 1.0}, "overridden": [], "seeds": []}
     first = _commit_with_extra(traj, {"request_id": "a", "sampling": sampling, "renames": {"x": "y"}})
@@ -244,15 +247,41 @@ def test_an_extra_value_identical_to_the_previous_turns_is_that_turns_object() -
     assert again.extra["sampling"] is first.extra["sampling"]
     assert again.extra["renames"] == {"x": "z"} and again.extra["request_id"] == "b"
     assert again.extra is not first.extra
-    # equal in Python but not the same record: an int for a float, another key order, a bool
-    for differs in ({**sampling, "engine": {"temperature": 1}},
-                    {"seeds": [], "policy": "pinned", "engine": {"temperature": 1.0}, "overridden": []},
-                    {**sampling, "engine": {"temperature": True}}):
-        assert differs == sampling
-        later = _commit_with_extra(traj, {"sampling": differs})
-        assert later.extra["sampling"] is differs
-        assert later.extra["sampling"] is not first.extra["sampling"]
-    # a value JSON cannot hold is kept as given
-    odd = {"at": {1: 2}}
-    _commit_with_extra(traj, odd)
-    assert _commit_with_extra(traj, {"at": {1: 2}}).extra["at"] is not odd["at"]
+
+
+class _Policy(enum.StrEnum):
+    PINNED = "pinned"
+
+
+def _looped() -> list[Any]:
+    loop: list[Any] = []
+    loop.append(loop)
+    return loop
+
+
+@pytest.mark.parametrize("differs", [
+    {"policy": "pinned", "engine": {"temperature": 1}, "overridden": [], "seeds": []},  # an int for a float
+    {"policy": "pinned", "engine": {"temperature": True}, "overridden": [], "seeds": []},  # a bool
+    {"seeds": [], "policy": "pinned", "engine": {"temperature": 1.0}, "overridden": []},  # another key order
+    {"policy": _Policy.PINNED, "engine": {"temperature": 1.0}, "overridden": [], "seeds": []},  # a subclass
+    collections.OrderedDict(policy="pinned", engine={"temperature": 1.0}, overridden=[], seeds=[]),
+], ids=["int", "bool", "key_order", "str_enum", "ordered_dict"])
+def test_an_extra_value_only_equal_to_the_previous_turns_is_kept_as_given(differs: Any) -> None:
+    """Equal in Python is not enough: the record keeps exactly what it was given."""
+    traj = LinearTrajectory()
+    sampling = {"policy": "pinned", "engine": {"temperature": 1.0}, "overridden": [], "seeds": []}
+    _commit_with_extra(traj, {"sampling": sampling})
+    assert differs == sampling
+    assert _commit_with_extra(traj, {"sampling": differs}).extra["sampling"] is differs
+
+
+@pytest.mark.parametrize("make", [lambda: {"at": {"a": np.array([1, 2])}},
+                                  lambda: {"at": {"a": np.array([])}}, lambda: {"at": {"x": float("nan")}},
+                                  lambda: {"at": _looped()}],
+                         ids=["array", "empty_array", "nan", "holds_itself"])
+def test_an_extra_value_that_is_not_plain_data_commits_as_given(make: Callable[[], dict[str, Any]]) -> None:
+    """Arrays (whose `==` is an array), NaN, a list holding itself: committed, unshared."""
+    traj = LinearTrajectory()
+    _commit_with_extra(traj, make())
+    extra = make()
+    assert _commit_with_extra(traj, extra).extra["at"] is extra["at"]
